@@ -1,0 +1,1 @@
+"""Federated learning methods for raysim, one module per method (registered by name in raysim.registry)."""

@@ -1,0 +1,63 @@
+"""FedAvg (McMahan et al., AISTATS 2017): clients train the global model locally, the server averages the
+uploaded weights with sample-count weights: w = sum_i (n_i / sum n) w_i."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from algorithms.local import ce_loss
+from raysim.algorithm import Algorithm, ClientUpdate, Context
+from raysim.messages import Message, state_message
+from raysim.ops import weighted_average_states
+from raysim.training import accuracy, clone_state, forward_all, train_epochs
+
+
+class FedAvg(Algorithm):
+    name = "fedavg"
+    paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
+
+    @dataclass(frozen=True)
+    class Params:
+        pass
+
+    def validate(self):
+        self.require_homogeneous()
+
+    def init_server_state(self, ctx: Context):
+        return {"model": clone_state(self.task.build_model(0))}
+
+    def broadcast(self, server_state, ctx: Context):
+        return {"model": state_message("weights", server_state["model"])}
+
+    def local_loss(self, payload, state, data, ctx):
+        return ce_loss
+
+    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        model = ctx.model()
+        model.load_state_dict(payload["model"].tensors)
+        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"),
+                               self.local_loss(payload, state, data, ctx))
+        upload = {"model": state_message("weights", model.state_dict()),
+                  "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
+        return ClientUpdate(state, upload, metrics)
+
+    def aggregate(self, server_state, uploads, ctx: Context):
+        ids = sorted(uploads)
+        if not ids:
+            return server_state, {}
+        states = [uploads[i]["model"].tensors for i in ids]
+        weights = [int(uploads[i]["num_samples"]["n"][0]) for i in ids]
+        return {"model": weighted_average_states(states, weights)}, {}
+
+    def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
+        model = ctx.model()
+        model.load_state_dict(payload["model"].tensors)
+        logits, _ = forward_all(model, data.x_test)
+        return {"test_acc": accuracy(logits.argmax(1), data.y_test)}
+
+    def evaluate_server(self, server_state, test, ctx: Context) -> dict:
+        model = ctx.model(0)
+        model.load_state_dict(server_state["model"])
+        logits, _ = forward_all(model, test.x.to(ctx.device))
+        return {"global_test_acc": accuracy(logits.argmax(1), test.y.to(ctx.device))}

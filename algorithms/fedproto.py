@@ -1,0 +1,139 @@
+"""FedProto (Tan et al., "FedProto: Federated Prototype Learning across Heterogeneous Clients", AAAI 2022).
+
+Clients upload per-class mean embeddings (prototypes) with their counts; the server averages them into global
+prototypes and sends those back; no model weights are exchanged, so clients may run different architectures as long
+as the embedding size agrees. Local loss: CE + lambda * MSE(z, P_y) (nn.MSELoss, i.e. averaged over |B| x d).
+Evaluation reports the client's own classifier ("test_acc", w/o protos) and nearest-global-prototype inference
+("test_acc_proto"), restricted to the client's own classes as in the official code, or over all classes (HtFLlib).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from raysim.algorithm import Algorithm, ClientUpdate, Context
+from raysim.config import ConfigError, choice
+from raysim.messages import Message
+from raysim.ops import aggregate_prototypes, class_prototypes, nearest_prototype, prototype_regulariser
+from raysim.training import accuracy, clone_state, forward_all, train_epochs
+
+
+class FedProto(Algorithm):
+    name = "fedproto"
+    paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
+
+    @dataclass(frozen=True)
+    class Params:
+        lam: float = 1.0  # weight of the prototype regulariser (official `ld`)
+        proto_agg: str = "weighted"  # weighted (paper) | mean (official code)
+        proto_collect: str = "after"  # after: eval-mode pass after training | during_train: last epoch (official)
+        restrict_local_classes: bool = True  # prototype inference among the client's own classes (official)
+
+        def check(self, path):
+            choice(f"{path}.proto_agg", self.proto_agg, ["weighted", "mean"])
+            choice(f"{path}.proto_collect", self.proto_collect, ["after", "during_train"])
+            if self.lam < 0:
+                raise ConfigError(f"{path}.lam", f"must be >= 0, got {self.lam}")
+
+    def validate(self):
+        dims = {self.task.build_model(i).embed_dim for i in range(self.task.num_clients)}
+        if len(dims) > 1:
+            raise ConfigError("model.per_client", f"prototype methods need one embedding size for all clients, got {sorted(dims)}")
+
+    # -- server -------------------------------------------------------------------------------------------------
+    def embed_dim(self) -> int:
+        return self.task.build_model(0).embed_dim
+
+    def init_server_state(self, ctx: Context):
+        d = self.embed_dim()
+        return {"protos": torch.zeros(self.task.num_classes, d), "mask": torch.zeros(self.task.num_classes, dtype=torch.bool)}
+
+    def broadcast(self, server_state, ctx: Context):
+        mask = server_state["mask"]
+        if not bool(mask.any()):
+            return {}  # round 0: no global prototypes yet, clients train with CE only
+        classes = torch.nonzero(mask).flatten()
+        return {"global_protos": Message("global_prototypes", {"protos": server_state["protos"][classes].clone(),
+                                                               "classes": classes})}
+
+    def aggregate(self, server_state, uploads, ctx: Context):
+        ids = sorted(uploads)
+        if not ids:
+            return server_state, {}
+        ups = [(uploads[i]["protos"]["classes"], uploads[i]["protos"]["protos"], uploads[i]["protos"]["counts"]) for i in ids]
+        protos, mask = aggregate_prototypes(ups, self.task.num_classes, self.embed_dim(), self.params.proto_agg)
+        # keep prototypes of classes nobody uploaded this round (partial participation)
+        keep = server_state["mask"] & ~mask
+        protos[keep] = server_state["protos"][keep]
+        return {"protos": protos, "mask": mask | server_state["mask"]}, {"num_global_protos": float((mask | server_state["mask"]).sum())}
+
+    # -- client -------------------------------------------------------------------------------------------------
+    @staticmethod
+    def unpack(payload, num_classes, dim, device):
+        protos = torch.zeros(num_classes, dim, device=device)
+        mask = torch.zeros(num_classes, dtype=torch.bool, device=device)
+        if "global_protos" in payload:
+            c = payload["global_protos"]["classes"].to(device)
+            protos[c] = payload["global_protos"]["protos"].to(device)
+            mask[c] = True
+        return protos, mask
+
+    def init_client_state(self, ctx: Context):
+        return {"model": clone_state(self.task.build_model(ctx.client_id))}
+
+    def make_loss(self, protos, mask, collect=None):
+        lam = self.params.lam
+        use_protos = bool(mask.any()) and lam > 0
+
+        def loss_fn(model, xb, yb):
+            logits, z = model(xb, return_embedding=True)
+            ce = F.cross_entropy(logits, yb)
+            if collect is not None:
+                collect(z.detach(), yb)
+            if not use_protos:
+                return ce, {"ce": ce.detach(), "proto": 0.0}
+            reg = prototype_regulariser(z, yb, protos, mask)
+            return ce + lam * reg, {"ce": ce.detach(), "proto": reg.detach()}
+
+        return loss_fn
+
+    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        model = ctx.model()
+        model.load_state_dict(state["model"])
+        protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, data.y_train.device)
+        gen = ctx.generator("batches")
+        cfg = self.task.train
+        if self.params.proto_collect == "during_train":
+            # official code: embeddings of the last local epoch, in train mode while the weights move
+            metrics = {}
+            if cfg.local_epochs > 1:
+                metrics = train_epochs(model, data.x_train, data.y_train, cfg, gen, self.make_loss(protos, mask),
+                                       epochs=cfg.local_epochs - 1)
+            zs, ys = [], []
+            metrics = train_epochs(model, data.x_train, data.y_train, cfg, gen,
+                                   self.make_loss(protos, mask, lambda z, y: (zs.append(z), ys.append(y))), epochs=1)
+            z, y = torch.cat(zs), torch.cat(ys)
+        else:
+            metrics = train_epochs(model, data.x_train, data.y_train, cfg, gen, self.make_loss(protos, mask))
+            _, z = forward_all(model, data.x_train)
+            y = data.y_train
+        classes, local, counts = class_prototypes(z, y, self.task.num_classes)
+        upload = {"protos": Message("prototypes", {"protos": local.cpu(), "classes": classes.cpu(), "counts": counts.cpu()})}
+        return ClientUpdate({"model": clone_state(model)}, upload, metrics)
+
+    def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
+        model = ctx.model()
+        model.load_state_dict(state["model"])
+        logits, z = forward_all(model, data.x_test)
+        out = {"test_acc": accuracy(logits.argmax(1), data.y_test)}
+        protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, z.device)
+        cand = mask.clone()
+        if self.params.restrict_local_classes:
+            local = torch.zeros_like(mask)
+            local[torch.as_tensor(data.classes, device=mask.device)] = True
+            cand &= local
+        if bool(cand.any()):
+            out["test_acc_proto"] = accuracy(nearest_prototype(z, protos, cand), data.y_test)
+        return out

@@ -1,0 +1,1 @@
+"""Environment layer (device heterogeneity, network, participation, simulated clock). See issue 3."""

@@ -1,0 +1,16 @@
+"""raysim: a Ray-based simulation engine for heterogeneous federated learning."""
+from raysim.config import ConfigError, ExperimentConfig, load_config, make_config
+from raysim.data.datasets import DataError
+from raysim.runtime import SimulationError
+
+__version__ = "0.1.0"
+
+
+def run_experiment(*args, **kwargs):
+    from raysim.server import run_experiment as _run
+
+    return _run(*args, **kwargs)
+
+
+__all__ = ["ConfigError", "DataError", "ExperimentConfig", "SimulationError", "load_config", "make_config",
+           "run_experiment", "__version__"]

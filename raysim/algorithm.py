@@ -1,0 +1,161 @@
+"""The algorithm contract: plain Python over explicit state, no Ray.
+
+An :class:`Algorithm` is constructed from its validated hyperparameters and a :class:`Task` on every process that
+needs it (the driver for validation, each client runner, the server runner). It never names a backend.
+
+Round ``t`` (see ARCHITECTURE.md):
+
+1. server: ``payload = broadcast(server_state, ctx)`` — one payload for the round (put in the object store once);
+2. each sampled client: ``down = downlink(payload, client_id)`` (what that client actually downloads; accounted),
+   ``client_update(down, client_state, data, ctx) -> ClientUpdate(state, upload, metrics)``;
+3. server: ``aggregate(server_state, uploads, ctx) -> (server_state, metrics)``; server-side training (FedTGP's
+   prototype generator, SlaugFL's GAN, FedGen's generator, clustering) happens here, on the server runner;
+4. evaluation with the next round's payload: ``evaluate_client`` per client, ``evaluate_server`` once.
+
+State is explicit and picklable (dicts of tensors), per-client randomness comes from ``ctx`` (derived from
+(seed, round, client, purpose)), and nothing is kept in globals, so clients can run one after another, on any actor,
+or — later — vectorised.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import numpy as np
+import torch
+
+from raysim import rng as rngmod
+from raysim.config import ArchSpec, ConfigError, TrainConfig, from_dict
+from raysim.data.datasets import ArrayDataset
+from raysim.data.federated import ClientData
+from raysim.messages import Message, Payload
+from raysim.models import SplitModel, arch_key, build_model
+
+
+@dataclass(frozen=True)
+class Task:
+    """What every algorithm instance may know: shapes, per-client architectures, training settings, the seed and
+    the explicitly public data. Never a client's private data."""
+
+    num_classes: int
+    input_shape: tuple
+    num_clients: int
+    archs: tuple  # ArchSpec per client
+    train: TrainConfig
+    seed: int
+    rounds: int
+    public: Optional[ArrayDataset] = None
+
+    def build_model(self, client_id: int) -> SplitModel:
+        return build_model(self.archs[client_id], self.input_shape, self.num_classes)
+
+    @property
+    def homogeneous(self) -> bool:
+        return len({arch_key(a) for a in self.archs}) == 1
+
+
+class ModelCache:
+    """One live ``nn.Module`` per architecture in a runner; a client's weights are loaded into it in place."""
+
+    def __init__(self, task: Task, device):
+        self.task, self.device, self._models = task, device, {}
+
+    def get(self, spec: ArchSpec) -> SplitModel:
+        key = arch_key(spec)
+        if key not in self._models:
+            self._models[key] = build_model(spec, self.task.input_shape, self.task.num_classes).to(self.device)
+        return self._models[key]
+
+
+@dataclass
+class Context:
+    """Per-call context: who, when, where, and the derived random streams."""
+
+    round_idx: int
+    client_id: int  # rngmod.SERVER on the server
+    seed: int
+    device: Any
+    task: Task
+    models: Optional[ModelCache] = None
+    failures: list = field(default_factory=list)  # server side: the round's ClientReports that failed
+
+    def rng(self, purpose: str) -> np.random.Generator:
+        return rngmod.numpy_rng(self.seed, self.round_idx, self.client_id, purpose)
+
+    def generator(self, purpose: str) -> torch.Generator:
+        return rngmod.torch_generator(self.seed, self.round_idx, self.client_id, purpose)
+
+    def model(self, client_id: Optional[int] = None) -> SplitModel:
+        """The cached live module for a client's architecture (load its weights before use)."""
+        cid = self.client_id if client_id is None else client_id
+        return self.models.get(self.task.archs[cid])
+
+
+@dataclass
+class ClientUpdate:
+    state: Any
+    upload: Payload
+    metrics: dict = field(default_factory=dict)
+
+
+class Algorithm:
+    """Base class. Subclasses set ``name``, ``Params`` (a frozen dataclass of hyperparameters) and implement the
+    hooks. The defaults describe a method that communicates nothing."""
+
+    name: ClassVar[str] = "base"
+    paper: ClassVar[str] = ""
+
+    @dataclass(frozen=True)
+    class Params:
+        pass
+
+    def __init__(self, params: "Algorithm.Params", task: Task):
+        self.params = params
+        self.task = task
+
+    # -- construction / validation ------------------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, params: dict, task: Task) -> "Algorithm":
+        p = from_dict(cls.Params, dict(params or {}), "algorithm.params")
+        algo = cls(p, task)
+        algo.validate()
+        return algo
+
+    def validate(self) -> None:
+        """Raise ConfigError when the task does not suit the method (e.g. FedAvg with mixed architectures)."""
+
+    def require_homogeneous(self) -> None:
+        if not self.task.homogeneous:
+            raise ConfigError("model.per_client", f"{self.name} averages whole models, so every client needs the same "
+                                                  f"architecture; remove model.per_client or use a prototype method")
+
+    # -- server -------------------------------------------------------------------------------------------------
+    def init_server_state(self, ctx: Context) -> Any:
+        return {}
+
+    def broadcast(self, server_state: Any, ctx: Context) -> Payload:
+        return {}
+
+    def aggregate(self, server_state: Any, uploads: dict, ctx: Context) -> tuple[Any, dict]:
+        return server_state, {}
+
+    def evaluate_server(self, server_state: Any, test: ArrayDataset, ctx: Context) -> dict:
+        return {}
+
+    # -- client -------------------------------------------------------------------------------------------------
+    def init_client_state(self, ctx: Context) -> Any:
+        return {}
+
+    def downlink(self, payload: Payload, client_id: int) -> Payload:
+        return payload
+
+    def client_update(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> ClientUpdate:
+        raise NotImplementedError
+
+    def evaluate_client(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> dict:
+        return {}
+
+
+def params_dict(params) -> dict:
+    return dataclasses.asdict(params)

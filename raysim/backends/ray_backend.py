@@ -1,0 +1,140 @@
+"""Ray backend: a pool of long-lived client actors, each hosting a fixed group of virtual clients whose data and
+state stay resident, plus one server actor holding the server state.
+
+Per round: the server actor builds the payload (returned into the object store once); every actor gets its whole
+group of sampled clients in one call and returns two objects, the uploads (passed by reference straight to the
+server actor, never through the driver) and small reports (metrics, message sizes, failures) for the driver.
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import ray
+
+from raysim.backends.base import Backend
+from raysim.config import ConfigError
+from raysim.runtime import ClientRunner, ServerRunner
+
+
+def _gpu_capacity(per_actor: float, gpus: float) -> int:
+    if per_actor <= 0:
+        return 10**9
+    if per_actor <= 1:
+        return int(math.floor(gpus + 1e-9)) * int(math.floor(1 / per_actor + 1e-9)) + (
+            int(math.floor((gpus % 1) / per_actor + 1e-9)) if gpus % 1 else 0)
+    return int(math.floor(gpus / per_actor + 1e-9))
+
+
+def check_resources(cfg, cpus: float, gpus: float, where: str) -> None:
+    """Fail fast where Ray would leave actors pending forever."""
+    b = cfg.backend
+    n = min(b.num_actors, cfg.data.num_clients)
+    need_gpu_actors = n if b.num_gpus > 0 else 0
+    if b.num_gpus > 0 or b.server_num_gpus > 0:
+        if gpus <= 0:
+            raise ConfigError("backend.num_gpus" if b.num_gpus > 0 else "backend.server_num_gpus",
+                              f"asks for GPUs but {where} has none (torch.cuda.is_available() is False and no GPUs are "
+                              f"declared to Ray); set backend.num_gpus: 0 and backend.server_num_gpus: 0")
+        # pack client actors, then the server, onto whole GPUs
+        if need_gpu_actors > _gpu_capacity(b.num_gpus, gpus) or (
+                b.num_gpus * need_gpu_actors + b.server_num_gpus > gpus + 1e-9):
+            raise ConfigError("backend.num_gpus", f"{n} client actors x {b.num_gpus} GPU"
+                                                  f"{' + server ' + str(b.server_num_gpus) if b.server_num_gpus else ''}"
+                                                  f" do not fit on the {gpus:g} GPU(s) of {where}")
+    need_cpu = n * b.num_cpus + b.server_num_cpus
+    if need_cpu > cpus + 1e-9:
+        raise ConfigError("backend.num_actors", f"{n} actors x {b.num_cpus} CPU + server {b.server_num_cpus} CPU = "
+                                                f"{need_cpu:g} CPUs, but {where} has {cpus:g}; lower backend.num_actors "
+                                                f"or backend.num_cpus (fractions allowed)")
+
+
+def preflight_resources(cfg) -> None:
+    """Before starting anything: for a local cluster Ray would start with, check what this machine has."""
+    if ray.is_initialized() or cfg.backend.address:
+        return  # checked against the live cluster in RayBackend.start
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_resources(cfg, float(os.cpu_count() or 1), float(gpus), "this machine")
+
+
+class RayBackend(Backend):
+    name = "ray"
+
+    def __init__(self, spec, fed_data):
+        self.spec, self.fed_data = spec, fed_data
+        self._own_session = False
+
+    def start(self) -> None:
+        cfg = self.spec.cfg
+        b = cfg.backend
+        if not ray.is_initialized():
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env = {"PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}
+            kwargs = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=True,
+                          runtime_env={"env_vars": env})
+            if b.address:
+                ray.init(address=b.address, **kwargs)
+            else:
+                ray.init(**kwargs)
+            self._own_session = True
+        res = ray.cluster_resources()
+        check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster")
+
+        n = min(b.num_actors, cfg.data.num_clients)
+        self.assignment = {c.client_id: c.client_id % n for c in self.fed_data.clients}
+        groups = [[c for c in self.fed_data.clients if self.assignment[c.client_id] == a] for a in range(n)]
+        spec_ref = ray.put(self.spec)
+        Server = ray.remote(ServerRunner).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
+                                                  max_concurrency=1)
+        Client = ray.remote(ClientRunner).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus)
+        self.server = Server.remote(spec_ref, ray.put(self.fed_data.global_test))
+        self.actors = [Client.remote(spec_ref, ray.put(g)) for g in groups]
+        ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
+
+    def _groups(self, client_ids):
+        groups = [[] for _ in self.actors]
+        for cid in client_ids:
+            groups[self.assignment[cid]].append(cid)
+        return groups
+
+    def broadcast(self, round_idx):
+        return self.server.broadcast.remote(round_idx)  # an ObjectRef: the payload is stored once
+
+    def client_updates(self, payload, round_idx, client_ids):
+        upload_refs, report_refs = [], []
+        for actor, group in zip(self.actors, self._groups(client_ids)):
+            if group:
+                up, rep = actor.run_updates.options(num_returns=2).remote(payload, round_idx, group)
+                upload_refs.append(up)
+                report_refs.append(rep)
+        reports = [r for group in ray.get(report_refs) for r in group]
+        return upload_refs, sorted(reports, key=lambda r: r.client_id)
+
+    def aggregate(self, round_idx, uploads, failures):
+        return ray.get(self.server.aggregate.remote(round_idx, failures, *uploads))
+
+    def evaluate_clients(self, payload, round_idx, client_ids):
+        refs = [a.evaluate.remote(payload, round_idx, g) for a, g in zip(self.actors, self._groups(client_ids)) if g]
+        return sorted((r for group in ray.get(refs) for r in group), key=lambda r: r.client_id)
+
+    def evaluate_server(self, round_idx):
+        return ray.get(self.server.evaluate.remote(round_idx))
+
+    def get_state(self):
+        states = {}
+        for part in ray.get([a.get_states.remote() for a in self.actors]):
+            states.update(part)
+        return ray.get(self.server.get_state.remote()), states
+
+    def set_state(self, server_state, client_states):
+        ray.get([self.server.set_state.remote(server_state)] + [a.set_states.remote(client_states) for a in self.actors])
+
+    def shutdown(self) -> None:
+        for a in getattr(self, "actors", []):
+            ray.kill(a)
+        if getattr(self, "server", None) is not None:
+            ray.kill(self.server)
+        if self._own_session:
+            ray.shutdown()

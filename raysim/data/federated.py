@@ -1,0 +1,136 @@
+"""From a config's data section to per-client data: load, split off a test pool, partition, apply domain shift."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from raysim import rng as rngmod
+from raysim.config import DataConfig
+from raysim.data.datasets import ArrayDataset, DataError, LoadedDataset, load_dataset
+from raysim.data.partition import run_partitioner
+
+
+@dataclass
+class ClientData:
+    """What one client holds. Raw data never leaves the client runner that hosts it."""
+
+    client_id: int
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+    classes: list[int]  # classes present in the client's training data
+    group: int = 0  # ground-truth domain / cluster id (rotation index), for ARI
+    num_classes: int = 10
+
+    @property
+    def num_train(self) -> int:
+        return int(self.y_train.shape[0])
+
+    def class_counts(self) -> torch.Tensor:
+        return torch.bincount(self.y_train, minlength=self.num_classes)
+
+    def to(self, device) -> "ClientData":
+        if str(device) == "cpu":
+            return self
+        return ClientData(self.client_id, self.x_train.to(device), self.y_train.to(device), self.x_test.to(device),
+                          self.y_test.to(device), self.classes, self.group, self.num_classes)
+
+
+@dataclass
+class FederatedData:
+    clients: list[ClientData]
+    num_classes: int
+    input_shape: tuple
+    global_test: ArrayDataset
+    public: Optional[ArrayDataset] = None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {
+            "num_clients": len(self.clients),
+            "train_sizes": [c.num_train for c in self.clients],
+            "test_sizes": [int(c.y_test.shape[0]) for c in self.clients],
+            "classes": [c.classes for c in self.clients],
+            "groups": [c.group for c in self.clients],
+            "notes": self.notes,
+        }
+
+
+def _split_test_pool(ds: LoadedDataset, fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
+    """Hold out ``fraction`` of every class as the test pool (for datasets without a test split)."""
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "test-pool")
+    y = ds.train.y.numpy()
+    tr, te = [], []
+    for c in range(ds.num_classes):
+        idx = r.permutation(np.flatnonzero(y == c))
+        n_te = int(round(len(idx) * fraction))
+        te.append(idx[:n_te])
+        tr.append(idx[n_te:])
+    return ds.train.subset(np.sort(np.concatenate(tr))), ds.train.subset(np.sort(np.concatenate(te)))
+
+
+def rotate(x: torch.Tensor, angle: float) -> torch.Tensor:
+    """Rotate a batch of images clockwise by ``angle`` degrees (exact for multiples of 90)."""
+    a = float(angle) % 360
+    if a == 0:
+        return x
+    if a % 90 == 0:
+        return torch.rot90(x, k=-int(a // 90), dims=(-2, -1)).contiguous()
+    import torchvision.transforms.functional as TF
+
+    return TF.rotate(x, -a, fill=float(x.min()))
+
+
+def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
+    ds = load_dataset(cfg.dataset, cfg.root)
+    notes = [ds.notes]
+    if ds.test is None:
+        train_pool, test_pool = _split_test_pool(ds, cfg.test_fraction, seed)
+        notes.append(f"test pool: {cfg.test_fraction:.0%} of each class held out ({len(test_pool)} samples), "
+                     f"train pool {len(train_pool)} samples")
+    else:
+        train_pool, test_pool = ds.train, ds.test
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "partition")
+    part = run_partitioner(cfg.partition, dict(cfg.partition_params), train_pool.y.numpy(), test_pool.y.numpy(),
+                           cfg.num_clients, r, ds.num_classes)
+    notes += part.notes
+    clients = []
+    for i in range(cfg.num_clients):
+        tr, te = train_pool.subset(part.train[i]), test_pool.subset(part.test[i])
+        if len(tr) == 0:
+            raise DataError("data.partition_params", f"client {i} received no training samples")
+        group = 0
+        x_tr, x_te = tr.x, te.x
+        if cfg.rotations:
+            group = i % len(cfg.rotations)
+            x_tr, x_te = rotate(x_tr, cfg.rotations[group]), rotate(x_te, cfg.rotations[group])
+        classes = sorted(set(tr.y.tolist()))
+        clients.append(ClientData(i, x_tr, tr.y, x_te, te.y, classes, group, ds.num_classes))
+    if cfg.rotations:
+        notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
+    public = None
+    if cfg.public:
+        public = _load_public(cfg.public, seed)
+        notes.append(f"public dataset: {cfg.public}")
+    return FederatedData(clients, ds.num_classes, ds.input_shape, test_pool, public, notes)
+
+
+def _load_public(spec: dict, seed: int) -> ArrayDataset:
+    allowed = {"dataset", "size", "root"}
+    for k in spec:
+        if k not in allowed:
+            raise DataError(f"data.public.{k}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
+    if "dataset" not in spec:
+        raise DataError("data.public.dataset", "is required")
+    ds = load_dataset(spec["dataset"], spec.get("root"))
+    size = spec.get("size")
+    if size is None:
+        return ds.train
+    if size > len(ds.train):
+        raise DataError("data.public.size", f"{size} exceeds the {len(ds.train)} samples of {spec['dataset']}")
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "public")
+    return ds.train.subset(np.sort(r.choice(len(ds.train), size=size, replace=False)))

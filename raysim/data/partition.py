@@ -1,0 +1,221 @@
+"""Seeded partitioners: which training and test samples each client holds.
+
+Each partitioner takes the train-pool and test-pool labels, the number of clients, a numpy Generator and its own
+keyword parameters, and returns a :class:`Partition` of index arrays. A partition that needs more samples than the
+dataset has raises :class:`DataError` naming the parameter and the largest value that would fit (no silent reuse).
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from raysim.data.datasets import DataError
+
+
+@dataclass
+class Partition:
+    train: list[np.ndarray]  # per client: indices into the train pool
+    test: list[np.ndarray]  # per client: indices into the test pool (its local test set)
+    classes: list[list[int]]  # per client: classes it holds
+    notes: list[str] = field(default_factory=list)
+
+
+def _by_class(labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Indices of each class, shuffled with ``rng`` (a deterministic function of the seed)."""
+    return [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
+
+
+def _field(name: str) -> str:
+    return f"data.partition_params.{name}"
+
+
+def iid(train_y, test_y, num_clients, rng, num_classes, samples_per_client: int | None = None,
+        test_per_client: int | None = None) -> Partition:
+    """Uniformly random, equal-sized shares of the train pool and of the test pool."""
+    tr = rng.permutation(len(train_y))
+    te = rng.permutation(len(test_y))
+    per = len(tr) // num_clients if samples_per_client is None else samples_per_client
+    if per * num_clients > len(tr) or per <= 0:
+        raise DataError(_field("samples_per_client"), f"{num_clients} clients x {per} samples exceed the {len(tr)} training "
+                                                      f"samples; at most {len(tr) // num_clients} fit")
+    tper = len(te) // num_clients if test_per_client is None else test_per_client
+    if tper * num_clients > len(te) or tper <= 0:
+        raise DataError(_field("test_per_client"), f"{num_clients} clients x {tper} test samples exceed the {len(te)} "
+                                                   f"test samples; at most {len(te) // num_clients} fit")
+    train = [np.sort(tr[i * per:(i + 1) * per]) for i in range(num_clients)]
+    test = [np.sort(te[i * tper:(i + 1) * tper]) for i in range(num_clients)]
+    classes = [sorted(set(train_y[t].tolist())) for t in train]
+    return Partition(train, test, classes)
+
+
+def _proportional_test(train_counts: np.ndarray, test_y, rng, num_classes, test_ratio: float) -> list[np.ndarray]:
+    """Disjoint local test sets with each client's train class proportions, ``test_ratio`` x its train size."""
+    pools = _by_class(test_y, num_classes, rng)
+    offsets = np.zeros(num_classes, dtype=np.int64)
+    out = []
+    for counts in train_counts:
+        idx = []
+        for c in np.flatnonzero(counts):
+            want = int(np.ceil(counts[c] * test_ratio))
+            if offsets[c] + want > len(pools[c]):
+                raise DataError(_field("test_ratio"), f"class {c} needs more test samples than its {len(pools[c])}; "
+                                                      f"lower test_ratio (now {test_ratio}) or samples_per_client")
+            idx.append(pools[c][offsets[c]:offsets[c] + want])
+            offsets[c] += want
+        out.append(np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64))
+    return out
+
+
+def dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: float = 0.5, min_samples: int = 10,
+              samples_per_client: int | None = None, test_ratio: float = 1 / 3, max_tries: int = 1000) -> Partition:
+    """Label skew: class c's samples are split over clients by proportions ~ Dir(alpha). PFLlib's "practical"
+    setting is alpha = 0.1. ``samples_per_client`` subsamples each client afterwards (scaling to a small machine);
+    each local test set has the client's class proportions and ``test_ratio`` x its train size (0.25/0.75 = PFLlib)."""
+    if alpha <= 0:
+        raise DataError(_field("alpha"), f"must be > 0, got {alpha}")
+    pools = _by_class(train_y, num_classes, rng)
+    for _ in range(max_tries):
+        parts = [[] for _ in range(num_clients)]
+        for c in range(num_classes):
+            props = rng.dirichlet(np.full(num_clients, alpha))
+            cuts = (np.cumsum(props) * len(pools[c])).astype(np.int64)[:-1]
+            for i, chunk in enumerate(np.split(pools[c], cuts)):
+                parts[i].append(chunk)
+        train = [np.concatenate(p) for p in parts]
+        if min(len(t) for t in train) >= min_samples:
+            break
+    else:
+        raise DataError(_field("min_samples"), f"no Dirichlet({alpha}) draw in {max_tries} tries gave every client "
+                                               f">= {min_samples} samples; lower min_samples or raise alpha")
+    notes = []
+    if samples_per_client is not None:
+        if samples_per_client <= 0:
+            raise DataError(_field("samples_per_client"), f"must be > 0, got {samples_per_client}")
+        train = [rng.permutation(t)[:samples_per_client] for t in train]
+        notes.append(f"each client subsampled to at most {samples_per_client} training samples")
+    train = [np.sort(t) for t in train]
+    counts = np.stack([np.bincount(train_y[t], minlength=num_classes) for t in train])
+    test = _proportional_test(counts, test_y, rng, num_classes, test_ratio)
+    classes = [np.flatnonzero(c).tolist() for c in counts]
+    return Partition(train, test, classes, notes)
+
+
+def pathological(train_y, test_y, num_clients, rng, num_classes, classes_per_client: int = 2,
+                 samples_per_client: int | None = None) -> Partition:
+    """Each client holds ``classes_per_client`` classes (client i: classes i*s, i*s+1, ... mod C); a class's samples
+    are shared equally among its holders; the test pool likewise."""
+    if not 0 < classes_per_client <= num_classes:
+        raise DataError(_field("classes_per_client"), f"must be in 1..{num_classes}, got {classes_per_client}")
+    classes = [sorted({(i * classes_per_client + j) % num_classes for j in range(classes_per_client)}) for i in range(num_clients)]
+    holders = [[i for i in range(num_clients) if c in classes[i]] for c in range(num_classes)]
+    tr_pools, te_pools = _by_class(train_y, num_classes, rng), _by_class(test_y, num_classes, rng)
+    train = [[] for _ in range(num_clients)]
+    test = [[] for _ in range(num_clients)]
+    for c in range(num_classes):
+        for pools, out in ((tr_pools, train), (te_pools, test)):
+            if holders[c]:
+                for i, chunk in zip(holders[c], np.array_split(pools[c], len(holders[c]))):
+                    out[i].append(chunk)
+    train = [np.concatenate(t) for t in train]
+    if samples_per_client is not None:
+        train = [rng.permutation(t)[:samples_per_client] for t in train]
+    return Partition([np.sort(t) for t in train], [np.sort(np.concatenate(t)) for t in test], classes)
+
+
+def nway_kshot(train_y, test_y, num_clients, rng, num_classes, ways: int = 3, shots: int = 100, stdev: int = 2,
+               test_shots: int = 15, shot_noise: str = "mnist", test_overlap: bool = False) -> Partition:
+    """FedProto's split (Tan et al. 2022, official ``lib/sampling.py``).
+
+    Client i holds n_i ~ UniformInt[max(2, ways-stdev), min(C, ways+stdev)] classes chosen at random, and k_i samples
+    of each: ``shot_noise="mnist"`` draws k_i from [shots-stdev+1, shots+stdev-2] (the official MNIST code: {99, 100}
+    for 100/2), ``"cifar"`` from [shots-stdev+1, shots+stdev]. Train samples are disjoint across clients. The local
+    test set holds ``test_shots`` test samples of each held class; disjoint across clients unless ``test_overlap``
+    (then each client draws its own, overlapping with other clients' test sets but never with training data).
+    """
+    if shot_noise not in ("mnist", "cifar"):
+        raise DataError(_field("shot_noise"), f"{shot_noise!r} is not allowed; choose one of: mnist, cifar")
+    if not 1 <= ways <= num_classes:
+        raise DataError(_field("ways"), f"must be in 1..{num_classes}, got {ways}")
+    lo_n, hi_n = max(2, ways - stdev), min(num_classes, ways + stdev)
+    lo_n = min(lo_n, hi_n)
+    n = rng.integers(lo_n, hi_n + 1, size=num_clients)
+    lo_k, hi_k = (shots - stdev + 1, shots + stdev - 2) if shot_noise == "mnist" else (shots - stdev + 1, shots + stdev)
+    if stdev == 0 or hi_k < lo_k:
+        lo_k = hi_k = shots
+    if lo_k <= 0:
+        raise DataError(_field("shots"), f"shots={shots} with stdev={stdev} gives non-positive shot counts")
+    k = rng.integers(lo_k, hi_k + 1, size=num_clients)
+    classes = [sorted(rng.choice(num_classes, size=int(n[i]), replace=False).tolist()) for i in range(num_clients)]
+    tr_pools, te_pools = _by_class(train_y, num_classes, rng), _by_class(test_y, num_classes, rng)
+
+    need = np.zeros(num_classes, dtype=np.int64)
+    holders = np.zeros(num_classes, dtype=np.int64)
+    for i in range(num_clients):
+        for c in classes[i]:
+            need[c] += k[i]
+            holders[c] += 1
+    short = [c for c in range(num_classes) if need[c] > len(tr_pools[c])]
+    if short:
+        fit = min(len(tr_pools[c]) // max(1, holders[c]) for c in range(num_classes)) - (hi_k - shots)
+        c = short[0]
+        raise DataError(_field("shots"), f"class {c} is held by {holders[c]} clients needing {need[c]} training samples "
+                                         f"but the train pool has {len(tr_pools[c])}; with this seed at most shots={max(fit, 0)} "
+                                         f"fits (or use fewer clients / ways)")
+    if not test_overlap:
+        tshort = [c for c in range(num_classes) if holders[c] * test_shots > len(te_pools[c])]
+        if tshort:
+            c = tshort[0]
+            fit = min(len(te_pools[c]) // max(1, holders[c]) for c in range(num_classes))
+            raise DataError(_field("test_shots"), f"class {c} is held by {holders[c]} clients x {test_shots} test samples "
+                                                  f"but the test pool has {len(te_pools[c])}; at most test_shots={fit} fits "
+                                                  f"disjointly, or set test_overlap: true")
+    elif any(test_shots > len(te_pools[c]) for c in range(num_classes)):
+        raise DataError(_field("test_shots"), f"{test_shots} exceeds the smallest class test pool "
+                                              f"({min(len(p) for p in te_pools)})")
+    tr_off = np.zeros(num_classes, dtype=np.int64)
+    te_off = np.zeros(num_classes, dtype=np.int64)
+    train, test = [], []
+    for i in range(num_clients):
+        tr_idx, te_idx = [], []
+        for c in classes[i]:
+            tr_idx.append(tr_pools[c][tr_off[c]:tr_off[c] + k[i]])
+            tr_off[c] += k[i]
+            if test_overlap:
+                te_idx.append(rng.choice(te_pools[c], size=test_shots, replace=False))
+            else:
+                te_idx.append(te_pools[c][te_off[c]:te_off[c] + test_shots])
+                te_off[c] += test_shots
+        train.append(np.sort(np.concatenate(tr_idx)))
+        test.append(np.sort(np.concatenate(te_idx)))
+    notes = [f"nway_kshot: ways={ways} stdev={stdev} shots={shots} (k_i in [{lo_k},{hi_k}]) test_shots={test_shots}"
+             f"{' (test sets may overlap across clients)' if test_overlap else ''}"]
+    return Partition(train, test, classes, notes)
+
+
+PARTITIONERS: dict[str, Callable[..., Partition]] = {
+    "iid": iid,
+    "dirichlet": dirichlet,
+    "pathological": pathological,
+    "nway_kshot": nway_kshot,
+}
+
+
+def partition_params(name: str) -> list[str]:
+    sig = inspect.signature(PARTITIONERS[name])
+    return [p for p in list(sig.parameters)[5:]]
+
+
+def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, num_classes) -> Partition:
+    if name not in PARTITIONERS:
+        raise DataError("data.partition", f"{name!r} is not allowed; choose one of: {', '.join(PARTITIONERS)}")
+    allowed = partition_params(name)
+    for key in params:
+        if key not in allowed:
+            raise DataError(_field(key), f"unknown parameter for partition {name!r}; allowed: {', '.join(allowed)}")
+    try:
+        return PARTITIONERS[name](np.asarray(train_y), np.asarray(test_y), num_clients, rng, num_classes, **params)
+    except TypeError as e:  # e.g. a list where a number belongs
+        raise DataError("data.partition_params", f"bad parameter for partition {name!r}: {e}") from None

@@ -1,0 +1,59 @@
+"""Typed, size-accounted messages.
+
+Everything a client uploads or downloads is a :class:`Message`: a kind (what the method says it sends, e.g.
+``"prototypes"``) and a flat dict of tensors. Sizes are computed from the tensors themselves, so the accounting is
+exactly what crosses the (simulated) wire. A :data:`Payload` is a dict of named messages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import torch
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: str
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    meta: Mapping[str, object] = field(default_factory=dict)  # small scalars (ints, strings), not accounted
+
+    def __post_init__(self):
+        for name, t in self.tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"message {self.kind!r}: entry {name!r} is {type(t).__name__}, expected a torch.Tensor")
+
+    @property
+    def num_floats(self) -> int:
+        return sum(t.numel() for t in self.tensors.values() if t.is_floating_point())
+
+    @property
+    def num_values(self) -> int:
+        return sum(t.numel() for t in self.tensors.values())
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def to(self, device) -> "Message":
+        return Message(self.kind, {k: v.to(device) for k, v in self.tensors.items()}, self.meta)
+
+
+Payload = dict  # dict[str, Message]
+
+
+def payload_sizes(payload: Mapping[str, Message]) -> dict[str, tuple[int, int]]:
+    """kind -> (floats, bytes), summed over the payload's messages."""
+    out: dict[str, tuple[int, int]] = {}
+    for msg in payload.values():
+        f, b = out.get(msg.kind, (0, 0))
+        out[msg.kind] = (f + msg.num_floats, b + msg.num_bytes)
+    return out
+
+
+def state_message(kind: str, state_dict: Mapping[str, torch.Tensor]) -> Message:
+    """A model (or part of one) as a message: its floating-point tensors, detached and on CPU."""
+    return Message(kind, {k: v.detach().to("cpu") for k, v in state_dict.items()})

@@ -1,0 +1,112 @@
+"""Model zoo. Every model is ``body`` (feature extractor -> embedding of size ``embed_dim``) + ``head``
+(classifier on the embedding), so prototype methods (embedding), FedPer / LG-FedAvg (body vs head split) and
+heterogeneous clients (different bodies, one embedding size) share one interface:
+
+    logits, z = model(x, return_embedding=True)
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from raysim.config import ArchSpec, ConfigError, ModelConfig
+
+
+class SplitModel(nn.Module):
+    def __init__(self, body: nn.Module, head: nn.Module, embed_dim: int):
+        super().__init__()
+        self.body = body
+        self.head = head
+        self.embed_dim = embed_dim
+
+    def forward(self, x, return_embedding: bool = False):
+        z = self.body(x)
+        logits = self.head(z)
+        return (logits, z) if return_embedding else logits
+
+
+class _CNNMnistBody(nn.Module):
+    """FedProto's CNNMnist feature extractor (official ``lib/models/models.py``): conv 1->10 k5, pool, relu;
+    conv 10->oc k5, dropout2d, pool, relu; fc -> embed_dim, relu (the prototype, taken before dropout)."""
+
+    def __init__(self, in_channels: int, out_channels: int, embed_dim: int, input_hw: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, 10, kernel_size=5)
+        self.conv2 = nn.Conv2d(10, out_channels, kernel_size=5)
+        self.drop = nn.Dropout2d()
+        side = ((input_hw - 4) // 2 - 4) // 2
+        self.fc1 = nn.Linear(out_channels * side * side, embed_dim)
+
+    def forward(self, x):
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.drop(self.conv2(x)), 2))
+        return F.relu(self.fc1(x.flatten(1)))
+
+
+def cnn_mnist(input_shape, num_classes, out_channels: int = 20, embed_dim: int = 50, dropout: float = 0.5) -> SplitModel:
+    if input_shape[-1] < 16:
+        raise ConfigError("model.arch", f"cnn_mnist needs images of at least 16x16, got {tuple(input_shape)}; use mlp or cnn_small")
+    body = _CNNMnistBody(input_shape[0], out_channels, embed_dim, input_shape[-1])
+    return SplitModel(body, nn.Sequential(nn.Dropout(dropout), nn.Linear(embed_dim, num_classes)), embed_dim)
+
+
+def mlp(input_shape, num_classes, hidden: int = 64, embed_dim: int = 32) -> SplitModel:
+    d = 1
+    for s in input_shape:
+        d *= s
+    body = nn.Sequential(nn.Flatten(), nn.Linear(d, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim), nn.ReLU())
+    return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
+
+
+def cnn_small(input_shape, num_classes, channels: int = 16, embed_dim: int = 32) -> SplitModel:
+    """A two-conv CNN for small images (8x8 digits, synthetic)."""
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], channels, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        nn.Linear(channels * 4, embed_dim), nn.ReLU())
+    return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
+
+
+ARCHS: dict[str, Callable[..., SplitModel]] = {"cnn_mnist": cnn_mnist, "mlp": mlp, "cnn_small": cnn_small}
+
+
+def arch_params(name: str) -> list[str]:
+    return list(inspect.signature(ARCHS[name]).parameters)[2:]
+
+
+def build_model(spec: ArchSpec, input_shape, num_classes, path: str = "model") -> SplitModel:
+    if spec.arch not in ARCHS:
+        raise ConfigError(f"{path}.arch", f"{spec.arch!r} is not allowed; choose one of: {', '.join(ARCHS)}")
+    allowed = arch_params(spec.arch)
+    for k in spec.params:
+        if k not in allowed:
+            raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: {', '.join(allowed)}")
+    return ARCHS[spec.arch](tuple(input_shape), num_classes, **spec.params)
+
+
+def client_archs(cfg: ModelConfig, num_clients: int) -> list[ArchSpec]:
+    """The architecture of every client (heterogeneous by list, cycle or contiguous blocks)."""
+    if cfg.per_client is None:
+        return [ArchSpec(cfg.arch, dict(cfg.params))] * num_clients
+    specs = list(cfg.per_client)
+    if cfg.assign == "list":
+        if len(specs) != num_clients:
+            raise ConfigError("model.per_client", f"assign=list needs one entry per client ({num_clients}), got {len(specs)}")
+        return specs
+    if cfg.assign == "cycle":
+        return [specs[i % len(specs)] for i in range(num_clients)]
+    # blocks: FedProto "mh" (18/20/22 channels for clients 0-6 / 7-13 / 14-19 of 20)
+    per = -(-num_clients // len(specs))
+    return [specs[min(i // per, len(specs) - 1)] for i in range(num_clients)]
+
+
+def arch_key(spec: ArchSpec) -> str:
+    return spec.arch + repr(sorted(spec.params.items()))
+
+
+def num_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,67 @@
+"""Small pure functions holding the maths that several methods share (tested against hand-computed numbers)."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import torch
+
+
+def weighted_average_states(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict:
+    """sum_i w_i * state_i / sum_i w_i for floating tensors; integer buffers are taken from the first state."""
+    if not states:
+        raise ValueError("nothing to average")
+    w = torch.as_tensor([float(x) for x in weights], dtype=torch.float64)
+    if float(w.sum()) <= 0:
+        raise ValueError("weights must sum to a positive number")
+    w = w / w.sum()
+    out = {}
+    for k, v0 in states[0].items():
+        if v0.is_floating_point():
+            acc = torch.zeros_like(v0, dtype=torch.float64)
+            for wi, s in zip(w, states):
+                acc += wi * s[k].to(torch.float64)
+            out[k] = acc.to(v0.dtype)
+        else:
+            out[k] = v0.clone()
+    return out
+
+
+def class_prototypes(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-class mean embeddings. Returns (classes present, their prototypes |present| x d, counts)."""
+    counts = torch.bincount(y, minlength=num_classes)
+    sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, y, z)
+    present = torch.nonzero(counts, as_tuple=False).flatten()
+    return present, sums[present] / counts[present].unsqueeze(1).to(z.dtype), counts[present]
+
+
+def aggregate_prototypes(uploads: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num_classes: int, dim: int,
+                         mode: str = "weighted") -> tuple[torch.Tensor, torch.Tensor]:
+    """Global prototypes from (classes, prototypes, counts) uploads.
+
+    ``weighted``: P_c = sum_i n_ic p_ic / sum_i n_ic (FedProto paper); ``mean``: plain mean over the clients holding c
+    (FedProto's official code). Returns (prototypes C x d, mask C of classes that have one)."""
+    num = torch.zeros(num_classes, dim, dtype=torch.float64)
+    den = torch.zeros(num_classes, dtype=torch.float64)
+    for classes, protos, counts in uploads:
+        w = counts.to(torch.float64) if mode == "weighted" else torch.ones(len(classes), dtype=torch.float64)
+        num.index_add_(0, classes.cpu(), protos.detach().cpu().to(torch.float64) * w.unsqueeze(1).cpu())
+        den.index_add_(0, classes.cpu(), w.cpu())
+    mask = den > 0
+    out = torch.zeros(num_classes, dim, dtype=torch.float32)
+    out[mask] = (num[mask] / den[mask].unsqueeze(1)).to(torch.float32)
+    return out, mask
+
+
+def nearest_prototype(z: torch.Tensor, protos: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """argmin_c MSE(z, P_c) (mean over the embedding dimension) among candidate classes (bool mask over C)."""
+    d = ((z.unsqueeze(1) - protos.unsqueeze(0)) ** 2).mean(dim=2)
+    d = d.masked_fill(~candidates.to(z.device).unsqueeze(0), float("inf"))
+    return d.argmin(dim=1)
+
+
+def prototype_regulariser(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """FedProto's loss2: nn.MSELoss between z and its class's global prototype, where a sample whose class has no
+    global prototype uses z.detach() as target (contributes zero but still counts in the mean over |B| x d)."""
+    has = mask.to(z.device)[y]
+    target = torch.where(has.unsqueeze(1), protos.to(z.device)[y], z.detach())
+    return torch.nn.functional.mse_loss(z, target)

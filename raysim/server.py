@@ -1,0 +1,271 @@
+"""The federated round loop (the server's control flow), independent of the backend that executes it.
+
+``run_experiment`` validates everything (config, data, algorithm, resources) before any Ray process starts, runs the
+rounds, and writes the run directory atomically: results.parquet, config.yaml, run.json and checkpoints/. A failure
+leaves no partial run directory behind.
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from raysim import rng as rngmod
+from raysim.algorithm import Task
+from raysim.backends import make_backend, preflight
+from raysim.config import ExperimentConfig, to_dict
+from raysim.data.federated import FederatedData, build_federated_data
+from raysim.models import client_archs
+from raysim.registry import algorithm_class
+from raysim.results import RESULTS_FILE, ResultTable, write_parquet
+from raysim.runtime import ClientReport, RunSpec, SimulationError
+from raysim.state import save_checkpoint
+
+COMM_METRICS = ("up_floats", "up_bytes", "down_floats", "down_bytes")
+
+
+@dataclass
+class Prepared:
+    cfg: ExperimentConfig
+    fed_data: FederatedData
+    task: Task
+    spec: RunSpec
+
+
+def prepare(cfg: ExperimentConfig) -> Prepared:
+    """Everything that can be checked before a run starts: data, models, algorithm params, resources."""
+    algo_cls = algorithm_class(cfg.algorithm.name)
+    fed = build_federated_data(cfg.data, cfg.seed)
+    archs = tuple(client_archs(cfg.model, cfg.data.num_clients))
+    task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
+                fed.public)
+    from raysim.models import arch_key, build_model
+
+    seen = set()
+    for i, spec in enumerate(archs):  # build each architecture once: bad params fail here, naming the field
+        if arch_key(spec) not in seen:
+            seen.add(arch_key(spec))
+            path = "model" if cfg.model.per_client is None else f"model.per_client[{i % len(cfg.model.per_client)}]"
+            build_model(spec, task.input_shape, task.num_classes, path)
+    algo_cls.from_config(cfg.algorithm.params, task)
+    preflight(cfg)
+    return Prepared(cfg, fed, task, RunSpec(cfg, task))
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("raysim", "torch", "ray", "numpy", "pandas", "pyarrow"):
+        try:
+            out[pkg] = importlib_metadata.version(pkg)
+        except importlib_metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def sample_clients(cfg: ExperimentConfig, round_idx: int) -> list[int]:
+    n = cfg.data.num_clients
+    k = cfg.clients_per_round or n
+    if k >= n:
+        return list(range(n))
+    r = rngmod.numpy_rng(cfg.seed, round_idx, rngmod.SERVER, "sampling")
+    return sorted(r.choice(n, size=k, replace=False).tolist())
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    out_dir: Optional[Path]
+    table: pd.DataFrame
+    metadata: dict
+    timing: dict = field(default_factory=dict)
+
+    def final(self, metric: str = "test_acc") -> tuple[float, float]:
+        d = self.table[(self.table["scope"] == "client") & (self.table["metric"] == metric)]
+        last = d[d["round"] == d["round"].max()]["value"]
+        return float(last.mean()), float(last.std(ddof=0))
+
+
+def _value_weight(v):
+    if isinstance(v, (tuple, list)):
+        return float(v[0]), float(v[1])
+    return float(v), 1.0
+
+
+class _Recorder:
+    def __init__(self, table: ResultTable):
+        self.t = table
+
+    def updates(self, round_idx: int, reports: list[ClientReport]) -> None:
+        totals = dict.fromkeys(COMM_METRICS, 0.0)
+        for r in reports:
+            cid = r.client_id
+            for direction, sizes in (("down", r.down), ("up", r.up if r.ok else {})):
+                f = sum(v[0] for v in sizes.values())
+                b = sum(v[1] for v in sizes.values())
+                self.t.add(round_idx, cid, "client", f"{direction}_floats", f)
+                self.t.add(round_idx, cid, "client", f"{direction}_bytes", b)
+                totals[f"{direction}_floats"] += f
+                totals[f"{direction}_bytes"] += b
+                for kind, (kf, kb) in sorted(sizes.items()):
+                    self.t.add(round_idx, cid, "client", f"{direction}_floats:{kind}", kf)
+                    self.t.add(round_idx, cid, "client", f"{direction}_bytes:{kind}", kb)
+            if not r.ok:
+                self.t.add(round_idx, cid, "client", "failed", 1.0)
+                continue
+            for name, v in sorted(r.metrics.items()):
+                val, w = _value_weight(v)
+                self.t.add(round_idx, cid, "client", name, val, w)
+        for name in COMM_METRICS:
+            self.t.add(round_idx, -1, "total", name, totals[name])
+        self.t.add(round_idx, -1, "total", "participants", sum(r.ok for r in reports))
+        self.t.add(round_idx, -1, "total", "failures", sum(not r.ok for r in reports))
+
+    def server(self, round_idx: int, metrics: dict) -> None:
+        for name, v in sorted(metrics.items()):
+            val, w = _value_weight(v)
+            self.t.add(round_idx, -1, "server", name, val, w)
+
+    def evaluation(self, round_idx: int, reports: list[ClientReport]) -> None:
+        per_metric: dict[str, list[tuple[float, float]]] = {}
+        for r in reports:
+            if not r.ok:
+                self.t.add(round_idx, r.client_id, "client", "eval_failed", 1.0)
+                continue
+            for name, v in sorted(r.metrics.items()):
+                val, w = _value_weight(v)
+                self.t.add(round_idx, r.client_id, "client", name, val, w)
+                per_metric.setdefault(name, []).append((val, w))
+        for name, vw in sorted(per_metric.items()):
+            vals = np.array([v for v, _ in vw])
+            ws = np.array([w for _, w in vw])
+            self.t.add(round_idx, -1, "mean", name, float(vals.mean()), len(vals))
+            self.t.add(round_idx, -1, "std", name, float(vals.std()), len(vals))
+            if ws.sum() > 0:
+                self.t.add(round_idx, -1, "wmean", name, float((vals * ws).sum() / ws.sum()), float(ws.sum()))
+
+
+def _unique_dir(path: Path) -> Path:
+    if not path.exists():
+        return path
+    i = 2
+    while Path(f"{path}-{i}").exists():
+        i += 1
+    return Path(f"{path}-{i}")
+
+
+def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: Optional[bool] = None,
+                   callback: Optional[Callable[[int, ResultTable], bool]] = None, write: bool = True) -> RunResult:
+    """Run one experiment. ``callback(round_idx, table) -> stop?`` is called after every evaluated round."""
+    prep = prepare(cfg)
+    run_id = cfg.run_id()
+    final_dir = _unique_dir(Path(out_dir) if out_dir else Path(cfg.output.dir) / run_id) if write else None
+    tmp_dir = final_dir.parent / f".tmp-{final_dir.name}" if write else None
+    if tmp_dir is not None:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        tmp_dir.mkdir(parents=True)
+    table = ResultTable(run_id)
+    rec = _Recorder(table)
+    failures_log: list[dict] = []
+    timing = {"setup_s": 0.0, "round_s": [], "client_compute_s": []}
+    show = cfg.output.progress if progress is None else progress
+    bar = None
+    backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)
+    t_setup = time.perf_counter()
+    try:
+        backend.start()
+        timing["setup_s"] = time.perf_counter() - t_setup
+        if show:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=cfg.rounds, desc=f"{cfg.algorithm.name} [{cfg.backend.name}]", unit="round", file=sys.stderr)
+        payload = backend.broadcast(0)
+        all_clients = list(range(cfg.data.num_clients))
+        stop = False
+        for round_idx in range(cfg.rounds):
+            t0 = time.perf_counter()
+            selected = sample_clients(cfg, round_idx)
+            uploads, reports = backend.client_updates(payload, round_idx, selected)
+            rec.updates(round_idx, reports)
+            failed = [r for r in reports if not r.ok]
+            for r in failed:
+                failures_log.append({"round": round_idx, "client_id": r.client_id, "stage": r.stage, "error": r.error,
+                                     "traceback": r.traceback})
+            if failed and (cfg.on_client_failure == "raise" or len(failed) == len(reports)):
+                r = failed[0]
+                raise SimulationError(f"round {round_idx}: {len(failed)} of {len(reports)} clients failed; first: client "
+                                      f"{r.client_id} in stage '{r.stage}': {r.error}\n{r.traceback}")
+            rec.server(round_idx, backend.aggregate(round_idx, uploads, [(r.client_id, r.error) for r in failed]))
+            payload = backend.broadcast(round_idx + 1)  # the next round's payload; also what evaluation uses
+            evaluated = (round_idx + 1) % cfg.eval.every == 0 or round_idx == cfg.rounds - 1
+            if evaluated:
+                ev = backend.evaluate_clients(payload, round_idx, all_clients)
+                rec.evaluation(round_idx, ev)
+                for r in ev:
+                    if not r.ok:
+                        failures_log.append({"round": round_idx, "client_id": r.client_id, "stage": r.stage,
+                                             "error": r.error, "traceback": r.traceback})
+                rec.server(round_idx, backend.evaluate_server(round_idx))
+            timing["round_s"].append(time.perf_counter() - t0)
+            timing["client_compute_s"].append(sum(r.seconds for r in reports))
+            if write and cfg.output.checkpoint_every and (round_idx + 1) % cfg.output.checkpoint_every == 0:
+                s, c = backend.get_state()
+                save_checkpoint(tmp_dir / "checkpoints" / f"round_{round_idx:05d}.pt", round_idx, s, c)
+            if bar is not None:
+                post = {}
+                for m in ("test_acc", "test_acc_proto"):
+                    v = table.latest(m)
+                    if v is not None:
+                        post[m.replace("test_", "")] = f"{v:.4f}"
+                bar.set_postfix(post, refresh=False)
+                bar.update(1)
+            if evaluated and callback is not None and callback(round_idx, table):
+                stop = True
+                break
+        if write:
+            s, c = backend.get_state()
+            save_checkpoint(tmp_dir / "checkpoints" / "final.pt", round_idx, s, c)
+    except BaseException:
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        backend.shutdown()
+
+    df = table.frame()
+    meta = {
+        "run_id": run_id,
+        "config": to_dict(cfg),
+        "config_hash": cfg.config_hash(),
+        "seed": cfg.seed,
+        "versions": versions(),
+        "data": prep.fed_data.summary(),
+        "data_notes": prep.fed_data.notes,
+        "stopped_early": stop,
+        "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in failures_log],
+    }
+    result = RunResult(run_id, final_dir, df, meta, timing)
+    if write:
+        write_parquet(df, tmp_dir / RESULTS_FILE, meta)
+        (tmp_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        summary = {k: v for k, v in meta.items() if k != "config"}
+        summary["timing"] = {"setup_s": timing["setup_s"], "total_round_s": float(np.sum(timing["round_s"])),
+                             "mean_round_s": float(np.mean(timing["round_s"])) if timing["round_s"] else math.nan,
+                             "backend": cfg.backend.name}
+        summary["failures"] = failures_log
+        (tmp_dir / "run.json").write_text(json.dumps(summary, indent=1, default=str))
+        final_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp_dir.rename(final_dir)
+    return result

@@ -1,0 +1,1 @@
+"""Optuna integration for raysim runs. See issue 4."""
