@@ -64,7 +64,10 @@ class ModelCache:
     def get(self, spec: ArchSpec) -> SplitModel:
         key = arch_key(spec)
         if key not in self._models:
-            self._models[key] = build_model(spec, self.task.input_shape, self.task.num_classes).to(self.device)
+            # building draws from torch's global RNG; fork it so that when a cache is first filled never changes
+            # the random stream of the client being trained (sequential == ray, any actor layout)
+            with torch.random.fork_rng(devices=[]):
+                self._models[key] = build_model(spec, self.task.input_shape, self.task.num_classes).to(self.device)
         return self._models[key]
 
 
