@@ -1,0 +1,50 @@
+"""Shared fixtures. Ray tests use one Ray session per test session (``ray_session``), declared with 2 CPUs and 2
+fake GPUs so that GPU packing can be tested without CUDA (nothing in the tests calls CUDA)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raysim.config import make_config
+
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+
+def tiny_config(**over) -> dict:
+    """A run that takes well under a second per round: synthetic data, 6 clients, an MLP."""
+    cfg = {
+        "name": "tiny",
+        "seed": 7,
+        "rounds": 3,
+        "data": {"dataset": "synthetic", "num_clients": 6, "partition": "nway_kshot",
+                 "partition_params": {"ways": 3, "shots": 10, "stdev": 1, "test_shots": 5}},
+        "model": {"arch": "mlp", "params": {"hidden": 32, "embed_dim": 16}},
+        "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5},
+        "algorithm": {"name": "fedproto", "params": {"lam": 1.0}},
+        "backend": {"name": "sequential"},
+        "output": {"progress": False},
+    }
+    for key, value in over.items():
+        node = cfg
+        parts = key.split("__")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+        node[parts[-1]] = value
+    return cfg
+
+
+@pytest.fixture
+def tiny():
+    return lambda **over: make_config(tiny_config(**over))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
+                 runtime_env={"env_vars": {"PYTHONPATH": root}})
+    yield ray
+    ray.shutdown()
