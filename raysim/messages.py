@@ -55,5 +55,5 @@ def payload_sizes(payload: Mapping[str, Message]) -> dict[str, tuple[int, int]]:
 
 
 def state_message(kind: str, state_dict: Mapping[str, torch.Tensor]) -> Message:
-    """A model (or part of one) as a message: its floating-point tensors, detached and on CPU."""
-    return Message(kind, {k: v.detach().to("cpu") for k, v in state_dict.items()})
+    """A model (or part of one) as a message: a detached CPU copy of its tensors (never an alias of live weights)."""
+    return Message(kind, {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()})

@@ -17,8 +17,16 @@ def register_algorithm(name: str, target: str) -> None:
     ALGORITHMS[name] = target
 
 
-def algorithm_class(name: str):
+def algorithm_target(name: str) -> str:
     if name not in ALGORITHMS:
         raise ConfigError("algorithm.name", f"{name!r} is not allowed; choose one of: {', '.join(sorted(ALGORITHMS))}")
-    module, cls = ALGORITHMS[name].split(":")
+    return ALGORITHMS[name]
+
+
+def load_target(target: str):
+    module, cls = target.split(":")
     return getattr(importlib.import_module(module), cls)
+
+
+def algorithm_class(name: str):
+    return load_target(algorithm_target(name))

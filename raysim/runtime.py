@@ -14,7 +14,7 @@ from raysim.algorithm import Context, ModelCache, Task
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData
 from raysim.messages import payload_sizes
-from raysim.registry import algorithm_class
+from raysim.registry import algorithm_class, load_target
 
 
 class SimulationError(RuntimeError):
@@ -49,6 +49,7 @@ class RunSpec:
 
     cfg: ExperimentConfig
     task: Task
+    algorithm_target: str = ""  # "module:Class", resolved on the driver so runtime registrations reach the workers
 
 
 def _setup_process(cfg: ExperimentConfig) -> torch.device:
@@ -57,7 +58,8 @@ def _setup_process(cfg: ExperimentConfig) -> torch.device:
 
 
 def _make_algorithm(spec: RunSpec):
-    return algorithm_class(spec.cfg.algorithm.name).from_config(spec.cfg.algorithm.params, spec.task)
+    cls = load_target(spec.algorithm_target) if spec.algorithm_target else algorithm_class(spec.cfg.algorithm.name)
+    return cls.from_config(spec.cfg.algorithm.params, spec.task)
 
 
 class ClientRunner:

@@ -24,10 +24,10 @@ import yaml
 from raysim import rng as rngmod
 from raysim.algorithm import Task
 from raysim.backends import make_backend, preflight
-from raysim.config import ExperimentConfig, to_dict
+from raysim.config import ConfigError, ExperimentConfig, to_dict
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
-from raysim.registry import algorithm_class
+from raysim.registry import algorithm_class, algorithm_target
 from raysim.results import RESULTS_FILE, ResultTable, write_parquet
 from raysim.runtime import ClientReport, RunSpec, SimulationError
 from raysim.state import save_checkpoint
@@ -44,23 +44,40 @@ class Prepared:
 
 
 def prepare(cfg: ExperimentConfig) -> Prepared:
-    """Everything that can be checked before a run starts: data, models, algorithm params, resources."""
+    """Everything that can be checked before a run starts, cheapest first: algorithm and model parameters, then the
+    data (loading and partitioning), then the algorithm against the task, then the resources the backend needs."""
+    from raysim.config import from_dict
+    from raysim.models import ARCHS, arch_key, arch_params, build_model
+
     algo_cls = algorithm_class(cfg.algorithm.name)
+    from_dict(algo_cls.Params, dict(cfg.algorithm.params or {}), "algorithm.params")
+    specs = [("model", cfg.model)] if cfg.model.per_client is None else [
+        (f"model.per_client[{i}]", s) for i, s in enumerate(cfg.model.per_client)]
+    for path, spec in specs:
+        if spec.arch not in ARCHS:
+            raise ConfigError(f"{path}.arch", f"{spec.arch!r} is not allowed; choose one of: {', '.join(ARCHS)}")
+        for k in spec.params:
+            if k not in arch_params(spec.arch):
+                raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
+                                                         f"{', '.join(arch_params(spec.arch))}")
     fed = build_federated_data(cfg.data, cfg.seed)
     archs = tuple(client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
                 fed.public)
-    from raysim.models import arch_key, build_model
-
     seen = set()
-    for i, spec in enumerate(archs):  # build each architecture once: bad params fail here, naming the field
+    for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
         if arch_key(spec) not in seen:
             seen.add(arch_key(spec))
             path = "model" if cfg.model.per_client is None else f"model.per_client[{i % len(cfg.model.per_client)}]"
-            build_model(spec, task.input_shape, task.num_classes, path)
+            try:
+                build_model(spec, task.input_shape, task.num_classes, path)
+            except (TypeError, ValueError, RuntimeError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
     algo_cls.from_config(cfg.algorithm.params, task)
     preflight(cfg)
-    return Prepared(cfg, fed, task, RunSpec(cfg, task))
+    return Prepared(cfg, fed, task, RunSpec(cfg, task, algorithm_target(cfg.algorithm.name)))
 
 
 def versions() -> dict:

@@ -1,0 +1,69 @@
+"""The command line: runs, lists, and bad input exits 2 with one message naming the field and no partial results."""
+import subprocess
+import sys
+
+import yaml
+
+from raysim import results
+from raysim.cli import main
+from tests.conftest import tiny_config
+
+
+def write(tmp_path, cfg, name="c.yaml"):
+    p = tmp_path / name
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def test_run_writes_results_and_prints_accuracy(tmp_path, capsys):
+    cfg = write(tmp_path, tiny_config(rounds=2))
+    assert main(["run", str(cfg), "--out", str(tmp_path / "out"), "--set", "algorithm.params.lam=0.5", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "final mean local test accuracy" in out and "results.parquet" in out
+    meta = results.load_metadata(tmp_path / "out")
+    assert meta["config"]["algorithm"]["params"]["lam"] == 0.5
+
+
+def test_bad_value_exits_2_and_writes_nothing(tmp_path, capsys):
+    cfg = write(tmp_path, tiny_config())
+    out = tmp_path / "out"
+    assert main(["run", str(cfg), "--out", str(out), "--set", "algorithm.name=fedprot"]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.name" in err and "fedproto" in err and err.count("\n") == 1
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]
+
+
+def test_bad_data_exits_2(tmp_path, capsys):
+    cfg = write(tmp_path, tiny_config())
+    assert main(["run", str(cfg), "--set", "data.partition_params.shots=1000"]) == 2
+    assert "data.partition_params.shots" in capsys.readouterr().err
+
+
+def test_missing_and_malformed_config(tmp_path, capsys):
+    assert main(["run", str(tmp_path / "nope.yaml")]) == 2
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rounds: [1, 2\n")
+    assert main(["run", str(bad)]) == 2
+    bad.write_text("- 1\n- 2\n")
+    assert main(["run", str(bad)]) == 2
+    assert main(["run", str(write(tmp_path, tiny_config())), "--set", "nokey"]) == 2
+
+
+def test_gpu_request_without_gpus_fails_before_ray_starts(tmp_path, capsys, monkeypatch):
+    import ray
+
+    if ray.is_initialized():  # the test session's Ray declares fake GPUs; this is about a plain machine
+        import pytest
+
+        pytest.skip("a Ray session with declared GPUs is running")
+    cfg = write(tmp_path, tiny_config(backend={"name": "ray", "num_actors": 2, "num_gpus": 0.5}))
+    assert main(["run", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "backend.num_gpus" in err and "has none" in err
+    assert not ray.is_initialized()
+
+
+def test_installed_entry_point_lists_everything():
+    out = subprocess.run([sys.executable, "-m", "raysim.cli", "list"], capture_output=True, text=True, check=True).stdout
+    for word in ("fedproto", "fedavg", "local", "mnist5k", "fashion_mnist", "nway_kshot", "dirichlet", "cnn_mnist"):
+        assert word in out

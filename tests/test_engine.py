@@ -1,0 +1,121 @@
+"""The round loop on the sequential backend: message sizes, failures as values, checkpoints, result files."""
+import pandas as pd
+import pytest
+import torch
+
+from raysim import results
+from raysim.registry import register_algorithm
+from raysim.runtime import SimulationError
+from raysim.server import prepare, run_experiment
+from raysim.state import load_checkpoint
+
+register_algorithm("failing_fedavg", "tests.failing_algo:FailingFedAvg")
+
+
+def client_rows(df, metric):
+    return df[(df["scope"] == "client") & (df["metric"] == metric)]
+
+
+def test_fedproto_message_sizes_are_exact(tiny, tmp_path):
+    cfg = tiny(rounds=2)
+    prep = prepare(cfg)
+    res = run_experiment(cfg, out_dir=tmp_path / "run")
+    df = res.table
+    d = prep.task.build_model(0).embed_dim
+    for c in prep.fed_data.clients:
+        n_i = len(c.classes)
+        up = client_rows(df, "up_floats")
+        up = up[(up["client_id"] == c.client_id)]["value"].tolist()
+        assert up == [n_i * d] * 2  # n_i prototypes of d floats
+        upb = client_rows(df, "up_bytes")
+        upb = upb[upb["client_id"] == c.client_id]["value"].tolist()
+        assert upb == [n_i * d * 4 + n_i * 8 * 2] * 2  # float32 prototypes + int64 class ids and counts
+    down = client_rows(df, "down_floats")
+    assert down[down["round"] == 0]["value"].eq(0).all()  # round 0: no global prototypes yet
+    classes_seen = len({k for c in prep.fed_data.clients for k in c.classes})
+    assert down[down["round"] == 1]["value"].eq(classes_seen * d).all()
+    total = df[(df["scope"] == "total") & (df["metric"] == "up_floats")]["value"].tolist()
+    assert total == [sum(len(c.classes) for c in prep.fed_data.clients) * d] * 2
+
+
+def test_fedavg_message_is_the_whole_model(tiny):
+    cfg = tiny(rounds=1, algorithm={"name": "fedavg", "params": {}})
+    prep = prepare(cfg)
+    res = run_experiment(cfg, write=False)
+    n_params = sum(p.numel() for p in prep.task.build_model(0).parameters())
+    up = client_rows(res.table, "up_floats")["value"]
+    assert up.eq(n_params).all()
+    assert client_rows(res.table, "down_floats:weights")["value"].eq(n_params).all()
+
+
+def test_results_file_metadata_and_load(tiny, tmp_path):
+    cfg = tiny(rounds=2)
+    res = run_experiment(cfg, out_dir=tmp_path / "run")
+    df = results.load(tmp_path / "run")
+    pd.testing.assert_frame_equal(df, res.table)
+    assert list(df.columns) == results.COLUMNS
+    meta = results.load_metadata(tmp_path / "run")
+    assert meta["seed"] == 7 and meta["config"]["algorithm"]["name"] == "fedproto"
+    assert meta["versions"]["torch"] and meta["data_notes"]
+    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "checkpoints" / "final.pt").exists()
+    fin = results.final(df)
+    assert fin["round"].iloc[0] == 1 and 0 <= fin["mean"].iloc[0] <= 1
+
+
+def test_checkpoint_holds_every_client_and_server_state(tiny, tmp_path):
+    cfg = tiny(rounds=2, output={"progress": False, "checkpoint_every": 1})
+    run_experiment(cfg, out_dir=tmp_path / "run")
+    ck = load_checkpoint(tmp_path / "run" / "checkpoints" / "round_00000.pt")
+    assert ck["round_idx"] == 0 and sorted(ck["client_states"]) == list(range(6))
+    assert ck["server_state"]["mask"].any()
+    final = load_checkpoint(tmp_path / "run" / "checkpoints" / "final.pt")
+    assert not torch.equal(final["client_states"][0]["model"]["head.weight"], ck["client_states"][0]["model"]["head.weight"])
+
+
+def test_client_failure_is_a_value_and_run_continues(tiny):
+    cfg = tiny(rounds=3, algorithm={"name": "failing_fedavg", "params": {"fail_clients": [2], "fail_round": 1}})
+    res = run_experiment(cfg, write=False)
+    failed = client_rows(res.table, "failed")
+    assert failed[["round", "client_id"]].values.tolist() == [[1, 2], [2, 2]]
+    f = res.metadata["failures"][0]
+    assert f["client_id"] == 2 and f["round"] == 1 and f["stage"] == "update" and "boom on client 2" in f["error"]
+    parts = res.table[(res.table["scope"] == "total") & (res.table["metric"] == "participants")]["value"].tolist()
+    assert parts == [6, 5, 5]
+
+
+def test_every_client_failing_stops_the_run_and_writes_nothing(tiny, tmp_path):
+    cfg = tiny(rounds=3, algorithm={"name": "failing_fedavg", "params": {"fail_clients": list(range(6)), "fail_round": 1}})
+    with pytest.raises(SimulationError, match="round 1: 6 of 6 clients failed"):
+        run_experiment(cfg, out_dir=tmp_path / "run")
+    assert not any(tmp_path.iterdir())
+
+
+def test_partial_participation_is_seeded(tiny):
+    cfg = tiny(rounds=3, clients_per_round=3)
+    a = run_experiment(cfg, write=False).table
+    b = run_experiment(cfg, write=False).table
+    pd.testing.assert_frame_equal(a, b)
+    parts = client_rows(a, "up_floats")
+    assert parts.groupby("round").size().tolist() == [3, 3, 3]
+
+
+@pytest.mark.parametrize("algo", ["local", "fedavg", "fedproto"])
+def test_each_algorithm_learns_on_synthetic(tiny, algo):
+    cfg = tiny(rounds=4, algorithm={"name": algo, "params": {}}, train={"local_epochs": 3, "batch_size": 8, "lr": 0.05})
+    res = run_experiment(cfg, write=False)
+    acc, _ = res.final()
+    assert acc > 0.8, acc  # 2-4 classes per client, well separated clusters
+    if algo == "fedavg":  # the global model on the global test set improves round after round
+        g = res.table[res.table["metric"] == "global_test_acc"]["value"].tolist()
+        assert g[-1] > g[0] + 0.3
+
+
+def test_fedproto_heterogeneous_models(tiny):
+    cfg = tiny(rounds=2, model={"assign": "blocks", "per_client": [
+        {"arch": "mlp", "params": {"hidden": 16, "embed_dim": 16}},
+        {"arch": "mlp", "params": {"hidden": 48, "embed_dim": 16}},
+        {"arch": "cnn_small", "params": {"channels": 8, "embed_dim": 16}}]})
+    prep = prepare(cfg)
+    assert [a.arch for a in prep.task.archs] == ["mlp", "mlp", "mlp", "mlp", "cnn_small", "cnn_small"]
+    res = run_experiment(cfg, write=False)
+    assert res.final("test_acc_proto")[0] > 0.3

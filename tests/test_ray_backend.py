@@ -1,0 +1,78 @@
+"""Ray backend: identical result tables to the sequential backend (1 and 2 actors), GPU packing and fail-fast,
+failures as values. One Ray session for the whole test session (2 CPUs, 2 declared fake GPUs, no CUDA calls)."""
+import time
+
+import pandas as pd
+import pytest
+
+from raysim.backends.ray_backend import check_resources
+from raysim.config import ConfigError
+from raysim.registry import register_algorithm
+from raysim.server import run_experiment
+
+register_algorithm("failing_fedavg", "tests.failing_algo:FailingFedAvg")
+
+pytestmark = pytest.mark.ray
+
+
+def table(cfg):
+    return run_experiment(cfg, write=False).table
+
+
+@pytest.mark.parametrize("algo", ["fedproto", "fedavg", "local"])
+def test_sequential_equals_ray_one_and_two_actors(ray_session, tiny, algo):
+    params = {"algorithm": {"name": algo, "params": {}}, "rounds": 3, "clients_per_round": 5}
+    seq = table(tiny(**params))
+    for actors in (1, 2):
+        r = table(tiny(**params, backend={"name": "ray", "num_actors": actors, "num_cpus": 1}))
+        pd.testing.assert_frame_equal(seq, r)
+    assert len(seq) > 100
+
+
+def test_heterogeneous_models_identical_on_ray(ray_session, tiny):
+    model = {"assign": "cycle", "per_client": [{"arch": "mlp", "params": {"hidden": 16, "embed_dim": 16}},
+                                               {"arch": "cnn_small", "params": {"channels": 8, "embed_dim": 16}}]}
+    seq = table(tiny(model=model))
+    r = table(tiny(model=model, backend={"name": "ray", "num_actors": 2}))
+    pd.testing.assert_frame_equal(seq, r)
+
+
+def test_failures_identical_on_ray(ray_session, tiny):
+    params = {"algorithm": {"name": "failing_fedavg", "params": {"fail_clients": [1, 4]}}}
+    seq = run_experiment(tiny(**params), write=False)
+    r = run_experiment(tiny(**params, backend={"name": "ray", "num_actors": 2}), write=False)
+    pd.testing.assert_frame_equal(seq.table, r.table)
+    assert [(f["round"], f["client_id"]) for f in r.metadata["failures"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+
+
+def test_fractional_gpus_pack_onto_declared_gpus(ray_session, tiny):
+    # 2 actors x 0.5 GPU + server 0.5 GPU fit on the 2 fake GPUs; nothing calls CUDA (device stays cpu)
+    cfg = tiny(rounds=1, backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5, "num_gpus": 0.5, "server_num_gpus": 0.5})
+    assert len(table(cfg)) > 0
+
+
+def test_too_many_gpus_fail_fast(ray_session, tiny):
+    cfg = tiny(rounds=1, backend={"name": "ray", "num_actors": 3, "num_cpus": 0.5, "num_gpus": 1})
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as e:
+        run_experiment(cfg, write=False)
+    assert e.value.field == "backend.num_gpus" and "do not fit" in str(e.value)
+    assert time.perf_counter() - t0 < 30
+
+
+def test_too_many_cpus_fail_fast(ray_session, tiny):
+    cfg = tiny(rounds=1, backend={"name": "ray", "num_actors": 4, "num_cpus": 1})
+    with pytest.raises(ConfigError) as e:
+        run_experiment(cfg, write=False)
+    assert e.value.field == "backend.num_actors"
+
+
+def test_resource_arithmetic(tiny):
+    cfg = tiny(backend={"name": "ray", "num_actors": 4, "num_cpus": 0.5, "num_gpus": 0.25})
+    check_resources(cfg, cpus=2, gpus=1, where="x")  # four actors per GPU
+    with pytest.raises(ConfigError, match="has none"):
+        check_resources(cfg, cpus=2, gpus=0, where="x")
+    cfg = tiny(backend={"name": "ray", "num_actors": 3, "num_cpus": 0.5, "num_gpus": 0.4})
+    with pytest.raises(ConfigError, match="do not fit"):  # 0.4 packs 2 per GPU: 3 actors need 2 GPUs
+        check_resources(cfg, cpus=2, gpus=1.0, where="x")
+    check_resources(cfg, cpus=2, gpus=2.0, where="x")
