@@ -58,8 +58,6 @@ class RoundOutcome:
         r = self.round_idx
         dropped, late = set(self.dropped), set(self.late)
         for c in self.selected:
-            if c not in self.compute_s:
-                continue
             yield r, c, "client", "sim_compute_s", self.compute_s[c]
             yield r, c, "client", "sim_comm_s", self.comm_s[c]
             yield r, c, "client", "sim_finish_s", self.finish_s[c]
@@ -156,11 +154,11 @@ class Environment:
             compute, down, up, straggler, draws = self.client_times(round_idx, c, r)
             total = down + compute + up
             out.compute_s[c], out.comm_s[c], out.straggler[c] = compute, down + up, straggler
-            if draws.u_dropout < p.dropout:
+            if not r.ok:  # a real failure (the engine records and reports it): no upload to wait for
+                gone[c] = out.finish_s[c] = down + compute
+            elif draws.u_dropout < p.dropout:
                 gone[c] = out.finish_s[c] = draws.u_drop_point * total
                 out.dropped.append(c)
-            elif not r.ok:  # a real failure (the engine records it): no upload to wait for
-                gone[c] = out.finish_s[c] = down + compute
             else:
                 finish[c] = out.finish_s[c] = total
         round_s, out.keep, out.late = resolve_round(finish, gone, k, p.deadline_s)

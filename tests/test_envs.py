@@ -273,10 +273,10 @@ def env_table(cfg):
     return run_experiment(cfg, write=False, progress=False).table
 
 
-def test_run_records_env_rows_and_filters_uploads(tiny):
-    from raysim.registry import register_algorithm
+def test_run_records_env_rows_and_filters_uploads(tiny, monkeypatch):
+    from raysim import registry
 
-    register_algorithm("env_spy", f"{__name__}:Spy")
+    monkeypatch.setitem(registry.ALGORITHMS, "env_spy", f"{__name__}:Spy")  # in-process only (sequential)
     cfg = tiny(rounds=6, clients_per_round=3, algorithm={"name": "env_spy", "params": {"lam": 1.0}},
                env={"preset": "mobile-heterogeneous", "participation": {"dropout": 0.3}})
     df = env_table(cfg)
