@@ -146,6 +146,13 @@ def test_over_selection_keeps_the_first_k(tmp_path):
     assert (out.keep, out.late, out.round_s) == ([1], [0], pytest.approx(2.2 + 0.3))
 
 
+def test_straggler_slows_compute_only(tmp_path):
+    env = two_devices(tmp_path, straggler_p=1.0, straggler_slowdown=3.0)
+    env.select(0)
+    out = env.outcome(0, [report(0, up=500_000, down=1_000_000)])
+    assert out.compute_s[0] == pytest.approx(3.0) and out.comm_s[0] == pytest.approx(1.7) and out.straggler[0]
+
+
 def test_prototypes_pay_less_than_weights(tmp_path):
     env = two_devices(tmp_path)
     env.select(0)
