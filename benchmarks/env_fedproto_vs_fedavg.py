@@ -50,14 +50,14 @@ def main() -> None:
     df = pd.concat(tables.values(), ignore_index=True)
     names = dict(df[["run_id", "method"]].drop_duplicates().itertuples(index=False))
 
-    avt = results.accuracy_vs_time(df).assign(method=lambda d: d["run_id"].map(names))
+    avt = results.accuracy_vs_sim_time(df).assign(method=lambda d: d["run_id"].map(names))
     print("\nmean local test accuracy (test_acc) vs simulated time")
     wide = avt.pivot_table(index="round", columns="method", values=["sim_time", "mean"])
     print(wide.to_string(float_format=lambda v: f"{v:.3f}"))
 
     print("\nsimulated time-to-target (first evaluated round whose mean test_acc >= target)")
     for target in args.targets:
-        ttt = results.time_to_target(df, target).assign(method=lambda d: d["run_id"].map(names))
+        ttt = results.sim_time_to_target(df, target).assign(method=lambda d: d["run_id"].map(names))
         for row in ttt.itertuples():
             reached = "not reached" if pd.isna(row.sim_time) else (
                 f"{row.sim_time:8.1f} s at round {int(row.round):>3}, {row.bytes / 1e6:7.2f} MB sent")

@@ -279,7 +279,8 @@ class ExperimentConfig:
         choice("on_client_failure", self.on_client_failure, ["skip", "raise"])
         if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
-        if self.model.assign == "tier" and (self.env is None or self.model.per_client is None):
+        if self.model.assign == "tier" and getattr(self.model, "tiers", None) is None and (
+                self.env is None or self.model.per_client is None):
             raise ConfigError("model.assign", "tier assigns per_client[j] to devices of memory tier j; it needs "
                                               "model.per_client and an env section (e.g. env: {preset: mobile-heterogeneous})")
 

@@ -93,8 +93,6 @@ def client_archs(cfg: ModelConfig, num_clients: int) -> list[ArchSpec]:
     if cfg.per_client is None:
         return [ArchSpec(cfg.arch, dict(cfg.params))] * num_clients
     specs = list(cfg.per_client)
-    if cfg.assign == "tier":
-        raise ConfigError("model.assign", "tier takes each client's memory tier from the env section (envs.Environment.archs)")
     if cfg.assign == "list":
         if len(specs) != num_clients:
             raise ConfigError("model.per_client", f"assign=list needs one entry per client ({num_clients}), got {len(specs)}")

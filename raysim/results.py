@@ -129,7 +129,7 @@ def env_time(df: pd.DataFrame, metric: str = "sim_time") -> pd.DataFrame:
     return d[["run_id", "round", "value"]].rename(columns={"value": metric}).reset_index(drop=True)
 
 
-def accuracy_vs_time(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
+def accuracy_vs_sim_time(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
     """Mean/std over clients of ``metric`` per evaluated round, with the simulated time at that round's end."""
     pr = per_round(df, metric)
     t = env_time(df)
@@ -138,10 +138,10 @@ def accuracy_vs_time(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame
     return pr.merge(t, on=["run_id", "round"], how="left")
 
 
-def time_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc") -> pd.DataFrame:
+def sim_time_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc") -> pd.DataFrame:
     """Per run: the first evaluated round whose mean ``metric`` reaches ``target``, and the simulated time (seconds)
     and bytes (up + down, all clients) spent until the end of that round; NaN where the target is never reached."""
-    avt = accuracy_vs_time(df, metric)
+    avt = accuracy_vs_sim_time(df, metric)
     tot = df[(df["scope"] == "total") & df["metric"].isin(["up_bytes", "down_bytes"])]
     out = []
     for run_id, g in avt.groupby("run_id"):

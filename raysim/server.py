@@ -49,7 +49,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     algo_cls = algorithm_class(cfg.algorithm.name)
     fed = build_federated_data(cfg.data, cfg.seed)
     env = make_environment(cfg, fed)  # None without an env section
-    archs = tuple(env.archs(cfg.model) if cfg.model.assign == "tier" else client_archs(cfg.model, cfg.data.num_clients))
+    env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
+    archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
                 fed.public)
     from raysim.models import arch_key, build_model
