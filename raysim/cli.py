@@ -65,6 +65,9 @@ def _cmd_run(args) -> int:
         print(f"  with prototypes: {pm:.4f} ± {ps:.4f}")
     comm = result.table[(result.table["scope"] == "total") & (result.table["metric"] == "up_floats")]["value"].mean()
     print(f"  uploaded floats per round (all clients): {comm:,.0f}")
+    sim = result.table[(result.table["scope"] == "env") & (result.table["metric"] == "sim_time")]["value"]
+    if len(sim):
+        print(f"  simulated time: {sim.iloc[-1]:,.1f} s (environment: {cfg.env.get('preset') or 'custom'})")
     print(f"results: {result.out_dir / 'results.parquet'}")
     return 0
 

@@ -173,7 +173,8 @@ class ModelConfig:
     """One architecture for everyone (``arch``/``params``) or per-client ones (``per_client``).
 
     ``assign``: ``cycle`` (client i gets per_client[i % len]), ``blocks`` (contiguous, near-equal blocks of client
-    ids, FedProto's "mh" setting) or ``list`` (per_client has one entry per client)."""
+    ids, FedProto's "mh" setting), ``list`` (per_client has one entry per client) or ``tier`` (per_client[j] for
+    devices of memory tier j, from the ``env`` section: the largest model such a device can hold)."""
 
     arch: str = "cnn_mnist"
     params: dict = field(default_factory=dict)
@@ -181,7 +182,7 @@ class ModelConfig:
     assign: str = "cycle"
 
     def check(self, path: str) -> None:
-        choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list"])
+        choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list", "tier"])
         if self.per_client is not None and len(self.per_client) == 0:
             raise ConfigError(_p(path, "per_client"), "must name at least one architecture")
 
@@ -270,6 +271,7 @@ class ExperimentConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    env: Optional[dict] = None  # simulated environment (envs/, validated there); None: no simulation
 
     def check(self, path: str) -> None:
         positive("rounds", self.rounds)
@@ -277,6 +279,10 @@ class ExperimentConfig:
         choice("on_client_failure", self.on_client_failure, ["skip", "raise"])
         if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
+        if self.model.assign == "tier" and getattr(self.model, "tiers", None) is None and (
+                self.env is None or self.model.per_client is None):
+            raise ConfigError("model.assign", "tier assigns per_client[j] to devices of memory tier j; it needs "
+                                              "model.per_client and an env section (e.g. env: {preset: mobile-heterogeneous})")
 
     # -- identity -----------------------------------------------------------------------------------------------
     def science_dict(self) -> dict:

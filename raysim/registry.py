@@ -12,6 +12,17 @@ ALGORITHMS: dict[str, str] = {
 }
 
 
+ENVIRONMENT = "envs:Environment"  # the simulated environment (device, network, participation, clock)
+
+
+def make_environment(cfg, fed_data):
+    """The run's simulated environment, or None when the config has no ``env`` section (envs is imported lazily)."""
+    if cfg.env is None:
+        return None
+    module, cls = ENVIRONMENT.split(":")
+    return getattr(importlib.import_module(module), cls).from_experiment(cfg, fed_data)
+
+
 def register_algorithm(name: str, target: str) -> None:
     """Register ``"module.path:ClassName"`` under ``name`` (for methods that live outside this repository)."""
     ALGORITHMS[name] = target

@@ -120,3 +120,36 @@ def rounds_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc") 
         hit = g[g["mean"] >= target]
         out.append({"run_id": run_id, "round": int(hit["round"].min()) if len(hit) else np.nan})
     return pd.DataFrame(out)
+
+
+def env_time(df: pd.DataFrame, metric: str = "sim_time") -> pd.DataFrame:
+    """Per run and round, an environment quantity (``sim_time``: cumulative simulated seconds at the round's end;
+    ``sim_round_s``, ``kept``, ``dropped`` ...) from the rows the environment layer writes (scope ``env``)."""
+    d = df[(df["scope"] == "env") & (df["metric"] == metric)]
+    return d[["run_id", "round", "value"]].rename(columns={"value": metric}).reset_index(drop=True)
+
+
+def accuracy_vs_sim_time(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
+    """Mean/std over clients of ``metric`` per evaluated round, with the simulated time at that round's end."""
+    pr = per_round(df, metric)
+    t = env_time(df)
+    if t.empty:
+        raise ValueError("no simulated time in this table: the run had no env section")
+    return pr.merge(t, on=["run_id", "round"], how="left")
+
+
+def sim_time_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc") -> pd.DataFrame:
+    """Per run: the first evaluated round whose mean ``metric`` reaches ``target``, and the simulated time (seconds)
+    and bytes (up + down, all clients) spent until the end of that round; NaN where the target is never reached."""
+    avt = accuracy_vs_sim_time(df, metric)
+    tot = df[(df["scope"] == "total") & df["metric"].isin(["up_bytes", "down_bytes"])]
+    out = []
+    for run_id, g in avt.groupby("run_id"):
+        hit = g[g["mean"] >= target].sort_values("round")
+        row = {"run_id": run_id, "target": target, "round": np.nan, "sim_time": np.nan, "bytes": np.nan}
+        if len(hit):
+            r = int(hit["round"].iloc[0])
+            spent = tot[(tot["run_id"] == run_id) & (tot["round"] <= r)]["value"].sum()
+            row.update(round=r, sim_time=float(hit["sim_time"].iloc[0]), bytes=float(spent))
+        out.append(row)
+    return pd.DataFrame(out)

@@ -147,10 +147,14 @@ class ServerRunner:
     def broadcast(self, round_idx: int):
         return self.algorithm.broadcast(self.state, self._ctx(round_idx))
 
-    def aggregate(self, round_idx: int, failures: list, *upload_groups: dict) -> dict:
+    def aggregate(self, round_idx: int, failures: list, *upload_groups: dict, keep: Optional[list] = None) -> dict:
+        """``keep``: the client ids whose uploads reach the algorithm (the environment drops late/dropped ones)."""
         uploads = {}
         for group in upload_groups:
             uploads.update(group)
+        if keep is not None:
+            keep = set(keep)
+            uploads = {cid: u for cid, u in uploads.items() if cid in keep}
         uploads = {cid: uploads[cid] for cid in sorted(uploads)}  # order-independent of actors
         rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, rngmod.SERVER, "aggregate")
         self.state, metrics = self.algorithm.aggregate(self.state, uploads, self._ctx(round_idx, failures))

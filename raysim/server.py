@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pandas as pd
@@ -27,7 +27,7 @@ from raysim.backends import make_backend, preflight
 from raysim.config import ConfigError, ExperimentConfig, to_dict
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
-from raysim.registry import algorithm_class, algorithm_target
+from raysim.registry import algorithm_class, algorithm_target, make_environment
 from raysim.results import RESULTS_FILE, ResultTable, write_parquet
 from raysim.runtime import ClientReport, RunSpec, SimulationError
 from raysim.state import save_checkpoint
@@ -41,6 +41,7 @@ class Prepared:
     fed_data: FederatedData
     task: Task
     spec: RunSpec
+    env: Any = None  # envs.Environment when the config has an env section
 
 
 def prepare(cfg: ExperimentConfig) -> Prepared:
@@ -61,7 +62,9 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                 raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
                                                          f"{', '.join(arch_params(spec.arch))}")
     fed = build_federated_data(cfg.data, cfg.seed)
-    archs = tuple(client_archs(cfg.model, cfg.data.num_clients))
+    env = make_environment(cfg, fed)  # None without an env section
+    env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
+    archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
                 fed.public)
     seen = set()
@@ -77,7 +80,9 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                 raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
     algo_cls.from_config(cfg.algorithm.params, task)
     preflight(cfg)
-    return Prepared(cfg, fed, task, RunSpec(cfg, task, algorithm_target(cfg.algorithm.name)))
+    if env is not None:
+        env.bind(task)
+    return Prepared(cfg, fed, task, RunSpec(cfg, task, algorithm_target(cfg.algorithm.name)), env)
 
 
 def versions() -> dict:
@@ -194,7 +199,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     table = ResultTable(run_id)
     rec = _Recorder(table)
     failures_log: list[dict] = []
-    timing = {"setup_s": 0.0, "round_s": [], "client_compute_s": []}
+    timing = {"setup_s": 0.0, "round_s": [], "client_compute_s": [], "env_s": []}
+    env = prep.env
     show = cfg.output.progress if progress is None else progress
     bar = None
     backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)
@@ -211,7 +217,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         stop = False
         for round_idx in range(cfg.rounds):
             t0 = time.perf_counter()
-            selected = sample_clients(cfg, round_idx)
+            selected = sample_clients(cfg, round_idx) if env is None else env.select(round_idx, cfg.clients_per_round)
+            env_s = time.perf_counter() - t0
             uploads, reports = backend.client_updates(payload, round_idx, selected)
             rec.updates(round_idx, reports)
             failed = [r for r in reports if not r.ok]
@@ -222,7 +229,16 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
                 r = failed[0]
                 raise SimulationError(f"round {round_idx}: {len(failed)} of {len(reports)} clients failed; first: client "
                                       f"{r.client_id} in stage '{r.stage}': {r.error}\n{r.traceback}")
-            rec.server(round_idx, backend.aggregate(round_idx, uploads, [(r.client_id, r.error) for r in failed]))
+            failures, keep = [(r.client_id, r.error) for r in failed], None
+            if env is not None:  # simulated times; dropped and late uploads never reach the algorithm
+                t_env = time.perf_counter()
+                outcome = env.outcome(round_idx, reports)
+                for row in outcome.rows():
+                    table.add(*row)
+                failures, keep = sorted(failures + outcome.failures()), outcome.keep
+                env_s += time.perf_counter() - t_env
+            if keep is None or keep:  # a round in which nobody delivered leaves the server state as it was
+                rec.server(round_idx, backend.aggregate(round_idx, uploads, failures, keep=keep))
             payload = backend.broadcast(round_idx + 1)  # the next round's payload; also what evaluation uses
             evaluated = (round_idx + 1) % cfg.eval.every == 0 or round_idx == cfg.rounds - 1
             if evaluated:
@@ -235,6 +251,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
                 rec.server(round_idx, backend.evaluate_server(round_idx))
             timing["round_s"].append(time.perf_counter() - t0)
             timing["client_compute_s"].append(sum(r.seconds for r in reports))
+            timing["env_s"].append(env_s if env is not None else 0.0)
             if write and cfg.output.checkpoint_every and (round_idx + 1) % cfg.output.checkpoint_every == 0:
                 s, c = backend.get_state()
                 save_checkpoint(tmp_dir / "checkpoints" / f"round_{round_idx:05d}.pt", round_idx, s, c)
@@ -244,6 +261,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
                     v = table.latest(m)
                     if v is not None:
                         post[m.replace("test_", "")] = f"{v:.4f}"
+                if env is not None:
+                    post["sim"] = f"{env.sim_time:.0f}s"
                 bar.set_postfix(post, refresh=False)
                 bar.update(1)
             if evaluated and callback is not None and callback(round_idx, table):
@@ -273,6 +292,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         "stopped_early": stop,
         "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in failures_log],
     }
+    if env is not None:
+        meta["env"] = env.summary()
     result = RunResult(run_id, final_dir, df, meta, timing)
     if write:
         write_parquet(df, tmp_dir / RESULTS_FILE, meta)
@@ -280,6 +301,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         summary = {k: v for k, v in meta.items() if k != "config"}
         summary["timing"] = {"setup_s": timing["setup_s"], "total_round_s": float(np.sum(timing["round_s"])),
                              "mean_round_s": float(np.mean(timing["round_s"])) if timing["round_s"] else math.nan,
+                             "total_env_s": float(np.sum(timing["env_s"])),
                              "backend": cfg.backend.name}
         summary["failures"] = failures_log
         (tmp_dir / "run.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -18,7 +18,8 @@ class Backend:
         """Run the sampled clients; return (handle to their uploads, ClientReports sorted by client id)."""
         raise NotImplementedError
 
-    def aggregate(self, round_idx: int, uploads: Any, failures: list) -> dict:
+    def aggregate(self, round_idx: int, uploads: Any, failures: list, keep: list | None = None) -> dict:
+        """Aggregate the uploads (only those of ``keep``, when given)."""
         raise NotImplementedError
 
     def evaluate_clients(self, payload: Any, round_idx: int, client_ids: list[int]) -> list:

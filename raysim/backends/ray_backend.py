@@ -112,8 +112,8 @@ class RayBackend(Backend):
         reports = [r for group in ray.get(report_refs) for r in group]
         return upload_refs, sorted(reports, key=lambda r: r.client_id)
 
-    def aggregate(self, round_idx, uploads, failures):
-        return ray.get(self.server.aggregate.remote(round_idx, failures, *uploads))
+    def aggregate(self, round_idx, uploads, failures, keep=None):
+        return ray.get(self.server.aggregate.remote(round_idx, failures, *uploads, keep=keep))
 
     def evaluate_clients(self, payload, round_idx, client_ids):
         refs = [a.evaluate.remote(payload, round_idx, g) for a, g in zip(self.actors, self._groups(client_ids)) if g]

@@ -21,8 +21,8 @@ class SequentialBackend(Backend):
     def client_updates(self, payload, round_idx, client_ids):
         return self.clients.run_updates(payload, round_idx, client_ids)
 
-    def aggregate(self, round_idx, uploads, failures):
-        return self.server.aggregate(round_idx, failures, uploads)
+    def aggregate(self, round_idx, uploads, failures, keep=None):
+        return self.server.aggregate(round_idx, failures, uploads, keep=keep)
 
     def evaluate_clients(self, payload, round_idx, client_ids):
         return self.clients.evaluate(payload, round_idx, client_ids)
