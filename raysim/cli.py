@@ -37,6 +37,8 @@ def _add_tune_report(sub) -> None:
     tune.add_argument("--study-name", default=None, help="default: <config name>-tune")
     tune.add_argument("--parallel", type=int, default=1, help="trials at a time, as Ray tasks (default 1, in-process)")
     tune.add_argument("--out", default=None, help="output directory (default: output.dir/tune-<study name>)")
+    tune.add_argument("--first", action="append", default=[], metavar="KEY=VALUE",
+                      help="a value the first trial of a new study runs (e.g. the default, as a baseline; repeatable)")
     tune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a base config value (repeatable)")
     rep = sub.add_parser("report", help="mean ± std over seeds, rounds-to-target, communication, plots")
@@ -54,8 +56,11 @@ def _cmd_tune(args) -> int:
 
     study = importlib.import_module("tuning.study")  # raysim does not depend on tuning; reached by name only
     space = importlib.import_module("tuning.space").load_space(args.space)
+    from raysim.config import parse_override
+
+    first = dict(parse_override(text) for text in args.first)
     res = study.tune(args.config, space, args.trials, storage=args.storage, study_name=args.study_name,
-                     out_dir=args.out, parallel=args.parallel, overrides=args.overrides)
+                     out_dir=args.out, parallel=args.parallel, overrides=args.overrides, first_params=first or None)
     t = res.trials
     states = t["state"].value_counts().to_dict() if len(t) else {}
     print(f"study {res.study_name}: {len(t)} trial(s) {states}; ran {res.ran} in {res.wall_s:.1f} s")

@@ -264,8 +264,18 @@ def test_killed_study_resumes_without_lost_or_duplicated_trials(tmp_path):
     assert len(retry) == 1 and retry["state"].iloc[0] == "COMPLETE"
     assert retry["params_algorithm.params.lam"].iloc[0] == orphans[0].params["algorithm.params.lam"]
     assert complete["params_algorithm.params.lam"].is_unique
-    runs = sorted(p.name for p in (out / "trials").iterdir() if not p.name.startswith("."))
+    runs = sorted(p.name for p in (out / "trials").iterdir())  # the killed run's .tmp directory is gone
     assert runs == [f"trial_{n:04d}" for n in sorted(complete.index)]
+
+
+def test_first_trial_runs_the_given_baseline(tmp_path):
+    space = {"params": LAM, "pruner": {"name": "none"}, "sampler": {"name": "random", "seed": 0}}
+    with pytest.raises(ConfigError) as e:
+        tune(tiny_config(rounds=1), space, 2, out_dir=tmp_path, log=QUIET, first_params={"train.lr": 0.1})
+    assert e.value.field == "--first" and not (tmp_path / "study.journal").exists()
+    res = tune(tiny_config(rounds=1), space, 2, out_dir=tmp_path, log=QUIET, first_params={"algorithm.params.lam": 1.0})
+    lams = res.trials.sort_values("number")["params_algorithm.params.lam"].tolist()
+    assert lams[0] == 1.0 and lams[1] != 1.0
 
 
 def test_changed_space_refuses_to_resume(tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import socket
 import time
 import traceback
@@ -276,6 +277,9 @@ def recover_stale(study, log: Callable = print) -> int:
         storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
         if t.params:
             study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
+        run_dir = t.user_attrs.get("run_dir")
+        if run_dir:  # the killed run's unfinished directory (run_experiment writes atomically via .tmp-<name>)
+            shutil.rmtree(Path(run_dir).parent / f".tmp-{Path(run_dir).name}", ignore_errors=True)
         log(f"trial {t.number} was interrupted (driver {t.user_attrs.get('driver')} gone): marked failed, "
             f"{'parameters enqueued again' if t.params else 'no parameters drawn yet'}")
         n += 1
@@ -326,10 +330,11 @@ def _begin_trial(study, space: SearchSpace, base: dict, out_dir: Path):
 
 def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, storage: str | None = None,
          study_name: str | None = None, out_dir: str | Path | None = None, parallel: int = 1,
-         overrides: list[str] | None = None, log: Callable = print,
+         overrides: list[str] | None = None, log: Callable = print, first_params: Optional[dict] = None,
          stop_after: Optional[int] = None) -> TuneResult:
-    """Run (or resume) a study until it holds ``n_trials`` finished trials. ``stop_after`` (tests): return after
-    starting this many trials in this call, as if interrupted."""
+    """Run (or resume) a study until it holds ``n_trials`` finished trials. ``first_params``: values (dotted key ->
+    value) the first trial of a new study runs, e.g. the method's default, as a baseline the sampler and pruner see.
+    ``stop_after`` (tests): return after starting this many trials in this call, as if interrupted."""
     import optuna
 
     t_start = time.perf_counter()
@@ -343,6 +348,9 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
     if not isinstance(space, SearchSpace):
         space = parse_space(space)
     check_against_config(space, base)
+    unknown = sorted(set(first_params or {}) - set(space.params))
+    if unknown:
+        raise ConfigError("--first", f"{', '.join(unknown)} is not a tuned key; tuned: {', '.join(space.params)}")
     study_name = study_name or f"{cfg.name}-tune"
     out_dir = Path(out_dir) if out_dir else Path(cfg.output.dir) / f"tune-{study_name}"
     storage_url = storage or f"journal:{out_dir / 'study.journal'}"
@@ -365,6 +373,8 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
     study.set_user_attr("base_config", to_dict(cfg))
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    if first_params and not study.get_trials(deepcopy=False):
+        study.enqueue_trial(dict(first_params), user_attrs={"baseline": True})
     recover_stale(study, log)
     study.sampler = space.sampler.build(resumed_at=len(study.get_trials(deepcopy=False)))
     done = counted(study.get_trials(deepcopy=False))
