@@ -53,7 +53,8 @@ def open_storage(url: str):
     if "://" in url:
         if url.startswith("sqlite:///"):
             Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        return optuna.storages.RDBStorage(url, engine_kwargs={"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None)
+        kwargs = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else None  # several writers wait
+        return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
     path = url[len("journal:"):] if url.startswith("journal:") else url
     if not url.startswith("journal:") and Path(path).suffix not in (".log", ".journal", ".jsonl"):
         raise ConfigError("--storage", f"{url!r} is not a storage URL; use sqlite:///PATH.db, journal:PATH or a "
@@ -273,7 +274,8 @@ def recover_stale(study, log: Callable = print) -> int:
             continue
         storage = study._storage
         storage.set_trial_user_attr(t._trial_id, "outcome", "interrupted")
-        storage.set_trial_user_attr(t._trial_id, "fail_reason", f"interrupted: driver {t.user_attrs.get('driver')} is gone")
+        reason = f"interrupted: driver {t.user_attrs.get('driver')} is gone"
+        storage.set_trial_user_attr(t._trial_id, "fail_reason", reason)
         storage.set_trial_state_values(t._trial_id, optuna.trial.TrialState.FAIL)
         if t.params:
             study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
