@@ -300,7 +300,7 @@ def test_parallel_trials_on_ray_match_in_process_runs(tmp_path, ray_session):
     from raysim.server import run_experiment
 
     space = {"params": LAM, "pruner": {"name": "none"}, "sampler": {"name": "random", "seed": 1},
-             "trial_resources": {"num_cpus": 1}}
+             "trial_resources": {"num_cpus": 1, "num_gpus": 0.5}}  # the session declares 2 fake GPUs (no CUDA used)
     base = tiny_config(rounds=2, backend__name="ray")  # trials run the sequential backend inside their task
     res = tune(base, space, 3, out_dir=tmp_path / "s", parallel=2, log=QUIET)
     t = res.trials.set_index("number")
@@ -310,3 +310,11 @@ def test_parallel_trials_on_ray_match_in_process_runs(tmp_path, ray_session):
     assert t.loc[2, "value"] == ref.final("test_acc")[0]
     assert counted(optuna.load_study(study_name="tiny-tune", storage=open_storage(
         f"journal:{tmp_path / 's' / 'study.journal'}")).get_trials()) == 3
+
+
+@pytest.mark.ray
+def test_parallel_trials_asking_for_missing_gpus_fail_fast(tmp_path, ray_session):
+    space = {"params": LAM, "trial_resources": {"num_cpus": 1, "num_gpus": 3}}
+    with pytest.raises(ConfigError) as e:
+        tune(tiny_config(rounds=1), space, 2, out_dir=tmp_path, parallel=2, log=QUIET)
+    assert e.value.field == "space.trial_resources.num_gpus"

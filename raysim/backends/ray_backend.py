@@ -146,6 +146,8 @@ class TaskPool:
 
     def __init__(self, num_cpus: float, num_gpus: float, address=None, where: str = "trial_resources"):
         self._own_session = False
+        self._fns: dict = {}
+        self.pending: dict = {}
         if not ray.is_initialized():
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             env = {"PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}
@@ -163,8 +165,6 @@ class TaskPool:
         self.slots = int(cpus // num_cpus) if num_cpus > 0 else 10**6
         if num_gpus > 0:
             self.slots = min(self.slots, _gpu_capacity(num_gpus, gpus))
-        self._fns: dict = {}
-        self.pending: dict = {}
 
     def submit(self, key, fn, *args) -> None:
         if fn not in self._fns:
