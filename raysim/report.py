@@ -57,7 +57,7 @@ def summary_markdown(summary: pd.DataFrame, index: pd.DataFrame, metric: str, ta
                f"final {metric}": _pm(s["final_mean"], s["final_std"]),
                f"best {metric}": _pm(s["best_mean"], s["best_std"]),
                "best round idx": _pm(s["best_round_mean"], s["best_round_std"], 1),
-               "last round idx": f"{s['last_round_mean']:.0f}"}
+               "last round idx": f"{s['last_round_mean']:g}"}
         if target is not None:
             row[f"rounds to {target:g}"] = f"{_pm(s['rounds_to_target_mean'], s['rounds_to_target_std'], 1)} " \
                                            f"({int(s['reached'])}/{int(s['runs'])} reached)"
