@@ -395,6 +395,8 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
 
 
 def _run_sequential(study, space, base, out_dir, todo, log, stop_after) -> int:
+    from optuna.trial import TrialState
+
     ran = 0
     while ran < todo and (stop_after is None or ran < stop_after):
         trial, params, run_dir = _begin_trial(study, space, base, out_dir)
@@ -407,13 +409,15 @@ def _run_sequential(study, space, base, out_dir, todo, log, stop_after) -> int:
         except (ConfigError, DataError) as e:
             trial.set_user_attr("outcome", "config_error")
             trial.set_user_attr("fail_reason", str(e))
-            study.tell(trial, state=__import__("optuna").trial.TrialState.FAIL)
+            study.tell(trial, state=TrialState.FAIL)
             raise
         _tell(study, trial, out, log)
     return ran
 
 
 def _run_parallel(study, space, base, out_dir, storage_url, study_name, todo, parallel, log, stop_after) -> int:
+    from optuna.trial import TrialState
+
     from raysim.backends.ray_backend import TaskPool
 
     cfg = make_config(base)
@@ -439,7 +443,7 @@ def _run_parallel(study, space, base, out_dir, storage_url, study_name, todo, pa
                 if isinstance(err, (ConfigError, DataError)):
                     trial.set_user_attr("outcome", "config_error")
                     trial.set_user_attr("fail_reason", str(err))
-                    study.tell(trial, state=__import__("optuna").trial.TrialState.FAIL)
+                    study.tell(trial, state=TrialState.FAIL)
                     raise err
                 out = TrialOutcome("error", reason=f"error: the Ray task failed: {type(err).__name__}: {err}")
             _tell(study, trial, out, log)
