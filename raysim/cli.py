@@ -1,4 +1,4 @@
-"""The ``raysim`` command: ``run``, ``list`` (``tune`` and ``report`` come with the tuning issue).
+"""The ``raysim`` command: ``run`` (``--seeds`` for several), ``list``, ``tune`` (Optuna) and ``report``.
 
 Exit codes: 0 ok, 1 the simulation failed, 2 a bad config or bad data (one message naming the field)."""
 from __future__ import annotations
@@ -20,8 +20,67 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="run directory (default: output.dir/<run id>)")
     run.add_argument("--backend", choices=["sequential", "ray"], default=None, help="shortcut for --set backend.name=...")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--seeds", default=None, metavar="S1,S2,...",
+                     help="run once per seed (e.g. 1,2,3 or 1-5); --out is then a parent directory of seed<N>/ runs")
+    _add_tune_report(sub)
     sub.add_parser("list", help="list algorithms, datasets, partitioners and model architectures")
     return p
+
+
+def _add_tune_report(sub) -> None:
+    tune = sub.add_parser("tune", help="an Optuna study over config keys (persistent, resumable, prunable)")
+    tune.add_argument("config", help="YAML config file (the base of every trial)")
+    tune.add_argument("--space", required=True, help="search-space YAML (params, objective, pruner, sampler)")
+    tune.add_argument("--trials", type=int, required=True, help="finished trials the study should hold")
+    tune.add_argument("--storage", default=None,
+                      help="sqlite:///study.db or journal:study.log (default: journal file in the output directory)")
+    tune.add_argument("--study-name", default=None, help="default: <config name>-tune")
+    tune.add_argument("--parallel", type=int, default=1, help="trials at a time, as Ray tasks (default 1, in-process)")
+    tune.add_argument("--out", default=None, help="output directory (default: output.dir/tune-<study name>)")
+    tune.add_argument("--first", action="append", default=[], metavar="KEY=VALUE",
+                      help="a value the first trial of a new study runs (e.g. the default, as a baseline; repeatable)")
+    tune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a base config value (repeatable)")
+    rep = sub.add_parser("report", help="mean ± std over seeds, rounds-to-target, communication, plots")
+    rep.add_argument("runs", nargs="+", help="run directories, result files, or parent directories of runs")
+    rep.add_argument("--out", default="report", help="output directory (default: ./report)")
+    rep.add_argument("--metric", action="append", default=None,
+                     help="client metric(s) to summarise (default: test_acc and test_acc_proto when present)")
+    rep.add_argument("--target", type=float, default=None, help="target accuracy for rounds-to-target")
+    rep.add_argument("--time-metric", default=None, help="total/server metric holding a round's simulated time")
+    rep.add_argument("--no-plots", action="store_true")
+
+
+def _cmd_tune(args) -> int:
+    import importlib
+
+    study = importlib.import_module("tuning.study")  # raysim does not depend on tuning; reached by name only
+    space = importlib.import_module("tuning.space").load_space(args.space)
+    from raysim.config import parse_override
+
+    first = dict(parse_override(text) for text in args.first)
+    res = study.tune(args.config, space, args.trials, storage=args.storage, study_name=args.study_name,
+                     out_dir=args.out, parallel=args.parallel, overrides=args.overrides, first_params=first or None)
+    t = res.trials
+    states = t["state"].value_counts().to_dict() if len(t) else {}
+    print(f"study {res.study_name}: {len(t)} trial(s) {states}; ran {res.ran} in {res.wall_s:.1f} s")
+    if res.best_value is not None:
+        print(f"best value {res.best_value:.4f} with {res.best_params}; config: {res.files['best']}")
+    print(f"trials table: {res.files['trials']}")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from raysim.report import build_report
+
+    try:
+        files = build_report(args.runs, args.out, args.metric, args.target, args.time_metric, plots=not args.no_plots)
+    except (KeyError, FileNotFoundError) as e:
+        print(f"raysim report: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    print(files["summary.md"].read_text())
+    print("wrote " + ", ".join(str(p) for p in files.values()))
+    return 0
 
 
 def _cmd_list() -> int:
@@ -57,6 +116,8 @@ def _cmd_run(args) -> int:
     if args.backend:
         overrides.append(f"backend.name={args.backend}")
     cfg = load_config(args.config, overrides)
+    if args.seeds:
+        return _cmd_run_seeds(cfg, args)
     result = run_experiment(cfg, out_dir=args.out, progress=not args.no_progress)
     mean, std = result.final("test_acc")
     print(f"run {result.run_id}: final mean local test accuracy {mean:.4f} ± {std:.4f} over {cfg.data.num_clients} clients")
@@ -72,11 +133,28 @@ def _cmd_run(args) -> int:
     return 0
 
 
+def _cmd_run_seeds(cfg, args) -> int:
+    import numpy as np
+
+    from raysim.sweep import parse_seeds, run_seeds
+
+    runs = run_seeds(cfg, parse_seeds(args.seeds), out_dir=args.out, progress=not args.no_progress)
+    finals = [r.final("test_acc")[0] for r in runs]
+    sd = float(np.std(finals, ddof=1)) if len(finals) > 1 else float("nan")
+    print(f"{len(runs)} seeds: final mean local test accuracy {np.mean(finals):.4f} ± {sd:.4f} (std over seeds)")
+    print("summarise with: raysim report " + " ".join(str(r.out_dir) for r in runs))
+    return 0
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "list":
             return _cmd_list()
+        if args.command == "tune":
+            return _cmd_tune(args)
+        if args.command == "report":
+            return _cmd_report(args)
         return _cmd_run(args)
     except (ConfigError, DataError) as e:
         print(f"raysim: {e}", file=sys.stderr)

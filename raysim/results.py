@@ -153,3 +153,123 @@ def sim_time_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc"
             row.update(round=r, sim_time=float(hit["sim_time"].iloc[0]), bytes=float(spent))
         out.append(row)
     return pd.DataFrame(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# time axes, time-to-target and summaries over seeds (used by ``raysim report`` and ``tuning``)
+
+COMM_BYTES = ("up_bytes", "down_bytes")
+
+
+def cumulative(df: pd.DataFrame, time: str = "round") -> pd.DataFrame:
+    """Per run and round, the time axis at the end of that round: ``round`` -> rounds completed (round + 1);
+    ``bytes`` -> bytes communicated so far, up + down, all clients; any other name -> running sum of that
+    total/server-scope metric (e.g. a simulated round duration). Columns run_id, round, x."""
+    rounds = df[["run_id", "round"]].drop_duplicates().sort_values(["run_id", "round"])
+    if time == "round":
+        return rounds.assign(x=rounds["round"].astype(float) + 1.0).reset_index(drop=True)
+    names = list(COMM_BYTES) if time == "bytes" else [time]
+    d = df[df["scope"].isin(["total", "server"]) & df["metric"].isin(names)]
+    if d.empty:
+        raise KeyError(f"no '{time}' rows (scope total or server) in the result table")
+    per = d.groupby(["run_id", "round"])["value"].sum().rename("step").reset_index()
+    out = rounds.merge(per, on=["run_id", "round"], how="left").fillna({"step": 0.0})
+    out["x"] = out.groupby("run_id")["step"].cumsum()
+    return out.drop(columns="step").reset_index(drop=True)
+
+
+def time_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc", time: str = "round") -> pd.DataFrame:
+    """Per run: the first evaluated round whose mean ``metric`` reaches ``target`` and the time axis there
+    (rounds completed, bytes, or simulated time; see :func:`cumulative`). NaN where the target is never reached."""
+    pr = per_round(df, metric).merge(cumulative(df, time), on=["run_id", "round"], how="left")
+    out = []
+    for run_id, g in pr.groupby("run_id"):
+        hit = g[g["mean"] >= target].sort_values("round")
+        out.append({"run_id": run_id, "round": int(hit["round"].iloc[0]) if len(hit) else np.nan,
+                    "time": float(hit["x"].iloc[0]) if len(hit) else np.nan})
+    return pd.DataFrame(out, columns=["run_id", "round", "time"])
+
+
+def run_index(paths) -> pd.DataFrame:
+    """One row per run: run_id, name, seed, group, path. Runs whose configs differ only in the seed share a group
+    (``<name>-<hash of the config without the seed>``), so seeds of one setting are aggregated together."""
+    import hashlib
+
+    rows = []
+    for f in _result_files(paths):
+        meta = load_metadata(f)
+        cfg = dict(meta.get("config") or {})
+        science = {k: v for k, v in cfg.items() if k not in ("seed", "name", "backend", "output")}
+        h = hashlib.sha256(json.dumps(science, sort_keys=True, default=str).encode()).hexdigest()[:8]
+        run_id = meta.get("run_id") or str(pd.read_parquet(f, columns=["run_id"])["run_id"].iloc[0])
+        rows.append({"run_id": run_id, "name": cfg.get("name", run_id), "seed": meta.get("seed", cfg.get("seed")),
+                     "group": f"{cfg.get('name', 'run')}-{h}", "path": str(f.parent)})
+    return pd.DataFrame(rows, columns=["run_id", "name", "seed", "group", "path"])
+
+
+def _groups_frame(df: pd.DataFrame, groups) -> pd.DataFrame:
+    if groups is None:
+        return pd.DataFrame({"run_id": df["run_id"].unique(), "group": df["run_id"].unique()})
+    if isinstance(groups, pd.DataFrame):
+        return groups[["run_id", "group"]]
+    return pd.DataFrame({"run_id": list(groups), "group": [groups[k] for k in groups]})
+
+
+def seed_summary(df: pd.DataFrame, groups=None, metric: str = "test_acc", target: float | None = None,
+                 time: str | None = None) -> pd.DataFrame:
+    """Mean ± std over the runs (seeds) of each group. Per run: final = mean over clients of ``metric`` at the last
+    evaluated round, best = the highest such mean and its round index, rounds_to_target = rounds completed when the
+    mean first reaches ``target`` (and the ``time`` axis there), communication totals over the whole run. The std is
+    the sample std over runs (ddof = 1; NaN for a single run). ``groups``: run_id -> group (a mapping or the frame
+    of :func:`run_index`); default one group per run."""
+    g = _groups_frame(df, groups)
+    fin = final(df, metric)[["run_id", "round", "mean"]].rename(columns={"round": "last_round", "mean": "final"})
+    bst = best(df, metric)[["run_id", "round", "mean"]].rename(columns={"round": "best_round", "mean": "best"})
+    runs = g.merge(fin, on="run_id").merge(bst, on="run_id")
+    com = communication(df)
+    for m in COMM_BYTES:
+        tot = com[com["metric"] == m][["run_id", "total"]].rename(columns={"total": f"{m}_total"})
+        runs = runs.merge(tot, on="run_id", how="left")
+    if target is not None:
+        tt = time_to_target(df, target, metric, "round").rename(columns={"time": "rounds_to_target"})
+        runs = runs.merge(tt[["run_id", "rounds_to_target"]], on="run_id", how="left")
+        if time not in (None, "round"):
+            tt = time_to_target(df, target, metric, time).rename(columns={"time": f"{time}_to_target"})
+            runs = runs.merge(tt[["run_id", f"{time}_to_target"]], on="run_id", how="left")
+    value_cols = [c for c in runs.columns if c not in ("run_id", "group")]
+    agg = runs.groupby("group", sort=True)
+    out = pd.DataFrame({"runs": agg.size()})
+    for c in value_cols:
+        out[f"{c}_mean"] = agg[c].mean()
+        out[f"{c}_std"] = agg[c].std(ddof=1)
+    if target is not None:
+        out["reached"] = agg["rounds_to_target"].apply(lambda s: int(s.notna().sum()))
+    return out.reset_index()
+
+
+def seed_curves(df: pd.DataFrame, groups=None, metric: str = "test_acc", time: str = "round") -> pd.DataFrame:
+    """Per group and evaluated round: the time axis (mean over runs) and the mean over clients of ``metric``,
+    averaged over runs with its sample std (columns group, round, x, mean, std, runs)."""
+    g = _groups_frame(df, groups)
+    pr = per_round(df, metric)[["run_id", "round", "mean"]].merge(cumulative(df, time), on=["run_id", "round"])
+    pr = pr.merge(g, on="run_id")
+    agg = pr.groupby(["group", "round"])
+    out = pd.DataFrame({"x": agg["x"].mean(), "mean": agg["mean"].mean(), "std": agg["mean"].std(ddof=1),
+                        "runs": agg.size()})
+    return out.reset_index()
+
+
+def markdown_table(frame: pd.DataFrame, digits: int = 4) -> str:
+    """A GitHub-flavoured Markdown table (no tabulate dependency); NaN prints as an en dash."""
+    def cell(v):
+        if isinstance(v, (float, np.floating)):
+            if not np.isfinite(v):
+                return "–"
+            return f"{v:,.0f}" if abs(v) >= 1e5 else f"{v:.{digits}g}" if abs(v) >= 1 else f"{v:.{digits}f}"
+        return str(v)
+
+    cols = list(frame.columns)
+    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
+    for _, row in frame.iterrows():
+        lines.append("| " + " | ".join(cell(row[c]) for c in cols) + " |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,275 @@
+"""The search-space file of ``raysim tune``: which config keys to tune, the objective, pruner, sampler.
+
+Example (``configs/tune_fedproto_lam.yaml``)::
+
+    params:                      # dotted config key -> distribution
+      algorithm.params.lam: {type: float, low: 0.01, high: 100.0, log: true}
+    objective:
+      metric: test_acc           # a client-scope metric; its mean over clients per evaluated round
+      mode: final                # final | best | time_to_target
+      target: 0.9                # time_to_target: the accuracy to reach
+      time: round                # time_to_target: round | bytes | any total/server-scope metric summed per round
+    pruner: {name: median, n_startup_trials: 3, n_warmup_steps: 1}
+    sampler: {name: tpe, seed: 0}
+    trial_seed: config           # config: every trial runs the config's seed; trial: seed + trial number
+    trial_resources: {num_cpus: 1, num_gpus: 0}   # per trial with --parallel (Ray tasks)
+
+The file is validated like an experiment config: every problem is one :class:`raysim.config.ConfigError` naming the
+dotted field (``space.params.<key>.low`` ...), raised before the study touches its storage.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from raysim.config import ConfigError, choice, from_dict, make_config, positive, to_dict
+
+PRUNERS = ("none", "median", "percentile", "successive_halving")
+SAMPLERS = ("tpe", "random")
+MODES = ("final", "best", "time_to_target")
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    type: str = "float"  # float | int | categorical
+    low: Optional[float] = None
+    high: Optional[float] = None
+    log: bool = False
+    step: Optional[float] = None
+    choices: Optional[list[Any]] = None
+
+    def check(self, path: str) -> None:
+        choice(f"{path}.type", self.type, ["float", "int", "categorical"])
+        if self.type == "categorical":
+            if not self.choices:
+                raise ConfigError(f"{path}.choices", "a categorical parameter needs a non-empty list of choices")
+            return
+        for name in ("low", "high"):
+            if getattr(self, name) is None:
+                raise ConfigError(f"{path}.{name}", f"a {self.type} parameter needs low and high")
+        if not self.low < self.high:
+            raise ConfigError(f"{path}.high", f"must be greater than low ({self.low}), got {self.high}")
+        if self.log and self.low <= 0:
+            raise ConfigError(f"{path}.low", f"must be > 0 with log: true, got {self.low}")
+        if self.log and self.step is not None:
+            raise ConfigError(f"{path}.step", "cannot be combined with log: true")
+        if self.step is not None:
+            positive(f"{path}.step", self.step)
+        if self.type == "int":
+            for name in ("low", "high", "step"):
+                v = getattr(self, name)
+                if v is not None and not float(v).is_integer():
+                    raise ConfigError(f"{path}.{name}", f"must be a whole number for an int parameter, got {v}")
+
+    def suggest(self, trial, key: str):
+        if self.type == "categorical":
+            return trial.suggest_categorical(key, list(self.choices))
+        if self.type == "int":
+            return trial.suggest_int(key, int(self.low), int(self.high), step=int(self.step or 1), log=self.log)
+        return trial.suggest_float(key, float(self.low), float(self.high), step=self.step, log=self.log)
+
+    def corners(self) -> list:
+        """Values that must all be valid config values (checked before the study starts)."""
+        if self.type == "categorical":
+            return list(self.choices)
+        if self.type == "int":
+            return [int(self.low), int(self.high)]
+        return [float(self.low), float(self.high)]
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    metric: str = "test_acc"
+    mode: str = "final"
+    target: Optional[float] = None
+    time: str = "round"
+    miss_penalty: float = 2.0  # time_to_target never reached: value = miss_penalty x the whole run's time
+
+    def check(self, path: str) -> None:
+        choice(f"{path}.mode", self.mode, MODES)
+        if self.mode == "time_to_target" and self.target is None:
+            raise ConfigError(f"{path}.target", "time_to_target needs a target value of the metric")
+        positive(f"{path}.miss_penalty", self.miss_penalty)
+
+    @property
+    def direction(self) -> str:
+        return "minimize" if self.mode == "time_to_target" else "maximize"
+
+
+@dataclass(frozen=True)
+class PrunerSpec:
+    name: str = "median"
+    n_startup_trials: int = 3
+    n_warmup_steps: int = 0  # a round index: no pruning before this round
+    percentile: float = 25.0  # percentile pruner only
+    min_resource: int = 1  # successive_halving only (in rounds)
+    reduction_factor: int = 3  # successive_halving only
+
+    def check(self, path: str) -> None:
+        choice(f"{path}.name", self.name, PRUNERS)
+        positive(f"{path}.n_startup_trials", self.n_startup_trials, allow_zero=True)
+        positive(f"{path}.n_warmup_steps", self.n_warmup_steps, allow_zero=True)
+        if not 0.0 < self.percentile < 100.0:
+            raise ConfigError(f"{path}.percentile", f"must be in (0, 100), got {self.percentile}")
+        positive(f"{path}.min_resource", self.min_resource)
+        if self.reduction_factor < 2:
+            raise ConfigError(f"{path}.reduction_factor", f"must be >= 2, got {self.reduction_factor}")
+
+    def build(self):
+        import optuna
+
+        if self.name == "none":
+            return optuna.pruners.NopPruner()
+        if self.name == "median":
+            return optuna.pruners.MedianPruner(n_startup_trials=self.n_startup_trials, n_warmup_steps=self.n_warmup_steps)
+        if self.name == "percentile":
+            return optuna.pruners.PercentilePruner(self.percentile, n_startup_trials=self.n_startup_trials,
+                                                   n_warmup_steps=self.n_warmup_steps)
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=self.min_resource,
+                                                      reduction_factor=self.reduction_factor)
+
+
+@dataclass(frozen=True)
+class SamplerSpec:
+    name: str = "tpe"
+    seed: Optional[int] = 0
+    n_startup_trials: int = 5  # tpe: random trials before the model kicks in
+
+    def check(self, path: str) -> None:
+        choice(f"{path}.name", self.name, SAMPLERS)
+        positive(f"{path}.n_startup_trials", self.n_startup_trials, allow_zero=True)
+
+    def build(self, resumed_at: int = 0):
+        """``resumed_at``: trials already in the study. A resumed study reseeds its sampler from (seed, resumed_at),
+        so it does not replay the draws of the first session (identical parameters twice)."""
+        import optuna
+
+        from raysim.rng import derive_seed
+
+        seed = self.seed
+        if seed is not None and resumed_at:
+            seed = derive_seed(seed, resumed_at, -1, "sampler") % 2**32
+        if self.name == "random":
+            return optuna.samplers.RandomSampler(seed=seed)
+        return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.n_startup_trials)
+
+
+@dataclass(frozen=True)
+class Resources:
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+
+    def check(self, path: str) -> None:
+        positive(f"{path}.num_cpus", self.num_cpus, allow_zero=True)
+        positive(f"{path}.num_gpus", self.num_gpus, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    params: dict = field(default_factory=dict)  # dotted key -> ParamSpec (converted in parse_space)
+    objective: ObjectiveSpec = field(default_factory=ObjectiveSpec)
+    pruner: PrunerSpec = field(default_factory=PrunerSpec)
+    sampler: SamplerSpec = field(default_factory=SamplerSpec)
+    trial_seed: str = "config"
+    trial_resources: Resources = field(default_factory=Resources)
+
+    def check(self, path: str) -> None:
+        choice(f"{path}.trial_seed", self.trial_seed, ["config", "trial"])
+        if not self.params:
+            raise ConfigError(f"{path}.params", "name at least one config key to tune, e.g. algorithm.params.lam")
+
+    def to_dict(self) -> dict:
+        d = to_dict(self)
+        d["params"] = {k: to_dict(v) for k, v in self.params.items()}
+        return d
+
+    def space_hash(self) -> str:
+        """Identity of what a study searches (not of how it runs it): a resumed study must match it."""
+        d = self.to_dict()
+        d.pop("trial_resources")
+        return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+    def suggest(self, trial) -> dict:
+        return {key: spec.suggest(trial, key) for key, spec in self.params.items()}
+
+
+def parse_space(data: dict | None, path: str = "space") -> SearchSpace:
+    data = dict(data or {})
+    raw = data.pop("params", None)
+    if raw is not None and not isinstance(raw, dict):
+        raise ConfigError(f"{path}.params", f"expected a mapping of dotted config key -> distribution, got {raw!r}")
+    params = {str(k): from_dict(ParamSpec, v, f"{path}.params.{k}") for k, v in (raw or {}).items()}
+    space = from_dict(SearchSpace, {**data, "params": params}, path)
+    return space
+
+
+def load_space(path: str | Path) -> SearchSpace:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("--space", f"file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError("--space", f"{path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("--space", f"{path} must hold a mapping at the top level")
+    return parse_space(data)
+
+
+def set_dotted(data: dict, key: str, value) -> dict:
+    """A copy of the config dict ``data`` with ``key`` (dotted) set to ``value`` (no YAML round trip, so 1e20 stays
+    a float); intermediate sections are created as needed."""
+    data = copy.deepcopy(data or {})
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
+        node = nxt
+    node[parts[-1]] = value
+    return data
+
+
+def apply_params(base: dict, params: dict, seed: Optional[int] = None):
+    """The experiment config of one trial: ``base`` (a config dict) with the trial's values set by dotted key."""
+    data = base
+    for k, v in params.items():
+        data = set_dotted(data, k, v)
+    if seed is not None:
+        data = set_dotted(data, "seed", int(seed))
+    return make_config(data)
+
+
+def check_against_config(space: SearchSpace, base: dict) -> None:
+    """Every tuned key must exist in the config and every corner of its range must be a valid value."""
+    from raysim.registry import algorithm_class
+
+    cfg = make_config(base)
+    algo = algorithm_class(cfg.algorithm.name)
+    import dataclasses
+
+    known = {f.name for f in dataclasses.fields(algo.Params)}
+    for key, spec in space.params.items():
+        if key.startswith("algorithm.params."):
+            name = key.split(".", 2)[2]
+            if name not in known:
+                raise ConfigError(f"space.params.{key}", f"{cfg.algorithm.name} has no parameter {name!r}; "
+                                                         f"allowed: {', '.join(sorted(known))}")
+        for v in spec.corners():
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"space.params.{key}", f"range must be finite, got {v}")
+            try:
+                c = apply_params(base, {key: v})
+                from_dict(algo.Params, dict(c.algorithm.params), "algorithm.params")
+            except ConfigError as e:
+                raise ConfigError(f"space.params.{key}", f"value {v!r} is not a valid config value: {e}") from None
