@@ -173,17 +173,27 @@ class ModelConfig:
     """One architecture for everyone (``arch``/``params``) or per-client ones (``per_client``).
 
     ``assign``: ``cycle`` (client i gets per_client[i % len]), ``blocks`` (contiguous, near-equal blocks of client
-    ids, FedProto's "mh" setting) or ``list`` (per_client has one entry per client)."""
+    ids, FedProto's "mh" setting), ``list`` (per_client has one entry per client) or ``tier`` (client i holds
+    per_client[tiers[i % len(tiers)]]: a device tier, e.g. a memory class from envs, picks the architecture)."""
 
     arch: str = "cnn_mnist"
     params: dict = field(default_factory=dict)
     per_client: Optional[list[ArchSpec]] = None
     assign: str = "cycle"
+    tiers: Optional[list[int]] = None  # assign=tier: device tier per client (cycled), an index into per_client
 
     def check(self, path: str) -> None:
-        choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list"])
+        choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list", "tier"])
         if self.per_client is not None and len(self.per_client) == 0:
             raise ConfigError(_p(path, "per_client"), "must name at least one architecture")
+        if self.assign == "tier":
+            if self.per_client is None or not self.tiers:
+                raise ConfigError(_p(path, "tiers"), "assign=tier needs per_client (one architecture per tier) and "
+                                                     "a non-empty list of tiers")
+            bad = [t for t in self.tiers if not 0 <= t < len(self.per_client)]
+            if bad:
+                raise ConfigError(_p(path, "tiers"), f"tier {bad[0]} is not allowed; choose one of: "
+                                                     f"{', '.join(map(str, range(len(self.per_client))))}")
 
 
 @dataclass(frozen=True)
