@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from algorithms.fedproto import FedProto
-from algorithms.proto_ops import tgp_contrastive_loss, tgp_margin
+from algorithms.proto_ops import pairwise_distances, tgp_contrastive_loss, tgp_margin
 from raysim import rng as rngmod
 from raysim.config import ConfigError, choice, positive
 from raysim.messages import Message
@@ -138,8 +138,10 @@ class FedTGP(FedProto):
         gen.eval()
         with torch.no_grad():
             protos = gen(torch.arange(c, device=ctx.device)).detach()
+            # share of the uploaded prototypes whose nearest global prototype is their own class (server fit)
+            fit = float((pairwise_distances(feats, protos).argmin(dim=1) == labels).to(torch.float32).mean())
         state = {"generator": {k: v.detach().clone() for k, v in gen.state_dict().items()},
                  "protos": protos, "trained": torch.ones((), dtype=torch.bool)}
         metrics = {"tgp_margin": delta, "tgp_loss_first": history[0] if history else float("nan"),
-                   "tgp_loss_last": history[-1] if history else float("nan")}
+                   "tgp_loss_last": history[-1] if history else float("nan"), "tgp_fit_acc": fit}
         return state, metrics
