@@ -62,19 +62,23 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=None, help="run only these method labels")
     ap.add_argument("--workers", type=int, default=default_workers())
-    ap.add_argument("--log", default="benchmarks/out/fig5a.jsonl")
+    ap.add_argument("--log", default=None, help="JSON-lines log (default benchmarks/out/fig5a-r<rounds>-n<samples>.jsonl)")
     args = ap.parse_args(argv)
     meths = methods(args.server_epochs, args.lam, args.server_lr)
     if args.only:
         meths = {k: v for k, v in meths.items() if k in args.only}
-    cfgs = [config(label, a, p, s, args) for label, (a, p) in meths.items() for s in args.seeds]
-    res = run_grid(cfgs, args.workers, Path(args.log))
+    # seed-major order: a grid cut short still holds complete seeds
+    cfgs = [config(label, a, p, s, args) for s in args.seeds for label, (a, p) in meths.items()]
+    log = args.log or f"benchmarks/out/fig5a-r{args.rounds}-n{args.samples}-e{args.server_epochs}.jsonl"
+    res = run_grid(cfgs, args.workers, Path(log))
     print(f"\nFashion-MNIST, 20 clients, Dir(0.1), zoo x4 cycled, {args.samples} train samples/client, "
           f"{args.rounds} rounds, seeds {args.seeds}")
     print("| method | acc final (%) | acc best (%) | classifier acc final (%) | up floats/round | down floats/round |")
     print("|---|---|---|---|---|---|")
     for label in meths:
         rs = [r for r in res if r["name"] == f"fig5a-{label}"]
+        if not rs:
+            continue
         key = "wmean:test_acc_proto" if "wmean:test_acc_proto" in rs[0]["metrics"] else "wmean:test_acc"
         fin = mean_std([r["metrics"][key]["final"] for r in rs])
         best = mean_std([r["metrics"][key]["best"] for r in rs])

@@ -55,7 +55,7 @@ def main(argv=None):
     ap.add_argument("--seeds", type=int, nargs="+", default=[1])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--workers", type=int, default=default_workers())
-    ap.add_argument("--log", default="benchmarks/out/fig5b.jsonl")
+    ap.add_argument("--log", default=None, help="JSON-lines log (default benchmarks/out/fig5b-r<rounds>.jsonl)")
     args = ap.parse_args(argv)
     cells = {}
     cfgs = []
@@ -69,7 +69,7 @@ def main(argv=None):
                     c = config(algo, rate, run_w, s, args.rounds)
                     if all((c["name"], c["seed"]) != (x["name"], x["seed"]) for x in cfgs):
                         cfgs.append(c)
-    res = run_grid(cfgs, args.workers, Path(args.log))
+    res = run_grid(cfgs, args.workers, Path(args.log or f"benchmarks/out/fig5b-r{args.rounds}.jsonl"))
     by = {}
     for r in res:
         by.setdefault(r["name"], []).append(r)

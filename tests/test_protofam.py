@@ -111,6 +111,29 @@ def test_fedprox_loss_adds_the_proximal_term(tiny):
     assert float((loss - parts["prox"]).detach()) == pytest.approx(float(torch.nn.functional.cross_entropy(model(x), y).detach()), rel=1e-5)
 
 
+def test_fedprox_server_is_sample_weighted_average(tiny):
+    algo, prep = make_algo(tiny, "fedprox", {"mu": 0.1})
+    ups = {2: {"model": Message("weights", {"w": torch.tensor([4.0])}), "num_samples": _n(1)},
+           5: {"model": Message("weights", {"w": torch.tensor([0.0])}), "num_samples": _n(3)}}
+    state, _ = algo.aggregate({}, ups, sctx(prep.task))
+    assert torch.allclose(state["model"]["w"], torch.tensor([1.0]))  # (1*4 + 3*0) / 4
+
+
+def test_fesem_aggregate_reassigns_participants_only(tiny):
+    algo, prep = make_algo(tiny, "fesem", {"num_clusters": 2})
+    state = {"centres": [{"w": torch.tensor([0.0, 0.0])}, {"w": torch.tensor([10.0, 10.0])}],
+             "assign": torch.tensor([1, 1, 0, 0, 1, 0])}
+    ups = {0: {"model": Message("weights", {"w": torch.tensor([1.0, 1.0])})},
+           3: {"model": Message("weights", {"w": torch.tensor([3.0, 1.0])})},
+           4: {"model": Message("weights", {"w": torch.tensor([8.0, 9.0])})}}
+    new, m = algo.aggregate(state, ups, sctx(prep.task))
+    # client 0 moves 1 -> 0; clients 3, 4 stay; 1, 2, 5 did not take part and keep their clusters
+    assert new["assign"].tolist() == [0, 1, 0, 0, 1, 0]
+    assert torch.allclose(new["centres"][0]["w"], torch.tensor([2.0, 1.0]))  # mean of (1,1), (3,1)
+    assert torch.allclose(new["centres"][1]["w"], torch.tensor([8.0, 9.0]))
+    assert m["fesem_moved"] == 1.0
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # FedTGP
 
