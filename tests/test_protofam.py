@@ -371,6 +371,17 @@ def test_uploads_of_one_runner_are_not_aliased(tiny, name):
     assert not torch.equal(w[0][name0], w[2][name0])
 
 
+@pytest.mark.parametrize("name", NEW)
+def test_empty_round_keeps_server_state(tiny, name):
+    import pickle
+
+    algo, prep = make_algo(tiny, name)
+    state = algo.init_server_state(sctx(prep.task, rngmod.NO_ROUND))
+    new, metrics = algo.aggregate(state, {}, sctx(prep.task))
+    assert new is state and metrics == {}
+    pickle.dumps(new)
+
+
 def test_pu_runs_for_fedavg_and_fedproto(tiny):
     for name in ("fedavg", "fedproto"):
         cfg = tiny(rounds=2, algorithm={"name": name, "params": {"positive_rate": 0.3, "pu_weight": 0.5}})
