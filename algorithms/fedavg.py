@@ -1,11 +1,14 @@
 """FedAvg (McMahan et al., AISTATS 2017): clients train the global model locally, the server averages the
-uploaded weights with sample-count weights: w = sum_i (n_i / sum n) w_i."""
+uploaded weights with sample-count weights: w = sum_i (n_i / sum n) w_i.
+
+Options ``positive_rate`` / ``pu_weight``: the FedPU positive-unlabelled setting and loss (algorithms/fedpu.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from algorithms import fedpu
 from algorithms.local import ce_loss
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.messages import Message, state_message
@@ -19,7 +22,11 @@ class FedAvg(Algorithm):
 
     @dataclass(frozen=True)
     class Params:
-        pass
+        positive_rate: float = 1.0  # FedPU: share of each held class's samples that keep their label
+        pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
+
+        def check(self, path):
+            fedpu.check_params(path, self.positive_rate, self.pu_weight)
 
     def validate(self):
         self.require_homogeneous()
@@ -30,13 +37,19 @@ class FedAvg(Algorithm):
     def broadcast(self, server_state, ctx: Context):
         return {"model": state_message("weights", server_state["model"])}
 
+    def pu_view(self, data):
+        return fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed)
+
     def local_loss(self, payload, state, data, ctx):
-        return ce_loss
+        view = self.pu_view(data)
+        return ce_loss if view is None else fedpu.pu_ce_loss(view, self.params.pu_weight)
 
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
         model = ctx.model()
         model.load_state_dict(payload["model"].tensors)
-        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"),
+        view = self.pu_view(data)
+        y_train = data.y_train if view is None else view.y_obs  # unlabelled samples carry UNLABELLED, not their label
+        metrics = train_epochs(model, data.x_train, y_train, self.task.train, ctx.generator("batches"),
                                self.local_loss(payload, state, data, ctx))
         upload = {"model": state_message("weights", model.state_dict()),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}

@@ -5,6 +5,9 @@ prototypes and sends those back; no model weights are exchanged, so clients may 
 as the embedding size agrees. Local loss: CE + lambda * MSE(z, P_y) (nn.MSELoss, i.e. averaged over |B| x d).
 Evaluation reports the client's own classifier ("test_acc", w/o protos) and nearest-global-prototype inference
 ("test_acc_proto"), restricted to the client's own classes as in the official code, or over all classes (HtFLlib).
+Options ``positive_rate`` / ``pu_weight``: the FedPU positive-unlabelled setting (algorithms/fedpu.py); then the CE
+and prototype terms use the labelled rows only, prototypes are means over labelled samples, and the PU loss is added.
+Subclasses (FedProto-UH, FedTGP) change the model (``build_client_model`` / ``live_model``) or the server side.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from algorithms import fedpu
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import ConfigError, choice
 from raysim.messages import Message
@@ -30,8 +34,11 @@ class FedProto(Algorithm):
         proto_agg: str = "weighted"  # weighted (paper) | mean (official code)
         proto_collect: str = "after"  # after: eval-mode pass after training | during_train: last epoch (official)
         restrict_local_classes: bool = True  # prototype inference among the client's own classes (official)
+        positive_rate: float = 1.0  # FedPU: share of each held class's samples that keep their label
+        pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
 
         def check(self, path):
+            fedpu.check_params(path, self.positive_rate, self.pu_weight)
             choice(f"{path}.proto_agg", self.proto_agg, ["weighted", "mean"])
             choice(f"{path}.proto_collect", self.proto_collect, ["after", "during_train"])
             if self.lam < 0:
@@ -80,51 +87,69 @@ class FedProto(Algorithm):
             mask[c] = True
         return protos, mask
 
-    def init_client_state(self, ctx: Context):
-        return {"model": clone_state(self.task.build_model(ctx.client_id))}
+    def build_client_model(self, client_id: int):
+        """A fresh model for a client (its initial weights)."""
+        return self.task.build_model(client_id)
 
-    def make_loss(self, protos, mask, collect=None):
+    def live_model(self, ctx: Context):
+        """The runner's live module for this client's architecture (weights are loaded into it)."""
+        return ctx.model()
+
+    def init_client_state(self, ctx: Context):
+        return {"model": clone_state(self.build_client_model(ctx.client_id))}
+
+    def make_loss(self, protos, mask, collect=None, pu=None):
         lam = self.params.lam
         use_protos = bool(mask.any()) and lam > 0
 
         def loss_fn(model, xb, yb):
             logits, z = model(xb, return_embedding=True)
-            ce = F.cross_entropy(logits, yb)
+            if pu is None:
+                ce = F.cross_entropy(logits, yb)
+                parts = {"ce": ce.detach()}
+            else:  # yb are observed labels: UNLABELLED rows only enter the PU term
+                ce, parts = fedpu.pu_objective(logits, yb, pu, self.params.pu_weight)
+                lab = yb >= 0
+                z, yb = z[lab], yb[lab]
             if collect is not None:
                 collect(z.detach(), yb)
-            if not use_protos:
-                return ce, {"ce": ce.detach(), "proto": 0.0}
+            if not use_protos or yb.numel() == 0:
+                return ce, {**parts, "proto": 0.0}
             reg = prototype_regulariser(z, yb, protos, mask)
-            return ce + lam * reg, {"ce": ce.detach(), "proto": reg.detach()}
+            return ce + lam * reg, {**parts, "proto": reg.detach()}
 
         return loss_fn
 
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        model = ctx.model()
+        model = self.live_model(ctx)
         model.load_state_dict(state["model"])
         protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, data.y_train.device)
         gen = ctx.generator("batches")
         cfg = self.task.train
+        pu = fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed)
+        y_train = data.y_train if pu is None else pu.y_obs  # unlabelled samples carry UNLABELLED, not their label
         if self.params.proto_collect == "during_train":
             # official code: embeddings of the last local epoch, in train mode while the weights move
             metrics = {}
             if cfg.local_epochs > 1:
-                metrics = train_epochs(model, data.x_train, data.y_train, cfg, gen, self.make_loss(protos, mask),
+                metrics = train_epochs(model, data.x_train, y_train, cfg, gen, self.make_loss(protos, mask, pu=pu),
                                        epochs=cfg.local_epochs - 1)
             zs, ys = [], []
-            metrics = train_epochs(model, data.x_train, data.y_train, cfg, gen,
-                                   self.make_loss(protos, mask, lambda z, y: (zs.append(z), ys.append(y))), epochs=1)
+            metrics = train_epochs(model, data.x_train, y_train, cfg, gen,
+                                   self.make_loss(protos, mask, lambda z, y: (zs.append(z), ys.append(y)), pu=pu), epochs=1)
             z, y = torch.cat(zs), torch.cat(ys)
         else:
-            metrics = train_epochs(model, data.x_train, data.y_train, cfg, gen, self.make_loss(protos, mask))
+            metrics = train_epochs(model, data.x_train, y_train, cfg, gen, self.make_loss(protos, mask, pu=pu))
             _, z = forward_all(model, data.x_train)
-            y = data.y_train
+            y = y_train
+            if pu is not None:
+                z, y = z[pu.labelled], y[pu.labelled]
         classes, local, counts = class_prototypes(z, y, self.task.num_classes)
         upload = {"protos": Message("prototypes", {"protos": local.cpu(), "classes": classes.cpu(), "counts": counts.cpu()})}
         return ClientUpdate({"model": clone_state(model)}, upload, metrics)
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
-        model = ctx.model()
+        model = self.live_model(ctx)
         model.load_state_dict(state["model"])
         logits, z = forward_all(model, data.x_test)
         out = {"test_acc": accuracy(logits.argmax(1), data.y_test)}

@@ -173,18 +173,30 @@ class ModelConfig:
     """One architecture for everyone (``arch``/``params``) or per-client ones (``per_client``).
 
     ``assign``: ``cycle`` (client i gets per_client[i % len]), ``blocks`` (contiguous, near-equal blocks of client
-    ids, FedProto's "mh" setting), ``list`` (per_client has one entry per client) or ``tier`` (per_client[j] for
-    devices of memory tier j, from the ``env`` section: the largest model such a device can hold)."""
+    ids, FedProto's "mh" setting), ``list`` (per_client has one entry per client) or ``tier`` (client i holds
+    per_client[tier of i]: the tier comes from ``tiers`` (client i -> tiers[i % len(tiers)]) when given, else from the
+    ``env`` section's device memory tier: the largest model such a device can hold)."""
 
     arch: str = "cnn_mnist"
     params: dict = field(default_factory=dict)
     per_client: Optional[list[ArchSpec]] = None
     assign: str = "cycle"
+    tiers: Optional[list[int]] = None  # assign=tier: device tier per client (cycled), an index into per_client
 
     def check(self, path: str) -> None:
         choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list", "tier"])
         if self.per_client is not None and len(self.per_client) == 0:
             raise ConfigError(_p(path, "per_client"), "must name at least one architecture")
+        if self.assign == "tier":
+            if self.per_client is None:
+                raise ConfigError(_p(path, "per_client"), "assign=tier needs per_client (one architecture per tier)")
+            if self.tiers is not None and not self.tiers:
+                raise ConfigError(_p(path, "tiers"), "must list at least one tier (or be left out to take the tiers "
+                                                     "from the env section's devices)")
+            bad = [t for t in (self.tiers or []) if not 0 <= t < len(self.per_client)]
+            if bad:
+                raise ConfigError(_p(path, "tiers"), f"tier {bad[0]} is not allowed; choose one of: "
+                                                     f"{', '.join(map(str, range(len(self.per_client))))}")
 
 
 @dataclass(frozen=True)
@@ -281,8 +293,9 @@ class ExperimentConfig:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
         if self.model.assign == "tier" and getattr(self.model, "tiers", None) is None and (
                 self.env is None or self.model.per_client is None):
-            raise ConfigError("model.assign", "tier assigns per_client[j] to devices of memory tier j; it needs "
-                                              "model.per_client and an env section (e.g. env: {preset: mobile-heterogeneous})")
+            raise ConfigError("model.tiers", "assign=tier gives client i per_client[tier of i]; it needs model.per_client "
+                                             "and either model.tiers (a tier per client) or an env section whose devices "
+                                             "have memory tiers (e.g. env: {preset: mobile-heterogeneous})")
 
     # -- identity -----------------------------------------------------------------------------------------------
     def science_dict(self) -> dict:

@@ -55,5 +55,8 @@ def payload_sizes(payload: Mapping[str, Message]) -> dict[str, tuple[int, int]]:
 
 
 def state_message(kind: str, state_dict: Mapping[str, torch.Tensor]) -> Message:
-    """A model (or part of one) as a message: a detached CPU copy of its tensors (never an alias of live weights)."""
+    """A model (or part of one) as a message: its tensors, detached, copied, on CPU.
+
+    The copy matters: ``model.state_dict()`` aliases the runner's live module, which the next client's weights are
+    loaded into in place, so without it every upload of a runner would end up holding the last client's weights."""
     return Message(kind, {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()})

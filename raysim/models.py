@@ -71,7 +71,76 @@ def cnn_small(input_shape, num_classes, channels: int = 16, embed_dim: int = 32)
     return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
 
 
-ARCHS: dict[str, Callable[..., SplitModel]] = {"cnn_mnist": cnn_mnist, "mlp": mlp, "cnn_small": cnn_small}
+# -- heterogeneous zoo for 1x28x28 (any small image): four genuinely different feature extractors, one embedding
+# size (default 50, FedProto's), and one head structure (Dropout -> Linear, as cnn_mnist's), so prototype methods and
+# LG-FedAvg (which averages heads) work across the zoo. The HtFE idea of FedTGP (Zhang et al., AAAI 2024) at MNIST
+# scale: a plain CNN, a residual net, an inverted-residual (MobileNetV2-style) net, and FedProto's CNN.
+
+def _zoo_head(embed_dim: int, num_classes: int, dropout: float) -> nn.Module:
+    return nn.Sequential(nn.Dropout(dropout), nn.Linear(embed_dim, num_classes))
+
+
+def cnn4(input_shape, num_classes, channels: int = 32, hidden: int = 256, embed_dim: int = 50,
+         dropout: float = 0.0) -> SplitModel:
+    """The 4-layer CNN of FedAvg / HtFLlib ("FedAvgCNN": conv5-pool, conv5-pool, fc, fc), narrowed for CPUs:
+    conv in->c k5, ReLU, pool; conv c->2c k5, ReLU, pool; fc -> hidden, ReLU; fc -> embed_dim, ReLU (the embedding)."""
+    side = input_shape[-1]
+    if side < 12:
+        raise ConfigError("model.arch", f"cnn4 needs images of at least 12x12, got {tuple(input_shape)}")
+    out_side = ((side - 4) // 2 - 4) // 2
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], channels, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(channels, 2 * channels, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(2 * channels * out_side * out_side, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim), nn.ReLU())
+    return SplitModel(body, _zoo_head(embed_dim, num_classes, dropout), embed_dim)
+
+
+def resnet_small(input_shape, num_classes, width: int = 16, blocks: int = 1, embed_dim: int = 50,
+                 dropout: float = 0.0) -> SplitModel:
+    """A small ResNet built from torchvision's ``BasicBlock`` (ResNet-18's block), adapted to 28x28 inputs the usual
+    CIFAR way: a 3x3 stem without max-pool, three stages of ``blocks`` blocks at widths w, 2w, 4w (strides 1, 2, 2),
+    global average pooling, then fc -> embed_dim, ReLU."""
+    from torchvision.models.resnet import BasicBlock
+
+    layers: list[nn.Module] = [nn.Conv2d(input_shape[0], width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+    inplanes = width
+    for i, planes in enumerate((width, 2 * width, 4 * width)):
+        for b in range(blocks):
+            stride = 2 if (i > 0 and b == 0) else 1
+            down = None
+            if stride != 1 or inplanes != planes:
+                down = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False), nn.BatchNorm2d(planes))
+            layers.append(BasicBlock(inplanes, planes, stride=stride, downsample=down))
+            inplanes = planes
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(inplanes, embed_dim), nn.ReLU()]
+    return SplitModel(nn.Sequential(*layers), _zoo_head(embed_dim, num_classes, dropout), embed_dim)
+
+
+def mobilenet_small(input_shape, num_classes, width: int = 16, expand: int = 4, embed_dim: int = 50,
+                    dropout: float = 0.0) -> SplitModel:
+    """A MobileNetV2-style net from torchvision's ``InvertedResidual`` blocks (1x1 expand, 3x3 depthwise, 1x1 linear
+    projection, residual where shapes allow): stem 3x3 stride 2 -> w (as MobileNetV2's); blocks (w, s1), (1.5w, s2), (1.5w, s1), (2w, s2),
+    (2w, s1); 1x1 conv -> 4w; global average pooling; fc -> embed_dim, ReLU."""
+    from torchvision.models.mobilenetv2 import InvertedResidual
+
+    w1, w2 = int(1.5 * width), 2 * width
+    layers: list[nn.Module] = [nn.Conv2d(input_shape[0], width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(width),
+                               nn.ReLU6()]
+    cin = width
+    for cout, stride in ((width, 1), (w1, 2), (w1, 1), (w2, 2), (w2, 1)):
+        layers.append(InvertedResidual(cin, cout, stride, expand))
+        cin = cout
+    layers += [nn.Conv2d(cin, 4 * width, 1, bias=False), nn.BatchNorm2d(4 * width), nn.ReLU6(),
+               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, embed_dim), nn.ReLU()]
+    return SplitModel(nn.Sequential(*layers), _zoo_head(embed_dim, num_classes, dropout), embed_dim)
+
+
+ARCHS: dict[str, Callable[..., SplitModel]] = {"cnn_mnist": cnn_mnist, "mlp": mlp, "cnn_small": cnn_small,
+                                               "cnn4": cnn4, "resnet_small": resnet_small,
+                                               "mobilenet_small": mobilenet_small}
+
+# The heterogeneous zoo for 1x28x28 inputs (assign with model.per_client + assign: cycle | blocks | list | tier).
+ZOO_28 = ("cnn_mnist", "cnn4", "resnet_small", "mobilenet_small")
 
 
 def arch_params(name: str) -> list[str]:
@@ -99,6 +168,8 @@ def client_archs(cfg: ModelConfig, num_clients: int) -> list[ArchSpec]:
         return specs
     if cfg.assign == "cycle":
         return [specs[i % len(specs)] for i in range(num_clients)]
+    if cfg.assign == "tier":
+        return [specs[cfg.tiers[i % len(cfg.tiers)]] for i in range(num_clients)]
     # blocks: FedProto "mh" (18/20/22 channels for clients 0-6 / 7-13 / 14-19 of 20)
     per = -(-num_clients // len(specs))
     return [specs[min(i // per, len(specs) - 1)] for i in range(num_clients)]

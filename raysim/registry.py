@@ -9,6 +9,13 @@ ALGORITHMS: dict[str, str] = {
     "local": "algorithms.local:Local",
     "fedavg": "algorithms.fedavg:FedAvg",
     "fedproto": "algorithms.fedproto:FedProto",
+    "fedproto_uh": "algorithms.fedproto_uh:FedProtoUH",
+    "fedtgp": "algorithms.fedtgp:FedTGP",
+    "fedprox": "algorithms.fedprox:FedProx",
+    "fedper": "algorithms.fedper:FedPer",
+    "lgfedavg": "algorithms.lgfedavg:LGFedAvg",
+    "fesem": "algorithms.fesem:FeSEM",
+    "feddistill": "algorithms.feddistill:FedDistill",
 }
 
 

@@ -8,7 +8,7 @@ class FailingFedAvg(FedAvg):
     name = "failing_fedavg"
 
     @dataclass(frozen=True)
-    class Params:
+    class Params(FedAvg.Params):
         fail_clients: list = field(default_factory=list)
         fail_round: int = 1
 

@@ -81,7 +81,7 @@ def test_dist_draws():
 def test_tier_assignment_needs_env(tiny):
     with pytest.raises(ConfigError) as e:
         tiny(model={"assign": "tier", "per_client": [{"arch": "mlp"}]})
-    assert e.value.field == "model.assign"
+    assert e.value.field == "model.tiers"
 
 
 # ---------------------------------------------------------------------------------------------------------------

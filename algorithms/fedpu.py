@@ -1,0 +1,71 @@
+"""FedPU's positive-unlabelled setting and loss (Lin et al., "Federated Learning with Positive and Unlabeled Data",
+ICML 2022), as an option of FedProto and FedAvg (parameters ``positive_rate`` and ``pu_weight``).
+
+The labelled / unlabelled split is made inside the client, from the client's own data, with a stream keyed by
+(seed, client, "pu_split") and no round, so it is the same every round and on every backend. Unlabelled samples are
+handed to training with the label ``UNLABELLED`` (-1): their true labels are never read by the loss, the prototypes
+or the logits statistics. The class prior of the unlabelled set (pi) is computed from the client's class counts,
+i.e. treated as known, as in FedPU. Local objective per batch (reference §1.11):
+
+    L = CE(labelled rows) + pu_weight * (L_U - L_Pc)
+
+``positive_rate = 1`` keeps every label (the plain supervised method, bit for bit the old code path);
+``pu_weight = 0`` trains on the labelled rows only (the seed's "labelled data only" column).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from algorithms.proto_ops import UNLABELLED, labelled_ce, pu_loss, pu_split
+from raysim import rng as rngmod
+from raysim.config import ConfigError
+
+
+@dataclass
+class PUView:
+    """What a client trains on under the PU setting: observed labels (UNLABELLED where hidden) and the loss inputs."""
+
+    y_obs: torch.Tensor
+    prior: torch.Tensor
+    positive: torch.Tensor
+
+    @property
+    def labelled(self) -> torch.Tensor:
+        return self.y_obs != UNLABELLED
+
+
+def check_params(path: str, positive_rate: float, pu_weight: float) -> None:
+    if not 0.0 < positive_rate <= 1.0:
+        raise ConfigError(f"{path}.positive_rate", f"must be in (0, 1], got {positive_rate}")
+    if pu_weight < 0:
+        raise ConfigError(f"{path}.pu_weight", f"must be >= 0, got {pu_weight}")
+
+
+def make_view(data, num_classes: int, positive_rate: float, seed: int) -> Optional[PUView]:
+    """The client's PU view, or None when every label is kept (positive_rate = 1)."""
+    if positive_rate >= 1.0:
+        return None
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, data.client_id, "pu_split")
+    y_obs, prior, positive = pu_split(data.y_train, data.classes, num_classes, positive_rate, r)
+    return PUView(y_obs, prior, positive)
+
+
+def pu_objective(logits: torch.Tensor, y_obs: torch.Tensor, view: PUView, pu_weight: float) -> tuple[torch.Tensor, dict]:
+    """CE over the labelled rows + pu_weight * PULoss; returns (loss, parts for the metrics)."""
+    ce = labelled_ce(logits, y_obs)
+    if pu_weight == 0:
+        return ce, {"ce": ce.detach(), "pu": 0.0}
+    pu = pu_loss(logits, y_obs, view.prior, view.positive)
+    return ce + pu_weight * pu, {"ce": ce.detach(), "pu": pu.detach()}
+
+
+def pu_ce_loss(view: PUView, pu_weight: float):
+    """A ``loss_fn(model, xb, yb)`` for train_epochs where yb are observed labels (FedAvg / FedProx with FedPU)."""
+
+    def loss_fn(model, xb, yb):
+        return pu_objective(model(xb), yb, view, pu_weight)
+
+    return loss_fn

@@ -1,0 +1,147 @@
+"""FedTGP (Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive Learning for
+Data and Model Heterogeneity in Federated Learning", AAAI 2024; reference §2).
+
+Clients train as in FedProto (CE + lambda * MSE(z, P_y), prototypes computed after training in eval mode) and upload
+their per-class prototypes. The server keeps a *trainable* prototype generator, ``Embedding(C, d) -> Linear(d, h) ->
+ReLU -> Linear(h, d)``, persistent across rounds in the server state (so checkpoints carry it), and trains it inside
+``aggregate`` for ``server_epochs`` epochs with the adaptive-margin contrastive loss on the uploaded prototypes:
+the margin delta = min(max_c min_{c'} ||Q_c - Q_c'||, tau) ("code", official) or min(max_{c,c'} ||Q_c - Q_c'||, tau)
+("paper"), Q_c the unweighted mean of this round's uploads of class c. The global prototypes it then emits (eval
+mode) for all C classes are broadcast. Inference: nearest global prototype over all classes ("test_acc_proto",
+HtFLlib protocol; ``restrict_local_classes`` defaults to False here) and the client's own classifier ("test_acc").
+Server randomness (generator init, batch order) comes from ctx.generator / the (seed, round, server, "tgp") streams.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+
+from algorithms.fedproto import FedProto
+from algorithms.proto_ops import pairwise_distances, tgp_contrastive_loss, tgp_margin
+from raysim import rng as rngmod
+from raysim.config import ConfigError, choice, positive
+from raysim.messages import Message
+
+
+class PrototypeGenerator(nn.Module):
+    """FedTGP's trainable global prototypes: a class embedding passed through a 2-layer MLP."""
+
+    def __init__(self, num_classes: int, dim: int, hidden: int):
+        super().__init__()
+        self.embedding = nn.Embedding(num_classes, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+
+    def forward(self, classes: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embedding(classes))
+
+
+def train_generator(gen: PrototypeGenerator, feats: torch.Tensor, labels: torch.Tensor, delta: float, epochs: int,
+                    batch_size: int, lr: float, rng: torch.Generator) -> list[float]:
+    """``epochs`` passes of SGD over the uploaded (prototype, class) pairs, shuffled with ``rng``; returns the mean
+    loss per epoch. Each step regenerates all C global prototypes and applies the contrastive loss to the batch."""
+    opt = torch.optim.SGD(gen.parameters(), lr=lr)
+    all_classes = torch.arange(gen.embedding.num_embeddings, device=feats.device)
+    gen.train()
+    history = []
+    for _ in range(epochs):
+        perm = torch.randperm(len(labels), generator=rng).to(feats.device)
+        total, steps = 0.0, 0
+        for s in range(0, len(labels), batch_size):
+            idx = perm[s:s + batch_size]
+            opt.zero_grad(set_to_none=True)
+            loss = tgp_contrastive_loss(feats[idx], labels[idx], gen(all_classes), delta)
+            loss.backward()
+            opt.step()
+            total += float(loss.detach())
+            steps += 1
+        history.append(total / max(steps, 1))
+    return history
+
+
+class FedTGP(FedProto):
+    name = "fedtgp"
+    paper = ("Zhang et al., FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive Learning "
+             "for Data and Model Heterogeneity in Federated Learning, AAAI 2024")
+
+    @dataclass(frozen=True)
+    class Params(FedProto.Params):
+        lam: float = 10.0  # client prototype weight (official run scripts: -lam 10; argparse default 1)
+        restrict_local_classes: bool = False  # FedTGP infers over all classes
+        margin_threshold: float = 100.0  # tau (official -mart 100)
+        margin: str = "code"  # code: max_c of the nearest-other-class gap | paper: largest pairwise distance
+        server_epochs: int = 100  # official scripts: 100 (argparse default 1000)
+        server_lr: Optional[float] = None  # None: the client lr (official ties them)
+        server_batch_size: Optional[int] = None  # None: the client batch size (official ties them)
+        hidden_dim: Optional[int] = None  # None: the embedding size (official)
+
+        def check(self, path):
+            super().check(path)
+            choice(f"{path}.margin", self.margin, ["code", "paper"])
+            positive(f"{path}.margin_threshold", self.margin_threshold, allow_zero=True)
+            positive(f"{path}.server_epochs", self.server_epochs, allow_zero=True)
+            positive(f"{path}.server_lr", self.server_lr)
+            positive(f"{path}.server_batch_size", self.server_batch_size)
+            positive(f"{path}.hidden_dim", self.hidden_dim)
+            if self.proto_collect != "after":
+                raise ConfigError(f"{path}.proto_collect", "FedTGP collects prototypes after training; allowed: after")
+
+    # -- server -------------------------------------------------------------------------------------------------
+    def make_generator(self) -> PrototypeGenerator:
+        d = self.embed_dim()
+        return PrototypeGenerator(self.task.num_classes, d, self.params.hidden_dim or d)
+
+    def init_server_state(self, ctx):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "tgp_init"))
+            gen = self.make_generator()
+        d = self.embed_dim()
+        return {"generator": {k: v.detach().clone() for k, v in gen.state_dict().items()},
+                "protos": torch.zeros(self.task.num_classes, d),
+                "trained": torch.zeros((), dtype=torch.bool)}
+
+    def broadcast(self, server_state, ctx):
+        if not bool(server_state["trained"]):
+            return {}  # before the first aggregation: clients train with CE only (official round 0)
+        c = self.task.num_classes
+        return {"global_protos": Message("global_prototypes", {"protos": server_state["protos"].clone(),
+                                                               "classes": torch.arange(c)})}
+
+    def aggregate(self, server_state, uploads, ctx):
+        ids = sorted(uploads)
+        if not ids:
+            return server_state, {}
+        c, d = self.task.num_classes, self.embed_dim()
+        feats, labels = [], []
+        for i in ids:
+            m = uploads[i]["protos"]
+            feats.append(m["protos"].to(torch.float32))
+            labels.append(m["classes"].to(torch.int64))
+        feats = torch.cat(feats).to(ctx.device)
+        labels = torch.cat(labels).to(ctx.device)
+        # Q_c: unweighted mean of the uploaded prototypes of class c (margin only)
+        sums = torch.zeros(c, d, device=ctx.device).index_add_(0, labels, feats)
+        cnt = torch.bincount(labels, minlength=c)
+        present = cnt > 0
+        q = torch.zeros(c, d, device=ctx.device)
+        q[present] = sums[present] / cnt[present].unsqueeze(1).to(q.dtype)
+        delta = tgp_margin(q, present, self.params.margin_threshold, self.params.margin)
+
+        gen = self.make_generator().to(ctx.device)
+        gen.load_state_dict(server_state["generator"])
+        cfg = self.task.train
+        history = train_generator(gen, feats, labels, delta, self.params.server_epochs,
+                                  self.params.server_batch_size or cfg.batch_size, self.params.server_lr or cfg.lr,
+                                  ctx.generator("tgp"))
+        gen.eval()
+        with torch.no_grad():
+            protos = gen(torch.arange(c, device=ctx.device)).detach()
+            # share of the uploaded prototypes whose nearest global prototype is their own class (server fit)
+            fit = float((pairwise_distances(feats, protos).argmin(dim=1) == labels).to(torch.float32).mean())
+        state = {"generator": {k: v.detach().clone() for k, v in gen.state_dict().items()},
+                 "protos": protos, "trained": torch.ones((), dtype=torch.bool)}
+        metrics = {"tgp_margin": delta, "tgp_loss_first": history[0] if history else float("nan"),
+                   "tgp_loss_last": history[-1] if history else float("nan"), "tgp_fit_acc": fit}
+        return state, metrics

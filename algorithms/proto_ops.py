@@ -1,0 +1,195 @@
+"""Pure functions holding the maths of the prototype family and its baselines (FedTGP, FedProto-UH, FedPU, FedProx,
+FedPer / LG-FedAvg, FeSEM, FedDistill). Each is tested against hand-computed numbers in tests/test_proto_ops.py.
+Formulas and their sources: shared reference ``algorithms.md`` §1.10, §1.11, §2.3, §6."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# ---------------------------------------------------------------------------------------------------------------
+# FedTGP (Zhang et al., AAAI 2024), reference §2.3
+
+
+def pairwise_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Euclidean distances ||a_i - b_j||_2 (sqrt of the squared distance, as FedTGP's server loss)."""
+    diff = a.unsqueeze(1) - b.unsqueeze(0)
+    return (diff * diff).sum(-1).clamp_min(0.0).sqrt()
+
+
+def tgp_margin(centres: torch.Tensor, mask: torch.Tensor, tau: float, mode: str = "code") -> float:
+    """FedTGP's adaptive margin delta(t) from Q (C x d, the unweighted means of this round's uploaded prototypes) over
+    the classes in ``mask``.
+
+    ``code`` (official servertgp.py): gap_c = min_{c' != c} ||Q_c - Q_c'||, delta = min(max_c gap_c, tau).
+    ``paper`` (slides p.31): delta = min(max_{c != c'} ||Q_c - Q_c'||, tau) -- the largest pairwise distance.
+    Fewer than two classes: no pair, delta = 0."""
+    idx = torch.nonzero(mask).flatten()
+    if len(idx) < 2:
+        return 0.0
+    q = centres[idx].to(torch.float64)
+    d = pairwise_distances(q, q)
+    if mode == "paper":
+        value = float(d.max())
+    elif mode == "code":
+        d = d + torch.diag(torch.full((len(idx),), float("inf"), dtype=d.dtype))
+        value = float(d.min(dim=1).values.max())
+    else:
+        raise ValueError(f"unknown margin mode {mode!r}")
+    return min(value, float(tau))
+
+
+def tgp_contrastive_loss(feats: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor, delta: float) -> torch.Tensor:
+    """FedTGP's adaptive-margin contrastive loss, averaged over the uploaded prototypes (rows of ``feats``):
+
+        -log[ exp(-(phi(p, P_y) + delta)) / (exp(-(phi(p, P_y) + delta)) + sum_{c != y} exp(-phi(p, P_c))) ]
+
+    with phi the Euclidean distance; i.e. cross-entropy on the logits -(distance + delta * onehot(y))."""
+    dist = pairwise_distances(feats, global_protos)
+    logits = -(dist + delta * F.one_hot(labels, global_protos.shape[0]).to(dist.dtype))
+    return F.cross_entropy(logits, labels)
+
+
+def min_pairwise_distance(protos: torch.Tensor) -> float:
+    d = pairwise_distances(protos, protos)
+    d = d + torch.diag(torch.full((protos.shape[0],), float("inf"), dtype=d.dtype))
+    return float(d.min())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FedProto-UH (fixed orthogonal head from FedNH's FedUH), reference §1.10
+
+
+def orthogonal_head(num_classes: int, dim: int, generator: torch.Generator) -> torch.Tensor:
+    """W (C x d) with orthonormal rows: orthogonal_(rand(C, d)) as FedNH, drawn from an explicit generator."""
+    if num_classes > dim:
+        raise ValueError(f"an orthogonal head needs num_classes <= embedding size, got {num_classes} > {dim}")
+    w = torch.rand(num_classes, dim, generator=generator)
+    # QR of the transpose gives d x C with orthonormal columns (what nn.init.orthogonal_ computes, without the
+    # global RNG); the sign fix makes the factorisation unique
+    q, r = torch.linalg.qr(w.t())
+    q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)
+    return q.t().contiguous()
+
+
+def uh_logits(z: torch.Tensor, head: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """s * <z / ||z||, W_c> (FedNH's normalised-embedding cosine head; W is fixed and not re-normalised)."""
+    return scale * (F.normalize(z, dim=1, eps=1e-12) @ head.t())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FedPU (Lin et al., ICML 2022), reference §1.11
+
+UNLABELLED = -1  # the label a client sees for an unlabelled sample (its true label is never read)
+
+
+def pu_split(y: torch.Tensor, classes: Sequence[int], num_classes: int, positive_rate: float,
+             rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A client's labelled / unlabelled split (FedPU's ``puSpilt_index``, with a seeded shuffle instead of "the
+    first" samples): for every positive class c (the classes the client holds), floor(rho * n_c) samples, at least
+    one, keep their label; the rest are unlabelled.
+
+    Returns (observed labels with UNLABELLED for unlabelled samples, the class prior of the unlabelled set
+    pi_c = (n_c - labelled_c) / |U| (0 when U is empty; FedPU treats this prior as known), the positive-class
+    indicator m (C,))."""
+    y_np = y.detach().cpu().numpy()
+    observed = np.full(len(y_np), UNLABELLED, dtype=np.int64)
+    prior = np.zeros(num_classes, dtype=np.float64)
+    positive = np.zeros(num_classes, dtype=np.float32)
+    for c in classes:
+        idx = np.flatnonzero(y_np == c)
+        if len(idx) == 0:
+            continue
+        positive[c] = 1.0
+        n_lab = len(idx) if positive_rate >= 1.0 else max(1, int(np.floor(positive_rate * len(idx))))
+        lab = rng.permutation(idx)[:n_lab]
+        observed[lab] = c
+        prior[c] = len(idx) - n_lab
+    n_unl = int((observed == UNLABELLED).sum())
+    if n_unl > 0:
+        prior = prior / n_unl
+    dev = y.device
+    return (torch.as_tensor(observed, device=dev), torch.as_tensor(prior, dtype=torch.float32, device=dev),
+            torch.as_tensor(positive, device=dev))
+
+
+def pu_loss(logits: torch.Tensor, y_obs: torch.Tensor, prior: torch.Tensor, positive: torch.Tensor,
+            eps: float = 1e-6) -> torch.Tensor:
+    """FedPU's ``MPULoss_V2`` PU term on one batch (labelled rows have y_obs >= 0, unlabelled UNLABELLED):
+
+        L_U  = 1 / (max(1, |U|) C) * sum_{x in U} sum_c m_c * -log(1 - p_c(x) + eps)
+        L_Pc = 1 / max(1, |P|)     * sum_{(x, y) in P} pi_y * -log(1 - p_y(x) + eps)
+        PULoss = L_U - L_Pc         (no non-negative clamp, as the official code)"""
+    p = F.softmax(logits, dim=1)
+    num_classes = logits.shape[1]
+    unl = y_obs < 0
+    lab = ~unl
+    neg_log = -torch.log(1.0 - p + eps)
+    n_u = int(unl.sum())
+    n_p = int(lab.sum())
+    l_u = (neg_log[unl] * positive.unsqueeze(0)).sum() / (max(1, n_u) * num_classes)
+    if n_p:
+        yl = y_obs[lab]
+        l_pc = (prior[yl] * neg_log[lab].gather(1, yl.unsqueeze(1)).squeeze(1)).sum() / n_p
+    else:
+        l_pc = logits.sum() * 0.0
+    return l_u - l_pc
+
+
+def labelled_ce(logits: torch.Tensor, y_obs: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the labelled rows of a batch (0 with a gradient path when the batch has none)."""
+    lab = y_obs >= 0
+    if not bool(lab.any()):
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits[lab], y_obs[lab])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FedProx, FedPer / LG-FedAvg, FeSEM, FedDistill, reference §6
+
+
+def proximal_term(params: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor], mu: float) -> torch.Tensor:
+    """FedProx's (mu / 2) * ||w - w_g||^2 over all trainable parameters."""
+    total = params[0].new_zeros(())
+    for p, a in zip(params, anchors):
+        total = total + ((p - a) ** 2).sum()
+    return 0.5 * mu * total
+
+
+def select_prefix(state: Mapping[str, torch.Tensor], prefix: str) -> dict:
+    """The entries of a SplitModel state dict under ``prefix`` ("body." or "head."), keys kept whole."""
+    return {k: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def flatten_state(state: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """All floating-point entries of a state dict as one float64 vector (sorted by key)."""
+    return torch.cat([state[k].detach().reshape(-1).to(torch.float64).cpu() for k in sorted(state)
+                      if state[k].is_floating_point()])
+
+
+def assign_nearest(points: torch.Tensor, centres: torch.Tensor) -> torch.Tensor:
+    """FeSEM's E-step: argmin_k ||w_i - w~_k||_2 (ties go to the lower k)."""
+    return pairwise_distances(points, centres).argmin(dim=1)
+
+
+def class_mean_logits(logits: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-class sums of logits and counts (accumulated over a client's training batches)."""
+    sums = torch.zeros(num_classes, logits.shape[1], dtype=torch.float64).index_add_(0, y.cpu(), logits.detach().cpu().to(torch.float64))
+    return sums, torch.bincount(y.cpu(), minlength=num_classes)
+
+
+def distill_loss(logits: torch.Tensor, y: torch.Tensor, global_logits: torch.Tensor, mask: torch.Tensor,
+                 temperature: float = 1.0) -> torch.Tensor:
+    """FedDistill's regulariser, ours: T^2 * KL(softmax(l_y / T) || softmax(f(x) / T)), averaged over the batch
+    rows whose class has a global logit (HtFLlib feeds the raw averaged logits to CrossEntropyLoss; we use a proper
+    soft target). Rows without one contribute 0 but count in the mean, like FedProto's regulariser."""
+    has = mask.to(logits.device)[y]
+    if not bool(has.any()):
+        return logits.sum() * 0.0
+    t = float(temperature)
+    target = F.softmax(global_logits.to(logits.device)[y] / t, dim=1)
+    logp = F.log_softmax(logits / t, dim=1)
+    kl = (target * (torch.log(target.clamp_min(1e-12)) - logp)).sum(1)
+    return (t * t) * (kl * has.to(kl.dtype)).mean()
