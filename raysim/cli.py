@@ -20,6 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--out", default=None, help="run directory (default: output.dir/<run id>)")
     run.add_argument("--backend", choices=["sequential", "ray"], default=None, help="shortcut for --set backend.name=...")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--resume", default=None, metavar="RUN_DIR",
+                     help="continue a failed run from the checkpoints kept in RUN_DIR (<run dir>.incomplete)")
     run.add_argument("--seeds", default=None, metavar="S1,S2,...",
                      help="run once per seed (e.g. 1,2,3 or 1-5); --out is then a parent directory of seed<N>/ runs")
     _add_tune_report(sub)
@@ -118,7 +120,7 @@ def _cmd_run(args) -> int:
     cfg = load_config(args.config, overrides)
     if args.seeds:
         return _cmd_run_seeds(cfg, args)
-    result = run_experiment(cfg, out_dir=args.out, progress=not args.no_progress)
+    result = run_experiment(cfg, out_dir=args.out, progress=not args.no_progress, resume=args.resume)
     mean, std = result.final("test_acc")
     print(f"run {result.run_id}: final mean local test accuracy {mean:.4f} ± {std:.4f} over {cfg.data.num_clients} clients")
     if (result.table["metric"] == "test_acc_proto").any():
@@ -167,6 +169,8 @@ def main(argv=None) -> int:
 
         if isinstance(e, SimulationError):
             print(f"raysim: simulation failed: {e}", file=sys.stderr)
+            for note in getattr(e, "__notes__", []):
+                print(f"raysim: {note}", file=sys.stderr)
             return 1
         raise
 

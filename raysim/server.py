@@ -30,7 +30,7 @@ from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
 from raysim.results import RESULTS_FILE, ResultTable, write_parquet
 from raysim.runtime import ClientReport, RunSpec, SimulationError
-from raysim.state import save_checkpoint
+from raysim.state import load_checkpoint, save_checkpoint
 
 COMM_METRICS = ("up_floats", "up_bytes", "down_floats", "down_bytes")
 
@@ -186,19 +186,60 @@ def _unique_dir(path: Path) -> Path:
     return Path(f"{path}-{i}")
 
 
+INCOMPLETE = ".incomplete"
+
+
+def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, dict]:
+    """The run directory to continue and its latest checkpoint, checked against the config."""
+    path = Path(resume)
+    ckpts = sorted(path.glob("checkpoints/round_*.pt")) if path.is_dir() else [path]
+    if not ckpts or not ckpts[-1].exists():
+        raise ConfigError("resume", f"no checkpoints under {path} (runs keep them with output.checkpoint_every > 0)")
+    ck = load_checkpoint(ckpts[-1])
+    extra = ck.get("extra") or {}
+    if extra.get("resume_hash") != _resume_hash(cfg):
+        raise ConfigError("resume", f"{ckpts[-1]} was written by a different configuration (only rounds may change)")
+    run_dir = ckpts[-1].parent.parent
+    return run_dir, ck
+
+
+def _resume_hash(cfg: ExperimentConfig) -> str:
+    import hashlib
+
+    d = cfg.science_dict()
+    d.pop("rounds", None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: Optional[bool] = None,
-                   callback: Optional[Callable[[int, ResultTable], bool]] = None, write: bool = True) -> RunResult:
-    """Run one experiment. ``callback(round_idx, table) -> stop?`` is called after every evaluated round."""
+                   callback: Optional[Callable[[int, ResultTable], bool]] = None, write: bool = True,
+                   resume: Optional[str | Path] = None) -> RunResult:
+    """Run one experiment. ``callback(round_idx, table) -> stop?`` is called after every evaluated round.
+
+    With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
+    ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
+    """
     prep = prepare(cfg)
     run_id = cfg.run_id()
-    final_dir = _unique_dir(Path(out_dir) if out_dir else Path(cfg.output.dir) / run_id) if write else None
-    tmp_dir = final_dir.parent / f".tmp-{final_dir.name}" if write else None
-    if tmp_dir is not None:
+    ck = None
+    if resume is not None:
+        resume_dir, ck = _resume_point(cfg, resume)
+        name = resume_dir.name[: -len(INCOMPLETE)] if resume_dir.name.endswith(INCOMPLETE) else resume_dir.name
+        final_dir = _unique_dir(Path(out_dir) if out_dir else resume_dir.parent / name)
+        tmp_dir = final_dir.parent / f".tmp-{final_dir.name}"
         shutil.rmtree(tmp_dir, ignore_errors=True)
-        tmp_dir.mkdir(parents=True)
+        resume_dir.rename(tmp_dir)
+        write = True
+    else:
+        final_dir = _unique_dir(Path(out_dir) if out_dir else Path(cfg.output.dir) / run_id) if write else None
+        tmp_dir = final_dir.parent / f".tmp-{final_dir.name}" if write else None
+        if tmp_dir is not None:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
     table = ResultTable(run_id)
     rec = _Recorder(table)
     failures_log: list[dict] = []
+    start_round = 0
     timing = {"setup_s": 0.0, "round_s": [], "client_compute_s": [], "env_s": []}
     env = prep.env
     show = cfg.output.progress if progress is None else progress
@@ -212,10 +253,21 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
             from tqdm.auto import tqdm
 
             bar = tqdm(total=cfg.rounds, desc=f"{cfg.algorithm.name} [{cfg.backend.name}]", unit="round", file=sys.stderr)
-        payload = backend.broadcast(0)
+        if ck is not None:
+            backend.set_state(ck["server_state"], ck["client_states"])
+            extra = ck["extra"]
+            table.rows = [(run_id, *r[1:]) for r in extra["rows"]]  # run_id changes when rounds were extended
+            failures_log = list(extra["failures"])
+            if env is not None and extra.get("env") is not None:
+                env.load_state_dict(extra["env"])
+            start_round = int(ck["round_idx"]) + 1
+            if bar is not None:
+                bar.update(start_round)
+        payload = backend.broadcast(start_round)
         all_clients = list(range(cfg.data.num_clients))
         stop = False
-        for round_idx in range(cfg.rounds):
+        round_idx = start_round - 1
+        for round_idx in range(start_round, cfg.rounds):
             t0 = time.perf_counter()
             selected = sample_clients(cfg, round_idx) if env is None else env.select(round_idx, cfg.clients_per_round)
             env_s = time.perf_counter() - t0
@@ -254,7 +306,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
             timing["env_s"].append(env_s if env is not None else 0.0)
             if write and cfg.output.checkpoint_every and (round_idx + 1) % cfg.output.checkpoint_every == 0:
                 s, c = backend.get_state()
-                save_checkpoint(tmp_dir / "checkpoints" / f"round_{round_idx:05d}.pt", round_idx, s, c)
+                save_checkpoint(tmp_dir / "checkpoints" / f"round_{round_idx:05d}.pt", round_idx, s, c, {
+                    "rows": list(table.rows), "failures": failures_log, "resume_hash": _resume_hash(cfg),
+                    "env": env.state_dict() if env is not None else None})
             if bar is not None:
                 post = {}
                 for m in ("test_acc", "test_acc_proto"):
@@ -271,9 +325,15 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         if write:
             s, c = backend.get_state()
             save_checkpoint(tmp_dir / "checkpoints" / "final.pt", round_idx, s, c)
-    except BaseException:
+    except BaseException as exc:
         if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+            if any(tmp_dir.glob("checkpoints/round_*.pt")):  # keep what a resume needs, never as a finished run
+                keep = _unique_dir(final_dir.parent / (final_dir.name + INCOMPLETE))
+                tmp_dir.rename(keep)
+                if hasattr(exc, "add_note"):
+                    exc.add_note(f"checkpoints kept in {keep}; continue with: raysim run CONFIG --resume {keep}")
+            else:
+                shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
     finally:
         if bar is not None:

@@ -119,3 +119,48 @@ def test_fedproto_heterogeneous_models(tiny):
     assert [a.arch for a in prep.task.archs] == ["mlp", "mlp", "mlp", "mlp", "cnn_small", "cnn_small"]
     res = run_experiment(cfg, write=False)
     assert res.final("test_acc_proto")[0] > 0.3
+
+
+class _Crash(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("use_env", [False, True])
+def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny, tmp_path, use_env):
+    over = dict(rounds=5, eval={"every": 1}, output={"progress": False, "checkpoint_every": 2})
+    if use_env:
+        over["env"] = {"preset": "mobile-heterogeneous"}
+    full = run_experiment(tiny(**over), out_dir=tmp_path / "full")
+
+    def crash(round_idx, table):
+        if round_idx == 3:
+            raise _Crash("killed")
+        return False
+
+    with pytest.raises(_Crash) as e:
+        run_experiment(tiny(**over), out_dir=tmp_path / "run", callback=crash)
+    kept = tmp_path / "run.incomplete"
+    assert kept.is_dir() and not (tmp_path / "run").exists()
+    assert "--resume" in "".join(getattr(e.value, "__notes__", []))
+    resumed = run_experiment(tiny(**over), resume=kept)
+    assert resumed.out_dir == tmp_path / "run" and not kept.exists()
+    pd.testing.assert_frame_equal(full.table, resumed.table)
+    pd.testing.assert_frame_equal(results.load(tmp_path / "run"), full.table)
+
+
+def test_resume_refuses_a_different_config(tiny, tmp_path):
+    from raysim.config import ConfigError
+
+    over = dict(rounds=3, output={"progress": False, "checkpoint_every": 1})
+
+    def crash(round_idx, table):
+        raise _Crash("killed")
+
+    with pytest.raises(_Crash):
+        run_experiment(tiny(**over), out_dir=tmp_path / "run", callback=crash)
+    with pytest.raises(ConfigError) as e:
+        run_experiment(tiny(**over, seed=8), resume=tmp_path / "run.incomplete")
+    assert e.value.field == "resume"
+    # more rounds are allowed: continue a finished-early run further
+    longer = run_experiment(tiny(**{**over, "rounds": 4}), resume=tmp_path / "run.incomplete")
+    assert longer.table["round"].max() == 3 and longer.table["run_id"].nunique() == 1
