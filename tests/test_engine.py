@@ -164,3 +164,17 @@ def test_resume_refuses_a_different_config(tiny, tmp_path):
     # more rounds are allowed: continue a finished-early run further
     longer = run_experiment(tiny(**{**over, "rounds": 4}), resume=tmp_path / "run.incomplete")
     assert longer.table["round"].max() == 3 and longer.table["run_id"].nunique() == 1
+
+
+def test_fedproto_official_reproduction_options(tiny):
+    """proto_collect=during_train (official: embeddings of the last local epoch), plain-mean aggregation and
+    unrestricted prototype inference run and differ from the defaults."""
+    base = tiny(rounds=2, train={"local_epochs": 2, "batch_size": 8, "lr": 0.05})
+    opts = tiny(rounds=2, train={"local_epochs": 2, "batch_size": 8, "lr": 0.05},
+                algorithm={"name": "fedproto", "params": {"proto_collect": "during_train", "proto_agg": "mean",
+                                                          "restrict_local_classes": False}})
+    a, b = run_experiment(base, write=False), run_experiment(opts, write=False)
+    assert b.final("test_acc_proto")[0] > 0.3
+    pa = client_rows(a.table, "test_acc_proto")["value"].to_numpy()
+    pb = client_rows(b.table, "test_acc_proto")["value"].to_numpy()
+    assert not (pa == pb).all()
