@@ -100,9 +100,9 @@ def main() -> int:
           f"{(t['outcome'] == 'diverged').sum()} diverged), tuned on seed {base.seed}; wall time of the study "
           f"{sum(timings['study_wall_s']):.0f} s (sum over invocations), trial compute "
           f"{t['seconds'].sum():.0f} s; default/tuned runs {sum(timings['runs'].values()):.0f} s\n\n",
-          "| trial | lambda | state | value | last round |\n|---|---|---|---|---|\n"]
+          "| trial | lambda | state | value (pruned: last report) | last round idx |\n|---|---|---|---|---|\n"]
     for _, r in t.sort_values("number").iterrows():
-        v = "–" if pd.isna(r["value"]) else f"{r['value']:.4f}"
+        v = "–" if pd.isna(r["value"]) else f"{r['value']:.4f}"  # optuna keeps a pruned trial's last report
         md.append(f"| {r['number']} | {r['params_algorithm.params.lam']:.4g} | {r['state']} | {v} | {r['last_round']} |\n")
     (out / "figure.md").write_text("".join(md))
     print("".join(md))
