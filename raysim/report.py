@@ -10,8 +10,9 @@ import pandas as pd
 
 from raysim import results
 
-# names the environment layer may give a round's simulated duration (scope total or server); --time-metric overrides
-SIM_TIME_CANDIDATES = ("sim_round_time", "sim_time", "round_sim_time", "simulated_time", "sim_round_s")
+# a round's simulated duration (summed into the time axis): the environment layer writes ``sim_round_s`` (scope env);
+# the other names are accepted for tables from elsewhere; --time-metric overrides
+SIM_TIME_CANDIDATES = ("sim_round_s", "sim_round_time", "round_sim_time", "simulated_time", "sim_time")
 
 
 def load_runs(paths) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -32,10 +33,10 @@ def load_runs(paths) -> tuple[pd.DataFrame, pd.DataFrame]:
 
 
 def find_time_metric(df: pd.DataFrame, wanted: Optional[str] = None) -> Optional[str]:
-    names = set(df.loc[df["scope"].isin(["total", "server"]), "metric"].unique())
+    names = set(df.loc[df["scope"].isin(["total", "server", "env"]), "metric"].unique())
     if wanted:
         if wanted not in names:
-            raise KeyError(f"no total/server-scope metric {wanted!r} in these runs")
+            raise KeyError(f"no total/server/env-scope metric {wanted!r} in these runs")
         return wanted
     return next((n for n in SIM_TIME_CANDIDATES if n in names), None)
 

@@ -164,14 +164,15 @@ COMM_BYTES = ("up_bytes", "down_bytes")
 def cumulative(df: pd.DataFrame, time: str = "round") -> pd.DataFrame:
     """Per run and round, the time axis at the end of that round: ``round`` -> rounds completed (round + 1);
     ``bytes`` -> bytes communicated so far, up + down, all clients; any other name -> running sum of that
-    total/server-scope metric (e.g. a simulated round duration). Columns run_id, round, x."""
+    total/server/env-scope metric (e.g. ``sim_round_s``, the environment's simulated round duration). Columns
+    run_id, round, x."""
     rounds = df[["run_id", "round"]].drop_duplicates().sort_values(["run_id", "round"])
     if time == "round":
         return rounds.assign(x=rounds["round"].astype(float) + 1.0).reset_index(drop=True)
     names = list(COMM_BYTES) if time == "bytes" else [time]
-    d = df[df["scope"].isin(["total", "server"]) & df["metric"].isin(names)]
+    d = df[df["scope"].isin(["total", "server", "env"]) & df["metric"].isin(names)]
     if d.empty:
-        raise KeyError(f"no '{time}' rows (scope total or server) in the result table")
+        raise KeyError(f"no '{time}' rows (scope total, server or env) in the result table")
     per = d.groupby(["run_id", "round"])["value"].sum().rename("step").reset_index()
     out = rounds.merge(per, on=["run_id", "round"], how="left").fillna({"step": 0.0})
     out["x"] = out.groupby("run_id")["step"].cumsum()

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pandas as pd
 import pytest
 import yaml
@@ -138,3 +140,17 @@ def test_run_seeds_one_table_per_run(tmp_path, capsys):
     ref = run_experiment(make_config(tiny_config(rounds=2, seed=4)), write=False, progress=False)
     got = results.load(tmp_path / "runs" / "seed4")
     pd.testing.assert_frame_equal(got.reset_index(drop=True), ref.table.reset_index(drop=True), check_dtype=False)
+
+
+def test_simulated_time_axis_comes_from_the_environment_rows(tmp_path):
+    from raysim import results
+    from raysim.config import make_config
+    from raysim.report import find_time_metric
+    from raysim.server import run_experiment
+
+    r = run_experiment(make_config(tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"})), write=False)
+    df = r.table
+    assert find_time_metric(df) == "sim_round_s"
+    axis = results.cumulative(df, "sim_round_s").set_index("round")["x"]
+    sim = df[(df["scope"] == "env") & (df["metric"] == "sim_time")].set_index("round")["value"]
+    assert np.allclose(axis.loc[sim.index].to_numpy(), sim.to_numpy())
