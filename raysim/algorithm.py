@@ -29,7 +29,7 @@ from raysim import rng as rngmod
 from raysim.config import ArchSpec, ConfigError, TrainConfig, from_dict
 from raysim.data.datasets import ArrayDataset
 from raysim.data.federated import ClientData
-from raysim.messages import Message, Payload
+from raysim.messages import Payload
 from raysim.models import SplitModel, arch_key, build_model
 
 
@@ -154,7 +154,8 @@ class Algorithm:
         return payload
 
     def client_update(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> ClientUpdate:
-        raise NotImplementedError
+        """Every method defines its local step; the base class has none."""
+        raise TypeError(f"{type(self).__name__} does not define client_update")
 
     def evaluate_client(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> dict:
         return {}

@@ -349,19 +349,24 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     return data
 
 
-def load_config_dict(path: str | Path) -> dict:
+def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG") -> dict:
+    """A YAML file holding a mapping; errors name ``field_name`` (the argument that gave the path)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("CONFIG", f"file not found: {path}")
+        raise ConfigError(field_name, f"file not found: {path}")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:
-        raise ConfigError("CONFIG", f"{path} is not valid YAML: {e}") from None
+        raise ConfigError(field_name, f"{path} is not valid YAML: {e}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError("CONFIG", f"{path} must hold a mapping at the top level")
+        raise ConfigError(field_name, f"{path} must hold a mapping at the top level")
     return data
+
+
+def load_config_dict(path: str | Path) -> dict:
+    return load_yaml_mapping(path, "CONFIG")
 
 
 def make_config(data: dict | None = None, overrides: list[str] | None = None) -> ExperimentConfig:

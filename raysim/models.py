@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
-import torch
 import torch.nn as nn
 import torch.nn.functional as F
 

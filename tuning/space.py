@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
-from raysim.config import ConfigError, choice, from_dict, make_config, positive, to_dict
+from raysim.config import ConfigError, choice, from_dict, load_yaml_mapping, make_config, positive, to_dict
 
 PRUNERS = ("none", "median", "percentile", "successive_halving")
 SAMPLERS = ("tpe", "random")
@@ -211,16 +209,7 @@ def parse_space(data: dict | None, path: str = "space") -> SearchSpace:
 
 
 def load_space(path: str | Path) -> SearchSpace:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError("--space", f"file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError("--space", f"{path} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError("--space", f"{path} must hold a mapping at the top level")
-    return parse_space(data)
+    return parse_space(load_yaml_mapping(path, "--space"))
 
 
 def set_dotted(data: dict, key: str, value) -> dict:
