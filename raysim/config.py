@@ -6,6 +6,7 @@ any Ray process is started.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import hashlib
@@ -332,20 +333,26 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
+def set_dotted(data: dict, key: str, value) -> dict:
+    """A copy of the config dict ``data`` with ``key`` (dotted) set to ``value``; sections are created as needed."""
+    data = copy.deepcopy(data or {})
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        nxt = node.get(part)
+        if nxt is None:
+            nxt = node[part] = {}
+        if not isinstance(nxt, dict):
+            raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
+        node = nxt
+    node[parts[-1]] = value
+    return data
+
+
 def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
     data = json.loads(json.dumps(data or {}))
     for text in overrides or []:
-        key, value = parse_override(text)
-        node = data
-        parts = key.split(".")
-        for i, part in enumerate(parts[:-1]):
-            nxt = node.get(part)
-            if nxt is None:
-                nxt = node[part] = {}
-            if not isinstance(nxt, dict):
-                raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
-            node = nxt
-        node[parts[-1]] = value
+        data = set_dotted(data, *parse_override(text))
     return data
 
 

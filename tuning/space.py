@@ -19,7 +19,6 @@ dotted field (``space.params.<key>.low`` ...), raised before the study touches i
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import math
@@ -27,7 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from raysim.config import ConfigError, choice, from_dict, load_yaml_mapping, make_config, positive, to_dict
+from raysim.config import (ConfigError, choice, from_dict, load_yaml_mapping, make_config, positive, set_dotted,
+                           to_dict)
 
 PRUNERS = ("none", "median", "percentile", "successive_halving")
 SAMPLERS = ("tpe", "random")
@@ -210,23 +210,6 @@ def parse_space(data: dict | None, path: str = "space") -> SearchSpace:
 
 def load_space(path: str | Path) -> SearchSpace:
     return parse_space(load_yaml_mapping(path, "--space"))
-
-
-def set_dotted(data: dict, key: str, value) -> dict:
-    """A copy of the config dict ``data`` with ``key`` (dotted) set to ``value`` (no YAML round trip, so 1e20 stays
-    a float); intermediate sections are created as needed."""
-    data = copy.deepcopy(data or {})
-    node = data
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
-        if not isinstance(nxt, dict):
-            raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
-        node = nxt
-    node[parts[-1]] = value
-    return data
 
 
 def apply_params(base: dict, params: dict, seed: Optional[int] = None):
