@@ -1,0 +1,64 @@
+"""Golden result tables: one small run per registered method, saved from a known-good engine.
+
+``python tests/golden/make_golden.py`` rewrites them; tests/test_golden.py checks that today's engine reproduces every
+(round, client, scope, metric) value exactly. Regenerate only in a commit that moves numbers on purpose, and say why
+in its message.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))
+
+from raysim.config import make_config  # noqa: E402
+
+# methods that average whole models need one architecture; the others get a mixed pair (dropout in both)
+HETERO = {"fedproto", "fedproto_uh", "fedtgp", "lgfedavg", "feddistill", "local"}
+
+
+def golden_config(name: str) -> dict:
+    cfg = {
+        "name": f"golden-{name}",
+        "seed": 11,
+        "rounds": 3,
+        "clients_per_round": 4,
+        "data": {"dataset": "mnist5k", "num_clients": 6, "partition": "nway_kshot",
+                 "partition_params": {"ways": 3, "shots": 12, "stdev": 1, "test_shots": 6}},
+        "model": {"arch": "cnn_mnist", "params": {"embed_dim": 16}},
+        "train": {"local_epochs": 2, "batch_size": 8, "lr": 0.05, "momentum": 0.5},
+        "algorithm": {"name": name, "params": {}},
+        "eval": {"every": 1},
+        "backend": {"name": "sequential"},
+        "output": {"progress": False},
+    }
+    if name in HETERO:
+        cfg["model"] = {"assign": "cycle", "per_client": [
+            {"arch": "cnn_mnist", "params": {"embed_dim": 16}},
+            {"arch": "cnn4", "params": {"embed_dim": 16}}]}
+    if name == "fedtgp":
+        cfg["algorithm"]["params"] = {"server_epochs": 5, "margin_threshold": 1.0}
+    return cfg
+
+
+def names() -> list[str]:
+    from raysim.registry import ALGORITHMS
+
+    return sorted(n for n in ALGORITHMS if not n.startswith(("failing", "toy")))
+
+
+def main() -> None:
+    from raysim.server import run_experiment
+
+    only = sys.argv[1:]
+    for name in names():
+        if only and name not in only:
+            continue
+        res = run_experiment(make_config(golden_config(name)), write=False)
+        res.table.drop(columns=["run_id"]).to_parquet(HERE / f"{name}.parquet", index=False)
+        print(name, len(res.table))
+
+
+if __name__ == "__main__":
+    main()
