@@ -69,7 +69,7 @@ class FeSEM(Algorithm):
         out["assignment"] = Message("cluster_assignment", {"assign": server_state["assign"].clone()})
         return out
 
-    def downlink(self, payload, client_id: int):
+    def downlink(self, payload, client_id: int, ctx=None):
         """A client downloads only its own centre (and its cluster id)."""
         k = int(payload["assignment"]["assign"][client_id])
         return {"model": payload[f"centre_{k}"], "cluster": Message("cluster_id", {"k": torch.tensor([k])})}

@@ -17,7 +17,7 @@ import pandas as pd
 
 from raysim import results
 from raysim.config import load_config
-from raysim.server import run_experiment
+from raysim.driver import run_experiment
 
 CONFIGS = {"FedProto": "configs/fedproto_mnist5k.yaml", "FedAvg": "configs/fedavg_mnist5k.yaml"}
 

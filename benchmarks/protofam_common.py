@@ -17,7 +17,7 @@ def run_one(cfg_dict: dict) -> dict:
 
     torch.set_num_threads(1)
     from raysim.config import make_config
-    from raysim.server import run_experiment
+    from raysim.driver import run_experiment
 
     t0 = time.perf_counter()
     cfg = make_config(cfg_dict)

@@ -5,7 +5,7 @@ sys.path.insert(0, "benchmarks")
 torch.set_num_threads(1)
 import protofam_fig_a as fa
 from raysim.config import make_config
-from raysim.server import run_experiment
+from raysim.driver import run_experiment
 tau, seed = float(sys.argv[1]), int(sys.argv[2])
 class A: rounds=30; samples=200; eval_every=5
 a, p = fa.methods(100, 10.0)["FedTGP"]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from raysim.config import load_config
 from raysim.data.datasets import DataError
-from raysim.server import prepare, run_experiment
+from raysim.driver import prepare, run_experiment
 
 METHODS = {"Local": "configs/local_mnist5k.yaml", "FedAvg": "configs/fedavg_mnist5k.yaml",
            "FedProto": "configs/fedproto_mnist5k.yaml", "FedProto-mh": "configs/fedproto_mh_mnist5k.yaml"}

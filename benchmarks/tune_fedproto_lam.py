@@ -28,7 +28,7 @@ import pandas as pd  # noqa: E402
 from raysim import results  # noqa: E402
 from raysim.config import load_config  # noqa: E402
 from raysim.report import build_report  # noqa: E402
-from raysim.server import run_experiment  # noqa: E402
+from raysim.driver import run_experiment  # noqa: E402
 from raysim.sweep import parse_seeds  # noqa: E402
 from tuning.space import load_space  # noqa: E402
 from tuning.study import tune  # noqa: E402

@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 
 def run_experiment(*args, **kwargs):
-    from raysim.server import run_experiment as _run
+    from raysim.driver import run_experiment as _run
 
     return _run(*args, **kwargs)
 

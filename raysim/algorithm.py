@@ -3,7 +3,8 @@
 An :class:`Algorithm` is constructed from its validated hyperparameters and a :class:`Task` on every process that
 needs it (the driver for validation, each client runner, the server runner). It never names a backend.
 
-Round ``t`` (see ARCHITECTURE.md):
+A round is a *step schedule* (``schedule()``, see raysim/steps.py); the default one is the classic exchange built
+from the hooks below. Round ``t`` of the default schedule (see ARCHITECTURE.md):
 
 1. server: ``payload = broadcast(server_state, ctx)`` — one payload for the round (put in the object store once);
 2. each sampled client: ``down = downlink(payload, client_id)`` (what that client actually downloads; accounted),
@@ -15,6 +16,9 @@ Round ``t`` (see ARCHITECTURE.md):
 State is explicit and picklable (dicts of tensors), per-client randomness comes from ``ctx`` (derived from
 (seed, round, client, purpose)), and nothing is kept in globals, so clients can run one after another, on any actor,
 or — later — vectorised.
+
+Methods with more than one exchange per round (MAFML, FedMD) override ``schedule()``; methods with a phase before
+round 1 (SlaugFL, PN-ICFL) return one from ``setup_schedule()``; its steps run once, at round index -1.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from raysim.data.datasets import ArrayDataset
 from raysim.data.federated import ClientData
 from raysim.messages import Payload
 from raysim.models import SplitModel, arch_key, build_model
+from raysim.steps import CLASSIC_ROUND, EVALUATION
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,11 @@ class Context:
     device: Any
     task: Task
     models: Optional[ModelCache] = None
-    failures: list = field(default_factory=list)  # server side: the round's ClientReports that failed
+    failures: list = field(default_factory=list)  # server side: (client_id, reason) of the round's failed clients
+    step: str = ""  # the schedule step being run
+    iteration: int = 0  # repetition index inside a Repeat group
+    keep: Optional[list] = None  # server side: client ids the environment let deliver (None: no environment)
+    client_store: Any = None  # server side: per-client state kept by the server (raysim.store.StateStore)
 
     def rng(self, purpose: str) -> np.random.Generator:
         return rngmod.numpy_rng(self.seed, self.round_idx, self.client_id, purpose)
@@ -99,6 +108,16 @@ class Context:
 class ClientUpdate:
     state: Any
     upload: Payload
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class ServerUpdate:
+    """What a server step returns: the new server state, the payload for the next client step (None: unchanged)
+    and server metrics."""
+
+    state: Any
+    payload: Optional[Payload] = None
     metrics: dict = field(default_factory=dict)
 
 
@@ -133,6 +152,33 @@ class Algorithm:
             raise ConfigError("model.per_client", f"{self.name} averages whole models, so every client needs the same "
                                                   f"architecture; remove model.per_client or use a prototype method")
 
+    # -- schedules ----------------------------------------------------------------------------------------------
+    def schedule(self) -> tuple:
+        """One round as steps (raysim.steps). Default: client_update on the sampled clients, then aggregate +
+        broadcast of the next round's payload."""
+        return CLASSIC_ROUND
+
+    def setup_schedule(self) -> Optional[tuple]:
+        """Steps run once before round 0 (round index -1), or None."""
+        return None
+
+    def evaluation_schedule(self) -> tuple:
+        return EVALUATION
+
+    def initial_payload(self, server_state: Any, ctx: Context) -> Payload:
+        """The payload the round ``ctx.round_idx`` starts with, built from the server state alone (run start and
+        resume). Must equal what the previous round's last server step left."""
+        return self.broadcast(server_state, ctx)
+
+    def classic_aggregate(self, server_state: Any, uploads: dict, ctx: Context) -> ServerUpdate:
+        """The default schedule's server step: ``aggregate`` (skipped when the environment let nobody deliver),
+        then ``broadcast`` of the next round's payload."""
+        metrics = {}
+        if ctx.keep is None or ctx.keep:
+            server_state, metrics = self.aggregate(server_state, uploads, ctx)
+        nxt = dataclasses.replace(ctx, round_idx=ctx.round_idx + 1, failures=[], step="broadcast", keep=None)
+        return ServerUpdate(server_state, self.broadcast(server_state, nxt), dict(metrics))
+
     # -- server -------------------------------------------------------------------------------------------------
     def init_server_state(self, ctx: Context) -> Any:
         return {}
@@ -150,7 +196,8 @@ class Algorithm:
     def init_client_state(self, ctx: Context) -> Any:
         return {}
 
-    def downlink(self, payload: Payload, client_id: int) -> Payload:
+    def downlink(self, payload: Payload, client_id: int, ctx: Optional[Context] = None) -> Payload:
+        """What ``client_id`` downloads of the payload (accounted). Runs inside the client's failure guard."""
         return payload
 
     def client_update(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> ClientUpdate:

@@ -112,7 +112,7 @@ def _cmd_list() -> int:
 
 def _cmd_run(args) -> int:
     from raysim.config import load_config
-    from raysim.server import run_experiment
+    from raysim.driver import run_experiment
 
     overrides = list(args.overrides)
     if args.backend:

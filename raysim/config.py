@@ -244,9 +244,12 @@ class BackendConfig:
     address: Optional[str] = None  # an existing Ray cluster; None starts a local one
     torch_threads: int = 1  # intra-op threads per worker (1 keeps results bit-identical across backends)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
+    state_memory_mb: float = 1024.0  # client states kept in memory per actor; beyond it the least recently used spill
+    state_dir: Optional[str] = None  # where states spill (None: a temporary directory, removed at the end)
 
     def check(self, path: str) -> None:
         choice(_p(path, "name"), self.name, ["sequential", "ray"])
+        positive(_p(path, "state_memory_mb"), self.state_memory_mb, allow_zero=True)
         positive(_p(path, "num_actors"), self.num_actors)
         positive(_p(path, "num_cpus"), self.num_cpus, allow_zero=True)
         positive(_p(path, "num_gpus"), self.num_gpus, allow_zero=True)
@@ -276,7 +279,7 @@ class ExperimentConfig:
     seed: int = 1234
     rounds: int = 100
     clients_per_round: Optional[int] = None  # None: every client every round
-    on_client_failure: str = "skip"  # skip: aggregate the survivors; raise: stop the run at the first failure
+    on_client_failure: str = "skip"  # skip: aggregate the survivors; stop: stop the run at the first failure
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -289,7 +292,9 @@ class ExperimentConfig:
     def check(self, path: str) -> None:
         positive("rounds", self.rounds)
         positive("clients_per_round", self.clients_per_round)
-        choice("on_client_failure", self.on_client_failure, ["skip", "raise"])
+        choice("on_client_failure", self.on_client_failure, ["skip", "stop", "raise"])
+        if self.on_client_failure == "raise":  # the old name of "stop", kept as an alias
+            object.__setattr__(self, "on_client_failure", "stop")
         if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
         if self.model.assign == "tier" and getattr(self.model, "tiers", None) is None and (
@@ -307,12 +312,58 @@ class ExperimentConfig:
         d.pop("name")
         return d
 
-    def config_hash(self) -> str:
-        blob = json.dumps(self.science_dict(), sort_keys=True).encode()
+    def identity_dict(self, drop: tuple = ()) -> dict:
+        """The science keys whose values differ from their defaults, as {dotted key: value}. Algorithm parameters
+        are compared with the method's own defaults. Adding a key with a behaviour-preserving default therefore
+        never changes an old config's identity, while every key that changes the numbers does."""
+        default = ExperimentConfig().science_dict()
+        mine = self.science_dict()
+        out = _diff_leaves(mine, default, "")
+        out.pop("algorithm.params", None)
+        out.update({f"algorithm.params.{k}": v for k, v in _algorithm_param_diff(self.algorithm).items()})
+        for key in drop:
+            out.pop(key, None)
+        return dict(sorted(out.items()))
+
+    def config_hash(self, drop: tuple = ()) -> str:
+        blob = json.dumps({"v": 2, "set": self.identity_dict(drop)}, sort_keys=True, default=str).encode()
         return hashlib.sha256(blob).hexdigest()[:10]
 
     def run_id(self) -> str:
         return f"{self.name}-s{self.seed}-{self.config_hash()}"
+
+
+def _diff_leaves(mine, default, prefix: str) -> dict:
+    """Dotted keys of ``mine`` whose values differ from ``default``; sections recurse, mapping-valued fields whose
+    default is empty (partition_params, env, ...) are compared whole."""
+    out = {}
+    if isinstance(mine, dict) and isinstance(default, dict) and default:
+        for k in sorted(set(mine) | set(default)):
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if k not in mine:
+                continue
+            if k not in default:
+                out[key] = mine[k]
+            else:
+                out.update(_diff_leaves(mine[k], default[k], key))
+        return out
+    if mine != default:
+        out[prefix] = mine
+    return out
+
+
+def _algorithm_param_diff(alg: "AlgorithmConfig") -> dict:
+    """The algorithm's parameters that differ from the method's defaults (raw values when the method is unknown)."""
+    params = dict(alg.params or {})
+    try:
+        from raysim.registry import algorithm_class
+
+        cls = algorithm_class(alg.name)
+        defaults = json.loads(json.dumps(dataclasses.asdict(cls.Params()), default=str))
+        typed = json.loads(json.dumps(dataclasses.asdict(from_dict(cls.Params, params, "algorithm.params")), default=str))
+    except Exception:
+        return params
+    return {k: v for k, v in typed.items() if defaults.get(k, object()) != v}
 
 
 # ----------------------------------------------------------------------------------------------------------------

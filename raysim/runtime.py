@@ -1,20 +1,32 @@
-"""Runners: the Ray-free objects that host server and client state. The sequential backend calls them in-process;
-the Ray backend wraps the very same classes as actors, so both backends execute identical code."""
+"""Runners: the Ray-free objects that host server and client state and execute schedule steps. The sequential
+backend calls them in-process; the Ray backend wraps the very same classes as actors, so both backends execute
+identical code.
+
+A :class:`ClientRunner` hosts a fixed group of virtual clients: their data (compact, on CPU; moved to the device per
+step) and a :class:`~raysim.store.StateStore` of their states (created lazily, spilled to disk beyond
+``backend.state_memory_mb``). ``run_client_step`` runs one step of the schedule for some of its clients, one after
+another, each inside a failure guard; new states stay *pending* until the driver calls ``commit`` (the step's reports
+have reached it). A :class:`ServerRunner` holds the server state (and a store for server-side per-client state) and
+runs server steps.
+"""
 from __future__ import annotations
 
 import time
 import traceback as tb
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
 from raysim import rng as rngmod
-from raysim.algorithm import Context, ModelCache, Task
+from raysim.algorithm import Context, ModelCache, ServerUpdate, Task
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData
 from raysim.messages import payload_sizes
-from raysim.registry import algorithm_class, load_target
+from raysim.registry import load_target
+from raysim.steps import ClientStep, ServerStep
+from raysim.store import StateStore, atomic_save, load_file
 
 
 class SimulationError(RuntimeError):
@@ -25,7 +37,7 @@ class SimulationError(RuntimeError):
 class ClientReport:
     client_id: int
     round_idx: int
-    stage: str  # "update" or "evaluate"
+    stage: str  # the step name ("update", "evaluate", ...)
     ok: bool = True
     metrics: dict = field(default_factory=dict)  # name -> value or (value, weight)
     up: dict = field(default_factory=dict)  # kind -> (floats, bytes)
@@ -33,6 +45,7 @@ class ClientReport:
     error: str = ""
     traceback: str = ""
     seconds: float = 0.0  # wall time (diagnostic only; never in the result table)
+    iteration: int = 0
 
 
 def resolve_device(name: str) -> torch.device:
@@ -45,11 +58,15 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass
 class RunSpec:
-    """Everything a runner needs to rebuild the algorithm in its own process."""
+    """Everything a runner needs to rebuild the algorithm in its own process: the config, the task, the resolved
+    algorithm class ("module:Class", so runtime registrations reach the workers) and its already validated,
+    typed hyperparameters (configs are validated once, on the driver)."""
 
     cfg: ExperimentConfig
     task: Task
-    algorithm_target: str = ""  # "module:Class", resolved on the driver so runtime registrations reach the workers
+    algorithm_target: str
+    params: Any
+    state_dir: Optional[str] = None  # where stores spill (None: a private temporary directory per store)
 
 
 def _setup_process(cfg: ExperimentConfig) -> torch.device:
@@ -57,123 +74,182 @@ def _setup_process(cfg: ExperimentConfig) -> torch.device:
     return resolve_device(cfg.backend.device)
 
 
-def _make_algorithm(spec: RunSpec):
-    cls = load_target(spec.algorithm_target) if spec.algorithm_target else algorithm_class(spec.cfg.algorithm.name)
-    return cls.from_config(spec.cfg.algorithm.params, spec.task)
+def make_algorithm(spec: RunSpec):
+    return load_target(spec.algorithm_target)(spec.params, spec.task)
+
+
+def _failure(rep: ClientReport, e: BaseException) -> None:
+    rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
 
 
 class ClientRunner:
-    """Hosts a group of virtual clients: their data and their state stay resident here across rounds."""
+    """Hosts a group of virtual clients: their data stays resident, their states live in the store."""
 
-    def __init__(self, spec: RunSpec, clients: list[ClientData]):
+    def __init__(self, spec: RunSpec, clients: list[ClientData], name: str = "clients"):
         self.spec = spec
         self.device = _setup_process(spec.cfg)
-        self.algorithm = _make_algorithm(spec)
+        self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
-        self.data = {c.client_id: c.to(self.device) for c in clients}
-        self.states: dict[int, Any] = {}
-        for cid in sorted(self.data):
-            ctx = self._ctx(rngmod.NO_ROUND, cid)
-            rngmod.seed_torch_global(spec.cfg.seed, rngmod.NO_ROUND, cid, "init")
-            self.states[cid] = self.algorithm.init_client_state(ctx)
+        self.data = {c.client_id: c for c in clients}  # on CPU; moved to the device per step
+        mem = spec.cfg.backend.state_memory_mb * 2**20
+        directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
+        self.store = StateStore(mem, directory, name)
 
-    def _ctx(self, round_idx: int, client_id: int) -> Context:
-        return Context(round_idx, client_id, self.spec.cfg.seed, self.device, self.spec.task, self.models)
+    def _ctx(self, round_idx: int, client_id: int, step: str = "", iteration: int = 0) -> Context:
+        return Context(round_idx, client_id, self.spec.cfg.seed, self.device, self.spec.task, self.models,
+                       step=step, iteration=iteration)
 
     def client_ids(self) -> list[int]:
         return sorted(self.data)
 
-    def run_updates(self, payload, round_idx: int, client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
+    def state(self, cid: int):
+        """The client's committed state, created on first use (a pure function of (seed, client))."""
+        s = self.store.get(cid)
+        if s is None:
+            rngmod.seed_torch_global(self.spec.cfg.seed, rngmod.NO_ROUND, cid, "init")
+            s = self.algorithm.init_client_state(self._ctx(rngmod.NO_ROUND, cid, "init"))
+            self.store.put_initial(cid, s)
+        return s
+
+    def _data(self, cid: int) -> ClientData:
+        return self.data[cid].to(self.device)
+
+    def run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
+                        client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
+        """Run ``step`` for ``client_ids`` (hosted here) in order; returns (uploads by client, reports)."""
+        fn = getattr(self.algorithm, step.method)
+        evaluate = step.mode == "evaluate"
         uploads, reports = {}, []
         for cid in client_ids:
             t0 = time.perf_counter()
-            down = self.algorithm.downlink(payload, cid)
-            rep = ClientReport(cid, round_idx, "update", down=payload_sizes(down))
+            rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
             try:
-                rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, "update")
-                res = self.algorithm.client_update(down, self.states[cid], self.data[cid], self._ctx(round_idx, cid))
-                self.states[cid] = res.state
-                uploads[cid] = res.upload
-                rep.metrics = dict(res.metrics)
-                rep.up = payload_sizes(res.upload)
+                ctx = self._ctx(round_idx, cid, step.name, iteration)
+                down = self.algorithm.downlink(payload, cid, ctx)
+                if not evaluate:
+                    rep.down = payload_sizes(down)
+                state = self.state(cid)
+                rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                if evaluate:
+                    rep.metrics = dict(fn(down, state, self._data(cid), ctx))
+                else:
+                    res = fn(down, state, self._data(cid), ctx)
+                    self.store.stage(cid, res.state)
+                    uploads[cid] = res.upload
+                    rep.metrics = dict(res.metrics)
+                    rep.up = payload_sizes(res.upload)
             except Exception as e:  # a failing client is a value, not a crashed pool
-                rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
+                _failure(rep, e)
+                self.store.discard([cid])
+                uploads.pop(cid, None)
             rep.seconds = time.perf_counter() - t0
             reports.append(rep)
         return uploads, reports
 
-    def evaluate(self, payload, round_idx: int, client_ids: list[int]) -> list[ClientReport]:
-        reports = []
-        for cid in client_ids:
-            t0 = time.perf_counter()
-            rep = ClientReport(cid, round_idx, "evaluate")
-            try:
-                rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, "evaluate")
-                down = self.algorithm.downlink(payload, cid)
-                rep.metrics = dict(self.algorithm.evaluate_client(down, self.states[cid], self.data[cid], self._ctx(round_idx, cid)))
-            except Exception as e:
-                rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
-            rep.seconds = time.perf_counter() - t0
-            reports.append(rep)
-        return reports
+    def commit(self, client_ids: Optional[list[int]] = None) -> None:
+        """The step's results reached the driver: its new states become the committed ones."""
+        self.store.commit(client_ids)
 
-    def get_states(self) -> dict:
-        return {cid: _to_cpu(s) for cid, s in self.states.items()}
+    def discard(self, client_ids: Optional[list[int]] = None) -> None:
+        self.store.discard(client_ids)
 
-    def set_states(self, states: dict) -> None:
-        for cid, s in states.items():
-            if cid in self.data:
-                self.states[cid] = _to_device(s, self.device)
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def save_shard(self, path: str) -> list[int]:
+        return self.store.save_shard(Path(path))
+
+    def load_shards(self, paths: list[str]) -> list[int]:
+        mine = set(self.data)
+        loaded = []
+        for p in paths:
+            loaded += self.store.load_shard(Path(p), keep=mine)
+        return sorted(loaded)
+
+    def store_stats(self) -> dict:
+        return {"in_memory_bytes": self.store.memory_in_use(), "spills": self.store.spills, "loads": self.store.loads,
+                "clients": len(self.store.client_ids())}
 
     def ready(self) -> bool:
         return True
 
+    def close(self) -> None:
+        self.store.close()
+
+
+def _purpose(step, iteration: int) -> str:
+    # the classic steps keep the stream names of the one-exchange engine ("update", "evaluate", "aggregate")
+    base = {"client_update": "update", "evaluate_client": "evaluate", "classic_aggregate": "aggregate",
+            "evaluate_server": "evaluate"}.get(step.method, step.name)
+    return base if iteration == 0 else f"{base}#{iteration}"
+
 
 class ServerRunner:
-    """Holds the server state; runs broadcast, aggregation (incl. server-side training) and server evaluation."""
+    """Holds the server state (and server-side per-client state); runs server steps."""
 
     def __init__(self, spec: RunSpec, global_test=None):
         self.spec = spec
         self.device = _setup_process(spec.cfg)
-        self.algorithm = _make_algorithm(spec)
+        self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
         self.global_test = global_test
+        mem = spec.cfg.backend.state_memory_mb * 2**20
+        directory = Path(spec.state_dir) / "server" if spec.state_dir else None
+        self.client_store = StateStore(mem, directory, "server")
         rngmod.seed_torch_global(spec.cfg.seed, rngmod.NO_ROUND, rngmod.SERVER, "init")
         self.state = self.algorithm.init_server_state(self._ctx(rngmod.NO_ROUND))
 
-    def _ctx(self, round_idx: int, failures=None) -> Context:
-        return Context(round_idx, rngmod.SERVER, self.spec.cfg.seed, self.device, self.spec.task, self.models, failures or [])
+    def _ctx(self, round_idx: int, failures=None, step: str = "", iteration: int = 0, keep=None) -> Context:
+        return Context(round_idx, rngmod.SERVER, self.spec.cfg.seed, self.device, self.spec.task, self.models,
+                       list(failures or []), step=step, iteration=iteration, keep=keep, client_store=self.client_store)
 
-    def broadcast(self, round_idx: int):
-        return self.algorithm.broadcast(self.state, self._ctx(round_idx))
+    def initial_payload(self, round_idx: int):
+        return self.algorithm.initial_payload(self.state, self._ctx(round_idx, step="broadcast"))
 
-    def aggregate(self, round_idx: int, failures: list, *upload_groups: dict, keep: Optional[list] = None) -> dict:
-        """``keep``: the client ids whose uploads reach the algorithm (the environment drops late/dropped ones)."""
+    def run_server_step(self, step: ServerStep, round_idx: int, iteration: int, failures: list, *upload_groups,
+                        keep: Optional[list] = None):
+        """Returns (payload or None, metrics). ``keep``: the client ids whose uploads reach the algorithm (the
+        environment drops late/dropped ones); uploads are sorted by client id, whatever the actor layout."""
+        fn = getattr(self.algorithm, step.method)
+        ctx = self._ctx(round_idx, failures, step.name, iteration, keep)
+        rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, rngmod.SERVER, _purpose(step, iteration))
+        if step.mode == "evaluate":
+            if self.global_test is None:
+                return None, {}
+            return None, dict(fn(self.state, self.global_test, ctx))
         uploads = {}
         for group in upload_groups:
-            uploads.update(group)
+            uploads.update(group or {})
         if keep is not None:
-            keep = set(keep)
-            uploads = {cid: u for cid, u in uploads.items() if cid in keep}
-        uploads = {cid: uploads[cid] for cid in sorted(uploads)}  # order-independent of actors
-        rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, rngmod.SERVER, "aggregate")
-        self.state, metrics = self.algorithm.aggregate(self.state, uploads, self._ctx(round_idx, failures))
-        return dict(metrics)
+            keep_set = set(keep)
+            uploads = {cid: u for cid, u in uploads.items() if cid in keep_set}
+        uploads = {cid: uploads[cid] for cid in sorted(uploads)}
+        out = fn(self.state, uploads, ctx)
+        if not isinstance(out, ServerUpdate):
+            raise TypeError(f"{type(self.algorithm).__name__}.{step.method} must return a ServerUpdate, got "
+                            f"{type(out).__name__}")
+        self.state = out.state
+        self.client_store.commit()
+        return out.payload, dict(out.metrics)
 
-    def evaluate(self, round_idx: int) -> dict:
-        if self.global_test is None:
-            return {}
-        rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, rngmod.SERVER, "evaluate")
-        return dict(self.algorithm.evaluate_server(self.state, self.global_test, self._ctx(round_idx)))
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        atomic_save({"state": _to_cpu(self.state)}, Path(path))
+        self.client_store.save_shard(Path(path).with_name("server_clients.pt"))
+
+    def load(self, path: str) -> None:
+        self.state = _to_device(load_file(Path(path))["state"], self.device)
+        shard = Path(path).with_name("server_clients.pt")
+        self.client_store.clear()
+        if shard.exists():
+            self.client_store.load_shard(shard)
 
     def get_state(self):
         return _to_cpu(self.state)
 
-    def set_state(self, state) -> None:
-        self.state = _to_device(state, self.device)
-
     def ready(self) -> bool:
         return True
+
+    def close(self) -> None:
+        self.client_store.close()
 
 
 def _map_tensors(obj, fn):

@@ -1,21 +1,60 @@
-"""Checkpoints: the server state, every client's state and the round counter, in one torch file per checkpoint."""
+"""Checkpoints as directories of shards: ``checkpoints/<name>/`` holds ``server.pt`` (server state),
+``server_clients.pt`` (server-side per-client state), one ``clients-<k>.pt`` per client runner (client id -> state,
+written by the runner itself, never gathered on the driver) and ``meta.pt`` (round, manifest, result rows, failure
+log, environment state, config hash), written last. The directory is built as ``<name>.tmp`` and renamed when
+complete, so a checkpoint that exists is whole. Client states are keyed by client id, so a checkpoint restores into
+any number of actors."""
 from __future__ import annotations
 
-import os
+import shutil
 from pathlib import Path
+from typing import Optional
 
-import torch
+from raysim.store import atomic_save, load_file
+
+META = "meta.pt"
 
 
-def save_checkpoint(path: Path, round_idx: int, server_state, client_states: dict, extra: dict | None = None) -> Path:
+def write_checkpoint(path: Path, round_idx: int, backend, extra: dict) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    torch.save({"round_idx": round_idx, "server_state": server_state, "client_states": client_states,
-                "extra": extra or {}}, tmp)
-    os.replace(tmp, path)
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    manifest = backend.save_checkpoint(str(tmp))
+    atomic_save({"round_idx": int(round_idx), "manifest": manifest, "extra": extra}, tmp / META)
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
     return path
 
 
-def load_checkpoint(path: Path) -> dict:
-    return torch.load(Path(path), map_location="cpu", weights_only=False)
+def _complete(d: Path) -> bool:
+    return d.is_dir() and (d / META).exists() and not d.name.endswith(".tmp")
+
+
+def find_checkpoint(run_dir: Path) -> Optional[Path]:
+    """The latest complete resumable checkpoint of a run directory (round checkpoints, else the setup one)."""
+    root = Path(run_dir) / "checkpoints"
+    rounds = sorted(d for d in root.glob("round_*") if _complete(d))
+    if rounds:
+        return rounds[-1]
+    setup = root / "setup"
+    return setup if _complete(setup) else None
+
+
+def read_checkpoint_meta(ck_dir: Path) -> dict:
+    return load_file(Path(ck_dir) / META)
+
+
+def load_checkpoint(ck_dir: Path) -> dict:
+    """A whole checkpoint assembled in memory (for inspection and tests): round_idx, server_state, client_states
+    (client id -> state), server_client_states, extra."""
+    ck_dir = Path(ck_dir)
+    meta = read_checkpoint_meta(ck_dir)
+    clients = {}
+    for f in meta["manifest"]["clients"]:
+        clients.update(load_file(ck_dir / f))
+    server_clients = load_file(ck_dir / "server_clients.pt") if (ck_dir / "server_clients.pt").exists() else {}
+    return {"round_idx": meta["round_idx"], "server_state": load_file(ck_dir / meta["manifest"]["server"])["state"],
+            "client_states": dict(sorted(clients.items())), "server_client_states": server_clients,
+            "extra": meta["extra"]}

@@ -3,7 +3,7 @@ import pytest
 
 from raysim.config import ConfigError, apply_overrides, make_config
 from raysim.data import DataError
-from raysim.server import prepare
+from raysim.driver import prepare
 from tests.conftest import tiny_config
 
 

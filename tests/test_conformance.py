@@ -1,38 +1,69 @@
-"""Conformance suite: every registered algorithm runs end to end on tiny data with finite metrics, picklable state,
-an identical table for the same seed, and survives an aggregation round with no uploads."""
+"""Conformance suite: every registered algorithm runs end to end on tiny data with finite metrics and picklable
+state, gives an identical table for the same seed, with every client state spilled to disk (state_memory_mb: 0),
+after a resume from a checkpoint, and (Ray tests) on the Ray backend with 1 and 2 actors; and survives an
+aggregation round with no uploads."""
 import math
 import pickle
 
 import pandas as pd
 import pytest
 
-from raysim import rng as rngmod
-from raysim.algorithm import Context
+from raysim.driver import prepare, run_experiment
 from raysim.registry import ALGORITHMS
 from raysim.runtime import ClientRunner, ServerRunner
-from raysim.server import prepare, run_experiment
+from raysim.steps import CLASSIC_ROUND, EVALUATION
 
 NAMES = sorted(n for n in ALGORITHMS if not n.startswith("failing"))
 
 
+def same(a, b):
+    pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
+
+
+def cfg_for(tiny, name, **over):
+    return tiny(rounds=3, clients_per_round=4, algorithm={"name": name, "params": {}}, **over)
+
+
 @pytest.mark.parametrize("name", NAMES)
-def test_algorithm_conformance(tiny, name):
-    cfg = tiny(rounds=2, algorithm={"name": name, "params": {}})
+def test_algorithm_conformance(tiny, name, tmp_path):
+    cfg = cfg_for(tiny, name)
     a = run_experiment(cfg, write=False)
     b = run_experiment(cfg, write=False)
-    pd.testing.assert_frame_equal(a.table, b.table)
+    same(a.table, b.table)
     vals = a.table["value"]
     assert all(math.isfinite(v) for v in vals), a.table[~vals.map(math.isfinite)]
     assert (a.table["metric"] == "test_acc").any()
+    # every state spilled to disk after each commit: identical
+    spilled = run_experiment(cfg_for(tiny, name, backend={"name": "sequential", "state_memory_mb": 0,
+                                                          "state_dir": str(tmp_path / "states")}), write=False)
+    same(a.table, spilled.table)
+    # stop after 2 rounds (checkpoint every round), resume to 3: identical to the uninterrupted run
+    short = cfg_for(tiny, name, output={"progress": False, "checkpoint_every": 1})
+    short = type(short)(**{**short.__dict__, "rounds": 2})
+    run_experiment(short, out_dir=tmp_path / "run")
+    resumed = run_experiment(cfg_for(tiny, name, output={"progress": False, "checkpoint_every": 1}),
+                             resume=tmp_path / "run")
+    same(a.table.drop(columns="run_id"), resumed.table.drop(columns="run_id"))
 
     prep = prepare(cfg)
     server = ServerRunner(prep.spec, prep.fed_data.global_test)
     clients = ClientRunner(prep.spec, prep.fed_data.clients)
     pickle.dumps(server.get_state())
-    pickle.dumps(clients.get_states())
+    pickle.dumps([clients.state(c) for c in clients.client_ids()])
     # a round in which nobody uploads (everyone dropped) leaves the server usable
-    server.aggregate(0, [], {})
-    payload = server.broadcast(1)
+    payload, _ = server.run_server_step(CLASSIC_ROUND[1], 0, 0, [], {}, keep=[])
+    payload = payload if payload is not None else server.initial_payload(1)
     pickle.dumps(payload)
-    reports = clients.evaluate(payload, 1, clients.client_ids())
+    _, reports = clients.run_client_step(EVALUATION[0], payload, 1, 0, clients.client_ids())
     assert all(r.ok for r in reports), [r.error for r in reports if not r.ok]
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", NAMES)
+def test_sequential_equals_ray_for_every_method(ray_session, tiny, name):
+    seq = run_experiment(cfg_for(tiny, name), write=False).table
+    for actors in (1, 2):
+        r = run_experiment(cfg_for(tiny, name, backend={"name": "ray", "num_actors": actors, "num_cpus": 1,
+                                                        "state_memory_mb": 0 if actors == 2 else 1024}),
+                           write=False).table
+        same(seq, r)

@@ -6,7 +6,7 @@ import torch
 from raysim import results
 from raysim.registry import register_algorithm
 from raysim.runtime import SimulationError
-from raysim.server import prepare, run_experiment
+from raysim.driver import prepare, run_experiment
 from raysim.state import load_checkpoint
 
 register_algorithm("failing_fedavg", "tests.failing_algo:FailingFedAvg")
@@ -57,7 +57,7 @@ def test_results_file_metadata_and_load(tiny, tmp_path):
     meta = results.load_metadata(tmp_path / "run")
     assert meta["seed"] == 7 and meta["config"]["algorithm"]["name"] == "fedproto"
     assert meta["versions"]["torch"] and meta["data_notes"]
-    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "checkpoints" / "final.pt").exists()
+    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "checkpoints" / "final" / "meta.pt").exists()
     fin = results.final(df)
     assert fin["round"].iloc[0] == 1 and 0 <= fin["mean"].iloc[0] <= 1
 
@@ -65,10 +65,10 @@ def test_results_file_metadata_and_load(tiny, tmp_path):
 def test_checkpoint_holds_every_client_and_server_state(tiny, tmp_path):
     cfg = tiny(rounds=2, output={"progress": False, "checkpoint_every": 1})
     run_experiment(cfg, out_dir=tmp_path / "run")
-    ck = load_checkpoint(tmp_path / "run" / "checkpoints" / "round_00000.pt")
+    ck = load_checkpoint(tmp_path / "run" / "checkpoints" / "round_00000")
     assert ck["round_idx"] == 0 and sorted(ck["client_states"]) == list(range(6))
     assert ck["server_state"]["mask"].any()
-    final = load_checkpoint(tmp_path / "run" / "checkpoints" / "final.pt")
+    final = load_checkpoint(tmp_path / "run" / "checkpoints" / "final")
     assert not torch.equal(final["client_states"][0]["model"]["head.weight"], ck["client_states"][0]["model"]["head.weight"])
 
 
@@ -85,7 +85,7 @@ def test_client_failure_is_a_value_and_run_continues(tiny):
 
 def test_every_client_failing_stops_the_run_and_writes_nothing(tiny, tmp_path):
     cfg = tiny(rounds=3, algorithm={"name": "failing_fedavg", "params": {"fail_clients": list(range(6)), "fail_round": 1}})
-    with pytest.raises(SimulationError, match="round 1: 6 of 6 clients failed"):
+    with pytest.raises(SimulationError, match="round 1, step 'update': 6 of 6 clients failed"):
         run_experiment(cfg, out_dir=tmp_path / "run")
     assert not any(tmp_path.iterdir())
 

@@ -16,7 +16,7 @@ from envs.config import AvailabilityConfig, parse_dist
 from raysim import results
 from raysim.config import ConfigError, make_config
 from raysim.runtime import ClientReport
-from raysim.server import prepare, run_experiment
+from raysim.driver import prepare, run_experiment
 
 from tests.conftest import tiny_config
 

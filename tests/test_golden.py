@@ -5,7 +5,7 @@ import pandas as pd
 import pytest
 
 from raysim.config import make_config
-from raysim.server import run_experiment
+from raysim.driver import run_experiment
 from tests.golden.make_golden import HERE, golden_config, names
 
 KEY = ["round", "client_id", "scope", "metric"]

@@ -15,7 +15,7 @@ from raysim.data.federated import ClientData
 from raysim.messages import Message, state_message
 from raysim.models import ZOO_28, build_model, client_archs, num_parameters
 from raysim.registry import algorithm_class
-from raysim.server import prepare, run_experiment
+from raysim.driver import prepare, run_experiment
 from raysim.state import load_checkpoint
 
 NEW = ["fedtgp", "fedproto_uh", "fedprox", "fedper", "lgfedavg", "fesem", "feddistill"]
@@ -209,7 +209,7 @@ def test_fedtgp_margin_flag_and_config_errors(tiny):
 def test_fedtgp_checkpoint_carries_generator(tiny, tmp_path):
     cfg = tiny(rounds=2, algorithm={"name": "fedtgp", "params": {"server_epochs": 2}})
     res = run_experiment(cfg, out_dir=tmp_path / "run")
-    ck = load_checkpoint(res.out_dir / "checkpoints" / "final.pt")
+    ck = load_checkpoint(res.out_dir / "checkpoints" / "final")
     gen = ck["server_state"]["generator"]
     assert set(gen) == {"embedding.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight", "mlp.2.bias"}
     assert bool(ck["server_state"]["trained"])
@@ -319,7 +319,7 @@ def test_tier_assignment_and_errors():
         make_config({"model": {"assign": "tier", "tiers": [3], "per_client": [{"arch": "cnn4"}]}})
     assert e.value.field == "model.tiers"
     # without model.tiers the tiers must come from an env section's devices; with neither, prepare() says so
-    from raysim.server import prepare
+    from raysim.driver import prepare
     from tests.conftest import tiny_config
 
     with pytest.raises(ConfigError) as e:
@@ -368,7 +368,9 @@ def test_uploads_of_one_runner_are_not_aliased(tiny, name):
 
     prep = prepare(tiny(algorithm={"name": name, "params": {}}))
     srv, runner = ServerRunner(prep.spec), ClientRunner(prep.spec, prep.fed_data.clients)
-    ups, _ = runner.run_updates(srv.broadcast(0), 0, [0, 1, 2])
+    from raysim.steps import CLASSIC_ROUND
+
+    ups, _ = runner.run_client_step(CLASSIC_ROUND[0], srv.initial_payload(0), 0, 0, [0, 1, 2])
     key = "model" if "model" in ups[0] else "shared"
     w = [ups[i][key].tensors for i in range(3)]
     name0 = sorted(k for k in w[0] if w[0][k].is_floating_point())[0]

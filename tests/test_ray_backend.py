@@ -8,7 +8,7 @@ import pytest
 from raysim.backends.ray_backend import check_resources
 from raysim.config import ConfigError
 from raysim.registry import register_algorithm
-from raysim.server import run_experiment
+from raysim.driver import run_experiment
 
 register_algorithm("failing_fedavg", "tests.failing_algo:FailingFedAvg")
 

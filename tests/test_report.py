@@ -135,7 +135,7 @@ def test_run_seeds_one_table_per_run(tmp_path, capsys):
         assert results.load_metadata(d)["config"]["seed"] == int(d[-1])
     # each seed's table equals a single run with that seed
     from raysim.config import make_config
-    from raysim.server import run_experiment
+    from raysim.driver import run_experiment
 
     ref = run_experiment(make_config(tiny_config(rounds=2, seed=4)), write=False, progress=False)
     got = results.load(tmp_path / "runs" / "seed4")
@@ -146,7 +146,7 @@ def test_simulated_time_axis_comes_from_the_environment_rows(tmp_path):
     from raysim import results
     from raysim.config import make_config
     from raysim.report import find_time_metric
-    from raysim.server import run_experiment
+    from raysim.driver import run_experiment
 
     r = run_experiment(make_config(tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"})), write=False)
     df = r.table

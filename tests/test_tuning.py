@@ -297,7 +297,7 @@ def test_cli_tune_bad_space_exit_code_2(tmp_path, capsys):
 
 @pytest.mark.ray
 def test_parallel_trials_on_ray_match_in_process_runs(tmp_path, ray_session):
-    from raysim.server import run_experiment
+    from raysim.driver import run_experiment
 
     space = {"params": LAM, "pruner": {"name": "none"}, "sampler": {"name": "random", "seed": 1},
              "trial_resources": {"num_cpus": 1, "num_gpus": 0.5}}  # the session declares 2 fake GPUs (no CUDA used)

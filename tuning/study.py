@@ -1,6 +1,6 @@
 """Optuna studies over raysim experiments (``raysim tune``).
 
-One trial = one run of :func:`raysim.server.run_experiment` with the trial's values set by dotted config key. Its
+One trial = one run of :func:`raysim.driver.run_experiment` with the trial's values set by dotted config key. Its
 intermediate values are reported to Optuna after every evaluated round (through the round loop's ``callback``) so a
 pruner can stop it; its objective is read back from the run's Parquet table. The driver owns every trial's lifecycle
 (``study.ask`` ... ``study.tell``); a trial body runs in-process, or, with ``parallel > 1``, as one Ray task per trial
@@ -184,7 +184,7 @@ def trial_config(base: dict, space: SearchSpace, params: dict, trial_number: int
 def execute_trial(trial, base: dict, space: SearchSpace, run_dir: str | Path) -> TrialOutcome:
     """Run one trial's experiment; never raises for a diverging or failing run (only for a bad config)."""
     from raysim.runtime import SimulationError
-    from raysim.server import run_experiment
+    from raysim.driver import run_experiment
 
     t0 = time.perf_counter()
     params = space.suggest(trial)  # the values the driver already drew (stored in the trial)

@@ -1,9 +1,10 @@
-"""The backend interface the round loop talks to. Handles (payload, uploads) are opaque: in-process objects for the
-sequential backend, Ray object references for the Ray backend."""
+"""The backend interface the driver talks to: two generic primitives (run a client step for a set of client ids, run
+a server step) plus commit, checkpoint shards and lifecycle. Backends hold no algorithm logic. Handles (payloads,
+uploads) are opaque: in-process objects for the sequential backend, Ray object references for the Ray backend."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, Optional
 
 
 class Backend(ABC):
@@ -12,35 +13,34 @@ class Backend(ABC):
     def start(self) -> None: ...
 
     @abstractmethod
-    def broadcast(self, round_idx: int) -> Any:
-        """Build the round's payload on the server and return a handle to it."""
-        ...
+    def initial_payload(self, round_idx: int) -> Any:
+        """The payload round ``round_idx`` starts with, built from the server state (run start, resume, after setup)."""
 
     @abstractmethod
-    def client_updates(self, payload: Any, round_idx: int, client_ids: list[int]) -> tuple[Any, list]:
-        """Run the sampled clients; return (handle to their uploads, ClientReports sorted by client id)."""
-        ...
+    def client_step(self, step, payload: Any, round_idx: int, iteration: int, client_ids: list[int]) -> tuple[Any, list]:
+        """Run ``step`` for ``client_ids``; return (handle to their uploads, ClientReports sorted by client id).
+        One call per actor per step. New client states stay pending until :meth:`commit`."""
 
     @abstractmethod
-    def aggregate(self, round_idx: int, uploads: Any, failures: list, keep: list | None = None) -> dict:
-        """Aggregate the uploads (only those of ``keep``, when given)."""
-        ...
+    def commit(self, client_ids: list[int]) -> None:
+        """The step's reports reached the driver: commit the new states of ``client_ids``; drop other pending ones."""
 
     @abstractmethod
-    def evaluate_clients(self, payload: Any, round_idx: int, client_ids: list[int]) -> list:
-        ...
+    def server_step(self, step, round_idx: int, iteration: int, uploads: Any, failures: list,
+                    keep: Optional[list] = None) -> tuple[Optional[Any], dict]:
+        """Run a server step on the uploads (only those of ``keep``, when given); return (handle to the new payload
+        or None when the step left it unchanged, server metrics)."""
 
     @abstractmethod
-    def evaluate_server(self, round_idx: int) -> dict:
-        ...
+    def save_checkpoint(self, directory: str) -> dict:
+        """Write the server state and every client state as shards under ``directory`` (no gathering on the
+        driver); return a manifest {"server": file, "clients": [files]}."""
 
     @abstractmethod
-    def get_state(self) -> tuple[Any, dict]:
-        """(server state, {client_id: client state}) on CPU, for checkpoints."""
-        ...
+    def load_checkpoint(self, directory: str, manifest: dict) -> None:
+        """Restore states from shards written by any number of actors."""
 
-    @abstractmethod
-    def set_state(self, server_state: Any, client_states: dict) -> None:
-        ...
+    def store_stats(self) -> list[dict]:
+        return []
 
     def shutdown(self) -> None: ...

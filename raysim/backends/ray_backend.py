@@ -86,11 +86,11 @@ class RayBackend(Backend):
         self.assignment = {c.client_id: c.client_id % n for c in self.fed_data.clients}
         groups = [[c for c in self.fed_data.clients if self.assignment[c.client_id] == a] for a in range(n)]
         spec_ref = ray.put(self.spec)
-        Server = ray.remote(ServerRunner).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
+        Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
                                                   max_concurrency=1)
-        Client = ray.remote(ClientRunner).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus)
+        Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus)
         self.server = Server.remote(spec_ref, ray.put(self.fed_data.global_test))
-        self.actors = [Client.remote(spec_ref, ray.put(g)) for g in groups]
+        self.actors = [Client.remote(spec_ref, ray.put(g), f"actor{k}") for k, g in enumerate(groups)]
         ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
 
     def _groups(self, client_ids):
@@ -99,45 +99,69 @@ class RayBackend(Backend):
             groups[self.assignment[cid]].append(cid)
         return groups
 
-    def broadcast(self, round_idx):
-        return self.server.broadcast.remote(round_idx)  # an ObjectRef: the payload is stored once
+    def initial_payload(self, round_idx):
+        return self.server.initial_payload.remote(round_idx)  # an ObjectRef: the payload is stored once
 
-    def client_updates(self, payload, round_idx, client_ids):
+    def client_step(self, step, payload, round_idx, iteration, client_ids):
         upload_refs, report_refs = [], []
         for actor, group in zip(self.actors, self._groups(client_ids)):
             if group:
-                up, rep = actor.run_updates.options(num_returns=2).remote(payload, round_idx, group)
+                up, rep = actor.run_client_step.options(num_returns=2).remote(step, payload, round_idx, iteration, group)
                 upload_refs.append(up)
                 report_refs.append(rep)
         reports = [r for group in ray.get(report_refs) for r in group]
         return upload_refs, sorted(reports, key=lambda r: r.client_id)
 
-    def aggregate(self, round_idx, uploads, failures, keep=None):
-        return ray.get(self.server.aggregate.remote(round_idx, failures, *uploads, keep=keep))
+    def commit(self, client_ids):
+        # fire and forget: an actor runs its calls in submission order, so the commit lands before its next step
+        for actor, group in zip(self.actors, self._groups(client_ids)):
+            actor.commit_and_discard.remote(group)
 
-    def evaluate_clients(self, payload, round_idx, client_ids):
-        refs = [a.evaluate.remote(payload, round_idx, g) for a, g in zip(self.actors, self._groups(client_ids)) if g]
-        return sorted((r for group in ray.get(refs) for r in group), key=lambda r: r.client_id)
+    def server_step(self, step, round_idx, iteration, uploads, failures, keep=None):
+        payload_ref, info_ref = self.server.run_server_step_ref.options(num_returns=2).remote(
+            step, round_idx, iteration, failures, *(uploads or []), keep=keep)
+        has_payload, metrics = ray.get(info_ref)
+        return (payload_ref if has_payload else None), metrics
 
-    def evaluate_server(self, round_idx):
-        return ray.get(self.server.evaluate.remote(round_idx))
+    def save_checkpoint(self, directory):
+        files = [f"clients-{k}.pt" for k in range(len(self.actors))]
+        ray.get([self.server.save.remote(os.path.join(directory, "server.pt"))] +
+                [a.save_shard.remote(os.path.join(directory, f)) for a, f in zip(self.actors, files)])
+        return {"server": "server.pt", "clients": files}
 
-    def get_state(self):
-        states = {}
-        for part in ray.get([a.get_states.remote() for a in self.actors]):
-            states.update(part)
-        return ray.get(self.server.get_state.remote()), states
+    def load_checkpoint(self, directory, manifest):
+        paths = [os.path.join(directory, f) for f in manifest["clients"]]
+        ray.get([self.server.load.remote(os.path.join(directory, manifest["server"]))] +
+                [a.load_shards.remote(paths) for a in self.actors])
 
-    def set_state(self, server_state, client_states):
-        ray.get([self.server.set_state.remote(server_state)] + [a.set_states.remote(client_states) for a in self.actors])
+    def store_stats(self):
+        return ray.get([a.store_stats.remote() for a in self.actors])
 
     def shutdown(self) -> None:
-        for a in getattr(self, "actors", []):
-            ray.kill(a)
+        actors = list(getattr(self, "actors", []))
         if getattr(self, "server", None) is not None:
-            ray.kill(self.server)
+            actors.append(self.server)
+        if actors:
+            try:
+                ray.get([a.close.remote() for a in actors], timeout=30)
+            except Exception:
+                pass
+        for a in actors:
+            ray.kill(a)
         if self._own_session:
             ray.shutdown()
+
+
+class _ClientActor(ClientRunner):
+    def commit_and_discard(self, client_ids):
+        self.commit(client_ids)
+        self.discard()
+
+
+class _ServerActor(ServerRunner):
+    def run_server_step_ref(self, step, round_idx, iteration, failures, *upload_groups, keep=None):
+        payload, metrics = self.run_server_step(step, round_idx, iteration, failures, *upload_groups, keep=keep)
+        return payload, (payload is not None, metrics)
 
 
 class TaskPool:

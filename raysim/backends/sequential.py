@@ -1,6 +1,8 @@
 """In-process backend for debugging and tests: one server runner, one client runner hosting every client."""
 from __future__ import annotations
 
+import os
+
 from raysim.backends.base import Backend
 from raysim.runtime import ClientRunner, ServerRunner
 
@@ -10,29 +12,39 @@ class SequentialBackend(Backend):
 
     def __init__(self, spec, fed_data):
         self.spec, self.fed_data = spec, fed_data
+        self.server = self.clients = None
 
     def start(self) -> None:
         self.server = ServerRunner(self.spec, self.fed_data.global_test)
         self.clients = ClientRunner(self.spec, self.fed_data.clients)
 
-    def broadcast(self, round_idx):
-        return self.server.broadcast(round_idx)
+    def initial_payload(self, round_idx):
+        return self.server.initial_payload(round_idx)
 
-    def client_updates(self, payload, round_idx, client_ids):
-        return self.clients.run_updates(payload, round_idx, client_ids)
+    def client_step(self, step, payload, round_idx, iteration, client_ids):
+        uploads, reports = self.clients.run_client_step(step, payload, round_idx, iteration, client_ids)
+        return [uploads], reports
 
-    def aggregate(self, round_idx, uploads, failures, keep=None):
-        return self.server.aggregate(round_idx, failures, uploads, keep=keep)
+    def commit(self, client_ids):
+        self.clients.commit(client_ids)
+        self.clients.discard()
 
-    def evaluate_clients(self, payload, round_idx, client_ids):
-        return self.clients.evaluate(payload, round_idx, client_ids)
+    def server_step(self, step, round_idx, iteration, uploads, failures, keep=None):
+        return self.server.run_server_step(step, round_idx, iteration, failures, *(uploads or []), keep=keep)
 
-    def evaluate_server(self, round_idx):
-        return self.server.evaluate(round_idx)
+    def save_checkpoint(self, directory):
+        self.server.save(os.path.join(directory, "server.pt"))
+        self.clients.save_shard(os.path.join(directory, "clients-0.pt"))
+        return {"server": "server.pt", "clients": ["clients-0.pt"]}
 
-    def get_state(self):
-        return self.server.get_state(), self.clients.get_states()
+    def load_checkpoint(self, directory, manifest):
+        self.server.load(os.path.join(directory, manifest["server"]))
+        self.clients.load_shards([os.path.join(directory, f) for f in manifest["clients"]])
 
-    def set_state(self, server_state, client_states):
-        self.server.set_state(server_state)
-        self.clients.set_states(client_states)
+    def store_stats(self):
+        return [self.clients.store_stats()]
+
+    def shutdown(self) -> None:
+        for r in (self.clients, self.server):
+            if r is not None:
+                r.close()

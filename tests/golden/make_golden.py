@@ -49,7 +49,7 @@ def names() -> list[str]:
 
 
 def main() -> None:
-    from raysim.server import run_experiment
+    from raysim.driver import run_experiment
 
     only = sys.argv[1:]
     for name in names():

@@ -1,0 +1,626 @@
+"""The driver: validates a run once, then walks the algorithm's step schedules round by round against a backend.
+
+``run_experiment`` is a small loop; everything around it — the run directory, checkpoints, the progress bar, tuning
+reports, user loggers — is a :class:`Callback`:
+
+    on_run_start(run)                      after the backend started (and a resume restored its states)
+    on_setup_end(run)                      after the setup schedule ran (only for methods that have one)
+    on_round_end(run, round_idx, evaluated) -> stop?   after every round (and its evaluation)
+    on_run_end(run, result)                after the last round (called in reverse order of registration)
+    on_run_error(run, exc)                 when the run failed (reverse order)
+
+Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`,
+:class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it). Pass your own
+with ``run_experiment(cfg, callbacks=[...])`` (e.g. a TensorBoard or MLflow logger reading ``run.table``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import pandas as pd
+import yaml
+
+from raysim import rng as rngmod
+from raysim.algorithm import Task
+from raysim.backends import make_backend, preflight
+from raysim.config import ConfigError, ExperimentConfig, from_dict, to_dict
+from raysim.data.federated import FederatedData, build_federated_data
+from raysim.models import client_archs
+from raysim.registry import algorithm_class, algorithm_target, make_environment
+from raysim.results import RESULTS_FILE, ResultTable, write_parquet
+from raysim.runtime import ClientReport, RunSpec, SimulationError
+from raysim.state import find_checkpoint, read_checkpoint_meta, write_checkpoint
+from raysim.steps import ALL, ClientStep, ServerStep, check_schedule, flatten
+
+COMM_METRICS = ("up_floats", "up_bytes", "down_floats", "down_bytes")
+SETUP_ROUND = rngmod.NO_ROUND  # the setup phase's rows carry round -1
+INCOMPLETE = ".incomplete"
+
+EQUALITY_POLICY = {
+    "bit_identical": "CPU, the per-client loop executor, backend.torch_threads = 1: the same table on every backend, "
+                     "actor count, state_memory_mb setting and after a resume",
+    "tolerance": "vectorised executors and GPU runs: metrics within 1e-4 absolute of the CPU reference (not "
+                 "bit-identical: kernels reorder floating-point sums)",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# validation (once, on the driver)
+
+@dataclass
+class Prepared:
+    cfg: ExperimentConfig
+    fed_data: FederatedData
+    task: Task
+    spec: RunSpec
+    env: Any = None  # envs.Environment when the config has an env section
+    algorithm: Any = None  # a driver-side instance (schedules only; never trained)
+
+
+def prepare(cfg: ExperimentConfig) -> Prepared:
+    """Everything that can be checked before a run starts, cheapest first: algorithm and model parameters, then the
+    data (loading and partitioning), then the algorithm against the task, then the resources the backend needs.
+    The typed Params travel to the runners, which never parse or validate again."""
+    from raysim.models import ARCHS, arch_key, arch_params, build_model
+
+    algo_cls = algorithm_class(cfg.algorithm.name)
+    params = from_dict(algo_cls.Params, dict(cfg.algorithm.params or {}), "algorithm.params")
+    specs = [("model", cfg.model)] if cfg.model.per_client is None else [
+        (f"model.per_client[{i}]", s) for i, s in enumerate(cfg.model.per_client)]
+    for path, spec in specs:
+        if spec.arch not in ARCHS:
+            raise ConfigError(f"{path}.arch", f"{spec.arch!r} is not allowed; choose one of: {', '.join(ARCHS)}")
+        for k in spec.params:
+            if k not in arch_params(spec.arch):
+                raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
+                                                         f"{', '.join(arch_params(spec.arch))}")
+    fed = build_federated_data(cfg.data, cfg.seed)
+    env = make_environment(cfg, fed)  # None without an env section
+    env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
+    archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
+    task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
+                fed.public)
+    seen = set()
+    for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
+        if arch_key(spec) not in seen:
+            seen.add(arch_key(spec))
+            path = "model" if cfg.model.per_client is None else f"model.per_client[{i % len(cfg.model.per_client)}]"
+            try:
+                build_model(spec, task.input_shape, task.num_classes, path)
+            except (TypeError, ValueError, RuntimeError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
+    algorithm = algo_cls(params, task)
+    algorithm.validate()
+    for where, sched in (("schedule()", algorithm.schedule()), ("setup_schedule()", algorithm.setup_schedule()),
+                         ("evaluation_schedule()", algorithm.evaluation_schedule())):
+        check_schedule(sched, algorithm, where)
+    preflight(cfg)
+    if env is not None:
+        env.bind(task)
+    spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params)
+    return Prepared(cfg, fed, task, spec, env, algorithm)
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("raysim", "torch", "ray", "numpy", "pandas", "pyarrow"):
+        try:
+            out[pkg] = importlib_metadata.version(pkg)
+        except importlib_metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def sample_clients(cfg: ExperimentConfig, round_idx: int) -> list[int]:
+    n = cfg.data.num_clients
+    k = cfg.clients_per_round or n
+    if k >= n:
+        return list(range(n))
+    r = rngmod.numpy_rng(cfg.seed, round_idx, rngmod.SERVER, "sampling")
+    return sorted(r.choice(n, size=k, replace=False).tolist())
+
+
+def resume_hash(cfg: ExperimentConfig) -> str:
+    """The identity a checkpoint is checked against: everything that changes the numbers except ``rounds``."""
+    return cfg.config_hash(drop=("rounds",))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# results
+
+@dataclass
+class RunResult:
+    run_id: str
+    out_dir: Optional[Path]
+    table: pd.DataFrame
+    metadata: dict
+    timing: dict = field(default_factory=dict)
+
+    def final(self, metric: str = "test_acc") -> tuple[float, float]:
+        d = self.table[(self.table["scope"] == "client") & (self.table["metric"] == metric)]
+        last = d[d["round"] == d["round"].max()]["value"]
+        return float(last.mean()), float(last.std(ddof=0))
+
+
+def _value_weight(v):
+    if isinstance(v, (tuple, list)):
+        return float(v[0]), float(v[1])
+    return float(v), 1.0
+
+
+class _RoundLog:
+    """What a round's client steps moved and reported, per client, written as rows when the round ends."""
+
+    def __init__(self):
+        self.clients: dict[int, dict] = {}
+        self.order: list[int] = []
+        self.steps: list[str] = []
+
+    def add(self, step: str, reports: list[ClientReport]) -> None:
+        if step not in self.steps:
+            self.steps.append(step)
+        for r in reports:
+            c = self.clients.get(r.client_id)
+            if c is None:
+                c = self.clients[r.client_id] = {"down": {}, "up": {}, "step": {}, "failed": False, "metrics": {}}
+                self.order.append(r.client_id)
+            per_step = c["step"].setdefault(step, {"down": [0, 0], "up": [0, 0]})
+            for direction, sizes in (("down", r.down), ("up", r.up if r.ok else {})):
+                for kind, (f, b) in sizes.items():
+                    acc = c[direction].setdefault(kind, [0, 0])
+                    acc[0] += f
+                    acc[1] += b
+                    per_step[direction][0] += f
+                    per_step[direction][1] += b
+            if not r.ok:
+                c["failed"] = True
+                continue
+            for name, v in r.metrics.items():
+                c["metrics"].setdefault(name, []).append(_value_weight(v))
+
+
+class _Recorder:
+    def __init__(self, table: ResultTable):
+        self.t = table
+
+    def round(self, round_idx: int, log: _RoundLog) -> None:
+        totals = dict.fromkeys(COMM_METRICS, 0.0)
+        step_totals = {s: dict.fromkeys(COMM_METRICS, 0.0) for s in log.steps}
+        for cid in sorted(log.order):
+            c = log.clients[cid]
+            for direction in ("down", "up"):
+                sizes = c[direction]
+                f = sum(v[0] for v in sizes.values())
+                b = sum(v[1] for v in sizes.values())
+                self.t.add(round_idx, cid, "client", f"{direction}_floats", f)
+                self.t.add(round_idx, cid, "client", f"{direction}_bytes", b)
+                totals[f"{direction}_floats"] += f
+                totals[f"{direction}_bytes"] += b
+                for kind, (kf, kb) in sorted(sizes.items()):
+                    self.t.add(round_idx, cid, "client", f"{direction}_floats:{kind}", kf)
+                    self.t.add(round_idx, cid, "client", f"{direction}_bytes:{kind}", kb)
+            for step, d in c["step"].items():
+                for direction in ("down", "up"):
+                    f, b = d[direction]
+                    self.t.add(round_idx, cid, "client", f"{direction}_floats@{step}", f)
+                    self.t.add(round_idx, cid, "client", f"{direction}_bytes@{step}", b)
+                    step_totals[step][f"{direction}_floats"] += f
+                    step_totals[step][f"{direction}_bytes"] += b
+            if c["failed"]:
+                self.t.add(round_idx, cid, "client", "failed", 1.0)
+                continue
+            for name, vws in sorted(c["metrics"].items()):
+                if len(vws) == 1:
+                    val, w = vws[0]
+                else:  # a metric reported by several steps / iterations of the round: their mean
+                    val, w = float(np.mean([v for v, _ in vws])), float(np.mean([w for _, w in vws]))
+                self.t.add(round_idx, cid, "client", name, val, w)
+        for name in COMM_METRICS:
+            self.t.add(round_idx, -1, "total", name, totals[name])
+        for step in log.steps:
+            for name in COMM_METRICS:
+                self.t.add(round_idx, -1, "total", f"{name}@{step}", step_totals[step][name])
+        self.t.add(round_idx, -1, "total", "participants", sum(not c["failed"] for c in log.clients.values()))
+        self.t.add(round_idx, -1, "total", "failures", sum(c["failed"] for c in log.clients.values()))
+
+    def server(self, round_idx: int, metrics: dict) -> None:
+        for name, v in sorted(metrics.items()):
+            val, w = _value_weight(v)
+            self.t.add(round_idx, -1, "server", name, val, w)
+
+    def evaluation(self, round_idx: int, reports: list[ClientReport]) -> None:
+        per_metric: dict[str, list[tuple[float, float]]] = {}
+        for r in reports:
+            if not r.ok:
+                self.t.add(round_idx, r.client_id, "client", "eval_failed", 1.0)
+                continue
+            for name, v in sorted(r.metrics.items()):
+                val, w = _value_weight(v)
+                self.t.add(round_idx, r.client_id, "client", name, val, w)
+                per_metric.setdefault(name, []).append((val, w))
+        for name, vw in sorted(per_metric.items()):
+            vals = np.array([v for v, _ in vw])
+            ws = np.array([w for _, w in vw])
+            self.t.add(round_idx, -1, "mean", name, float(vals.mean()), len(vals))
+            self.t.add(round_idx, -1, "std", name, float(vals.std()), len(vals))
+            if ws.sum() > 0:
+                self.t.add(round_idx, -1, "wmean", name, float((vals * ws).sum() / ws.sum()), float(ws.sum()))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the run
+
+class Run:
+    """The driver's state of one run, handed to every callback."""
+
+    def __init__(self, prep: Prepared, backend, run_id: str):
+        self.prep, self.cfg, self.backend, self.run_id = prep, prep.cfg, backend, run_id
+        self.algorithm = prep.algorithm
+        self.env = prep.env
+        self.table = ResultTable(run_id)
+        self.recorder = _Recorder(self.table)
+        self.failures: list[dict] = []
+        self.timing = {"setup_s": 0.0, "round_s": [], "client_compute_s": [], "env_s": [], "setup_phase_s": 0.0}
+        self.round_idx = -1  # the last finished round
+        self.start_round = 0
+        self.setup_done = prep.algorithm.setup_schedule() is None
+        self.payload = None
+        self.dir: Optional[Path] = None  # the directory being written (RunDirectory)
+        self.final_dir: Optional[Path] = None
+        self.stopped_early = False
+        self.resume_from: Optional[dict] = None  # checkpoint meta when resuming
+
+    def log_failures(self, reports: list[ClientReport]) -> list[ClientReport]:
+        failed = [r for r in reports if not r.ok]
+        for r in failed:
+            self.failures.append({"round": r.round_idx, "client_id": r.client_id, "stage": r.stage, "error": r.error,
+                                  "traceback": r.traceback})
+        return failed
+
+    def checkpoint_extra(self) -> dict:
+        return {"rows": list(self.table.rows), "failures": list(self.failures), "resume_hash": resume_hash(self.cfg),
+                "env": self.env.state_dict() if self.env is not None else None, "setup_done": self.setup_done}
+
+
+class Callback:
+    def on_run_start(self, run: Run) -> None: ...
+
+    def on_setup_end(self, run: Run) -> None: ...
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool) -> Optional[bool]: ...
+
+    def on_run_end(self, run: Run, result: RunResult) -> None: ...
+
+    def on_run_error(self, run: Run, exc: BaseException) -> None: ...
+
+
+def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
+    """Walk one schedule (a round's or the setup's): client steps, server steps, repeats."""
+    cfg, backend, env = run.cfg, run.backend, run.env
+    log = _RoundLog()
+    uploads = None
+    failures: list = []  # (client_id, reason) handed to server steps
+    out_of_round: set[int] = set()  # failed, dropped or late this round: skip the round's later client steps
+    keep = None
+    env_seen = False
+    t_env = 0.0
+    compute = 0.0
+    all_clients = list(range(cfg.data.num_clients))
+    for step, it in flatten(schedule):
+        if isinstance(step, ClientStep):
+            ids = [c for c in (all_clients if step.clients == ALL else selected) if c not in out_of_round]
+            uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids)
+            backend.commit([r.client_id for r in reports if r.ok])
+            compute += sum(r.seconds for r in reports)
+            log.add(step.name, reports)
+            failed = run.log_failures(reports)
+            if failed and (cfg.on_client_failure == "stop" or len(failed) == len(reports)):
+                r = failed[0]
+                raise SimulationError(f"round {round_idx}, step '{step.name}': {len(failed)} of {len(reports)} clients "
+                                      f"failed; first: client {r.client_id}: {r.error}\n{r.traceback}")
+            failures = sorted(set(failures) | {(r.client_id, r.error) for r in failed})
+            out_of_round |= {r.client_id for r in failed}
+            if env is not None and not env_seen and round_idx >= 0:
+                # the environment decides once per round, on the first client step's traffic, who delivers
+                env_seen = True
+                t0 = time.perf_counter()
+                outcome = env.outcome(round_idx, reports)
+                for row in outcome.rows():
+                    run.table.add(*row)
+                failures, keep = sorted(set(failures) | set(outcome.failures())), list(outcome.keep)
+                out_of_round |= set(r.client_id for r in reports) - set(keep)
+                t_env += time.perf_counter() - t0
+        else:
+            payload, metrics = backend.server_step(step, round_idx, it, uploads, failures, keep=keep)
+            if payload is not None:
+                run.payload = payload
+            run.recorder.server(round_idx, metrics)
+    run.recorder.round(round_idx, log)
+    run.timing["client_compute_s"].append(compute)
+    run.timing["env_s"].append(t_env)
+
+
+def _evaluate(run: Run, round_idx: int) -> None:
+    for step, it in flatten(run.algorithm.evaluation_schedule()):
+        if isinstance(step, ClientStep):
+            ids = list(range(run.cfg.data.num_clients))
+            _, reports = run.backend.client_step(step, run.payload, round_idx, it, ids)
+            run.recorder.evaluation(round_idx, reports)
+            run.log_failures(reports)
+        else:
+            _, metrics = run.backend.server_step(step, round_idx, it, None, [])
+            run.recorder.server(round_idx, metrics)
+
+
+def run_loop(run: Run, callbacks: list[Callback]) -> None:
+    cfg, backend, env = run.cfg, run.backend, run.env
+    if not run.setup_done:
+        t0 = time.perf_counter()
+        _run_steps(run, run.algorithm.setup_schedule(), SETUP_ROUND, list(range(cfg.data.num_clients)))
+        run.setup_done = True
+        run.timing["setup_phase_s"] = time.perf_counter() - t0
+        for cb in callbacks:
+            cb.on_setup_end(run)
+    run.payload = backend.initial_payload(run.start_round)
+    schedule = run.algorithm.schedule()
+    for round_idx in range(run.start_round, cfg.rounds):
+        t0 = time.perf_counter()
+        selected = sample_clients(cfg, round_idx) if env is None else env.select(round_idx, cfg.clients_per_round)
+        _run_steps(run, schedule, round_idx, selected)
+        evaluated = (round_idx + 1) % cfg.eval.every == 0 or round_idx == cfg.rounds - 1
+        if evaluated:
+            _evaluate(run, round_idx)
+        run.round_idx = round_idx
+        run.timing["round_s"].append(time.perf_counter() - t0)
+        stop = False
+        for cb in callbacks:
+            stop = bool(cb.on_round_end(run, round_idx, evaluated)) or stop
+        if stop:
+            run.stopped_early = True
+            break
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# callbacks
+
+def _unique_dir(path: Path) -> Path:
+    if not path.exists():
+        return path
+    i = 2
+    while Path(f"{path}-{i}").exists():
+        i += 1
+    return Path(f"{path}-{i}")
+
+
+class RunDirectory(Callback):
+    """Builds the run directory as ``.tmp-<name>`` and renames it when the run ends; a run that fails keeps it as
+    ``<name>.incomplete`` only if it holds checkpoints. Writes results.parquet, config.yaml and run.json."""
+
+    def __init__(self, out_dir: Optional[str | Path], resume_dir: Optional[Path] = None):
+        self.out_dir, self.resume_dir = out_dir, resume_dir
+
+    def on_run_start(self, run: Run) -> None:
+        cfg = run.cfg
+        if self.resume_dir is not None:
+            rd = self.resume_dir
+            name = rd.name[: -len(INCOMPLETE)] if rd.name.endswith(INCOMPLETE) else rd.name
+            run.final_dir = _unique_dir(Path(self.out_dir) if self.out_dir else rd.parent / name)
+            run.dir = run.final_dir.parent / f".tmp-{run.final_dir.name}"
+            shutil.rmtree(run.dir, ignore_errors=True)
+            rd.rename(run.dir)
+        else:
+            run.final_dir = _unique_dir(Path(self.out_dir) if self.out_dir else Path(cfg.output.dir) / run.run_id)
+            run.dir = run.final_dir.parent / f".tmp-{run.final_dir.name}"
+            shutil.rmtree(run.dir, ignore_errors=True)
+            run.dir.mkdir(parents=True)
+
+    def on_run_end(self, run: Run, result: RunResult) -> None:
+        cfg, d = run.cfg, run.dir
+        write_parquet(result.table, d / RESULTS_FILE, result.metadata)
+        (d / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        summary = {k: v for k, v in result.metadata.items() if k != "config"}
+        t = run.timing
+        summary["timing"] = {"setup_s": t["setup_s"], "setup_phase_s": t["setup_phase_s"],
+                             "total_round_s": float(np.sum(t["round_s"])),
+                             "mean_round_s": float(np.mean(t["round_s"])) if t["round_s"] else math.nan,
+                             "total_env_s": float(np.sum(t["env_s"])), "backend": cfg.backend.name}
+        summary["store"] = getattr(run, "store_stats", [])
+        summary["failures"] = run.failures
+        (d / "run.json").write_text(json.dumps(summary, indent=1, default=str))
+        run.final_dir.parent.mkdir(parents=True, exist_ok=True)
+        d.rename(run.final_dir)
+        result.out_dir = run.final_dir
+
+    def on_run_error(self, run: Run, exc: BaseException) -> None:
+        if run.dir is None or not run.dir.exists():
+            return
+        if find_checkpoint(run.dir) is not None:  # keep what a resume needs, never as a finished run
+            keep = _unique_dir(run.final_dir.parent / (run.final_dir.name + INCOMPLETE))
+            run.dir.rename(keep)
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"checkpoints kept in {keep}; continue with: raysim run CONFIG --resume {keep}")
+        else:
+            shutil.rmtree(run.dir, ignore_errors=True)
+
+
+class Checkpointer(Callback):
+    """Every ``every`` rounds (and after the setup phase, and at the end) the backend writes state shards and the
+    driver writes the checkpoint's meta (result rows so far, failure log, environment state, config hash)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def _save(self, run: Run, name: str, round_idx: int) -> None:
+        write_checkpoint(run.dir / "checkpoints" / name, round_idx, run.backend, run.checkpoint_extra())
+
+    def on_setup_end(self, run: Run) -> None:
+        if self.every:
+            self._save(run, "setup", SETUP_ROUND)
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        if self.every and (round_idx + 1) % self.every == 0:
+            self._save(run, f"round_{round_idx:05d}", round_idx)
+        return None
+
+    def on_run_end(self, run: Run, result: RunResult) -> None:
+        self._save(run, "final", run.round_idx)
+
+
+class ProgressBar(Callback):
+    def __init__(self):
+        self.bar = None
+
+    def on_run_start(self, run: Run) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=run.cfg.rounds, desc=f"{run.cfg.algorithm.name} [{run.cfg.backend.name}]", unit="round",
+                        file=sys.stderr)
+        if run.start_round:
+            self.bar.update(run.start_round)
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        post = {}
+        for m in ("test_acc", "test_acc_proto"):
+            v = run.table.latest(m)
+            if v is not None:
+                post[m.replace("test_", "")] = f"{v:.4f}"
+        if run.env is not None:
+            post["sim"] = f"{run.env.sim_time:.0f}s"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+        return None
+
+    def _close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def on_run_end(self, run, result):
+        self._close()
+
+    def on_run_error(self, run, exc):
+        self._close()
+
+
+class EvalCallback(Callback):
+    """``fn(round_idx, table) -> stop?`` after every evaluated round (the tuning monitor's interface)."""
+
+    def __init__(self, fn: Callable[[int, ResultTable], bool]):
+        self.fn = fn
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        return bool(self.fn(round_idx, run.table)) if evaluated else None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# entry point
+
+def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path, dict]:
+    """The run directory to continue, its latest complete checkpoint and that checkpoint's meta."""
+    path = Path(resume)
+    ck = find_checkpoint(path) if path.is_dir() else None
+    if ck is None:
+        raise ConfigError("resume", f"no checkpoints under {path} (runs keep them with output.checkpoint_every > 0)")
+    meta = read_checkpoint_meta(ck)
+    if (meta.get("extra") or {}).get("resume_hash") != resume_hash(cfg):
+        raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
+    return ck.parent.parent, ck, meta
+
+
+def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: Optional[bool] = None,
+                   callback: Optional[Callable[[int, ResultTable], bool]] = None, write: bool = True,
+                   resume: Optional[str | Path] = None, callbacks: Optional[list[Callback]] = None) -> RunResult:
+    """Run one experiment. ``callback(round_idx, table) -> stop?`` is called after every evaluated round;
+    ``callbacks`` are :class:`Callback` objects (loggers, custom stopping rules).
+
+    With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
+    ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
+    """
+    prep = prepare(cfg)
+    run_id = cfg.run_id()
+    resume_meta = ck_dir = resume_dir = None
+    if resume is not None:
+        resume_dir, ck_dir, resume_meta = _resume_point(cfg, resume)
+        write = True
+    cbs: list[Callback] = []
+    if write:
+        cbs += [RunDirectory(out_dir, resume_dir), Checkpointer(cfg.output.checkpoint_every)]
+    if cfg.output.progress if progress is None else progress:
+        cbs.append(ProgressBar())
+    if callback is not None:
+        cbs.append(EvalCallback(callback))
+    cbs += list(callbacks or [])
+
+    backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)
+    run = Run(prep, backend, run_id)
+    started: list[Callback] = []
+    try:
+        t0 = time.perf_counter()
+        backend.start()
+        run.timing["setup_s"] = time.perf_counter() - t0
+        if resume_meta is not None:
+            _restore(run, ck_dir, resume_meta)
+        for cb in cbs:
+            started.append(cb)
+            cb.on_run_start(run)
+        run_loop(run, cbs)
+        run.store_stats = backend.store_stats()
+        result = RunResult(run_id, None, run.table.frame(), _metadata(run), run.timing)
+        for cb in reversed(cbs):
+            cb.on_run_end(run, result)
+        return result
+    except BaseException as exc:
+        for cb in reversed(started):
+            try:
+                cb.on_run_error(run, exc)
+            except Exception:  # never hide the run's own error
+                pass
+        raise
+    finally:
+        backend.shutdown()
+
+
+def _restore(run: Run, ck_dir: Path, meta: dict) -> None:
+    extra = meta["extra"]
+    run.backend.load_checkpoint(str(ck_dir), meta["manifest"])
+    run.table.rows = [(run.run_id, *r[1:]) for r in extra["rows"]]  # run_id changes when rounds were extended
+    run.failures = list(extra["failures"])
+    if run.env is not None and extra.get("env") is not None:
+        run.env.load_state_dict(extra["env"])
+    run.setup_done = bool(extra.get("setup_done", True))
+    run.start_round = int(meta["round_idx"]) + 1
+    run.round_idx = int(meta["round_idx"])
+
+
+def _metadata(run: Run) -> dict:
+    cfg = run.cfg
+    meta = {
+        "run_id": run.run_id,
+        "config": to_dict(cfg),
+        "config_hash": cfg.config_hash(),
+        "seed": cfg.seed,
+        "versions": versions(),
+        "data": run.prep.fed_data.summary(),
+        "data_notes": run.prep.fed_data.notes,
+        "stopped_early": run.stopped_early,
+        "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures],
+        "equality_policy": EQUALITY_POLICY,
+        "schedule": [f"{type(s).__name__}:{s.name}" + (f"#{i}" if i else "") for s, i in flatten(run.algorithm.schedule())],
+    }
+    if run.algorithm.setup_schedule() is not None:
+        meta["setup_schedule"] = [f"{type(s).__name__}:{s.name}" for s, _ in flatten(run.algorithm.setup_schedule())]
+    if run.env is not None:
+        meta["env"] = run.env.summary()
+    return meta

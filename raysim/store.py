@@ -1,0 +1,191 @@
+"""Per-client state store: lazily created states, an in-memory budget, least-recently-used spill to disk, and a
+commit protocol.
+
+A client runner (one per actor) keeps the states of the clients it hosts here; the server runner keeps server-side
+per-client state (a model per client, an embedding per user) in another one. States are picklable trees of tensors.
+
+* ``get(cid)`` returns the **committed** state (from memory, else from disk, else ``None``); ``put_initial`` stores a
+  freshly created state as committed (initial states are a pure function of (seed, client), so re-creating one is
+  always safe).
+* ``stage(cid, state)`` holds a step's new state as **pending**; ``commit(cids)`` promotes pending states once the
+  step's results have reached the driver, ``discard`` drops them. Until the commit, the previous version stays the
+  one that ``get`` returns — and, once spilled, the one a replacement runner reading ``directory`` sees.
+* Committed states are kept in memory up to ``memory_bytes``; beyond it the least recently used are written to
+  ``directory/client_<cid>.pt`` (atomically: a temporary file, then ``os.replace``) and dropped from memory.
+  ``memory_bytes = 0`` keeps nothing in memory. Spilling and reloading are exact, so the store setting never changes
+  a result.
+* ``save_shard(path)`` writes every committed state this store holds (memory and disk) into one file keyed by
+  client id; ``load_shard`` reads such files back, keeping only the clients it is asked for, so a checkpoint written
+  by N actors restores into any number of actors.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+
+def state_nbytes(obj) -> int:
+    """Bytes held by the tensors of a state tree."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(state_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(state_nbytes(v) for v in obj)
+    return 0
+
+
+def atomic_save(obj, path: Path) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def load_file(path: Path):
+    return torch.load(Path(path), map_location="cpu", weights_only=False)
+
+
+class StateStore:
+    def __init__(self, memory_bytes: float, directory: Optional[str | Path] = None, name: str = "clients"):
+        self.memory_bytes = float(memory_bytes)
+        self._own_dir = directory is None
+        self.directory = Path(directory) if directory is not None else None
+        self.name = name
+        self._mem: "OrderedDict[int, Any]" = OrderedDict()  # committed, in memory, LRU first
+        self._sizes: dict[int, int] = {}
+        self._on_disk: set[int] = set()
+        self._pending: dict[int, Any] = {}
+        self.spills = 0  # how many states were written to disk (diagnostics)
+        self.loads = 0
+
+    # -- paths ------------------------------------------------------------------------------------------------
+    def _dir(self) -> Path:
+        if self.directory is None:
+            self.directory = Path(tempfile.mkdtemp(prefix=f"raysim-{self.name}-"))
+        return self.directory
+
+    def _path(self, cid: int) -> Path:
+        return self._dir() / f"client_{int(cid)}.pt"
+
+    # -- reading ------------------------------------------------------------------------------------------------
+    def __contains__(self, cid: int) -> bool:
+        return cid in self._mem or cid in self._on_disk
+
+    def client_ids(self) -> list[int]:
+        return sorted(set(self._mem) | self._on_disk)
+
+    def get(self, cid: int):
+        """The committed state of ``cid`` or None."""
+        if cid in self._mem:
+            self._mem.move_to_end(cid)
+            return self._mem[cid]
+        if cid in self._on_disk:
+            self.loads += 1
+            state = load_file(self._path(cid))
+            if self._fits(state_nbytes(state)):  # cache it again (it may push others out)
+                self._mem[cid] = state
+                self._sizes[cid] = state_nbytes(state)
+                self._on_disk.discard(cid)
+                self._delete_file(cid)
+                self._enforce()
+            return state
+        return None
+
+    # -- writing ------------------------------------------------------------------------------------------------
+    def put_initial(self, cid: int, state) -> None:
+        """A newly created state, committed at once."""
+        self._commit_one(cid, state)
+        self._enforce()
+
+    def stage(self, cid: int, state) -> None:
+        self._pending[cid] = state
+
+    def commit(self, cids: Optional[Iterable[int]] = None) -> None:
+        ids = list(self._pending) if cids is None else [c for c in cids if c in self._pending]
+        for cid in ids:
+            self._commit_one(cid, self._pending.pop(cid))
+        self._enforce()
+
+    def discard(self, cids: Optional[Iterable[int]] = None) -> None:
+        for cid in list(self._pending) if cids is None else list(cids):
+            self._pending.pop(cid, None)
+
+    def pending(self) -> list[int]:
+        return sorted(self._pending)
+
+    def _commit_one(self, cid: int, state) -> None:
+        if cid in self._on_disk:
+            self._on_disk.discard(cid)
+            self._delete_file(cid)
+        self._mem[cid] = state
+        self._mem.move_to_end(cid)
+        self._sizes[cid] = state_nbytes(state)
+
+    def _fits(self, extra: int) -> bool:
+        return sum(self._sizes.values()) + extra <= self.memory_bytes
+
+    def _enforce(self) -> None:
+        total = sum(self._sizes.values())
+        while self._mem and total > self.memory_bytes:
+            cid, state = self._mem.popitem(last=False)
+            total -= self._sizes.pop(cid)
+            atomic_save(state, self._path(cid))
+            self._on_disk.add(cid)
+            self.spills += 1
+
+    def _delete_file(self, cid: int) -> None:
+        try:
+            os.unlink(self._path(cid))
+        except FileNotFoundError:
+            pass
+
+    def memory_in_use(self) -> int:
+        return sum(self._sizes.values())
+
+    # -- checkpoints ----------------------------------------------------------------------------------------------
+    def save_shard(self, path: Path) -> list[int]:
+        """Write every committed state into one file (client id -> state); returns the client ids written."""
+        states = {}
+        for cid in self.client_ids():
+            states[cid] = self._mem[cid] if cid in self._mem else load_file(self._path(cid))
+        atomic_save(states, path)
+        return sorted(states)
+
+    def load_shard(self, path: Path, keep: Optional[set] = None) -> list[int]:
+        """Commit the states of a shard file (only the client ids in ``keep``, when given)."""
+        loaded = []
+        for cid, state in load_file(path).items():
+            if keep is None or cid in keep:
+                self._commit_one(int(cid), state)
+                loaded.append(int(cid))
+        self._enforce()
+        return loaded
+
+    def clear(self) -> None:
+        for cid in list(self._on_disk):
+            self._delete_file(cid)
+        self._mem.clear()
+        self._sizes.clear()
+        self._on_disk.clear()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.clear()
+        if self._own_dir and self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
