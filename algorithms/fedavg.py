@@ -10,13 +10,13 @@ import torch
 
 from algorithms import fedpu
 from algorithms.local import ce_loss
-from raysim.algorithm import Algorithm, ClientUpdate, Context
+from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
-from raysim.training import accuracy, clone_state, forward_all, train_epochs
+from raysim.training import accuracy, clone_state, forward_all
 
 
-class FedAvg(Algorithm):
+class FedAvg(LocalTraining):
     name = "fedavg"
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
 
@@ -40,20 +40,20 @@ class FedAvg(Algorithm):
     def pu_view(self, data):
         return fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed)
 
-    def local_loss(self, payload, state, data, ctx):
-        view = self.pu_view(data)
-        return ce_loss if view is None else fedpu.pu_ce_loss(view, self.params.pu_weight)
-
-    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        model = ctx.model()
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(payload["model"].tensors)
         view = self.pu_view(data)
-        y_train = data.y_train if view is None else view.y_obs  # unlabelled samples carry UNLABELLED, not their label
-        metrics = train_epochs(model, data.x_train, y_train, self.task.train, ctx.generator("batches"),
-                               self.local_loss(payload, state, data, ctx))
+        # unlabelled samples carry UNLABELLED, not their label
+        return LocalStart(y=None if view is None else view.y_obs, aux={"view": view, "global": payload["model"].tensors})
+
+    def objective(self, start: LocalStart):
+        view = start.aux["view"]
+        return ce_loss if view is None else fedpu.pu_ce_loss(view, self.params.pu_weight)
+
+    def client_final(self, model, start, payload, state, data, ctx: Context):
         upload = {"model": state_message("weights", model.state_dict()),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
-        return ClientUpdate(state, upload, metrics)
+        return state, upload
 
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)

@@ -92,7 +92,8 @@ class FedDistill(Algorithm):
             kd = distill_loss(logits, yb, glob, mask, temp)
             return ce + lam * kd, {"ce": ce.detach(), "distill": kd.detach()}
 
-        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"), loss_fn)
+        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"), loss_fn,
+                               dropout_generator=ctx.generator("dropout", device=ctx.device))
         classes = torch.nonzero(counts).flatten()
         means = (sums[classes] / counts[classes].unsqueeze(1).to(torch.float64)).to(torch.float32)
         upload = {"logits": Message("class_logits", {"logits": means, "classes": classes})}

@@ -14,13 +14,13 @@ import torch
 
 from algorithms.local import ce_loss
 from algorithms.proto_ops import select_prefix
-from raysim.algorithm import Algorithm, ClientUpdate, Context
+from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
-from raysim.training import accuracy, clone_state, forward_all, train_epochs
+from raysim.training import accuracy, clone_state, forward_all
 
 
-class SharedPartAverage(Algorithm):
+class SharedPartAverage(LocalTraining):
     """Shared by FedPer and LG-FedAvg: one part of the model (``shared`` = "body" or "head") is averaged on the
     server with sample-count weights; the other part stays on the client."""
 
@@ -51,14 +51,18 @@ class SharedPartAverage(Algorithm):
             model.load_state_dict({k: v.to(next(model.parameters()).device) for k, v in payload["shared"].tensors.items()},
                                   strict=False)
 
-    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        model = ctx.model()
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         self.load(model, payload, state)
-        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"), ce_loss)
+        return LocalStart()
+
+    def objective(self, start: LocalStart):
+        return ce_loss
+
+    def client_final(self, model, start, payload, state, data, ctx: Context):
         new_state = clone_state(model)
         upload = {"shared": state_message(f"{self.shared}_weights", select_prefix(new_state, self.prefix())),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
-        return ClientUpdate({"model": new_state}, upload, metrics)
+        return {"model": new_state}, upload
 
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)

@@ -17,14 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from algorithms import fedpu
-from raysim.algorithm import Algorithm, ClientUpdate, Context
+from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import ConfigError, choice
 from raysim.messages import Message
 from raysim.ops import aggregate_prototypes, class_prototypes, nearest_prototype, prototype_regulariser
-from raysim.training import accuracy, clone_state, forward_all, train_epochs
+from raysim.training import accuracy, clone_state, forward_all
 
 
-class FedProto(Algorithm):
+class FedProto(LocalTraining):
     name = "fedproto"
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
 
@@ -120,33 +120,48 @@ class FedProto(Algorithm):
 
         return loss_fn
 
-    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        model = self.live_model(ctx)
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(state["model"])
         protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, data.y_train.device)
-        gen = ctx.generator("batches")
-        cfg = self.task.train
         pu = fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed)
-        y_train = data.y_train if pu is None else pu.y_obs  # unlabelled samples carry UNLABELLED, not their label
+        aux = {"protos": protos, "mask": mask, "pu": pu, "collect": None}
+        on_epoch = None
         if self.params.proto_collect == "during_train":
-            # official code: embeddings of the last local epoch, in train mode while the weights move
-            metrics = {}
-            if cfg.local_epochs > 1:
-                metrics = train_epochs(model, data.x_train, y_train, cfg, gen, self.make_loss(protos, mask, pu=pu),
-                                       epochs=cfg.local_epochs - 1)
-            zs, ys = [], []
-            metrics = train_epochs(model, data.x_train, y_train, cfg, gen,
-                                   self.make_loss(protos, mask, lambda z, y: (zs.append(z), ys.append(y)), pu=pu), epochs=1)
-            z, y = torch.cat(zs), torch.cat(ys)
+            # official code: embeddings of the last local epoch, in train mode while the weights move (one optimiser
+            # for all epochs: momentum carries on into the collecting epoch)
+            aux["collect"] = {"on": False, "z": [], "y": []}
+
+            def on_epoch(epoch, epochs):
+                aux["collect"]["on"] = epoch == epochs - 1
+
+        # unlabelled samples carry UNLABELLED, not their label
+        return LocalStart(y=None if pu is None else pu.y_obs, aux=aux, on_epoch=on_epoch)
+
+    def objective(self, start: LocalStart):
+        a = start.aux
+        collect = None
+        if a["collect"] is not None:
+            box = a["collect"]
+
+            def collect(z, y):
+                if box["on"]:
+                    box["z"].append(z)
+                    box["y"].append(y)
+
+        return self.make_loss(a["protos"], a["mask"], collect, pu=a["pu"])
+
+    def client_final(self, model, start, payload, state, data, ctx: Context):
+        a = start.aux
+        if a["collect"] is not None:
+            z, y = torch.cat(a["collect"]["z"]), torch.cat(a["collect"]["y"])
         else:
-            metrics = train_epochs(model, data.x_train, y_train, cfg, gen, self.make_loss(protos, mask, pu=pu))
             _, z = forward_all(model, data.x_train)
-            y = y_train
-            if pu is not None:
-                z, y = z[pu.labelled], y[pu.labelled]
+            y = data.y_train if a["pu"] is None else a["pu"].y_obs
+            if a["pu"] is not None:
+                z, y = z[a["pu"].labelled], y[a["pu"].labelled]
         classes, local, counts = class_prototypes(z, y, self.task.num_classes)
         upload = {"protos": Message("prototypes", {"protos": local.cpu(), "classes": classes.cpu(), "counts": counts.cpu()})}
-        return ClientUpdate({"model": clone_state(model)}, upload, metrics)
+        return {"model": clone_state(model)}, upload
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = self.live_model(ctx)

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 
 from algorithms.fedavg import FedAvg
 from algorithms.proto_ops import proximal_term
-from raysim.algorithm import Context
 from raysim.config import positive
 
 
@@ -26,10 +25,10 @@ class FedProx(FedAvg):
             super().check(path)
             positive(f"{path}.mu", self.mu, allow_zero=True)
 
-    def local_loss(self, payload, state, data, ctx: Context):
-        base = super().local_loss(payload, state, data, ctx)
+    def objective(self, start):
+        base = super().objective(start)
         mu = self.params.mu
-        global_w = payload["model"].tensors
+        global_w = start.aux["global"]
         anchors = None
 
         def loss_fn(model, xb, yb):

@@ -77,7 +77,8 @@ class FeSEM(Algorithm):
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
         model = ctx.model()
         model.load_state_dict(payload["model"].tensors)
-        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"), ce_loss)
+        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"), ce_loss,
+                               dropout_generator=ctx.generator("dropout", device=ctx.device))
         upload = {"model": state_message("weights", model.state_dict())}
         return ClientUpdate(state, upload, metrics)
 

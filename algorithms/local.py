@@ -5,15 +5,15 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from raysim.algorithm import Algorithm, ClientUpdate, Context
-from raysim.training import accuracy, clone_state, forward_all, train_epochs
+from raysim.algorithm import Context, LocalStart, LocalTraining
+from raysim.training import accuracy, clone_state, forward_all
 
 
 def ce_loss(model, xb, yb):
     return F.cross_entropy(model(xb), yb), {}
 
 
-class Local(Algorithm):
+class Local(LocalTraining):
     name = "local"
     paper = "Baseline: each client trains alone on its own data."
 
@@ -24,11 +24,15 @@ class Local(Algorithm):
     def init_client_state(self, ctx: Context):
         return {"model": clone_state(self.task.build_model(ctx.client_id))}
 
-    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        model = ctx.model()
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(state["model"])
-        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"), ce_loss)
-        return ClientUpdate({"model": clone_state(model)}, {}, metrics)
+        return LocalStart()
+
+    def objective(self, start: LocalStart):
+        return ce_loss
+
+    def client_final(self, model, start, payload, state, data, ctx: Context):
+        return {"model": clone_state(model)}, {}
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

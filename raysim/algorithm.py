@@ -92,11 +92,20 @@ class Context:
     keep: Optional[list] = None  # server side: client ids the environment let deliver (None: no environment)
     client_store: Any = None  # server side: per-client state kept by the server (raysim.store.StateStore)
 
-    def rng(self, purpose: str) -> np.random.Generator:
-        return rngmod.numpy_rng(self.seed, self.round_idx, self.client_id, purpose)
+    def _purpose(self, purpose: str) -> str:
+        # streams of the classic steps keep their names; other steps and repetitions get their own streams
+        if self.step and self.step not in ("update", "evaluate", "init", "aggregate", "broadcast", "evaluate_server"):
+            purpose = f"{purpose}@{self.step}"
+        return f"{purpose}#{self.iteration}" if self.iteration else purpose
 
-    def generator(self, purpose: str) -> torch.Generator:
-        return rngmod.torch_generator(self.seed, self.round_idx, self.client_id, purpose)
+    def rng(self, purpose: str) -> np.random.Generator:
+        return rngmod.numpy_rng(self.seed, self.round_idx, self.client_id, self._purpose(purpose))
+
+    def generator(self, purpose: str, device=None) -> torch.Generator:
+        """A torch generator for (seed, round, client, purpose); on ``device`` when given (dropout masks are drawn
+        on the device the activations live on)."""
+        return rngmod.torch_generator(self.seed, self.round_idx, self.client_id, self._purpose(purpose),
+                                      device=device if device is not None else "cpu")
 
     def model(self, client_id: Optional[int] = None) -> SplitModel:
         """The cached live module for a client's architecture (load its weights before use)."""
@@ -119,6 +128,16 @@ class ServerUpdate:
     state: Any
     payload: Optional[Payload] = None
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class LocalStart:
+    """What ``client_init`` prepares for local training: the labels to train on (FedPU: observed labels) and
+    whatever the objective needs from the payload (global prototypes, anchor weights, ...)."""
+
+    y: Any = None  # None: data.y_train
+    aux: dict = field(default_factory=dict)
+    on_epoch: Any = None  # optional hook(epoch, epochs) called before each local epoch
 
 
 class Algorithm:
@@ -206,6 +225,49 @@ class Algorithm:
 
     def evaluate_client(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> dict:
         return {}
+
+
+class LocalTraining(Algorithm):
+    """A method whose client step is local minibatch training of the client's model, split FedJAX-style into
+
+    * ``client_init(model, payload, state, data, ctx) -> LocalStart``: load the starting weights into the live
+      ``model`` and unpack what the objective needs from the payload;
+    * ``objective(start) -> loss_fn(model, xb, yb) -> (loss, parts)``: the local objective, a pure function of the
+      model's parameters, buffers and dropout generator, the batch, and the payload-derived ``start.aux``;
+    * ``client_final(model, start, payload, state, data, ctx) -> (new_state, upload)``.
+
+    The per-client loop (:func:`raysim.training.local_sgd`) runs the steps with explicit generators (batch order
+    ``"batches"``, dropout masks ``"dropout"``); with ``train.persist_optimizer`` the optimiser state (momentum) is
+    kept in the client state under ``"opt"`` and continues next round. A vectorised executor batches the same three
+    functions over many clients."""
+
+    def live_model(self, ctx: Context):
+        """The runner's live module for this client's architecture (weights are loaded into it)."""
+        return ctx.model()
+
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
+        raise TypeError(f"{type(self).__name__} does not define client_init")
+
+    def objective(self, start: LocalStart):
+        raise TypeError(f"{type(self).__name__} does not define objective")
+
+    def client_final(self, model, start: LocalStart, payload, state, data, ctx: Context) -> tuple[Any, Payload]:
+        raise TypeError(f"{type(self).__name__} does not define client_final")
+
+    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        from raysim.training import local_sgd
+
+        model = self.live_model(ctx)
+        start = self.client_init(model, payload, state, data, ctx)
+        cfg = self.task.train
+        opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
+        y = data.y_train if start.y is None else start.y
+        metrics, opt_state = local_sgd(model, self.objective(start), data.x_train, y, cfg, ctx.generator("batches"),
+                                       ctx.generator("dropout", device=ctx.device), opt_state, on_epoch=start.on_epoch)
+        new_state, upload = self.client_final(model, start, payload, state, data, ctx)
+        if cfg.persist_optimizer:
+            new_state = {**(new_state or {}), "opt": opt_state}
+        return ClientUpdate(new_state, upload, metrics)
 
 
 def params_dict(params) -> dict:

@@ -9,10 +9,42 @@ from __future__ import annotations
 import inspect
 from typing import Callable
 
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from raysim.config import ArchSpec, ConfigError, ModelConfig
+
+
+class Dropout(nn.Module):
+    """Dropout whose masks come from an explicit generator (``self.generator``, set by the executor per client step)
+    instead of torch's global RNG, so a client's masks are a function of (seed, round, client) on any backend, looped
+    or batched. ``channelwise=True`` drops whole channels (Dropout2d). Without a generator: torch's global RNG."""
+
+    def __init__(self, p: float = 0.5, channelwise: bool = False):
+        super().__init__()
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability must be in [0, 1], got {p}")
+        self.p, self.channelwise = float(p), channelwise
+        self.generator = None
+
+    def forward(self, x):
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p == 1.0:
+            return x * 0.0
+        shape = (x.shape[0], x.shape[1]) + (1,) * (x.dim() - 2) if self.channelwise else x.shape
+        mask = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p, generator=self.generator)
+        return x * mask * (1.0 / (1.0 - self.p))
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, channelwise={self.channelwise}"
+
+
+def set_dropout_generator(model: nn.Module, generator) -> None:
+    for m in model.modules():
+        if isinstance(m, Dropout):
+            m.generator = generator
 
 
 class SplitModel(nn.Module):
@@ -36,7 +68,7 @@ class _CNNMnistBody(nn.Module):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 10, kernel_size=5)
         self.conv2 = nn.Conv2d(10, out_channels, kernel_size=5)
-        self.drop = nn.Dropout2d()
+        self.drop = Dropout(0.5, channelwise=True)
         side = ((input_hw - 4) // 2 - 4) // 2
         self.fc1 = nn.Linear(out_channels * side * side, embed_dim)
 
@@ -50,7 +82,7 @@ def cnn_mnist(input_shape, num_classes, out_channels: int = 20, embed_dim: int =
     if input_shape[-1] < 16:
         raise ConfigError("model.arch", f"cnn_mnist needs images of at least 16x16, got {tuple(input_shape)}; use mlp or cnn_small")
     body = _CNNMnistBody(input_shape[0], out_channels, embed_dim, input_shape[-1])
-    return SplitModel(body, nn.Sequential(nn.Dropout(dropout), nn.Linear(embed_dim, num_classes)), embed_dim)
+    return SplitModel(body, nn.Sequential(Dropout(dropout), nn.Linear(embed_dim, num_classes)), embed_dim)
 
 
 def mlp(input_shape, num_classes, hidden: int = 64, embed_dim: int = 32) -> SplitModel:
@@ -76,7 +108,7 @@ def cnn_small(input_shape, num_classes, channels: int = 16, embed_dim: int = 32)
 # scale: a plain CNN, a residual net, an inverted-residual (MobileNetV2-style) net, and FedProto's CNN.
 
 def _zoo_head(embed_dim: int, num_classes: int, dropout: float) -> nn.Module:
-    return nn.Sequential(nn.Dropout(dropout), nn.Linear(embed_dim, num_classes))
+    return nn.Sequential(Dropout(dropout), nn.Linear(embed_dim, num_classes))
 
 
 def cnn4(input_shape, num_classes, channels: int = 32, hidden: int = 256, embed_dim: int = 50,

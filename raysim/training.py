@@ -1,4 +1,11 @@
-"""Local training and evaluation helpers shared by the methods (tensor slicing, no DataLoader overhead)."""
+"""Local training and evaluation helpers shared by the methods (tensor slicing, no DataLoader overhead).
+
+:func:`local_sgd` is the per-client loop executor, the reference that a vectorised executor must match: minibatch
+SGD/Adam on ``objective(model, xb, yb) -> (loss, parts)``, where ``model`` is a forward under the client's
+parameters, buffers and dropout generator. Randomness is explicit (a batch-order generator and a dropout generator,
+both derived from (seed, round, client)); optimiser state comes in and goes out as a plain dict keyed by parameter
+name, so it can live in the client's state (``train.persist_optimizer``) or across the repeated steps of a round.
+"""
 from __future__ import annotations
 
 from typing import Callable, Iterator, Optional
@@ -23,15 +30,68 @@ def minibatches(n: int, batch_size: int, generator: torch.Generator) -> Iterator
         yield perm[start:start + batch_size]
 
 
+def optimizer_state(opt: torch.optim.Optimizer, model: nn.Module) -> dict:
+    """The optimiser's per-parameter state as {parameter name: {key: tensor}} (copies)."""
+    ids = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for p, st in opt.state.items():
+        if id(p) in ids and st:
+            out[ids[id(p)]] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+    return out
+
+
+def load_optimizer_state(opt: torch.optim.Optimizer, model: nn.Module, state: dict) -> None:
+    params = dict(model.named_parameters())
+    for name, st in (state or {}).items():
+        p = params.get(name)
+        if p is not None:
+            opt.state[p] = {k: (v.to(p.device).clone() if torch.is_tensor(v) and v.dim() > 0 else
+                                (v.clone() if torch.is_tensor(v) else v)) for k, v in st.items()}
+
+
+def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
+              batch_generator: torch.Generator, dropout_generator: Optional[torch.Generator] = None,
+              opt_state: Optional[dict] = None, epochs: Optional[int] = None, lr: Optional[float] = None,
+              on_epoch: Optional[Callable[[int, int], None]] = None) -> tuple[dict, dict]:
+    """``epochs`` (default ``cfg.local_epochs``) of minibatch training of the live ``model``. Returns (mean losses as
+    ``train_*`` metrics, the optimiser state after the last step). ``on_epoch(epoch, epochs)`` runs before each
+    epoch (FedProto collects embeddings during the last one)."""
+    from raysim.models import set_dropout_generator
+
+    set_dropout_generator(model, dropout_generator)
+    try:
+        opt = make_optimizer(model.parameters(), cfg, lr)
+        if opt_state:
+            load_optimizer_state(opt, model, opt_state)
+        metrics = _train_loop(model, x, y, cfg, batch_generator, objective, opt,
+                              cfg.local_epochs if epochs is None else epochs, on_epoch)
+        return metrics, optimizer_state(opt, model)
+    finally:
+        set_dropout_generator(model, None)
+
+
 def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, generator: torch.Generator,
-                 loss_fn: Callable, optimizer: Optional[torch.optim.Optimizer] = None, epochs: Optional[int] = None) -> dict:
+                 loss_fn: Callable, optimizer: Optional[torch.optim.Optimizer] = None, epochs: Optional[int] = None,
+                 dropout_generator: Optional[torch.Generator] = None) -> dict:
     """Run ``epochs`` of minibatch training with ``loss_fn(model, xb, yb) -> (loss, parts dict)``; returns mean losses."""
+    from raysim.models import set_dropout_generator
+
+    set_dropout_generator(model, dropout_generator)
+    try:
+        opt = optimizer or make_optimizer(model.parameters(), cfg)
+        return _train_loop(model, x, y, cfg, generator, loss_fn, opt, cfg.local_epochs if epochs is None else epochs)
+    finally:
+        set_dropout_generator(model, None)
+
+
+def _train_loop(model, x, y, cfg, generator, loss_fn, opt, epochs: int, on_epoch=None) -> dict:
     model.train()
-    opt = optimizer or make_optimizer(model.parameters(), cfg)
     totals: dict[str, float] = {}
     steps = 0
     idx_device = x.device
-    for _ in range(cfg.local_epochs if epochs is None else epochs):
+    for epoch in range(epochs):
+        if on_epoch is not None:
+            on_epoch(epoch, epochs)
         for idx in minibatches(int(y.shape[0]), cfg.batch_size, generator):
             idx = idx.to(idx_device)
             xb, yb = x[idx], y[idx]

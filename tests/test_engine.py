@@ -178,3 +178,57 @@ def test_fedproto_official_reproduction_options(tiny):
     pa = client_rows(a.table, "test_acc_proto")["value"].to_numpy()
     pb = client_rows(b.table, "test_acc_proto")["value"].to_numpy()
     assert not (pa == pb).all()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the pure client step: explicit optimiser state and generators
+
+def test_persist_optimizer_keeps_momentum_in_the_client_state_and_changes_the_table(tiny, tmp_path):
+    base = dict(rounds=3, algorithm={"name": "fedavg", "params": {}}, train={"local_epochs": 1, "batch_size": 8,
+                                                                          "lr": 0.05, "momentum": 0.9})
+    off = run_experiment(tiny(**base), write=False).table
+    on_cfg = tiny(**{**base, "train": {**base["train"], "persist_optimizer": True},
+                     "output": {"progress": False, "checkpoint_every": 1}})
+    on = run_experiment(on_cfg, out_dir=tmp_path / "run").table
+    key = ["round", "client_id", "scope", "metric"]
+    m = off.merge(on, on=key, suffixes=("_off", "_on"))
+    r0 = m[m["round"] == 0]
+    assert (r0["value_off"] == r0["value_on"]).all()  # round 0 starts without momentum either way
+    later = m[(m["round"] > 0) & (m["metric"] == "train_loss")]
+    assert (later["value_off"] != later["value_on"]).any()
+    ck = load_checkpoint(tmp_path / "run" / "checkpoints" / "final")
+    opt = ck["client_states"][0]["opt"]
+    assert set(opt) == {n for n, _ in prepare(on_cfg).task.build_model(0).named_parameters()}
+    assert all(torch.isfinite(v["momentum_buffer"]).all() for v in opt.values())
+
+
+def test_during_train_collection_uses_one_optimiser_for_all_epochs(tiny, monkeypatch):
+    import raysim.training as training
+
+    made = []
+    real = training.make_optimizer
+    monkeypatch.setattr(training, "make_optimizer", lambda *a, **k: made.append(1) or real(*a, **k))
+    cfg = tiny(rounds=1, train={"local_epochs": 3, "batch_size": 8, "lr": 0.05, "momentum": 0.5},
+               algorithm={"name": "fedproto", "params": {"proto_collect": "during_train"}})
+    res = run_experiment(cfg, write=False)
+    assert len(made) == cfg.data.num_clients  # one optimiser per client update, momentum never reset
+    assert (res.table["metric"] == "up_floats").any()
+
+
+def test_dropout_masks_come_from_the_explicit_generator():
+    from raysim.models import Dropout
+
+    x = torch.ones(4, 3, 5, 5)
+    d = Dropout(0.5).train()
+    d.generator = torch.Generator().manual_seed(3)
+    a = d(x)
+    torch.manual_seed(0)  # the global RNG plays no part
+    d.generator = torch.Generator().manual_seed(3)
+    b = d(x)
+    assert torch.equal(a, b) and set(a.unique().tolist()) <= {0.0, 2.0} and 0 < int((a == 0).sum()) < a.numel()
+    c = Dropout(0.5, channelwise=True).train()
+    c.generator = torch.Generator().manual_seed(4)
+    y = c(x)
+    per_channel = y.flatten(2)
+    assert ((per_channel == per_channel[..., :1]).all())  # whole channels kept or dropped
+    assert torch.equal(Dropout(0.5).eval()(x), x)
