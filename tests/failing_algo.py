@@ -16,3 +16,18 @@ class FailingFedAvg(FedAvg):
         if ctx.client_id in self.params.fail_clients and ctx.round_idx >= self.params.fail_round:
             raise RuntimeError(f"boom on client {ctx.client_id}")
         return super().client_update(payload, state, data, ctx)
+
+
+class FailingDownlinkFedAvg(FedAvg):
+    """A FedAvg whose downlink fails for chosen clients: a per-client failure, not a crashed actor call."""
+
+    name = "failing_downlink"
+
+    @dataclass(frozen=True)
+    class Params(FedAvg.Params):
+        fail_clients: list = field(default_factory=list)
+
+    def downlink(self, payload, client_id, ctx=None):
+        if client_id in self.params.fail_clients and ctx is not None and ctx.round_idx >= 1:
+            raise RuntimeError(f"downlink failed for client {client_id}")
+        return payload

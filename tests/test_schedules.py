@@ -1,0 +1,164 @@
+"""Step schedules: a toy method with a setup phase and two exchanges per round (tests/toy_algo.py) end to end on
+both backends, its accounting checked by hand, setup never re-run on resume; the state store; identity hashes."""
+import pandas as pd
+import pytest
+import torch
+
+from raysim.config import make_config
+from raysim.driver import prepare, run_experiment
+from raysim.registry import register_algorithm
+from raysim.state import load_checkpoint
+from raysim.steps import ClientStep, Repeat, ServerStep, flatten
+from raysim.store import StateStore
+
+register_algorithm("toy_two_exchange", "tests.toy_algo:ToyTwoExchange")
+
+
+def toy(tiny, **over):
+    return tiny(rounds=3, clients_per_round=4, algorithm={"name": "toy_two_exchange", "params": {}}, **over)
+
+
+def rows(df, metric, scope="client"):
+    return df[(df["scope"] == scope) & (df["metric"] == metric)]
+
+
+def test_flatten_repeats_in_order():
+    s = (ClientStep("a"), Repeat(2, (ClientStep("b"), ServerStep("c"))), ServerStep("d"))
+    assert [(x.name, i) for x, i in flatten(s)] == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("d", 0)]
+
+
+def test_toy_accounting_by_hand(tiny):
+    cfg = toy(tiny)
+    df = run_experiment(cfg, write=False).table
+    n = cfg.data.num_clients
+    # setup: every client, round -1: down 7 floats (28 B), up 3 floats + one int64 (12 + 8 B)
+    for metric, value in [("down_floats", 7), ("down_bytes", 28), ("up_floats", 3), ("up_bytes", 20),
+                          ("down_floats@setup_recv", 7), ("up_bytes:num_samples", 8)]:
+        r = rows(df, metric)
+        r = r[r["round"] == -1]
+        assert len(r) == n and r["value"].eq(value).all(), (metric, r)
+    assert rows(df, "up_bytes", "total").query("round == -1")["value"].tolist() == [n * 20]
+    # rounds: 4 sampled clients, down 4 + 2*5 floats, up 2 + 2*1 floats
+    for metric, value in [("down_floats", 14), ("up_floats", 4), ("down_bytes", 56), ("up_bytes", 16),
+                          ("down_floats@local", 4), ("down_floats@refine", 10), ("up_floats@refine", 2),
+                          ("up_floats:stat", 2), ("down_floats:combined", 10)]:
+        r = rows(df, metric)
+        r = r[r["round"] >= 0]
+        assert len(r) == 3 * 4 and r["value"].eq(value).all(), (metric, r)
+    tot = rows(df, "down_floats", "total")
+    assert tot.set_index("round")["value"].to_dict() == {-1: 7 * n, 0: 56, 1: 56, 2: 56}
+    assert rows(df, "participants", "total").query("round == -1")["value"].tolist() == [n]
+    # both repetitions ran and reported; the refine counter of a client sampled every round would be 2 per round
+    srv = df[df["scope"] == "server"]
+    assert set(srv["metric"]) >= {"setup_clients", "combine_sum", "merge_0", "merge_1"}
+    assert srv.query("metric == 'setup_clients'")["value"].tolist() == [n]
+    refines = rows(df, "refines").query("round == 2")
+    sampled = rows(df, "up_floats").query("round >= 0").groupby("client_id").size()
+    for cid, k in sampled.items():
+        assert refines.query("client_id == @cid")["value"].item() == 2 * k
+
+
+@pytest.mark.ray
+def test_toy_identical_on_both_backends(ray_session, tiny):
+    seq = run_experiment(toy(tiny), write=False).table
+    for actors, mem in ((1, 1024), (2, 0)):
+        r = run_experiment(toy(tiny, backend={"name": "ray", "num_actors": actors, "state_memory_mb": mem}),
+                           write=False).table
+        pd.testing.assert_frame_equal(seq, r)
+
+
+def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
+    full = run_experiment(toy(tiny), write=False).table
+    spilled = run_experiment(toy(tiny, backend={"name": "sequential", "state_memory_mb": 0}), write=False).table
+    pd.testing.assert_frame_equal(full, spilled)
+
+    over = {"output": {"progress": False, "checkpoint_every": 1}}
+
+    def crash(round_idx, table):
+        if round_idx == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(toy(tiny, **over), out_dir=tmp_path / "run", callback=crash)
+    kept = tmp_path / "run.incomplete"
+    assert (kept / "checkpoints" / "setup" / "meta.pt").exists()
+    resumed = run_experiment(toy(tiny, **over), resume=kept)
+    pd.testing.assert_frame_equal(full, resumed.table)
+    ck = load_checkpoint(resumed.out_dir / "checkpoints" / "final")
+    assert ck["server_state"]["setup_runs"] == 1  # the setup phase ran once, never again on resume
+
+
+def test_store_spills_lru_and_commits_only_when_told(tmp_path):
+    st = StateStore(memory_bytes=2 * 40, directory=tmp_path)  # room for two states of 10 float32
+    for cid in range(3):
+        st.put_initial(cid, {"w": torch.full((10,), float(cid))})
+    assert st.spills == 1 and (tmp_path / "client_0.pt").exists()  # the least recently used went to disk
+    assert torch.equal(st.get(0)["w"], torch.zeros(10))  # exact reload
+    st.stage(1, {"w": torch.full((10,), 9.0)})
+    assert st.get(1)["w"][0] == 1.0  # pending is not visible
+    st.commit([1])
+    assert st.get(1)["w"][0] == 9.0
+    st.stage(2, {"w": torch.full((10,), 7.0)})
+    st.discard([2])
+    assert st.get(2)["w"][0] == 2.0
+    shard = tmp_path / "shard.pt"
+    assert st.save_shard(shard) == [0, 1, 2]
+    other = StateStore(0, tmp_path / "b")
+    assert other.load_shard(shard, keep={1, 2}) == [1, 2] and 0 not in other
+    assert other.memory_in_use() == 0 and torch.equal(other.get(1)["w"], torch.full((10,), 9.0))
+
+
+def test_cnn_mnist_state_bytes(tiny):
+    """FedProto's client state for cnn_mnist: its weights, float32 (21,840 parameters -> 87,360 bytes)."""
+    from raysim.store import state_nbytes
+    from raysim.training import clone_state
+
+    cfg = make_config({"data": {"dataset": "synthetic", "num_clients": 2, "partition": "iid"}, "model": {"arch": "mlp"}})
+    from raysim.models import build_model
+    from raysim.config import ArchSpec
+
+    m = build_model(ArchSpec("cnn_mnist", {}), (1, 28, 28), 10)
+    n = sum(p.numel() for p in m.parameters())
+    assert state_nbytes({"model": clone_state(m)}) == 4 * n
+
+
+def test_identity_hash_ignores_defaults_and_tracks_changes(tiny):
+    base = {"data": {"dataset": "synthetic", "num_clients": 4}, "algorithm": {"name": "fedproto", "params": {}}}
+    a = make_config(base)
+    # writing out defaults (as if the key were new with a behaviour-preserving default) keeps the identity
+    explicit = make_config({**base, "train": {"persist_optimizer": False, "momentum": 0.5},
+                            "algorithm": {"name": "fedproto", "params": {"lam": 1.0, "proto_agg": "weighted"}},
+                            "backend": {"state_memory_mb": 0}})
+    assert a.config_hash() == explicit.config_hash() and a.run_id() == explicit.run_id()
+    seen = {a.config_hash()}
+    for change in ({"train": {"lr": 0.02}}, {"train": {"persist_optimizer": True}}, {"seed": 2}, {"rounds": 7},
+                   {"algorithm": {"name": "fedproto", "params": {"lam": 0.5}}},
+                   {"data": {"dataset": "synthetic", "num_clients": 4, "partition_params": {"ways": 2}}},
+                   {"model": {"arch": "mlp"}}, {"on_client_failure": "stop"}):
+        h = make_config({**base, **change}).config_hash()
+        assert h not in seen, change
+        seen.add(h)
+    assert make_config({**base, "on_client_failure": "raise"}).config_hash() == \
+        make_config({**base, "on_client_failure": "stop"}).config_hash()
+
+
+def test_validation_happens_once_on_the_driver(tiny, monkeypatch):
+    """Runners get typed Params: no from_config / validate calls outside prepare()."""
+    from algorithms.fedproto import FedProto
+
+    calls = []
+    real = FedProto.validate
+    monkeypatch.setattr(FedProto, "validate", lambda self: calls.append(1) or real(self))
+    run_experiment(tiny(rounds=1), write=False)
+    assert len(calls) == 1
+
+
+@pytest.mark.ray
+def test_failing_downlink_is_a_per_client_failure_on_both_backends(ray_session, tiny):
+    register_algorithm("failing_downlink", "tests.failing_algo:FailingDownlinkFedAvg")
+    over = dict(rounds=3, algorithm={"name": "failing_downlink", "params": {"fail_clients": [3]}})
+    seq = run_experiment(tiny(**over), write=False)
+    ray_res = run_experiment(tiny(**over, backend={"name": "ray", "num_actors": 2}), write=False)
+    pd.testing.assert_frame_equal(seq.table, ray_res.table)
+    assert [(f["round"], f["client_id"]) for f in seq.metadata["failures"] if f["stage"] == "update"] == [(1, 3), (2, 3)]
+    assert "downlink failed" in seq.metadata["failures"][0]["error"]
