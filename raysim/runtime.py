@@ -90,7 +90,7 @@ class ClientRunner:
         self.device = _setup_process(spec.cfg)
         self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
-        self.data = {c.client_id: c for c in clients}  # on CPU; moved to the device per step
+        self.data = {c.client_id: c.compact() for c in clients}  # compact, on CPU; decoded onto the device per step
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name)

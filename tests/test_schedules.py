@@ -162,3 +162,17 @@ def test_failing_downlink_is_a_per_client_failure_on_both_backends(ray_session, 
     pd.testing.assert_frame_equal(seq.table, ray_res.table)
     assert [(f["round"], f["client_id"]) for f in seq.metadata["failures"] if f["stage"] == "update"] == [(1, 3), (2, 3)]
     assert "downlink failed" in seq.metadata["failures"][0]["error"]
+
+
+def test_client_data_stays_uint8_in_runners_and_decodes_exactly():
+    from raysim.config import DataConfig
+    from raysim.data.federated import build_federated_data
+
+    fd = build_federated_data(DataConfig(dataset="mnist5k", num_clients=4, rotations=[0, 90]), 1)
+    for c in fd.clients:
+        k = c.compact()
+        assert k.x_train.dtype == torch.uint8 and k.x_train.element_size() * 4 == c.x_train.element_size()
+        d = k.to("cpu")
+        assert torch.equal(d.x_train, c.x_train) and torch.equal(d.x_test, c.x_test)
+    syn = build_federated_data(DataConfig(dataset="synthetic", num_clients=2, partition="iid"), 1)
+    assert syn.clients[0].compact().x_train.dtype == torch.float32  # float sources stay float

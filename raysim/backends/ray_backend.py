@@ -84,7 +84,7 @@ class RayBackend(Backend):
 
         n = min(b.num_actors, cfg.data.num_clients)
         self.assignment = {c.client_id: c.client_id % n for c in self.fed_data.clients}
-        groups = [[c for c in self.fed_data.clients if self.assignment[c.client_id] == a] for a in range(n)]
+        groups = [[c.compact() for c in self.fed_data.clients if self.assignment[c.client_id] == a] for a in range(n)]
         spec_ref = ray.put(self.spec)
         Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
                                                   max_concurrency=1)

