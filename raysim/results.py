@@ -106,10 +106,15 @@ def best(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
 
 
 def communication(df: pd.DataFrame) -> pd.DataFrame:
-    """Per run: mean per round and total over the run of floats and bytes sent up and down (all clients)."""
+    """Per run: mean per round and total over the run of floats and bytes sent up and down (all clients). A setup
+    phase (rows at round -1) counts in ``total`` and ``setup``, not in the per-round mean."""
     d = df[(df["scope"] == "total") & df["metric"].isin(["up_floats", "up_bytes", "down_floats", "down_bytes"])]
     g = d.groupby(["run_id", "metric"])["value"]
-    return pd.DataFrame({"per_round": g.mean(), "total": g.sum()}).reset_index()
+    rounds = d[d["round"] >= 0].groupby(["run_id", "metric"])["value"]
+    setup = d[d["round"] < 0].groupby(["run_id", "metric"])["value"].sum()
+    out = pd.DataFrame({"per_round": rounds.mean(), "total": g.sum()})
+    out["setup"] = setup.reindex(out.index).fillna(0.0)
+    return out.reset_index()
 
 
 def rounds_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc") -> pd.DataFrame:

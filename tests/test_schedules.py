@@ -176,3 +176,40 @@ def test_client_data_stays_uint8_in_runners_and_decodes_exactly():
         assert torch.equal(d.x_train, c.x_train) and torch.equal(d.x_test, c.x_test)
     syn = build_federated_data(DataConfig(dataset="synthetic", num_clients=2, partition="iid"), 1)
     assert syn.clients[0].compact().x_train.dtype == torch.float32  # float sources stay float
+
+
+def test_setup_bytes_count_in_totals_not_in_rounds(tiny):
+    from raysim import results
+
+    df = run_experiment(toy(tiny), write=False).table
+    c = results.communication(df).set_index("metric")
+    n = 6
+    assert c.loc["down_floats", "setup"] == 7 * n and c.loc["down_floats", "per_round"] == 56
+    assert c.loc["down_floats", "total"] == 7 * n + 3 * 56
+    assert results.final(df)["round"].iloc[0] == 2
+
+
+def test_user_callbacks_see_every_round_and_can_stop(tiny):
+    from raysim.driver import Callback
+
+    class Logger(Callback):
+        def __init__(self):
+            self.events = []
+
+        def on_run_start(self, run):
+            self.events.append(("start", run.start_round))
+
+        def on_setup_end(self, run):
+            self.events.append(("setup", len(run.table.rows) > 0))
+
+        def on_round_end(self, run, round_idx, evaluated):
+            self.events.append(("round", round_idx, evaluated))
+            return round_idx == 1  # stop after round 1
+
+        def on_run_end(self, run, result):
+            self.events.append(("end", result.metadata["stopped_early"]))
+
+    log = Logger()
+    res = run_experiment(toy(tiny, rounds=5, eval={"every": 2}), write=False, callbacks=[log])
+    assert log.events == [("start", 0), ("setup", True), ("round", 0, False), ("round", 1, True), ("end", True)]
+    assert res.table["round"].max() == 1
