@@ -15,7 +15,7 @@ register_algorithm("toy_two_exchange", "tests.toy_algo:ToyTwoExchange")
 
 
 def toy(tiny, **over):
-    return tiny(rounds=3, clients_per_round=4, algorithm={"name": "toy_two_exchange", "params": {}}, **over)
+    return tiny(**{"rounds": 3, "clients_per_round": 4, "algorithm": {"name": "toy_two_exchange", "params": {}}, **over})
 
 
 def rows(df, metric, scope="client"):
