@@ -12,5 +12,13 @@ def run_experiment(*args, **kwargs):
     return _run(*args, **kwargs)
 
 
-__all__ = ["ConfigError", "DataError", "ExperimentConfig", "SimulationError", "load_config", "make_config",
+def __getattr__(name):
+    if name == "Callback":  # the driver's callback base class (imported lazily: torch stays unimported until needed)
+        from raysim.driver import Callback
+
+        return Callback
+    raise AttributeError(name)
+
+
+__all__ = ["Callback", "ConfigError", "DataError", "ExperimentConfig", "SimulationError", "load_config", "make_config",
            "run_experiment", "__version__"]
