@@ -116,6 +116,10 @@ class StateStore:
     def stage(self, cid: int, state) -> None:
         self._pending[cid] = state
 
+    def put(self, cid: int, state) -> None:
+        """Server steps: set a client's server-side state (committed when the step returns)."""
+        self.stage(cid, state)
+
     def commit(self, cids: Optional[Iterable[int]] = None) -> None:
         ids = list(self._pending) if cids is None else [c for c in cids if c in self._pending]
         for cid in ids:

@@ -86,6 +86,8 @@ def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
     pd.testing.assert_frame_equal(full, resumed.table)
     ck = load_checkpoint(resumed.out_dir / "checkpoints" / "final")
     assert ck["server_state"]["setup_runs"] == 1  # the setup phase ran once, never again on resume
+    sampled = rows(full, "up_floats").query("round >= 0")["client_id"].unique()
+    assert sorted(ck["server_client_states"]) == sorted(sampled.tolist())  # server-side per-client store
 
 
 def test_store_spills_lru_and_commits_only_when_told(tmp_path):
@@ -213,3 +215,40 @@ def test_user_callbacks_see_every_round_and_can_stop(tiny):
     res = run_experiment(toy(tiny, rounds=5, eval={"every": 2}), write=False, callbacks=[log])
     assert log.events == [("start", 0), ("setup", True), ("round", 0, False), ("round", 1, True), ("end", True)]
     assert res.table["round"].max() == 1
+
+
+@pytest.mark.ray
+def test_checkpoint_from_two_actors_resumes_on_one_runner(ray_session, tiny, tmp_path):
+    """Shards are keyed by client id: a run checkpointed by 2 Ray actors resumes on the sequential backend (and
+    vice versa) with the table of an uninterrupted run."""
+    over = {"output": {"progress": False, "checkpoint_every": 1}}
+    full = run_experiment(toy(tiny), write=False).table
+
+    def crash(round_idx, table):
+        if round_idx == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(toy(tiny, backend={"name": "ray", "num_actors": 2}, **over), out_dir=tmp_path / "a", callback=crash)
+    assert sorted(p.name for p in (tmp_path / "a.incomplete" / "checkpoints" / "round_00001").iterdir()) == [
+        "clients-0.pt", "clients-1.pt", "meta.pt", "server.pt", "server_clients.pt"]
+    seq = run_experiment(toy(tiny, **over), resume=tmp_path / "a.incomplete").table
+    pd.testing.assert_frame_equal(full, seq)
+    with pytest.raises(KeyboardInterrupt):
+        run_experiment(toy(tiny, **over), out_dir=tmp_path / "b", callback=crash)
+    r = run_experiment(toy(tiny, backend={"name": "ray", "num_actors": 2}, **over), resume=tmp_path / "b.incomplete").table
+    pd.testing.assert_frame_equal(full, r)
+
+
+def test_new_state_is_committed_only_when_the_driver_says_so(tiny):
+    from raysim.runtime import ClientRunner, ServerRunner
+    from raysim.steps import CLASSIC_ROUND
+
+    prep = prepare(tiny(algorithm={"name": "local", "params": {}}))
+    runner, srv = ClientRunner(prep.spec, prep.fed_data.clients), ServerRunner(prep.spec)
+    before = runner.state(0)["model"]
+    ups, reps = runner.run_client_step(CLASSIC_ROUND[0], srv.initial_payload(0), 0, 0, [0])
+    assert reps[0].ok and runner.state(0)["model"] is before  # pending: the previous version is still the one read
+    runner.commit([0])
+    after = runner.state(0)["model"]
+    assert after is not before and any(not torch.equal(after[k], before[k]) for k in after)

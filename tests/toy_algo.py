@@ -54,6 +54,8 @@ class ToyTwoExchange(Algorithm):
 
     def combine(self, state, uploads, ctx):
         s = sum(float(u["stat"]["s"][0]) for u in uploads.values())
+        for cid, u in uploads.items():  # server-side per-client state: each client's last statistic
+            ctx.client_store.put(cid, {"last": u["stat"]["s"].clone()})
         c = torch.tensor([s, float(len(uploads)), 0.0, 0.0, 0.0])
         return ServerUpdate(state, {"combined": Message("combined", {"c": c})}, {"combine_sum": s})
 
@@ -62,7 +64,9 @@ class ToyTwoExchange(Algorithm):
         return ServerUpdate({**state, "acc": state["acc"] + r}, None, {f"merge_{ctx.iteration}": r})
 
     def finish(self, state, uploads, ctx):
-        g = state["g"] + torch.tensor([0.1, 0.2, 0.3, float(state["total_n"])]) * 0.01
+        seen = ctx.client_store.client_ids()  # every client the server has heard from so far
+        last = sum(float(ctx.client_store.get(c)["last"][0]) for c in seen)
+        g = state["g"] + torch.tensor([0.1, 0.2, 0.3 + 0.001 * last, float(state["total_n"]) + len(seen)]) * 0.01
         new = {**state, "g": g}
         nxt = type(ctx)(**{**ctx.__dict__, "round_idx": ctx.round_idx + 1})
         return ServerUpdate(new, self.broadcast(new, nxt))
