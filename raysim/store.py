@@ -69,6 +69,7 @@ class StateStore:
         self.name = name
         self._mem: "OrderedDict[int, Any]" = OrderedDict()  # committed, in memory, LRU first
         self._sizes: dict[int, int] = {}
+        self._total = 0  # sum of self._sizes
         self._on_disk: set[int] = set()
         self._pending: dict[int, Any] = {}
         self.spills = 0  # how many states were written to disk (diagnostics)
@@ -98,9 +99,11 @@ class StateStore:
         if cid in self._on_disk:
             self.loads += 1
             state = load_file(self._path(cid))
-            if self._fits(state_nbytes(state)):  # cache it again (it may push others out)
+            size = state_nbytes(state)
+            if self._total + size <= self.memory_bytes:  # cache it again
                 self._mem[cid] = state
-                self._sizes[cid] = state_nbytes(state)
+                self._sizes[cid] = size
+                self._total += size
                 self._on_disk.discard(cid)
                 self._delete_file(cid)
                 self._enforce()
@@ -137,18 +140,16 @@ class StateStore:
         if cid in self._on_disk:
             self._on_disk.discard(cid)
             self._delete_file(cid)
+        self._total -= self._sizes.get(cid, 0)
         self._mem[cid] = state
         self._mem.move_to_end(cid)
         self._sizes[cid] = state_nbytes(state)
-
-    def _fits(self, extra: int) -> bool:
-        return sum(self._sizes.values()) + extra <= self.memory_bytes
+        self._total += self._sizes[cid]
 
     def _enforce(self) -> None:
-        total = sum(self._sizes.values())
-        while self._mem and total > self.memory_bytes:
+        while self._mem and self._total > self.memory_bytes:
             cid, state = self._mem.popitem(last=False)
-            total -= self._sizes.pop(cid)
+            self._total -= self._sizes.pop(cid)
             atomic_save(state, self._path(cid))
             self._on_disk.add(cid)
             self.spills += 1
@@ -160,7 +161,7 @@ class StateStore:
             pass
 
     def memory_in_use(self) -> int:
-        return sum(self._sizes.values())
+        return self._total
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save_shard(self, path: Path) -> list[int]:
@@ -186,6 +187,7 @@ class StateStore:
             self._delete_file(cid)
         self._mem.clear()
         self._sizes.clear()
+        self._total = 0
         self._on_disk.clear()
         self._pending.clear()
 
