@@ -148,6 +148,15 @@ def _cmd_run_seeds(cfg, args) -> int:
     return 0
 
 
+def _notes(e: BaseException, args) -> list[str]:
+    """The exception's notes, with the resume command spelled out for this command line."""
+    cmd = None
+    if getattr(args, "command", None) == "run":
+        cmd = " ".join([args.config] + [f"--set {o}" for o in args.overrides] +
+                       ([f"--backend {args.backend}"] if args.backend else []))
+    return [n.replace("raysim run CONFIG", f"raysim run {cmd}") if cmd else n for n in getattr(e, "__notes__", [])]
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -161,15 +170,20 @@ def main(argv=None) -> int:
     except (ConfigError, DataError) as e:
         print(f"raysim: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("raysim: interrupted; no results written", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        notes = _notes(e, args)
+        print("raysim: interrupted" + ("" if notes else "; no results written"), file=sys.stderr)
+        for note in notes:
+            print(f"raysim: {note}", file=sys.stderr)
         return 130
     except Exception as e:
         from raysim.runtime import SimulationError
 
         if isinstance(e, SimulationError):
-            print(f"raysim: simulation failed: {e}", file=sys.stderr)
-            for note in getattr(e, "__notes__", []):
+            from raysim.safety import NonFiniteError
+
+            print(f"raysim: {e}" if isinstance(e, NonFiniteError) else f"raysim: simulation failed: {e}", file=sys.stderr)
+            for note in _notes(e, args):
                 print(f"raysim: {note}", file=sys.stderr)
             return 1
         raise

@@ -33,6 +33,7 @@ class ClientReport:
     error: str = ""
     traceback: str = ""
     seconds: float = 0.0  # wall time (diagnostic only; never in the result table)
+    nonfinite: str = ""  # what was NaN/inf in the update (raysim.safety); the update was discarded
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,6 +85,8 @@ class ClientRunner:
         return sorted(self.data)
 
     def run_updates(self, payload, round_idx: int, client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
+        from raysim import safety  # imports SimulationError from this module
+
         uploads, reports = {}, []
         for cid in client_ids:
             t0 = time.perf_counter()
@@ -92,10 +95,14 @@ class ClientRunner:
             try:
                 rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, "update")
                 res = self.algorithm.client_update(down, self.states[cid], self.data[cid], self._ctx(round_idx, cid))
-                self.states[cid] = res.state
-                uploads[cid] = res.upload
-                rep.metrics = dict(res.metrics)
-                rep.up = payload_sizes(res.upload)
+                rep.nonfinite = safety.check_update(res.metrics, res.upload) or ""
+                if rep.nonfinite:  # a diverged update never reaches the server; the client keeps its last state
+                    rep.ok, rep.error = False, safety.NONFINITE_PREFIX + rep.nonfinite
+                else:
+                    self.states[cid] = res.state
+                    uploads[cid] = res.upload
+                    rep.metrics = dict(res.metrics)
+                    rep.up = payload_sizes(res.upload)
             except Exception as e:  # a failing client is a value, not a crashed pool
                 rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
             rep.seconds = time.perf_counter() - t0

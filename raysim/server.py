@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ import pandas as pd
 import yaml
 
 from raysim import rng as rngmod
+from raysim import rundir, safety
 from raysim.algorithm import Task
 from raysim.backends import make_backend, preflight
 from raysim.config import ConfigError, ExperimentConfig, to_dict
@@ -177,21 +177,14 @@ class _Recorder:
                 self.t.add(round_idx, -1, "wmean", name, float((vals * ws).sum() / ws.sum()), float(ws.sum()))
 
 
-def _unique_dir(path: Path) -> Path:
-    if not path.exists():
-        return path
-    i = 2
-    while Path(f"{path}-{i}").exists():
-        i += 1
-    return Path(f"{path}-{i}")
-
-
-INCOMPLETE = ".incomplete"
+INCOMPLETE = rundir.INCOMPLETE
 
 
 def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, dict]:
     """The run directory to continue and its latest checkpoint, checked against the config."""
     path = Path(resume)
+    if not path.exists() and rundir.work_path(path).is_dir():  # the intended name of an unfinished run
+        path = rundir.work_path(path)
     ckpts = sorted(path.glob("checkpoints/round_*.pt")) if path.is_dir() else [path]
     if not ckpts or not ckpts[-1].exists():
         raise ConfigError("resume", f"no checkpoints under {path} (runs keep them with output.checkpoint_every > 0)")
@@ -216,26 +209,28 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
                    resume: Optional[str | Path] = None) -> RunResult:
     """Run one experiment. ``callback(round_idx, table) -> stop?`` is called after every evaluated round.
 
-    With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
-    ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
+    The run is built in the visible ``<run dir>.incomplete`` (locked while it runs; see :mod:`raysim.rundir`) and
+    renamed to ``<run dir>`` when it finishes. A run that stops without finishing keeps ``<run dir>.incomplete`` when
+    it holds checkpoints (``output.checkpoint_every`` > 0) or when it diverged (its run.json says where);
+    ``resume=`` that directory continues from its latest checkpoint, finishes into ``<run dir>`` (or ``out_dir``) and
+    gives the same table as an uninterrupted run.
     """
-    prep = prepare(cfg)
     run_id = cfg.run_id()
-    ck = None
+    target, where = (Path(out_dir), "--out") if out_dir else (Path(cfg.output.dir) / run_id, "output.dir")
+    if write and resume is None:  # a bad or busy output directory fails before any data is loaded
+        rundir.check_writable(target, where)
+        rundir.check_free(target, where)
+    prep = prepare(cfg)
+    ck, rd = None, None
     if resume is not None:
         resume_dir, ck = _resume_point(cfg, resume)
-        name = resume_dir.name[: -len(INCOMPLETE)] if resume_dir.name.endswith(INCOMPLETE) else resume_dir.name
-        final_dir = _unique_dir(Path(out_dir) if out_dir else resume_dir.parent / name)
-        tmp_dir = final_dir.parent / f".tmp-{final_dir.name}"
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        resume_dir.rename(tmp_dir)
+        rd = rundir.RunDir.for_resume(resume_dir, out_dir)
         write = True
-    else:
-        final_dir = _unique_dir(Path(out_dir) if out_dir else Path(cfg.output.dir) / run_id) if write else None
-        tmp_dir = final_dir.parent / f".tmp-{final_dir.name}" if write else None
-        if tmp_dir is not None:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-            tmp_dir.mkdir(parents=True)
+    elif write:
+        rd = rundir.RunDir.claim(target, where)
+    tmp_dir = rd.work if rd is not None else None
+    if tmp_dir is not None:
+        (tmp_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
     table = ResultTable(run_id)
     rec = _Recorder(table)
     failures_log: list[dict] = []
@@ -273,11 +268,12 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
             env_s = time.perf_counter() - t0
             uploads, reports = backend.client_updates(payload, round_idx, selected)
             rec.updates(round_idx, reports)
+            skipped = safety.decide(cfg.on_nonfinite, round_idx, reports)  # raises under on_nonfinite: stop
             failed = [r for r in reports if not r.ok]
             for r in failed:
                 failures_log.append({"round": round_idx, "client_id": r.client_id, "stage": r.stage, "error": r.error,
                                      "traceback": r.traceback})
-            if failed and (cfg.on_client_failure == "raise" or len(failed) == len(reports)):
+            if failed and ((cfg.on_client_failure == "stop" and len(failed) > len(skipped)) or len(failed) == len(reports)):
                 r = failed[0]
                 raise SimulationError(f"round {round_idx}: {len(failed)} of {len(reports)} clients failed; first: client "
                                       f"{r.client_id} in stage '{r.stage}': {r.error}\n{r.traceback}")
@@ -290,17 +286,23 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
                 failures, keep = sorted(failures + outcome.failures()), outcome.keep
                 env_s += time.perf_counter() - t_env
             if keep is None or keep:  # a round in which nobody delivered leaves the server state as it was
-                rec.server(round_idx, backend.aggregate(round_idx, uploads, failures, keep=keep))
+                agg_metrics = backend.aggregate(round_idx, uploads, failures, keep=keep)
+                safety.check_metrics(round_idx, -1, "aggregate", agg_metrics)
+                rec.server(round_idx, agg_metrics)
             payload = backend.broadcast(round_idx + 1)  # the next round's payload; also what evaluation uses
             evaluated = (round_idx + 1) % cfg.eval.every == 0 or round_idx == cfg.rounds - 1
             if evaluated:
                 ev = backend.evaluate_clients(payload, round_idx, all_clients)
+                for r in ev:
+                    safety.check_metrics(round_idx, r.client_id, "evaluate", r.metrics)
                 rec.evaluation(round_idx, ev)
                 for r in ev:
                     if not r.ok:
                         failures_log.append({"round": round_idx, "client_id": r.client_id, "stage": r.stage,
                                              "error": r.error, "traceback": r.traceback})
-                rec.server(round_idx, backend.evaluate_server(round_idx))
+                srv_metrics = backend.evaluate_server(round_idx)
+                safety.check_metrics(round_idx, -1, "evaluate_server", srv_metrics)
+                rec.server(round_idx, srv_metrics)
             timing["round_s"].append(time.perf_counter() - t0)
             timing["client_compute_s"].append(sum(r.seconds for r in reports))
             timing["env_s"].append(env_s if env is not None else 0.0)
@@ -326,14 +328,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
             s, c = backend.get_state()
             save_checkpoint(tmp_dir / "checkpoints" / "final.pt", round_idx, s, c)
     except BaseException as exc:
-        if tmp_dir is not None:
-            if any(tmp_dir.glob("checkpoints/round_*.pt")):  # keep what a resume needs, never as a finished run
-                keep = _unique_dir(final_dir.parent / (final_dir.name + INCOMPLETE))
-                tmp_dir.rename(keep)
-                if hasattr(exc, "add_note"):
-                    exc.add_note(f"checkpoints kept in {keep}; continue with: raysim run CONFIG --resume {keep}")
-            else:
-                shutil.rmtree(tmp_dir, ignore_errors=True)
+        if rd is not None:
+            _stopped(rd, exc, run_id, cfg, failures_log)
         raise
     finally:
         if bar is not None:
@@ -354,17 +350,38 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     }
     if env is not None:
         meta["env"] = env.summary()
-    result = RunResult(run_id, final_dir, df, meta, timing)
+    result = RunResult(run_id, None, df, meta, timing)
     if write:
         write_parquet(df, tmp_dir / RESULTS_FILE, meta)
         (tmp_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        summary = {k: v for k, v in meta.items() if k != "config"}
+        summary = {"status": "finished", **{k: v for k, v in meta.items() if k != "config"}}
         summary["timing"] = {"setup_s": timing["setup_s"], "total_round_s": float(np.sum(timing["round_s"])),
                              "mean_round_s": float(np.mean(timing["round_s"])) if timing["round_s"] else math.nan,
                              "total_env_s": float(np.sum(timing["env_s"])),
                              "backend": cfg.backend.name}
         summary["failures"] = failures_log
         (tmp_dir / "run.json").write_text(json.dumps(summary, indent=1, default=str))
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp_dir.rename(final_dir)
+        result.out_dir = rd.finalise()
     return result
+
+
+def _stopped(rd: "rundir.RunDir", exc: BaseException, run_id: str, cfg: ExperimentConfig, failures_log: list) -> None:
+    """A run stopped before its end: keep its visible working directory when it holds checkpoints (resumable) or
+    when it diverged (run.json records where), with a run.json saying why; otherwise remove it."""
+    resumable = rundir.has_checkpoints(rd.work)
+    status = ("diverged" if isinstance(exc, safety.NonFiniteError) else
+              "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+    keep = resumable or status == "diverged"
+    if keep:
+        info = {"status": status, "run_id": run_id, "config_hash": cfg.config_hash(), "seed": cfg.seed,
+                "error": (str(exc).splitlines() or [type(exc).__name__])[0], "resumable": resumable,
+                "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in failures_log]}
+        if isinstance(exc, safety.NonFiniteError):
+            info["nonfinite"] = exc.event.record()
+        (rd.work / "run.json").write_text(json.dumps(info, indent=1, default=str))
+    kept = rd.abandon(keep)
+    if kept is not None and hasattr(exc, "add_note"):
+        if resumable:
+            exc.add_note(f"checkpoints kept in {kept}; continue with: raysim run CONFIG --resume {kept}")
+        else:
+            exc.add_note(f"no result table was written; {kept / 'run.json'} records where the run stopped")
