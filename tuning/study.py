@@ -158,7 +158,7 @@ def objective_value(df: pd.DataFrame, space: SearchSpace) -> float:
         return float(pr.sort_values("round")["mean"].iloc[-1])
     if obj.mode == "best":
         return float(pr["mean"].max())
-    tt = results.time_to_target(df, obj.target, obj.metric, obj.time)
+    tt = results.time_to_target(df, obj.metric, obj.target, obj.time)
     t = float(tt["time"].iloc[0])
     if math.isnan(t):  # never reached: a penalty proportional to the whole run's time
         t = obj.miss_penalty * float(results.cumulative(df, obj.time)["x"].max())
