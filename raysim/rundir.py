@@ -249,3 +249,79 @@ class RunDir:
             except OSError:
                 break
         return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# listing (``raysim runs``)
+
+
+def find_run_dirs(root: Path) -> list[Path]:
+    """Finished (``results.parquet``) and unfinished (``*.incomplete``) run directories below ``root``; hidden
+    directories are skipped."""
+    root = Path(root)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if here != root and (here.name.endswith(INCOMPLETE) or "results.parquet" in filenames):
+            found.append(here)
+            dirnames[:] = []
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    if "results.parquet" in os.listdir(root) if root.is_dir() else False:
+        found.insert(0, root)
+    return found
+
+
+def describe(path: Path) -> dict:
+    """One row of ``raysim runs``: name, algorithm, dataset, rounds (done/planned), final acc, status, path."""
+    import json
+
+    import yaml
+
+    path = Path(path)
+    row = {"name": "?", "algorithm": "?", "dataset": "?", "rounds": "?", "final acc": "–", "status": "?",
+           "path": str(path)}
+    cfg, info = {}, {}
+    if (path / "run.json").exists():
+        try:
+            info = json.loads((path / "run.json").read_text())
+        except (OSError, ValueError):
+            pass
+    if path.name.endswith(INCOMPLETE):
+        try:
+            cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            pass
+        ckpts = sorted(path.glob("checkpoints/round_*.pt"))
+        done = int(ckpts[-1].stem.split("_")[1]) + 1 if ckpts else 0
+        who = holder(path)
+        if who:
+            row["status"] = f"running ({who})"
+        elif info.get("status"):
+            row["status"] = info["status"] + (" (resumable)" if ckpts else "")
+        else:
+            row["status"] = "killed (resumable)" if ckpts else "killed"
+        row["rounds"] = f"{done}/{cfg.get('rounds', '?')}"
+    else:
+        from raysim import results
+
+        meta = results.load_metadata(path)
+        cfg = meta.get("config") or {}
+        df = results.load(path)
+        row["rounds"] = f"{int(df['round'].max()) + 1}/{cfg.get('rounds', '?')}"
+        row["status"] = "stopped early" if meta.get("stopped_early") else "finished"
+        try:
+            row["final acc"] = f"{float(results.final(df, 'test_acc')['mean'].iloc[0]):.4f}"
+        except KeyError:
+            pass
+    row["name"] = cfg.get("name", "?")
+    row["algorithm"] = (cfg.get("algorithm") or {}).get("name", "?")
+    row["dataset"] = (cfg.get("data") or {}).get("dataset", "?")
+    return row
+
+
+def list_runs(root: Path) -> list[dict]:
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError("DIR", f"{root} is not a directory")
+    return [describe(p) for p in find_run_dirs(root)]
