@@ -113,9 +113,10 @@ class RunResult:
     timing: dict = field(default_factory=dict)
 
     def final(self, metric: str = "test_acc") -> tuple[float, float]:
+        """(mean, sample std over clients) of ``metric`` at the last evaluated round, as ``results.final``."""
         d = self.table[(self.table["scope"] == "client") & (self.table["metric"] == metric)]
         last = d[d["round"] == d["round"].max()]["value"]
-        return float(last.mean()), float(last.std(ddof=0))
+        return float(last.mean()), float(last.std(ddof=1))
 
 
 def _value_weight(v):
@@ -172,7 +173,8 @@ class _Recorder:
             vals = np.array([v for v, _ in vw])
             ws = np.array([w for _, w in vw])
             self.t.add(round_idx, -1, "mean", name, float(vals.mean()), len(vals))
-            self.t.add(round_idx, -1, "std", name, float(vals.std()), len(vals))
+            sd = float(vals.std(ddof=1)) if len(vals) > 1 else math.nan  # sample std over clients, as results.*
+            self.t.add(round_idx, -1, "std", name, sd, len(vals))
             if ws.sum() > 0:
                 self.t.add(round_idx, -1, "wmean", name, float((vals * ws).sum() / ws.sum()), float(ws.sum()))
 
