@@ -58,11 +58,11 @@ def _value(v) -> float:
 
 
 def nonfinite_metrics(metrics: Mapping, losses_only: bool = True) -> Optional[str]:
-    """``"name=value"`` of the first NaN/inf loss (a metric whose name contains ``loss``; every metric with
-    ``losses_only=False``; values may be ``(value, weight)``), else None. Other metrics may be undefined (NaN) on
-    purpose, e.g. an accuracy over no samples."""
+    """``"name=value"`` of the first NaN/inf loss (a metric named ``train_*`` or containing ``loss``; every metric
+    with ``losses_only=False``; values may be ``(value, weight)``), else None. Other metrics may be undefined (NaN)
+    on purpose, e.g. an accuracy over no samples."""
     for name in sorted(metrics):
-        if losses_only and "loss" not in str(name):
+        if losses_only and not (str(name).startswith("train_") or "loss" in str(name)):
             continue
         v = _value(metrics[name])
         if not math.isfinite(v):
