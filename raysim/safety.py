@@ -61,7 +61,7 @@ def nonfinite_metrics(metrics: Mapping, losses_only: bool = True) -> Optional[st
     """``"name=value"`` of the first NaN/inf loss (a metric named ``train_*`` or containing ``loss``; every metric
     with ``losses_only=False``; values may be ``(value, weight)``), else None. Other metrics may be undefined (NaN)
     on purpose, e.g. an accuracy over no samples."""
-    for name in sorted(metrics):
+    for name in sorted(metrics, key=lambda n: ("loss" not in str(n), str(n))):  # the loss itself first
         if losses_only and not (str(name).startswith("train_") or "loss" in str(name)):
             continue
         v = _value(metrics[name])

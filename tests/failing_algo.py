@@ -16,3 +16,26 @@ class FailingFedAvg(FedAvg):
         if ctx.client_id in self.params.fail_clients and ctx.round_idx >= self.params.fail_round:
             raise RuntimeError(f"boom on client {ctx.client_id}")
         return super().client_update(payload, state, data, ctx)
+
+
+class NaNFedAvg(FedAvg):
+    """A FedAvg whose chosen clients diverge on purpose from ``nan_round`` on: a NaN loss (``where=loss``) or a NaN
+    in the uploaded weights with a finite loss (``where=upload``)."""
+
+    name = "nan_fedavg"
+
+    @dataclass(frozen=True)
+    class Params(FedAvg.Params):
+        nan_clients: list = field(default_factory=list)
+        nan_round: int = 1
+        where: str = "loss"
+
+    def client_update(self, payload, state, data, ctx):
+        res = super().client_update(payload, state, data, ctx)
+        if ctx.client_id in self.params.nan_clients and ctx.round_idx >= self.params.nan_round:
+            if self.params.where == "loss":
+                res.metrics["train_loss"] = float("nan")
+            else:
+                msg = next(iter(res.upload.values()))
+                next(iter(msg.tensors.values())).view(-1)[0] = float("inf")
+        return res
