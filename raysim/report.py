@@ -56,7 +56,7 @@ def _flat(d: dict, prefix: str = "") -> dict:
     out = {}
     for k, v in (d or {}).items():
         key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
+        if isinstance(v, dict):  # an empty section adds no key
             out.update(_flat(v, key + "."))
         else:
             out[key] = v
@@ -73,10 +73,16 @@ def setting_labels(index: pd.DataFrame) -> dict:
             cfg.pop(k, None)
         cfgs[row["group"]] = _flat(cfg)
     keys = sorted({k for c in cfgs.values() for k in c})
-    differ = [k for k in keys if k != "algorithm.name" and len({repr(c.get(k)) for c in cfgs.values()}) > 1]
+
+    def differs(k: str, algo: str) -> bool:  # a method's parameters are compared among runs of that method only
+        peers = [c for c in cfgs.values() if not k.startswith("algorithm.params.") or c.get("algorithm.name") == algo]
+        return len({repr(c.get(k)) for c in peers}) > 1
+
     labels = {}
     for g, c in cfgs.items():
-        parts = [f"{k.replace('algorithm.params.', '')}={c.get(k)}" for k in differ]
+        algo = c.get("algorithm.name")
+        parts = [f"{k.replace('algorithm.params.', '')}={c.get(k)}" for k in keys
+                 if k != "algorithm.name" and differs(k, algo)]
         labels[g] = f"{c.get('algorithm.name', '?')}" + (f" ({', '.join(parts)})" if parts else "")
     counts = pd.Series(list(labels.values())).value_counts()
     for g in labels:  # settings that differ in nothing but the name keep the name apart
