@@ -5,7 +5,7 @@ all: measured with Ray 2.60 on Linux, after SIGKILL of a driver running the ray 
 were gone within a minute while ``ray::DashboardAgent`` and ``ray::RuntimeEnvAgent`` were still alive 60 s later
 (they try to report the raylet's death to the dead GCS). This watchdog closes that gap.
 
-``start()`` spawns ``python -m raysim.ray_watchdog DRIVER_PID`` in its own session, holding the read end of a pipe
+``start()`` spawns ``python ray_watchdog.py DRIVER_PID`` (this file, as a plain script) in its own session, holding the read end of a pipe
 whose write end only the driver holds. The watchdog records, every half second, the driver's descendants that are
 Ray processes (with their start times, so a reused pid is never touched). When the pipe reaches EOF (the driver
 closed it in ``stop()`` after ``ray.shutdown()``, or the driver died), it sends SIGTERM to every recorded process
@@ -74,10 +74,10 @@ def _signal_all(tracked: dict[int, str], sig: int) -> int:
 def watch(driver_pid: int, fd: int = 0) -> None:
     tracked: dict[int, str] = {}
     while True:
+        tracked.update(_ray_descendants(driver_pid, _table()))
         ready, _, _ = select.select([fd], [], [], 0.5)
         if ready and not os.read(fd, 4096):
             break  # EOF: the driver is done or dead
-        tracked.update(_ray_descendants(driver_pid, _table()))
     if _signal_all(tracked, signal.SIGTERM):
         time.sleep(1.0)
         _signal_all(tracked, signal.SIGKILL)
@@ -93,10 +93,9 @@ def start() -> Optional[subprocess.Popen]:
         return None
     r, w = os.pipe()  # both ends are non-inheritable: Ray's processes never hold the write end
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "raysim.ray_watchdog", str(os.getpid())], stdin=r,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                    p for p in [_root(), os.environ.get("PYTHONPATH", "")] if p)})
+        # run as a plain script: importing the raysim package (torch) would delay the first scan by seconds
+        proc = subprocess.Popen([sys.executable, "-S", os.path.abspath(__file__), str(os.getpid())], stdin=r,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     except OSError:
         os.close(w)
         return None
@@ -117,10 +116,6 @@ def stop(proc: Optional[subprocess.Popen]) -> None:
         proc.wait(timeout=5)
     except subprocess.TimeoutExpired:
         pass
-
-
-def _root() -> str:
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 if __name__ == "__main__":

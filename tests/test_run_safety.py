@@ -274,3 +274,36 @@ def test_report_labels_several_metrics_per_client_and_missing_metric(tiny, tmp_p
     assert "| fedavg |" in md and "| fedproto |" in md and "## train_loss" in md
     for name in ("acc_vs_round.png", "train_loss_vs_bytes.png", "clients_test_acc.png"):
         assert (tmp_path / "rep" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+WATCHED_DRIVER = """
+import subprocess, sys, time
+from raysim import ray_watchdog
+child = subprocess.Popen(["bash", "-c", "exec -a ray::FakeWorker sleep 60"])
+ray_watchdog.start()
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc")
+def test_watchdog_ends_ray_processes_of_a_killed_driver():
+    """kill -9 of a driver: the Ray processes it started (here a stand-in named ray::FakeWorker) end in seconds."""
+    import signal
+
+    driver = subprocess.Popen([sys.executable, "-c", WATCHED_DRIVER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    child = int(driver.stdout.readline())
+    time.sleep(1.5)  # the watchdog has scanned the driver's descendants
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    t0 = time.time()
+    while time.time() - t0 < 10:
+        try:
+            with open(f"/proc/{child}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    break
+        except OSError:
+            break
+        time.sleep(0.1)
+    assert time.time() - t0 < 5, "the driver's Ray process outlived it"
