@@ -174,7 +174,7 @@ def plot_curves(curves: pd.DataFrame, path: Path, xlabel: str, ylabel: str, titl
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right", title="mean over seeds; band: ± std over seeds", title_fontsize=7)
+    ax.legend(fontsize=7, loc="best", title="mean over seeds; band: ± std over seeds", title_fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
