@@ -294,9 +294,9 @@ class ExperimentConfig:
     def check(self, path: str) -> None:
         positive("rounds", self.rounds)
         positive("clients_per_round", self.clients_per_round)
-        choice("on_client_failure", self.on_client_failure, ["skip", "stop", "raise"])
         if self.on_client_failure == "raise":  # the old name of stop, still accepted
             object.__setattr__(self, "on_client_failure", "stop")
+        choice("on_client_failure", self.on_client_failure, ["skip", "stop"])
         choice("on_nonfinite", self.on_nonfinite, ["stop", "skip_client"])
         if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
