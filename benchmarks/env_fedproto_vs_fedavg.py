@@ -57,7 +57,7 @@ def main() -> None:
 
     print("\nsimulated time-to-target (first evaluated round whose mean test_acc >= target)")
     for target in args.targets:
-        ttt = results.sim_time_to_target(df, target).assign(method=lambda d: d["run_id"].map(names))
+        ttt = results.sim_time_to_target(df, "test_acc", target).assign(method=lambda d: d["run_id"].map(names))
         for row in ttt.itertuples():
             reached = "not reached" if pd.isna(row.sim_time) else (
                 f"{row.sim_time:8.1f} s at round {int(row.round):>3}, {row.bytes / 1e6:7.2f} MB sent")

@@ -1,4 +1,5 @@
-"""The ``raysim`` command: ``run`` (``--seeds`` for several), ``list``, ``tune`` (Optuna) and ``report``.
+"""The ``raysim`` command: ``run`` (``--seeds`` for several, ``--dry-run``), ``runs``, ``list``, ``tune`` (Optuna)
+and ``report``.
 
 Exit codes: 0 ok, 1 the simulation failed, 2 a bad config or bad data (one message naming the field)."""
 from __future__ import annotations
@@ -21,11 +22,16 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", choices=["sequential", "ray"], default=None, help="shortcut for --set backend.name=...")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--resume", default=None, metavar="RUN_DIR",
-                     help="continue a failed run from the checkpoints kept in RUN_DIR (<run dir>.incomplete)")
+                     help="continue a run that stopped (crash, kill, Ctrl-C) from the checkpoints kept in RUN_DIR "
+                          "(<run dir>.incomplete); it finishes into <run dir> (or --out)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="validate the config and data, print the resolved config and the data split; train nothing")
     run.add_argument("--seeds", default=None, metavar="S1,S2,...",
                      help="run once per seed (e.g. 1,2,3 or 1-5); --out is then a parent directory of seed<N>/ runs")
     _add_tune_report(sub)
-    sub.add_parser("list", help="list algorithms, datasets, partitioners and model architectures")
+    sub.add_parser("list", help="list algorithms (hyperparameters: default, meaning), datasets, partitioners, models")
+    runs = sub.add_parser("runs", help="list past runs under a directory (finished, unfinished, running)")
+    runs.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default: ./runs)")
     return p
 
 
@@ -47,7 +53,9 @@ def _add_tune_report(sub) -> None:
     rep.add_argument("runs", nargs="+", help="run directories, result files, or parent directories of runs")
     rep.add_argument("--out", default="report", help="output directory (default: ./report)")
     rep.add_argument("--metric", action="append", default=None,
-                     help="client metric(s) to summarise (default: test_acc and test_acc_proto when present)")
+                     help="client metric(s) to summarise: repeat it or separate by commas (default: test_acc and "
+                          "test_acc_proto where every run has them)")
+    rep.add_argument("--per-client", action="store_true", help="also plot every client's curve (one panel per setting)")
     rep.add_argument("--target", type=float, default=None, help="target accuracy for rounds-to-target")
     rep.add_argument("--time-metric", default=None, help="total/server metric holding a round's simulated time")
     rep.add_argument("--no-plots", action="store_true")
@@ -76,7 +84,9 @@ def _cmd_report(args) -> int:
     from raysim.report import build_report
 
     try:
-        files = build_report(args.runs, args.out, args.metric, args.target, args.time_metric, plots=not args.no_plots)
+        metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
+        files = build_report(args.runs, args.out, metrics, args.target, args.time_metric, plots=not args.no_plots,
+                             per_client=args.per_client)
     except (KeyError, FileNotFoundError) as e:
         print(f"raysim report: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -85,19 +95,52 @@ def _cmd_report(args) -> int:
     return 0
 
 
+# meanings of hyperparameters whose definition carries no comment (the others come from the Params source)
+PARAM_HELP = {
+    "lam": "weight of the distillation / regularisation term",
+    "temperature": "softmax temperature of the shared logits",
+    "mu": "weight of the proximal term (mu/2)||w - w_global||^2",
+    "num_clusters": "number of cluster centres K",
+    "fail_clients": "client ids that fail on purpose (tests)",
+    "fail_round": "first round in which they fail",
+}
+
+
+def param_docs(params_cls) -> dict[str, str]:
+    """field name -> the comment on its definition line (searched along the class's bases), else PARAM_HELP."""
+    import inspect
+    import re
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in params_cls.__mro__:
+        try:
+            src = textwrap.dedent(inspect.getsource(klass))
+        except (OSError, TypeError):
+            continue
+        for m in re.finditer(r"^    (\w+)\s*:[^\n#]*#\s*(.+)$", src, re.M):
+            docs.setdefault(m.group(1), m.group(2).strip())
+    return docs
+
+
 def _cmd_list() -> int:
+    import dataclasses
+
     from raysim.data.datasets import LOADERS
     from raysim.data.partition import PARTITIONERS, partition_params
     from raysim.models import ARCHS, arch_params
     from raysim.registry import ALGORITHMS, algorithm_class
 
-    print("algorithms:")
+    print("algorithms (hyperparameter = default: meaning; set with --set algorithm.params.NAME=VALUE):")
     for name in sorted(ALGORITHMS):
         cls = algorithm_class(name)
-        import dataclasses
-
-        params = ", ".join(f"{f.name}={f.default!r}" for f in dataclasses.fields(cls.Params))
-        print(f"  {name:<12} {params}")
+        fields = dataclasses.fields(cls.Params)
+        print(f"  {name}" + ("" if fields else "  (no hyperparameters)"))
+        docs = param_docs(cls.Params)
+        for f in fields:
+            default = f.default if f.default is not dataclasses.MISSING else (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+            print(f"      {f.name} = {default!r}: {docs.get(f.name) or PARAM_HELP.get(f.name, '')}".rstrip(": "))
     print("datasets:")
     for name in LOADERS:
         print(f"  {name}")
@@ -118,11 +161,14 @@ def _cmd_run(args) -> int:
     if args.backend:
         overrides.append(f"backend.name={args.backend}")
     cfg = load_config(args.config, overrides)
+    if args.dry_run:
+        return _cmd_dry_run(cfg, args)
     if args.seeds:
         return _cmd_run_seeds(cfg, args)
     result = run_experiment(cfg, out_dir=args.out, progress=not args.no_progress, resume=args.resume)
     mean, std = result.final("test_acc")
-    print(f"run {result.run_id}: final mean local test accuracy {mean:.4f} ± {std:.4f} over {cfg.data.num_clients} clients")
+    print(f"run {result.run_id}: final mean local test accuracy {mean:.4f} ± {std:.4f} (sample std over "
+          f"{cfg.data.num_clients} clients)")
     if (result.table["metric"] == "test_acc_proto").any():
         pm, ps = result.final("test_acc_proto")
         print(f"  with prototypes: {pm:.4f} ± {ps:.4f}")
@@ -132,6 +178,49 @@ def _cmd_run(args) -> int:
     if len(sim):
         print(f"  simulated time: {sim.iloc[-1]:,.1f} s (environment: {cfg.env.get('preset') or 'custom'})")
     print(f"results: {result.out_dir / 'results.parquet'}")
+    return 0
+
+
+def _cmd_dry_run(cfg, args) -> int:
+    import numpy as np
+    import yaml
+
+    from raysim.config import to_dict
+    from raysim.rundir import check_writable
+    from raysim.driver import prepare
+
+    prep = prepare(cfg)  # everything a run checks before it starts: config, data, models, resources
+    if args.out or not args.resume:
+        check_writable(args.out or f"{cfg.output.dir}/{cfg.run_id()}", "--out" if args.out else "output.dir")
+    print(f"# resolved config (run id {cfg.run_id()})")
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    s = prep.fed_data.summary()
+    tr, te = np.array(s["train_sizes"]), np.array(s["test_sizes"])
+    ncls = np.array([len(c) for c in s["classes"]])
+    print(f"# data split: {s['num_clients']} clients of {cfg.data.dataset} ({cfg.data.partition}), "
+          f"{prep.fed_data.num_classes} classes")
+    for label, v in (("train samples", tr), ("test samples", te), ("classes", ncls)):
+        print(f"  {label:<14} per client: min {v.min()}, median {np.median(v):g}, max {v.max()}, total {v.sum()}")
+    for cid, (a, b, c) in enumerate(zip(tr, te, s["classes"])):
+        print(f"  client {cid:>3}: train {a:>5}  test {b:>5}  classes {list(c)}  arch {prep.task.archs[cid].arch}")
+    for note in s["notes"] or []:
+        print(f"  note: {note}")
+    print("dry run: config and data are valid; nothing was trained or written")
+    return 0
+
+
+def _cmd_runs(args) -> int:
+    from raysim.rundir import list_runs
+
+    rows = list_runs(args.dir)
+    if not rows:
+        print(f"no runs under {args.dir}")
+        return 0
+    cols = ["name", "algorithm", "dataset", "rounds", "final acc", "status", "path"]
+    width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    print("  ".join(c.ljust(width[c]) for c in cols).rstrip())
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(width[c]) for c in cols).rstrip())
     return 0
 
 
@@ -148,11 +237,22 @@ def _cmd_run_seeds(cfg, args) -> int:
     return 0
 
 
+def _notes(e: BaseException, args) -> list[str]:
+    """The exception's notes, with the resume command spelled out for this command line."""
+    cmd = None
+    if getattr(args, "command", None) == "run":
+        cmd = " ".join([args.config] + [f"--set {o}" for o in args.overrides] +
+                       ([f"--backend {args.backend}"] if args.backend else []))
+    return [n.replace("raysim run CONFIG", f"raysim run {cmd}") if cmd else n for n in getattr(e, "__notes__", [])]
+
+
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "list":
             return _cmd_list()
+        if args.command == "runs":
+            return _cmd_runs(args)
         if args.command == "tune":
             return _cmd_tune(args)
         if args.command == "report":
@@ -161,15 +261,20 @@ def main(argv=None) -> int:
     except (ConfigError, DataError) as e:
         print(f"raysim: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("raysim: interrupted; no results written", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        notes = _notes(e, args)
+        print("raysim: interrupted" + ("" if notes else "; no results written"), file=sys.stderr)
+        for note in notes:
+            print(f"raysim: {note}", file=sys.stderr)
         return 130
     except Exception as e:
         from raysim.runtime import SimulationError
 
         if isinstance(e, SimulationError):
-            print(f"raysim: simulation failed: {e}", file=sys.stderr)
-            for note in getattr(e, "__notes__", []):
+            from raysim.safety import NonFiniteError
+
+            print(f"raysim: {e}" if isinstance(e, NonFiniteError) else f"raysim: simulation failed: {e}", file=sys.stderr)
+            for note in _notes(e, args):
                 print(f"raysim: {note}", file=sys.stderr)
             return 1
         raise

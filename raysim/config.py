@@ -11,6 +11,8 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -81,6 +83,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(path, f"expected an integer, got {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
+            return float(value)  # e.g. a quoted "1e-3"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
         return float(value)
@@ -280,6 +284,7 @@ class ExperimentConfig:
     rounds: int = 100
     clients_per_round: Optional[int] = None  # None: every client every round
     on_client_failure: str = "skip"  # skip: aggregate the survivors; stop: stop the run at the first failure
+    on_nonfinite: str = "stop"  # a NaN/inf loss, metric or upload: stop the run (exit 1) | skip_client: drop that update
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -292,9 +297,10 @@ class ExperimentConfig:
     def check(self, path: str) -> None:
         positive("rounds", self.rounds)
         positive("clients_per_round", self.clients_per_round)
-        choice("on_client_failure", self.on_client_failure, ["skip", "stop", "raise"])
-        if self.on_client_failure == "raise":  # the old name of "stop", kept as an alias
+        if self.on_client_failure == "raise":  # the old name of stop, still accepted
             object.__setattr__(self, "on_client_failure", "stop")
+        choice("on_client_failure", self.on_client_failure, ["skip", "stop"])
+        choice("on_nonfinite", self.on_nonfinite, ["stop", "skip_client"])
         if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
         if self.model.assign == "tier" and getattr(self.model, "tiers", None) is None and (
@@ -370,6 +376,37 @@ def _algorithm_param_diff(alg: "AlgorithmConfig") -> dict:
 # loading
 
 
+# PyYAML follows YAML 1.1, whose float pattern needs a dot and a signed exponent: ``1e-3`` and ``1E6`` load as
+# strings. This loader adds YAML 1.2's float syntax, so every float field accepts them (files and --set alike).
+_FLOAT_RE = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$"
+                       r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
+_YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+
+
+class YamlLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``1e-3``, ``5E-4``, ``1e6`` as floats (YAML 1.2)."""
+
+
+YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
+
+
+def yaml_load(text: str, source: str = "<string>"):
+    """Parse YAML text with :class:`YamlLoader`; ``source`` names the file in error messages."""
+    import io
+
+    stream = io.StringIO(text)
+    stream.name = source  # PyYAML's marks name the stream's ``name``
+    return yaml.load(stream, Loader=YamlLoader)
+
+
+def yaml_error_text(e: yaml.YAMLError, source: str) -> str:
+    """A YAML error in one line: where (file, line, column) and what."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else source
+    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+    return f"{where}: {what}".replace("\n", " ")
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ConfigError(text, "an override must look like dotted.key=value")
@@ -378,7 +415,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key:
         raise ConfigError(text, "an override needs a key before '='")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml_load(raw, "--set") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -400,11 +437,40 @@ def set_dotted(data: dict, key: str, value) -> dict:
     return data
 
 
-def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
+def apply_overrides(data: dict, overrides: list[str] | None, notify=None) -> dict:
+    """``data`` with every ``dotted.key=value`` override applied. When an override changes ``algorithm.name``, the
+    ``algorithm.params`` that the new method does not have are dropped and ``notify`` (default: one line on stderr)
+    says which: the file's parameters were written for the file's method."""
     data = json.loads(json.dumps(data or {}))
+    before = (data.get("algorithm") or {}).get("name") if isinstance(data.get("algorithm"), dict) else None
     for text in overrides or []:
         data = set_dotted(data, *parse_override(text))
+    algo = data.get("algorithm")
+    if isinstance(algo, dict) and algo.get("name") != before and isinstance(algo.get("params"), dict):
+        explicit = {k.split(".", 2)[2] for k, _ in map(parse_override, overrides or [])
+                    if k.startswith("algorithm.params.") and k.count(".") >= 2}
+        algo["params"] = _drop_foreign_params(before, algo.get("name"), algo["params"], explicit, notify)
     return data
+
+
+def _drop_foreign_params(old: str, new: str, params: dict, explicit: set, notify) -> dict:
+    try:
+        from raysim.registry import algorithm_class
+
+        allowed = {f.name for f in dataclasses.fields(algorithm_class(new).Params)}
+    except Exception:  # an unknown name is reported, naming algorithm.name, when the config is built
+        return params
+    dropped = [k for k in params if k not in allowed and k not in explicit]
+    if dropped:
+        kept = [k for k in params if k not in dropped]
+        (notify or _stderr_notice)(
+            f"algorithm.name changed from {old} to {new}: dropped algorithm.params {', '.join(dropped)} "
+            f"({new} has no such parameters){'; kept ' + ', '.join(kept) if kept else ''}")
+    return {k: v for k, v in params.items() if k not in dropped}
+
+
+def _stderr_notice(message: str) -> None:
+    print(f"raysim: note: {message}", file=sys.stderr)
 
 
 def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG") -> dict:
@@ -413,9 +479,9 @@ def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG") -> dict:
     if not path.is_file():
         raise ConfigError(field_name, f"file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml_load(path.read_text(), str(path))
     except yaml.YAMLError as e:
-        raise ConfigError(field_name, f"{path} is not valid YAML: {e}") from None
+        raise ConfigError(field_name, f"not valid YAML: {yaml_error_text(e, str(path))}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -427,8 +493,8 @@ def load_config_dict(path: str | Path) -> dict:
     return load_yaml_mapping(path, "CONFIG")
 
 
-def make_config(data: dict | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
-    return from_dict(ExperimentConfig, apply_overrides(data or {}, overrides))
+def make_config(data: dict | None = None, overrides: list[str] | None = None, notify=None) -> ExperimentConfig:
+    return from_dict(ExperimentConfig, apply_overrides(data or {}, overrides, notify))
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import platform
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import pandas as pd
 import yaml
 
 from raysim import rng as rngmod
+from raysim import rundir, safety
 from raysim.algorithm import Task
 from raysim.backends import make_backend, preflight
 from raysim.config import ConfigError, ExperimentConfig, from_dict, to_dict
@@ -44,7 +44,7 @@ from raysim.steps import ALL, ClientStep, ServerStep, check_schedule, flatten
 
 COMM_METRICS = ("up_floats", "up_bytes", "down_floats", "down_bytes")
 SETUP_ROUND = rngmod.NO_ROUND  # the setup phase's rows carry round -1
-INCOMPLETE = ".incomplete"
+INCOMPLETE = rundir.INCOMPLETE
 
 EQUALITY_POLICY = {
     "bit_identical": "CPU, the per-client loop executor, backend.torch_threads = 1: the same table on every backend, "
@@ -151,7 +151,8 @@ class RunResult:
     def final(self, metric: str = "test_acc") -> tuple[float, float]:
         d = self.table[(self.table["scope"] == "client") & (self.table["metric"] == metric)]
         last = d[d["round"] == d["round"].max()]["value"]
-        return float(last.mean()), float(last.std(ddof=0))
+        """(mean, sample std over clients) of ``metric`` at the last evaluated round, as ``results.final``."""
+        return float(last.mean()), float(last.std(ddof=1))
 
 
 def _value_weight(v):
@@ -254,7 +255,8 @@ class _Recorder:
             vals = np.array([v for v, _ in vw])
             ws = np.array([w for _, w in vw])
             self.t.add(round_idx, -1, "mean", name, float(vals.mean()), len(vals))
-            self.t.add(round_idx, -1, "std", name, float(vals.std()), len(vals))
+            sd = float(vals.std(ddof=1)) if len(vals) > 1 else math.nan  # sample std over clients, as results.*
+            self.t.add(round_idx, -1, "std", name, sd, len(vals))
             if ws.sum() > 0:
                 self.t.add(round_idx, -1, "wmean", name, float((vals * ws).sum() / ws.sum()), float(ws.sum()))
 
@@ -325,8 +327,9 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
             backend.commit([r.client_id for r in reports if r.ok])
             compute += sum(r.seconds for r in reports)
             log.add(step.name, reports)
+            skipped = safety.decide(cfg.on_nonfinite, round_idx, reports, step.name)  # raises under stop
             failed = run.log_failures(reports)
-            if failed and (cfg.on_client_failure == "stop" or len(failed) == len(reports)):
+            if failed and ((cfg.on_client_failure == "stop" and len(failed) > len(skipped)) or len(failed) == len(reports)):
                 r = failed[0]
                 raise SimulationError(f"round {round_idx}, step '{step.name}': {len(failed)} of {len(reports)} clients "
                                       f"failed; first: client {r.client_id}: {r.error}\n{r.traceback}")
@@ -344,6 +347,7 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
                 t_env += time.perf_counter() - t0
         else:
             payload, metrics = backend.server_step(step, round_idx, it, uploads, failures, keep=keep)
+            safety.check_metrics(round_idx, -1, step.name, metrics)
             if payload is not None:
                 run.payload = payload
             run.recorder.server(round_idx, metrics)
@@ -357,10 +361,13 @@ def _evaluate(run: Run, round_idx: int) -> None:
         if isinstance(step, ClientStep):
             ids = list(range(run.cfg.data.num_clients))
             _, reports = run.backend.client_step(step, run.payload, round_idx, it, ids)
+            for r in reports:
+                safety.check_metrics(round_idx, r.client_id, step.name, r.metrics)
             run.recorder.evaluation(round_idx, reports)
             run.log_failures(reports)
         else:
             _, metrics = run.backend.server_step(step, round_idx, it, None, [])
+            safety.check_metrics(round_idx, -1, step.name, metrics)
             run.recorder.server(round_idx, metrics)
 
 
@@ -395,42 +402,23 @@ def run_loop(run: Run, callbacks: list[Callback]) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # callbacks
 
-def _unique_dir(path: Path) -> Path:
-    if not path.exists():
-        return path
-    i = 2
-    while Path(f"{path}-{i}").exists():
-        i += 1
-    return Path(f"{path}-{i}")
-
-
 class RunDirectory(Callback):
-    """Builds the run directory as ``.tmp-<name>`` and renames it when the run ends; a run that fails keeps it as
-    ``<name>.incomplete`` only if it holds checkpoints. Writes results.parquet, config.yaml and run.json."""
+    """Writes the run directory (see :mod:`raysim.rundir`): the run is built in the visible, locked
+    ``<name>.incomplete`` (claimed before the backend starts) and renamed to ``<name>`` when it finishes, with
+    results.parquet, config.yaml and run.json. A run that stops keeps ``<name>.incomplete`` when it holds checkpoints
+    (resumable) or diverged (its run.json says where); otherwise it is removed."""
 
-    def __init__(self, out_dir: Optional[str | Path], resume_dir: Optional[Path] = None):
-        self.out_dir, self.resume_dir = out_dir, resume_dir
+    def __init__(self, rd: "rundir.RunDir"):
+        self.rd = rd
 
     def on_run_start(self, run: Run) -> None:
-        cfg = run.cfg
-        if self.resume_dir is not None:
-            rd = self.resume_dir
-            name = rd.name[: -len(INCOMPLETE)] if rd.name.endswith(INCOMPLETE) else rd.name
-            run.final_dir = _unique_dir(Path(self.out_dir) if self.out_dir else rd.parent / name)
-            run.dir = run.final_dir.parent / f".tmp-{run.final_dir.name}"
-            shutil.rmtree(run.dir, ignore_errors=True)
-            rd.rename(run.dir)
-        else:
-            run.final_dir = _unique_dir(Path(self.out_dir) if self.out_dir else Path(cfg.output.dir) / run.run_id)
-            run.dir = run.final_dir.parent / f".tmp-{run.final_dir.name}"
-            shutil.rmtree(run.dir, ignore_errors=True)
-            run.dir.mkdir(parents=True)
+        run.dir, run.final_dir = self.rd.work, self.rd.final
 
     def on_run_end(self, run: Run, result: RunResult) -> None:
-        cfg, d = run.cfg, run.dir
+        cfg, d = run.cfg, self.rd.work
         write_parquet(result.table, d / RESULTS_FILE, result.metadata)
         (d / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        summary = {k: v for k, v in result.metadata.items() if k != "config"}
+        summary = {"status": "finished", **{k: v for k, v in result.metadata.items() if k != "config"}}
         t = run.timing
         summary["timing"] = {"setup_s": t["setup_s"], "setup_phase_s": t["setup_phase_s"],
                              "total_round_s": float(np.sum(t["round_s"])),
@@ -439,20 +427,27 @@ class RunDirectory(Callback):
         summary["store"] = getattr(run, "store_stats", [])
         summary["failures"] = run.failures
         (d / "run.json").write_text(json.dumps(summary, indent=1, default=str))
-        run.final_dir.parent.mkdir(parents=True, exist_ok=True)
-        d.rename(run.final_dir)
-        result.out_dir = run.final_dir
+        result.out_dir = self.rd.finalise()
 
     def on_run_error(self, run: Run, exc: BaseException) -> None:
-        if run.dir is None or not run.dir.exists():
-            return
-        if find_checkpoint(run.dir) is not None:  # keep what a resume needs, never as a finished run
-            keep = _unique_dir(run.final_dir.parent / (run.final_dir.name + INCOMPLETE))
-            run.dir.rename(keep)
-            if hasattr(exc, "add_note"):
-                exc.add_note(f"checkpoints kept in {keep}; continue with: raysim run CONFIG --resume {keep}")
-        else:
-            shutil.rmtree(run.dir, ignore_errors=True)
+        rd, cfg = self.rd, run.cfg
+        resumable = find_checkpoint(rd.work) is not None
+        status = ("diverged" if isinstance(exc, safety.NonFiniteError) else
+                  "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+        keep = resumable or status == "diverged"
+        if keep:
+            info = {"status": status, "run_id": run.run_id, "config_hash": cfg.config_hash(), "seed": cfg.seed,
+                    "error": (str(exc).splitlines() or [type(exc).__name__])[0], "resumable": resumable,
+                    "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures]}
+            if isinstance(exc, safety.NonFiniteError):
+                info["nonfinite"] = exc.event.record()
+            (rd.work / "run.json").write_text(json.dumps(info, indent=1, default=str))
+        kept = rd.abandon(keep)
+        if kept is not None and hasattr(exc, "add_note"):
+            if resumable:
+                exc.add_note(f"checkpoints kept in {kept}; continue with: raysim run CONFIG --resume {kept}")
+            else:
+                exc.add_note(f"no result table was written; {kept / 'run.json'} records where the run stopped")
 
 
 class Checkpointer(Callback):
@@ -530,6 +525,8 @@ class EvalCallback(Callback):
 def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path, dict]:
     """The run directory to continue, its latest complete checkpoint and that checkpoint's meta."""
     path = Path(resume)
+    if not path.exists() and rundir.work_path(path).is_dir():  # the intended name of an unfinished run
+        path = rundir.work_path(path)
     ck = find_checkpoint(path) if path.is_dir() else None
     if ck is None:
         raise ConfigError("resume", f"no checkpoints under {path} (runs keep them with output.checkpoint_every > 0)")
@@ -548,15 +545,25 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
     ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
     """
-    prep = prepare(cfg)
     run_id = cfg.run_id()
-    resume_meta = ck_dir = resume_dir = None
+    target, where = (Path(out_dir), "--out") if out_dir else (Path(cfg.output.dir) / run_id, "output.dir")
+    if write and resume is None:  # a bad or busy output directory fails before any data is loaded
+        rundir.check_writable(target, where)
+        rundir.check_free(target, where)
+    prep = prepare(cfg)
+    resume_meta = ck_dir = None
+    rd = None
     if resume is not None:
         resume_dir, ck_dir, resume_meta = _resume_point(cfg, resume)
+        rd = rundir.RunDir.for_resume(resume_dir, out_dir)
+        ck_dir = rd.work / ck_dir.relative_to(resume_dir)  # a finished run's checkpoints were copied
         write = True
+    elif write:
+        rd = rundir.RunDir.claim(target, where)
     cbs: list[Callback] = []
-    if write:
-        cbs += [RunDirectory(out_dir, resume_dir), Checkpointer(cfg.output.checkpoint_every)]
+    if rd is not None:
+        (rd.work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        cbs += [RunDirectory(rd), Checkpointer(cfg.output.checkpoint_every)]
     if cfg.output.progress if progress is None else progress:
         cbs.append(ProgressBar())
     if callback is not None:
@@ -565,7 +572,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
 
     backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)
     run = Run(prep, backend, run_id)
-    started: list[Callback] = []
+    started: list[Callback] = cbs[:1] if rd is not None else []  # the claimed directory is cleaned up on any error
     try:
         t0 = time.perf_counter()
         backend.start()
@@ -573,7 +580,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         if resume_meta is not None:
             _restore(run, ck_dir, resume_meta)
         for cb in cbs:
-            started.append(cb)
+            if cb not in started:
+                started.append(cb)
             cb.on_run_start(run)
         run_loop(run, cbs)
         run.store_stats = backend.store_stats()

@@ -1,5 +1,8 @@
 """``raysim report RUN_DIR...``: a Markdown summary over seeds and PNG plots of accuracy vs round, vs bytes
-communicated and vs simulated time, from the runs' Parquet tables (numbers via :mod:`raysim.results`)."""
+communicated and vs simulated time, from the runs' Parquet tables (numbers via :mod:`raysim.results`).
+
+Settings are labelled by algorithm and the config keys that differ between the settings compared; rounds are counted
+as rounds completed everywhere (table and plots); bands are ± the sample std over seeds."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -49,16 +52,80 @@ def _pm(mean, std, digits=4) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (d or {}).items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):  # an empty section adds no key
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def setting_labels(index: pd.DataFrame) -> dict:
+    """group -> label: the algorithm, plus the config keys whose values differ between the groups compared
+    (``algorithm.params.`` shortened away), e.g. ``fedproto (lam=0.5)``."""
+    cfgs = {}
+    for _, row in index.drop_duplicates("group").iterrows():
+        cfg = dict(results.load_metadata(row["path"]).get("config") or {})
+        for k in ("seed", "name", "backend", "output"):
+            cfg.pop(k, None)
+        cfgs[row["group"]] = _flat(cfg)
+    keys = sorted({k for c in cfgs.values() for k in c})
+
+    def differs(k: str, algo: str) -> bool:  # a method's parameters are compared among runs of that method only
+        peers = [c for c in cfgs.values() if not k.startswith("algorithm.params.") or c.get("algorithm.name") == algo]
+        return len({repr(c.get(k)) for c in peers}) > 1
+
+    labels = {}
+    for g, c in cfgs.items():
+        algo = c.get("algorithm.name")
+        parts = [f"{k.replace('algorithm.params.', '')}={c.get(k)}" for k in keys
+                 if k != "algorithm.name" and differs(k, algo)]
+        labels[g] = f"{c.get('algorithm.name', '?')}" + (f" ({', '.join(parts)})" if parts else "")
+    counts = pd.Series(list(labels.values())).value_counts()
+    for g in labels:  # settings that differ in nothing but the name keep the name apart
+        if counts[labels[g]] > 1:
+            labels[g] = f"{labels[g]} [{g}]"
+    return labels
+
+
+def check_metrics(df: pd.DataFrame, index: pd.DataFrame, metrics: Optional[list[str]]) -> tuple[list[str], list[str]]:
+    """The metrics to summarise and notes. Asked-for metrics must be in every run (else a MetricError naming the
+    run); by default test_acc, and test_acc_proto where every run has it."""
+    have = {rid: set(g.loc[g["scope"] == "client", "metric"]) for rid, g in df.groupby("run_id")}
+    notes = []
+    if not metrics:
+        metrics = ["test_acc"]
+        lacking = [r for r, m in have.items() if "test_acc_proto" not in m]
+        if any("test_acc_proto" in m for m in have.values()):
+            if lacking:
+                notes.append(f"test_acc_proto is not summarised: {len(lacking)} run(s) lack it ({', '.join(lacking)})")
+            else:
+                metrics.append("test_acc_proto")
+    for m in metrics:
+        for rid, got in have.items():
+            if m not in got:
+                path = index.loc[index["run_id"] == rid, "path"]
+                where = f" ({path.iloc[0]})" if len(path) else ""
+                raise results.MetricError(f"run {rid}{where} has no client metric {m!r}; its client metrics: "
+                                          f"{', '.join(sorted(got)) or 'none'}")
+    return metrics, notes
+
+
 def summary_markdown(summary: pd.DataFrame, index: pd.DataFrame, metric: str, target: Optional[float],
-                     time_metric: Optional[str]) -> str:
+                     time_metric: Optional[str], labels: Optional[dict] = None) -> str:
+    labels = labels or {}
     rows = []
     for _, s in summary.iterrows():
         seeds = index[index["group"] == s["group"]]["seed"].tolist()
-        row = {"setting": s["group"], "runs": int(s["runs"]), "seeds": ",".join(str(x) for x in seeds),
+        row = {"setting": labels.get(s["group"], s["group"]), "runs": int(s["runs"]),
+               "seeds": ",".join(str(x) for x in seeds),
                f"final {metric}": _pm(s["final_mean"], s["final_std"]),
                f"best {metric}": _pm(s["best_mean"], s["best_std"]),
-               "best round idx": _pm(s["best_round_mean"], s["best_round_std"], 1),
-               "last round idx": f"{s['last_round_mean']:g}"}
+               "best round": _pm(s["best_round_mean"], s["best_round_std"], 1),
+               "last round": f"{s['last_round_mean']:g}"}
         if target is not None:
             row[f"rounds to {target:g}"] = f"{_pm(s['rounds_to_target_mean'], s['rounds_to_target_std'], 1)} " \
                                            f"({int(s['reached'])}/{int(s['runs'])} reached)"
@@ -71,69 +138,121 @@ def summary_markdown(summary: pd.DataFrame, index: pd.DataFrame, metric: str, ta
     return results.markdown_table(pd.DataFrame(rows))
 
 
-def plot_curves(curves: pd.DataFrame, path: Path, xlabel: str, ylabel: str, title: str, xscale: str = "linear") -> None:
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_curves(curves: pd.DataFrame, path: Path, xlabel: str, ylabel: str, title: str, xscale: str = "linear",
+                labels: Optional[dict] = None, integer_x: bool = False) -> None:
+    """One line per setting (mean over seeds of the mean over clients) with a ± std-over-seeds band."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    labels = labels or {}
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     for group, g in curves.groupby("group", sort=True):
         g = g.sort_values("round")
         n = int(g["runs"].max())
-        line, = ax.plot(g["x"], g["mean"], marker="o", ms=3, label=f"{group} (n={n})")
+        single = len(g) == 1  # one evaluated point: a visible marker, not an invisible line
+        line, = ax.plot(g["x"], g["mean"], marker="o", ms=7 if single else 3, ls="none" if single else "-",
+                        label=f"{labels.get(group, group)} (n={n})")
         if n > 1:
             std = g["std"].fillna(0.0)
-            ax.fill_between(g["x"], g["mean"] - std, g["mean"] + std, color=line.get_color(), alpha=0.2, lw=0)
+            if single:
+                ax.errorbar(g["x"], g["mean"], yerr=std, color=line.get_color(), capsize=4, ls="none")
+            else:
+                ax.fill_between(g["x"], g["mean"] - std, g["mean"] + std, color=line.get_color(), alpha=0.2, lw=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_xscale(xscale)
+    if integer_x:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="best", title="mean over seeds; band: ± std over seeds", title_fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_client_curves(df: pd.DataFrame, index: pd.DataFrame, metric: str, path: Path, labels: dict) -> None:
+    """One panel per setting: every client's ``metric`` (mean over seeds) against rounds completed."""
+    from matplotlib.ticker import MaxNLocator
+
+    plt = _pyplot()
+    d = results.client_metric(df, metric).merge(index[["run_id", "group"]], on="run_id")
+    groups = sorted(d["group"].unique())
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), dpi=110, squeeze=False, sharey=True)
+    for ax, group in zip(axes[0], groups):
+        g = d[d["group"] == group].groupby(["client_id", "round"])["value"].mean().reset_index()
+        for cid, c in g.groupby("client_id"):
+            ax.plot(c["round"] + 1, c["value"], lw=0.8, alpha=0.6, marker="." if len(c) == 1 else None)
+        m = g.groupby("round")["value"].mean()
+        ax.plot(m.index + 1, m.values, color="black", lw=2, marker="o" if len(m) == 1 else None, label="mean")
+        ax.set_title(labels.get(group, group), fontsize=9)
+        ax.set_xlabel("rounds completed")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel(f"client {metric} (mean over seeds)")
+    axes[0][0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
 def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None, target: Optional[float] = None,
-                 time_metric: Optional[str] = None, plots: bool = True, log: Callable = print) -> dict:
+                 time_metric: Optional[str] = None, plots: bool = True, log: Callable = print,
+                 per_client: bool = False) -> dict:
     """Write summary.md, summary.parquet (one row per setting and metric), runs.parquet and the PNG plots into
-    ``out_dir``; returns {name: path}."""
+    ``out_dir``; returns {name: path}. A metric that a run lacks is an error naming the run."""
     df, index = load_runs(paths)
+    metrics, notes = check_metrics(df, index, metrics)
+    labels = setting_labels(index)
+    index = index.assign(setting=index["group"].map(labels))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    present = set(df.loc[df["scope"] == "client", "metric"].unique())
-    if metrics:
-        missing = [m for m in metrics if m not in present]
-        if missing:
-            raise KeyError(f"metric(s) {', '.join(missing)} not recorded; client metrics here: {', '.join(sorted(present))}")
-    else:
-        metrics = [m for m in ("test_acc", "test_acc_proto") if m in present]
     tm = find_time_metric(df, time_metric)
     files: dict = {}
     md = [f"# raysim report\n\n{len(index)} run(s) in {index['group'].nunique()} setting(s) (runs whose configs "
-          f"differ only in the seed form one setting). Mean ± sample std over runs of the mean over clients.\n"]
+          f"differ only in the seed form one setting; a setting is named by its algorithm and the config keys that "
+          f"differ between the settings). Values: mean ± sample std over seeds of the mean over clients. Rounds "
+          f"count rounds completed (round r = after r rounds), in the table and on the plots' x axis. Plot bands: ± std "
+          f"over seeds.\n"]
+    md += [f"\nNote: {n}.\n" for n in notes]
     sums = []
     for metric in metrics:
-        s = results.seed_summary(df, index, metric, target, tm)
-        sums.append(s.assign(metric=metric))
-        md.append(f"\n## {metric}\n\n" + summary_markdown(s, index, metric, target, tm))
-    md.append("\n## runs\n\n" + results.markdown_table(index[["run_id", "group", "seed", "path"]]))
+        s = results.seed_summary(df, metric, index, target, tm)
+        sums.append(s.assign(metric=metric, setting=s["group"].map(labels)))
+        md.append(f"\n## {metric}\n\n" + summary_markdown(s, index, metric, target, tm, labels))
+    md.append("\n## runs\n\n" + results.markdown_table(index[["run_id", "setting", "seed", "path"]]))
     if tm is None:
         md.append("\nNo simulated time in these runs (no total/server metric named "
                   f"{' / '.join(SIM_TIME_CANDIDATES)}): accuracy vs simulated time is not plotted.\n")
-    if plots and metrics:
-        metric = metrics[0]
-        axes = [("round", "rounds", "acc_vs_round.png", "linear"),
-                ("bytes", "bytes communicated (up + down, all clients)", "acc_vs_bytes.png", "linear")]
-        if tm is not None:
-            axes.append((tm, f"simulated time ({tm}, cumulative)", "acc_vs_time.png", "linear"))
-        for axis, xlabel, name, scale in axes:
-            curves = results.seed_curves(df, index, metric, axis)
-            plot_curves(curves, out_dir / name, xlabel, f"mean client {metric}", f"{metric} vs {axis}", scale)
-            files[name] = out_dir / name
-            md.append(f"\n![{metric} vs {axis}]({name})\n")
+    if plots:
+        for i, metric in enumerate(metrics):
+            stem = "acc" if i == 0 else metric
+            axes = [("round", "rounds completed", f"{stem}_vs_round.png", "linear"),
+                    ("bytes", "bytes communicated (up + down, all clients; log scale)", f"{stem}_vs_bytes.png", "log")]
+            if tm is not None:
+                axes.append((tm, f"simulated time ({tm}, cumulative)", f"{stem}_vs_time.png", "linear"))
+            for axis, xlabel, name, scale in axes:
+                curves = results.seed_curves(df, metric, index, axis)
+                if scale == "log" and not (curves["x"] > 0).all():
+                    scale = "symlog"
+                plot_curves(curves, out_dir / name, xlabel, f"mean client {metric}",
+                            f"{metric} vs {axis} (band: ± std over seeds)", scale, labels, integer_x=axis == "round")
+                files[name] = out_dir / name
+                md.append(f"\n![{metric} vs {axis}]({name})\n")
+            if per_client:
+                name = f"clients_{metric}.png"
+                plot_client_curves(df, index, metric, out_dir / name, labels)
+                files[name] = out_dir / name
+                md.append(f"\n![{metric} per client]({name})\n")
     summary = pd.concat(sums, ignore_index=True) if sums else pd.DataFrame()
     files["summary.md"] = out_dir / "summary.md"
     files["summary.md"].write_text("".join(md))

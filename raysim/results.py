@@ -7,6 +7,7 @@ metric, value, weight. Config, seed, versions and data-scaling notes live in the
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -48,22 +49,28 @@ def write_parquet(df: pd.DataFrame, path: Path, metadata: dict) -> None:
 
 
 def _result_files(paths) -> list[Path]:
+    """The result files of finished runs: unfinished (``*.incomplete``) and hidden directories are never runs."""
+    from raysim.rundir import is_listed_run_path, is_unfinished_name
+
     if isinstance(paths, (str, Path)):
         paths = [paths]
     files = []
     for p in paths:
         p = Path(p)
+        if is_unfinished_name(p if p.is_dir() else p.parent):
+            raise FileNotFoundError(f"{p} is an unfinished run, not a result (continue it with raysim run CONFIG "
+                                    f"--resume {p if p.is_dir() else p.parent})")
         if p.is_dir():
             if (p / RESULTS_FILE).exists():
                 files.append(p / RESULTS_FILE)
             else:
-                files += sorted(p.glob(f"**/{RESULTS_FILE}"))
+                files += [f for f in sorted(p.glob(f"**/{RESULTS_FILE}")) if is_listed_run_path(f.parent, p)]
         elif p.exists():
             files.append(p)
         else:
             raise FileNotFoundError(f"no result table at {p}")
     if not files:
-        raise FileNotFoundError(f"no {RESULTS_FILE} under {', '.join(map(str, paths))}")
+        raise FileNotFoundError(f"no {RESULTS_FILE} of a finished run under {', '.join(map(str, paths))}")
     return files
 
 
@@ -81,26 +88,60 @@ def load_metadata(path) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# analysis helpers
+# analysis helpers: every one takes (df, metric, ...); std is always the sample std (ddof = 1)
+
+
+class MetricError(KeyError):
+    """A metric the table does not hold (the message lists the ones it does)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def client_metrics(df: pd.DataFrame) -> list[str]:
+    """The client-scope metrics a table holds."""
+    return sorted(df.loc[df["scope"] == "client", "metric"].unique())
+
+
+def _need_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
+    if not isinstance(metric, str):
+        raise TypeError(f"metric must be a metric name (str), got {metric!r}")
+    d = df[(df["scope"] == "client") & (df["metric"] == metric)]
+    if d.empty:
+        raise MetricError(f"no client metric {metric!r} in this table; client metrics here: "
+                          f"{', '.join(client_metrics(df)) or 'none'}")
+    return d
+
+
+def _metric_first(fn: str, metric, other, default_metric: str = "test_acc"):
+    """Accept the old argument order ``fn(df, target, metric)`` (with a DeprecationWarning)."""
+    if metric is None or isinstance(metric, str):
+        return metric if metric is not None else default_metric, other
+    warnings.warn(f"results.{fn}: pass the metric first, {fn}(df, metric, ...)", DeprecationWarning, stacklevel=3)
+    return (other if isinstance(other, str) else default_metric), metric
 
 
 def client_metric(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
-    return df[(df["scope"] == "client") & (df["metric"] == metric)]
+    """The per-client rows of ``metric``."""
+    return _need_metric(df, metric)
 
 
 def per_round(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
-    """Mean and std over clients of ``metric`` per run and round."""
-    d = client_metric(df, metric)
+    """Per run and evaluated round: mean, sample std (ddof = 1) and count over clients of ``metric``.
+    Raises :class:`MetricError` when the table has no client-scope ``metric``."""
+    d = _need_metric(df, metric)
     return d.groupby(["run_id", "round"])["value"].agg(["mean", "std", "count"]).reset_index()
 
 
 def final(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
-    """Per run: mean and std over clients at the last evaluated round."""
+    """Per run: mean and sample std over clients of ``metric`` at the last evaluated round (columns run_id, round,
+    mean, std, count; ``round`` is the table's 0-based round index)."""
     pr = per_round(df, metric)
     return pr.loc[pr.groupby("run_id")["round"].idxmax()].reset_index(drop=True)
 
 
 def best(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
+    """Per run: the evaluated round with the highest mean over clients of ``metric`` (columns as :func:`final`)."""
     pr = per_round(df, metric)
     return pr.loc[pr.groupby("run_id")["mean"].idxmax()].reset_index(drop=True)
 
@@ -117,13 +158,19 @@ def communication(df: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index()
 
 
-def rounds_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc") -> pd.DataFrame:
+def rounds_to_target(df: pd.DataFrame, metric: str = "test_acc", target: float | None = None) -> pd.DataFrame:
+    """Per run: ``round``, the 0-based index of the first evaluated round whose mean ``metric`` reaches ``target``,
+    and ``rounds``, the rounds completed by then (round + 1); NaN where it is never reached."""
+    metric, target = _metric_first("rounds_to_target", metric, target)
+    if target is None:
+        raise TypeError("rounds_to_target needs a target, e.g. rounds_to_target(df, 'test_acc', 0.9)")
     pr = per_round(df, metric)
     out = []
     for run_id, g in pr.groupby("run_id"):
         hit = g[g["mean"] >= target]
-        out.append({"run_id": run_id, "round": int(hit["round"].min()) if len(hit) else np.nan})
-    return pd.DataFrame(out)
+        r = int(hit["round"].min()) if len(hit) else np.nan
+        out.append({"run_id": run_id, "round": r, "rounds": r + 1 if len(hit) else np.nan})
+    return pd.DataFrame(out, columns=["run_id", "round", "rounds"])
 
 
 def env_time(df: pd.DataFrame, metric: str = "sim_time") -> pd.DataFrame:
@@ -142,9 +189,10 @@ def accuracy_vs_sim_time(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataF
     return pr.merge(t, on=["run_id", "round"], how="left")
 
 
-def sim_time_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc") -> pd.DataFrame:
+def sim_time_to_target(df: pd.DataFrame, metric: str = "test_acc", target: float | None = None) -> pd.DataFrame:
     """Per run: the first evaluated round whose mean ``metric`` reaches ``target``, and the simulated time (seconds)
     and bytes (up + down, all clients) spent until the end of that round; NaN where the target is never reached."""
+    metric, target = _metric_first("sim_time_to_target", metric, target)
     avt = accuracy_vs_sim_time(df, metric)
     tot = df[(df["scope"] == "total") & df["metric"].isin(["up_bytes", "down_bytes"])]
     out = []
@@ -183,9 +231,11 @@ def cumulative(df: pd.DataFrame, time: str = "round") -> pd.DataFrame:
     return out.drop(columns="step").reset_index(drop=True)
 
 
-def time_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc", time: str = "round") -> pd.DataFrame:
+def time_to_target(df: pd.DataFrame, metric: str = "test_acc", target: float | None = None,
+                   time: str = "round") -> pd.DataFrame:
     """Per run: the first evaluated round whose mean ``metric`` reaches ``target`` and the time axis there
     (rounds completed, bytes, or simulated time; see :func:`cumulative`). NaN where the target is never reached."""
+    metric, target = _metric_first("time_to_target", metric, target)
     pr = per_round(df, metric).merge(cumulative(df, time), on=["run_id", "round"], how="left")
     out = []
     for run_id, g in pr.groupby("run_id"):
@@ -196,7 +246,7 @@ def time_to_target(df: pd.DataFrame, target: float, metric: str = "test_acc", ti
 
 
 def run_index(paths) -> pd.DataFrame:
-    """One row per run: run_id, name, seed, group, path. Runs whose configs differ only in the seed share a group
+    """One row per finished run: run_id, name, seed, group, path, algorithm. Runs whose configs differ only in the seed share a group
     (``<name>-<hash of the config without the seed>``), so seeds of one setting are aggregated together."""
     import hashlib
 
@@ -208,8 +258,9 @@ def run_index(paths) -> pd.DataFrame:
         h = hashlib.sha256(json.dumps(science, sort_keys=True, default=str).encode()).hexdigest()[:8]
         run_id = meta.get("run_id") or str(pd.read_parquet(f, columns=["run_id"])["run_id"].iloc[0])
         rows.append({"run_id": run_id, "name": cfg.get("name", run_id), "seed": meta.get("seed", cfg.get("seed")),
-                     "group": f"{cfg.get('name', 'run')}-{h}", "path": str(f.parent)})
-    return pd.DataFrame(rows, columns=["run_id", "name", "seed", "group", "path"])
+                     "group": f"{cfg.get('name', 'run')}-{h}", "path": str(f.parent),
+                     "algorithm": (cfg.get("algorithm") or {}).get("name", "?")})
+    return pd.DataFrame(rows, columns=["run_id", "name", "seed", "group", "path", "algorithm"])
 
 
 def _groups_frame(df: pd.DataFrame, groups) -> pd.DataFrame:
@@ -220,26 +271,30 @@ def _groups_frame(df: pd.DataFrame, groups) -> pd.DataFrame:
     return pd.DataFrame({"run_id": list(groups), "group": [groups[k] for k in groups]})
 
 
-def seed_summary(df: pd.DataFrame, groups=None, metric: str = "test_acc", target: float | None = None,
+def seed_summary(df: pd.DataFrame, metric: str = "test_acc", groups=None, target: float | None = None,
                  time: str | None = None) -> pd.DataFrame:
     """Mean ± std over the runs (seeds) of each group. Per run: final = mean over clients of ``metric`` at the last
-    evaluated round, best = the highest such mean and its round index, rounds_to_target = rounds completed when the
-    mean first reaches ``target`` (and the ``time`` axis there), communication totals over the whole run. The std is
-    the sample std over runs (ddof = 1; NaN for a single run). ``groups``: run_id -> group (a mapping or the frame
-    of :func:`run_index`); default one group per run."""
+    evaluated round, best = the highest such mean, rounds_to_target = when the mean first reaches ``target`` (and
+    the ``time`` axis there), communication totals over the whole run. Every round column (last_round, best_round,
+    rounds_to_target) counts rounds completed (the table's round index + 1), as the x axis of :func:`seed_curves`.
+    The std is the sample std over runs (ddof = 1; NaN for a single run). ``groups``: run_id -> group (a mapping or
+    the frame of :func:`run_index`); default one group per run. (The old order ``(df, groups, metric)`` still works.)"""
+    metric, groups = _metric_first("seed_summary", metric, groups)
     g = _groups_frame(df, groups)
     fin = final(df, metric)[["run_id", "round", "mean"]].rename(columns={"round": "last_round", "mean": "final"})
     bst = best(df, metric)[["run_id", "round", "mean"]].rename(columns={"round": "best_round", "mean": "best"})
+    fin["last_round"] += 1
+    bst["best_round"] += 1
     runs = g.merge(fin, on="run_id").merge(bst, on="run_id")
     com = communication(df)
     for m in COMM_BYTES:
         tot = com[com["metric"] == m][["run_id", "total"]].rename(columns={"total": f"{m}_total"})
         runs = runs.merge(tot, on="run_id", how="left")
     if target is not None:
-        tt = time_to_target(df, target, metric, "round").rename(columns={"time": "rounds_to_target"})
+        tt = time_to_target(df, metric, target, "round").rename(columns={"time": "rounds_to_target"})
         runs = runs.merge(tt[["run_id", "rounds_to_target"]], on="run_id", how="left")
         if time not in (None, "round"):
-            tt = time_to_target(df, target, metric, time).rename(columns={"time": f"{time}_to_target"})
+            tt = time_to_target(df, metric, target, time).rename(columns={"time": f"{time}_to_target"})
             runs = runs.merge(tt[["run_id", f"{time}_to_target"]], on="run_id", how="left")
     value_cols = [c for c in runs.columns if c not in ("run_id", "group")]
     agg = runs.groupby("group", sort=True)
@@ -252,9 +307,11 @@ def seed_summary(df: pd.DataFrame, groups=None, metric: str = "test_acc", target
     return out.reset_index()
 
 
-def seed_curves(df: pd.DataFrame, groups=None, metric: str = "test_acc", time: str = "round") -> pd.DataFrame:
-    """Per group and evaluated round: the time axis (mean over runs) and the mean over clients of ``metric``,
-    averaged over runs with its sample std (columns group, round, x, mean, std, runs)."""
+def seed_curves(df: pd.DataFrame, metric: str = "test_acc", groups=None, time: str = "round") -> pd.DataFrame:
+    """Per group and evaluated round: the time axis (mean over runs; for ``round`` the rounds completed) and the mean
+    over clients of ``metric``, averaged over runs with its sample std (columns group, round, x, mean, std, runs).
+    (The old order ``(df, groups, metric)`` still works.)"""
+    metric, groups = _metric_first("seed_curves", metric, groups)
     g = _groups_frame(df, groups)
     pr = per_round(df, metric)[["run_id", "round", "mean"]].merge(cumulative(df, time), on=["run_id", "round"])
     pr = pr.merge(g, on="run_id")

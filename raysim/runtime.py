@@ -46,6 +46,7 @@ class ClientReport:
     traceback: str = ""
     seconds: float = 0.0  # wall time (diagnostic only; never in the result table)
     iteration: int = 0
+    nonfinite: str = ""  # what was NaN/inf in the update (raysim.safety); the update was discarded
 
 
 def resolve_device(name: str) -> torch.device:
@@ -117,6 +118,8 @@ class ClientRunner:
     def run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
                         client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
         """Run ``step`` for ``client_ids`` (hosted here) in order; returns (uploads by client, reports)."""
+        from raysim import safety  # imports SimulationError from this module
+
         fn = getattr(self.algorithm, step.method)
         evaluate = step.mode == "evaluate"
         uploads, reports = {}, []
@@ -134,10 +137,14 @@ class ClientRunner:
                     rep.metrics = dict(fn(down, state, self._data(cid), ctx))
                 else:
                     res = fn(down, state, self._data(cid), ctx)
-                    self.store.stage(cid, res.state)
-                    uploads[cid] = res.upload
-                    rep.metrics = dict(res.metrics)
-                    rep.up = payload_sizes(res.upload)
+                    rep.nonfinite = safety.check_update(res.metrics, res.upload) or ""
+                    if rep.nonfinite:  # a diverged update never reaches the server; the client keeps its last state
+                        rep.ok, rep.error = False, safety.NONFINITE_PREFIX + rep.nonfinite
+                    else:
+                        self.store.stage(cid, res.state)
+                        uploads[cid] = res.upload
+                        rep.metrics = dict(res.metrics)
+                        rep.up = payload_sizes(res.upload)
             except Exception as e:  # a failing client is a value, not a crashed pool
                 _failure(rep, e)
                 self.store.discard([cid])

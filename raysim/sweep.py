@@ -43,6 +43,7 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int], out_dir: Optional[str | P
         target = Path(out_dir) / f"seed{c.seed}" if out_dir else None
         res = run_experiment(c, out_dir=target, progress=progress)
         mean, std = res.final("test_acc")
-        log(f"seed {c.seed}: final mean local test accuracy {mean:.4f} ± {std:.4f} -> {res.out_dir}")
+        log(f"seed {c.seed}: final mean local test accuracy {mean:.4f} ± {std:.4f} (sample std over clients) "
+            f"-> {res.out_dir}")
         out.append(res)
     return out

@@ -31,3 +31,26 @@ class FailingDownlinkFedAvg(FedAvg):
         if client_id in self.params.fail_clients and ctx is not None and ctx.round_idx >= 1:
             raise RuntimeError(f"downlink failed for client {client_id}")
         return payload
+
+
+class NaNFedAvg(FedAvg):
+    """A FedAvg whose chosen clients diverge on purpose from ``nan_round`` on: a NaN loss (``where=loss``) or a NaN
+    in the uploaded weights with a finite loss (``where=upload``)."""
+
+    name = "nan_fedavg"
+
+    @dataclass(frozen=True)
+    class Params(FedAvg.Params):
+        nan_clients: list = field(default_factory=list)
+        nan_round: int = 1
+        where: str = "loss"
+
+    def client_update(self, payload, state, data, ctx):
+        res = super().client_update(payload, state, data, ctx)
+        if ctx.client_id in self.params.nan_clients and ctx.round_idx >= self.params.nan_round:
+            if self.params.where == "loss":
+                res.metrics["train_loss"] = float("nan")
+            else:
+                msg = next(iter(res.upload.values()))
+                next(iter(msg.tensors.values())).view(-1)[0] = float("inf")
+        return res

@@ -347,7 +347,7 @@ def test_time_to_target():
                      (run, r, -1, "env", "sim_time", t, 1.0), (run, r, -1, "total", "up_bytes", 10.0, 1.0),
                      (run, r, -1, "total", "down_bytes", 5.0, 1.0)]
     df = pd.DataFrame(rows, columns=results.COLUMNS)
-    out = results.sim_time_to_target(df, 0.5).set_index("run_id")
+    out = results.sim_time_to_target(df, "test_acc", 0.5).set_index("run_id")
     assert (out.loc["a", "round"], out.loc["a", "sim_time"], out.loc["a", "bytes"]) == (1, 2.0, 30.0)
     assert math.isnan(out.loc["b", "sim_time"])
 

@@ -55,11 +55,12 @@ def test_seed_summary_matches_hand_computation(tmp_path):
     index = results.run_index(dirs)
     assert index.groupby("group")["seed"].apply(sorted).tolist() == [[1, 2], [1]]  # a's seeds form one setting
     df = results.load(dirs)
-    s = results.seed_summary(df, index, "test_acc", target=0.55, time="sim_time").set_index("group")
+    s = results.seed_summary(df, "test_acc", index, target=0.55, time="sim_time").set_index("group")
     a, b = s.loc[index.loc[0, "group"]], s.loc[index.loc[2, "group"]]
     sd = math.sqrt(((0.85 - 0.9) ** 2 + (0.95 - 0.9) ** 2) / 1)  # sample std of 0.85, 0.95
     assert a["runs"] == 2 and a["final_mean"] == pytest.approx(0.9) and a["final_std"] == pytest.approx(sd)
-    assert a["best_mean"] == pytest.approx(0.9) and a["best_round_mean"] == 2 and a["last_round_mean"] == 2
+    # round columns count rounds completed (index + 1), as rounds_to_target and the plots' x
+    assert a["best_mean"] == pytest.approx(0.9) and a["best_round_mean"] == 3 and a["last_round_mean"] == 3
     # target 0.55: a/s1 reaches it at round 0 (1 round, 1 time unit), a/s2 at round 2 (3 rounds, 3 time units)
     assert a["rounds_to_target_mean"] == pytest.approx(2.0) and a["rounds_to_target_std"] == pytest.approx(math.sqrt(2))
     assert a["sim_time_to_target_mean"] == pytest.approx(2.0) and a["reached"] == 2
@@ -68,7 +69,7 @@ def test_seed_summary_matches_hand_computation(tmp_path):
     assert b["runs"] == 1 and b["final_mean"] == pytest.approx(0.3) and math.isnan(b["final_std"])
     assert b["reached"] == 0 and math.isnan(b["rounds_to_target_mean"])
     # the curves: per round mean over seeds, x = running bytes (up + down) averaged over seeds
-    c = results.seed_curves(df, index, "test_acc", "bytes").set_index(["group", "round"])
+    c = results.seed_curves(df, "test_acc", index, "bytes").set_index(["group", "round"])
     g = index.loc[0, "group"]
     assert c.loc[(g, 0), "mean"] == pytest.approx(0.55) and c.loc[(g, 0), "x"] == pytest.approx(300)
     assert c.loc[(g, 2), "mean"] == pytest.approx(0.9) and c.loc[(g, 2), "x"] == pytest.approx((900 + 1800) / 2)
@@ -89,7 +90,8 @@ def test_report_writes_markdown_parquet_and_plots(tmp_path):
     dirs = write_fixture(tmp_path)
     files = build_report([tmp_path], tmp_path / "rep", target=0.55, log=lambda *a: None)
     md = files["summary.md"].read_text()
-    assert "| 2 | 1,2 | 0.9000 ± 0.0707 | 0.9000 ± 0.0707 | 2.0 ± 0.0 | 2 | 2.0 ± 1.4 (2/2 reached) |" in md
+    assert "| fedproto (lam=1.0) | 2 | 1,2 | 0.9000 ± 0.0707 | 0.9000 ± 0.0707 | 3.0 ± 0.0 | 3 | 2.0 ± 1.4 (2/2 reached) |" in md
+    assert "| fedproto (lam=0.5) | 1 | 1 |" in md and "± std over seeds" in md
     assert "0.3000 | 0.3000 |" in md and "(0/1 reached)" in md
     for name in ("acc_vs_round.png", "acc_vs_bytes.png", "acc_vs_time.png"):  # sim_time is found automatically
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -158,7 +158,7 @@ def objective_value(df: pd.DataFrame, space: SearchSpace) -> float:
         return float(pr.sort_values("round")["mean"].iloc[-1])
     if obj.mode == "best":
         return float(pr["mean"].max())
-    tt = results.time_to_target(df, obj.target, obj.metric, obj.time)
+    tt = results.time_to_target(df, obj.metric, obj.target, obj.time)
     t = float(tt["time"].iloc[0])
     if math.isnan(t):  # never reached: a penalty proportional to the whole run's time
         t = obj.miss_penalty * float(results.cumulative(df, obj.time)["x"].max())
@@ -185,6 +185,7 @@ def execute_trial(trial, base: dict, space: SearchSpace, run_dir: str | Path) ->
     """Run one trial's experiment; never raises for a diverging or failing run (only for a bad config)."""
     from raysim.runtime import SimulationError
     from raysim.driver import run_experiment
+    from raysim.safety import NonFiniteError
 
     t0 = time.perf_counter()
     params = space.suggest(trial)  # the values the driver already drew (stored in the trial)
@@ -209,6 +210,10 @@ def execute_trial(trial, base: dict, space: SearchSpace, run_dir: str | Path) ->
                 out.outcome, out.value = "complete", value
     except (ConfigError, DataError):
         raise
+    except NonFiniteError as e:  # the engine stopped the run (on_nonfinite: stop)
+        ev = e.event
+        out.outcome, out.last_round = "diverged", ev.round_idx
+        out.reason = f"diverged: {ev.what} at round {ev.round_idx} ({'server' if ev.client_id < 0 else f'client {ev.client_id}'})"
     except SimulationError as e:
         out.reason = f"simulation failed: {str(e).splitlines()[0]}"
     except Exception as e:  # a trial's crash is recorded, the study goes on
@@ -280,7 +285,10 @@ def recover_stale(study, log: Callable = print) -> int:
         if t.params:
             study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
         run_dir = t.user_attrs.get("run_dir")
-        if run_dir:  # the killed run's unfinished directory (run_experiment writes atomically via .tmp-<name>)
+        if run_dir:  # the killed run's unfinished directory (<name>.incomplete; .tmp-<name> before)
+            from raysim.rundir import work_path
+
+            shutil.rmtree(work_path(Path(run_dir)), ignore_errors=True)
             shutil.rmtree(Path(run_dir).parent / f".tmp-{Path(run_dir).name}", ignore_errors=True)
         log(f"trial {t.number} was interrupted (driver {t.user_attrs.get('driver')} gone): marked failed, "
             f"{'parameters enqueued again' if t.params else 'no parameters drawn yet'}")

@@ -12,6 +12,7 @@ import os
 
 import ray
 
+from raysim import ray_watchdog
 from raysim.backends.base import Backend
 from raysim.config import ConfigError
 from raysim.runtime import ClientRunner, ServerRunner
@@ -65,6 +66,7 @@ class RayBackend(Backend):
     def __init__(self, spec, fed_data):
         self.spec, self.fed_data = spec, fed_data
         self._own_session = False
+        self._watchdog = None
 
     def start(self) -> None:
         cfg = self.spec.cfg
@@ -78,6 +80,7 @@ class RayBackend(Backend):
                 ray.init(address=b.address, **kwargs)
             else:
                 ray.init(**kwargs)
+                self._watchdog = ray_watchdog.start()  # the local cluster exits with this driver, even on kill -9
             self._own_session = True
         res = ray.cluster_resources()
         check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster")
@@ -150,6 +153,7 @@ class RayBackend(Backend):
             ray.kill(a)
         if self._own_session:
             ray.shutdown()
+            ray_watchdog.stop(self._watchdog)
 
 
 class _ClientActor(ClientRunner):

@@ -1,0 +1,329 @@
+"""Run directories on disk: where a run is built, who holds it, and what a stopped run leaves behind.
+
+A run with intended directory ``<out>/<name>`` is built in the visible ``<out>/<name>.incomplete`` and renamed to
+``<name>`` when it finishes, so at every moment the disk shows either a finished run or an unfinished one:
+
+* the working directory is claimed atomically (``os.mkdir``) and locked with ``flock`` on ``<work>/.lock`` (holding
+  the pid) for the whole run. The kernel drops the lock when the process dies, even by ``kill -9``, so a stale lock
+  never blocks a resume, while a second run into a directory that a live run holds fails at once;
+* a run that stops without finishing (an exception, Ctrl-C, ``kill -9``) leaves ``<name>.incomplete``; when it holds
+  checkpoints, ``raysim run CONFIG --resume <name>.incomplete`` continues it and finishes into ``<name>``;
+* a finished run is never overwritten: a new name (``<name>-2``, ...) is chosen and one line says so.
+
+``results.run_index`` and ``raysim report`` skip unfinished and hidden directories (:func:`is_listed_run_path`).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable, Optional
+
+from raysim.config import ConfigError
+
+INCOMPLETE = ".incomplete"
+LOCK_FILE = ".lock"
+LEGACY_TMP = ".tmp-"  # where runs were built before (hidden); still accepted by --resume
+
+
+def notice(message: str) -> None:
+    print(f"raysim: {message}", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# names
+
+
+def work_path(final: Path) -> Path:
+    """The visible working directory of a run whose intended directory is ``final``."""
+    final = Path(final)
+    return final.with_name(final.name + INCOMPLETE)
+
+
+def intended_path(path: Path) -> Path:
+    """The intended (finished) directory of a working directory: strips ``.incomplete`` (or the old ``.tmp-``)."""
+    path = Path(path)
+    name = path.name
+    if name.endswith(INCOMPLETE):
+        name = name[: -len(INCOMPLETE)]
+    elif name.startswith(LEGACY_TMP):
+        name = name[len(LEGACY_TMP):]
+    return path.with_name(name)
+
+
+def is_unfinished_name(path: Path) -> bool:
+    return Path(path).name.endswith(INCOMPLETE) or Path(path).name.startswith(LEGACY_TMP)
+
+
+def is_listed_run_path(path: Path, root: Optional[Path] = None) -> bool:
+    """False for a path inside an unfinished (``*.incomplete``) or hidden (``.*``) directory below ``root``."""
+    path = Path(path)
+    parts = path.relative_to(root).parts if root is not None and path.is_relative_to(root) else path.parts
+    return not any(p.endswith(INCOMPLETE) or (p.startswith(".") and p not in (".", "..")) for p in parts)
+
+
+def has_checkpoints(path: Path) -> bool:
+    from raysim.state import find_checkpoint
+
+    return find_checkpoint(Path(path)) is not None
+
+
+def _occupied(path: Path) -> bool:
+    """A path a new run must not take: a file, or a directory that is not empty (e.g. a finished run)."""
+    return path.exists() and (not path.is_dir() or any(path.iterdir()))
+
+
+def next_free(final: Path) -> Path:
+    """``final-2``, ``final-3``, ... : the first name that neither a run nor an unfinished run uses."""
+    i = 2
+    while True:
+        cand = final.with_name(f"{final.name}-{i}")
+        if not cand.exists() and not work_path(cand).exists():
+            return cand
+        i += 1
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# checks before anything is loaded
+
+
+def check_writable(path: Path, field: str = "--out") -> None:
+    """Fail (ConfigError naming ``field``) unless a run directory can be created at ``path``: the nearest existing
+    ancestor must be a directory in which a file can be created. Leaves nothing behind."""
+    path = Path(path).absolute()
+    anc = path
+    while not anc.exists():
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError(field, f"cannot create {path}: {anc} is a file, not a directory")
+    if anc == path and not path.is_dir():
+        raise ConfigError(field, f"cannot create {path}: it exists and is not a directory")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".raysim-probe-", dir=anc)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise ConfigError(field, f"cannot write to {anc} ({e.strerror or e}); choose another --out or output.dir") from None
+
+
+def holder(work: Path) -> Optional[str]:
+    """'pid N on HOST' when a live process holds the lock of working directory ``work``, else None."""
+    lock = Path(work) / LOCK_FILE
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        try:
+            return os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        finally:
+            os.close(fd)
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
+    return None
+
+
+def check_free(final: Path, field: str = "--out") -> None:
+    """Fail at once when a running run holds ``final``'s working directory."""
+    who = holder(work_path(final))
+    if who:
+        raise ConfigError(field, f"{work_path(final)} is being written by a running run ({who}); wait for it to "
+                                 f"finish or choose another --out")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the claimed directory
+
+
+class RunDir:
+    """A locked working directory and the directory it becomes when the run finishes.
+
+    ``claim`` (a new run) or ``for_resume`` (an unfinished one), then exactly one of ``finalise`` (success) or
+    ``abandon`` (the run stopped)."""
+
+    def __init__(self, final: Path, work: Path, fd: int, created: list[Path]):
+        self.final, self.work, self._fd, self._created = Path(final), Path(work), fd, created
+
+    # -- acquiring ----------------------------------------------------------------------------------------------
+    @staticmethod
+    def _lock(work: Path, field: str) -> int:
+        fd = os.open(work / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            raise ConfigError(field, f"{work} is being written by a running run ({who}); wait for it to finish or "
+                                     f"choose another --out") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        return fd
+
+    @classmethod
+    def claim(cls, final: Path, field: str = "--out", notify: Callable[[str], None] = notice) -> "RunDir":
+        """Claim a working directory for a new run meant for ``final``. A finished run at ``final``, or an
+        unfinished one with checkpoints (kept for a resume), makes it pick the next free name and say so; a stale
+        unfinished one without checkpoints is reused; one that a live run holds is an error."""
+        final = Path(final)
+        while True:
+            work = work_path(final)
+            if _occupied(final):
+                new = next_free(final)
+                notify(f"{final} holds a finished run (never overwritten); writing this run to {new}")
+                final = new
+                continue
+            created = [p for p in reversed(work.parents) if not p.exists()]
+            try:
+                work.parent.mkdir(parents=True, exist_ok=True)
+                os.mkdir(work)
+            except FileExistsError:
+                fd = cls._lock(work, field)  # raises when a live run holds it
+                if has_checkpoints(work):
+                    os.close(fd)
+                    new = next_free(final)
+                    notify(f"{work} holds an unfinished run (continue it with --resume {work}); writing this run "
+                           f"to {new}")
+                    final = new
+                    continue
+                for p in work.iterdir():  # a stale start without checkpoints: nothing worth keeping
+                    if p.name != LOCK_FILE:
+                        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+                return cls(final, work, fd, [])
+            except OSError as e:
+                raise ConfigError(field, f"cannot create {work}: {e.strerror or e}") from None
+            return cls(final, work, cls._lock(work, field), created + [work])
+
+    @classmethod
+    def for_resume(cls, path: Path, out_dir: Optional[Path] = None,
+                   notify: Callable[[str], None] = notice) -> "RunDir":
+        """The working directory to continue the run whose checkpoints are under ``path``: an unfinished directory
+        is locked and continued in place (it becomes its intended directory, or ``out_dir``); a finished run's
+        checkpoints are copied into a newly claimed directory (the finished run stays as it is)."""
+        path = Path(path)
+        if is_unfinished_name(path):
+            fd = cls._lock(path, "resume")
+            return cls(Path(out_dir) if out_dir else intended_path(path), path, fd, [])
+        rd = cls.claim(Path(out_dir) if out_dir else path, "resume", notify)
+        shutil.copytree(path / "checkpoints", rd.work / "checkpoints", dirs_exist_ok=True)
+        return rd
+
+    # -- releasing ----------------------------------------------------------------------------------------------
+    def _release(self, lock_in: Path) -> None:
+        if self._fd is not None:
+            try:
+                (lock_in / LOCK_FILE).unlink(missing_ok=True)
+            finally:
+                os.close(self._fd)
+                self._fd = None
+
+    def finalise(self, notify: Callable[[str], None] = notice) -> Path:
+        """Rename the working directory to the intended one (or the next free name if a finished run got there
+        first) and release the lock. Returns the run's directory."""
+        final = self.final
+        if _occupied(final):
+            new = next_free(final)
+            notify(f"{final} holds a finished run (never overwritten); writing this run to {new}")
+            final = new
+        if final.is_dir():
+            final.rmdir()  # an empty directory the user made for the run
+        os.rename(self.work, final)
+        self._release(final)
+        self.final = final
+        return final
+
+    def abandon(self, keep: bool) -> Optional[Path]:
+        """The run stopped: keep the working directory (``keep``: it holds checkpoints or a record of why it
+        stopped) and return it, or remove it and any parent directories the claim created."""
+        if keep:
+            self._release(self.work)
+            return self.work
+        self._release(self.work)
+        shutil.rmtree(self.work, ignore_errors=True)
+        for p in reversed(self._created[:-1]):
+            try:
+                p.rmdir()
+            except OSError:
+                break
+        return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# listing (``raysim runs``)
+
+
+def find_run_dirs(root: Path) -> list[Path]:
+    """Finished (``results.parquet``) and unfinished (``*.incomplete``) run directories below ``root``; hidden
+    directories are skipped."""
+    root = Path(root)
+    found = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        if here != root and (here.name.endswith(INCOMPLETE) or "results.parquet" in filenames):
+            found.append(here)
+            dirnames[:] = []
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    if "results.parquet" in os.listdir(root) if root.is_dir() else False:
+        found.insert(0, root)
+    return found
+
+
+def describe(path: Path) -> dict:
+    """One row of ``raysim runs``: name, algorithm, dataset, rounds (done/planned), final acc, status, path."""
+    import json
+
+    import yaml
+
+    path = Path(path)
+    row = {"name": "?", "algorithm": "?", "dataset": "?", "rounds": "?", "final acc": "–", "status": "?",
+           "path": str(path)}
+    cfg, info = {}, {}
+    if (path / "run.json").exists():
+        try:
+            info = json.loads((path / "run.json").read_text())
+        except (OSError, ValueError):
+            pass
+    if path.name.endswith(INCOMPLETE):
+        try:
+            cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            pass
+        ckpts = sorted(d for d in path.glob("checkpoints/round_*") if (d / "meta.pt").exists() and d.suffix != ".tmp")
+        done = int(ckpts[-1].name.split("_")[1]) + 1 if ckpts else 0
+        who = holder(path)
+        if who:
+            row["status"] = f"running ({who})"
+        elif info.get("status"):
+            row["status"] = info["status"] + (" (resumable)" if ckpts else "")
+        else:
+            row["status"] = "killed (resumable)" if ckpts else "killed"
+        row["rounds"] = f"{done}/{cfg.get('rounds', '?')}"
+    else:
+        from raysim import results
+
+        meta = results.load_metadata(path)
+        cfg = meta.get("config") or {}
+        df = results.load(path)
+        row["rounds"] = f"{int(df['round'].max()) + 1}/{cfg.get('rounds', '?')}"
+        row["status"] = "stopped early" if meta.get("stopped_early") else "finished"
+        try:
+            row["final acc"] = f"{float(results.final(df, 'test_acc')['mean'].iloc[0]):.4f}"
+        except KeyError:
+            pass
+    row["name"] = cfg.get("name", "?")
+    row["algorithm"] = (cfg.get("algorithm") or {}).get("name", "?")
+    row["dataset"] = (cfg.get("data") or {}).get("dataset", "?")
+    return row
+
+
+def list_runs(root: Path) -> list[dict]:
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError("DIR", f"{root} is not a directory")
+    return [describe(p) for p in find_run_dirs(root)]
