@@ -285,6 +285,8 @@ class ExperimentConfig:
     clients_per_round: Optional[int] = None  # None: every client every round
     on_client_failure: str = "skip"  # skip: aggregate the survivors; stop: stop the run at the first failure
     on_nonfinite: str = "stop"  # a NaN/inf loss, metric or upload: stop the run (exit 1) | skip_client: drop that update
+    on_actor_failure: str = "retry"  # a client actor died: retry (recreate it, rerun its clients) | skip | stop
+    max_retries: int = 3  # retries of one actor's step before on_actor_failure falls back to skip
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -301,6 +303,8 @@ class ExperimentConfig:
             object.__setattr__(self, "on_client_failure", "stop")
         choice("on_client_failure", self.on_client_failure, ["skip", "stop"])
         choice("on_nonfinite", self.on_nonfinite, ["stop", "skip_client"])
+        choice("on_actor_failure", self.on_actor_failure, ["retry", "skip", "stop"])
+        positive("max_retries", self.max_retries, allow_zero=True)
         if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
         if self.model.assign == "tier" and getattr(self.model, "tiers", None) is None and (
@@ -316,6 +320,8 @@ class ExperimentConfig:
         d.pop("backend")
         d.pop("output")
         d.pop("name")
+        d.pop("on_actor_failure")  # recovery policies: a retried client reproduces exactly
+        d.pop("max_retries")
         return d
 
     def identity_dict(self, drop: tuple = ()) -> dict:

@@ -38,7 +38,7 @@ from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
 from raysim.results import RESULTS_FILE, ResultTable, write_parquet
-from raysim.runtime import ClientReport, RunSpec, SimulationError
+from raysim.runtime import ClientReport, RunSpec, SimulationError, step_token
 from raysim.state import find_checkpoint, read_checkpoint_meta, write_checkpoint
 from raysim.steps import ALL, ClientStep, ServerStep, check_schedule, flatten
 
@@ -324,7 +324,7 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
         if isinstance(step, ClientStep):
             ids = [c for c in (all_clients if step.clients == ALL else selected) if c not in out_of_round]
             uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids)
-            backend.commit([r.client_id for r in reports if r.ok])
+            backend.commit([r.client_id for r in reports if r.ok], step_token(round_idx, step, it))
             compute += sum(r.seconds for r in reports)
             log.add(step.name, reports)
             skipped = safety.decide(cfg.on_nonfinite, round_idx, reports, step.name)  # raises under stop
@@ -625,6 +625,7 @@ def _metadata(run: Run) -> dict:
         "stopped_early": run.stopped_early,
         "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures],
         "equality_policy": EQUALITY_POLICY,
+        "actor_failures": list(getattr(run.backend, "actor_failures", [])),
         "schedule": [f"{type(s).__name__}:{s.name}" + (f"#{i}" if i else "") for s, i in flatten(run.algorithm.schedule())],
     }
     if run.algorithm.setup_schedule() is not None:

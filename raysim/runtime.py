@@ -67,7 +67,8 @@ class RunSpec:
     task: Task
     algorithm_target: str
     params: Any
-    state_dir: Optional[str] = None  # where stores spill (None: a private temporary directory per store)
+    state_dir: Optional[str] = None  # the run's store directory (set by the backend; None: private temporary dirs)
+    durable: bool = False  # client stores write every staged/committed state to state_dir (actor-failure retries)
 
 
 def _setup_process(cfg: ExperimentConfig) -> torch.device:
@@ -94,7 +95,7 @@ class ClientRunner:
         self.data = {c.client_id: c.compact() for c in clients}  # compact, on CPU; decoded onto the device per step
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
-        self.store = StateStore(mem, directory, name)
+        self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
 
     def _ctx(self, round_idx: int, client_id: int, step: str = "", iteration: int = 0) -> Context:
         return Context(round_idx, client_id, self.spec.cfg.seed, self.device, self.spec.task, self.models,
@@ -141,7 +142,7 @@ class ClientRunner:
                     if rep.nonfinite:  # a diverged update never reaches the server; the client keeps its last state
                         rep.ok, rep.error = False, safety.NONFINITE_PREFIX + rep.nonfinite
                     else:
-                        self.store.stage(cid, res.state)
+                        self.store.stage(cid, res.state, step_token(round_idx, step, iteration))
                         uploads[cid] = res.upload
                         rep.metrics = dict(res.metrics)
                         rep.up = payload_sizes(res.upload)
@@ -153,9 +154,9 @@ class ClientRunner:
             reports.append(rep)
         return uploads, reports
 
-    def commit(self, client_ids: Optional[list[int]] = None) -> None:
+    def commit(self, client_ids: Optional[list[int]] = None, token: Optional[str] = None) -> None:
         """The step's results reached the driver: its new states become the committed ones."""
-        self.store.commit(client_ids)
+        self.store.commit(client_ids, token)
 
     def discard(self, client_ids: Optional[list[int]] = None) -> None:
         self.store.discard(client_ids)
@@ -180,6 +181,11 @@ class ClientRunner:
 
     def close(self) -> None:
         self.store.close()
+
+
+def step_token(round_idx: int, step, iteration: int) -> str:
+    """Names one execution of a client step (its staged states on disk carry it)."""
+    return f"{round_idx}.{step.name}.{iteration}"
 
 
 def _purpose(step, iteration: int) -> str:

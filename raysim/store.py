@@ -14,6 +14,10 @@ per-client state (a model per client, an embedding per user) in another one. Sta
   ``directory/client_<cid>.pt`` (atomically: a temporary file, then ``os.replace``) and dropped from memory.
   ``memory_bytes = 0`` keeps nothing in memory. Spilling and reloading are exact, so the store setting never changes
   a result.
+* ``durable=True`` (the Ray backend with ``on_actor_failure: retry``): a staged state is written at once to
+  ``client_<cid>.pending-<token>.pt`` and ``commit(cids, token)`` renames it to ``client_<cid>.pt``; memory is only a
+  cache. So every committed state survives its runner's death, and a replacement runner can still carry out a commit
+  that the dead one never received (the file is there) — the rule that lets a killed actor's step be retried exactly.
 * ``save_shard(path)`` writes every committed state this store holds (memory and disk) into one file keyed by
   client id; ``load_shard`` reads such files back, keeping only the clients it is asked for, so a checkpoint written
   by N actors restores into any number of actors.
@@ -62,8 +66,11 @@ def load_file(path: Path):
 
 
 class StateStore:
-    def __init__(self, memory_bytes: float, directory: Optional[str | Path] = None, name: str = "clients"):
+    def __init__(self, memory_bytes: float, directory: Optional[str | Path] = None, name: str = "clients",
+                 durable: bool = False, owned: Optional[Iterable[int]] = None):
         self.memory_bytes = float(memory_bytes)
+        self.durable = durable
+        self.owned = set(owned) if owned is not None else None  # the client ids this store answers for
         self._own_dir = directory is None
         self.directory = Path(directory) if directory is not None else None
         self.name = name
@@ -84,19 +91,26 @@ class StateStore:
     def _path(self, cid: int) -> Path:
         return self._dir() / f"client_{int(cid)}.pt"
 
+    def _pending_path(self, cid: int, token: Optional[str]) -> Path:
+        return self._dir() / f"client_{int(cid)}.pending-{token or 'x'}.pt"
+
     # -- reading ------------------------------------------------------------------------------------------------
     def __contains__(self, cid: int) -> bool:
-        return cid in self._mem or cid in self._on_disk
+        return cid in self._mem or cid in self._on_disk or (self.durable and self._path(cid).exists())
 
     def client_ids(self) -> list[int]:
-        return sorted(set(self._mem) | self._on_disk)
+        ids = set(self._mem) | self._on_disk
+        if self.durable and self.owned is not None and self.directory is not None:
+            ids |= {c for c in self.owned if self._path(c).exists()}  # committed by a runner this one replaced
+        return sorted(ids)
 
     def get(self, cid: int):
         """The committed state of ``cid`` or None."""
         if cid in self._mem:
             self._mem.move_to_end(cid)
             return self._mem[cid]
-        if cid in self._on_disk:
+        if cid in self._on_disk or (self.durable and self._path(cid).exists()):
+            self._on_disk.add(cid)
             self.loads += 1
             state = load_file(self._path(cid))
             size = state_nbytes(state)
@@ -104,8 +118,9 @@ class StateStore:
                 self._mem[cid] = state
                 self._sizes[cid] = size
                 self._total += size
-                self._on_disk.discard(cid)
-                self._delete_file(cid)
+                if not self.durable:
+                    self._on_disk.discard(cid)
+                    self._delete_file(cid)
                 self._enforce()
             return state
         return None
@@ -113,31 +128,53 @@ class StateStore:
     # -- writing ------------------------------------------------------------------------------------------------
     def put_initial(self, cid: int, state) -> None:
         """A newly created state, committed at once."""
+        if self.durable:
+            atomic_save(state, self._path(cid))
+            self._on_disk.add(cid)
         self._commit_one(cid, state)
         self._enforce()
 
-    def stage(self, cid: int, state) -> None:
-        self._pending[cid] = state
+    def stage(self, cid: int, state, token: Optional[str] = None) -> None:
+        self._pending[cid] = (state, token)
+        if self.durable:
+            atomic_save(state, self._pending_path(cid, token))
 
     def put(self, cid: int, state) -> None:
         """Server steps: set a client's server-side state (committed when the step returns)."""
         self.stage(cid, state)
 
-    def commit(self, cids: Optional[Iterable[int]] = None) -> None:
-        ids = list(self._pending) if cids is None else [c for c in cids if c in self._pending]
+    def commit(self, cids: Optional[Iterable[int]] = None, token: Optional[str] = None) -> None:
+        ids = list(self._pending) if cids is None else list(cids)
         for cid in ids:
-            self._commit_one(cid, self._pending.pop(cid))
+            if cid in self._pending:
+                state, tok = self._pending.pop(cid)
+                if self.durable:
+                    os.replace(self._pending_path(cid, tok), self._path(cid))
+                    self._on_disk.add(cid)
+                self._commit_one(cid, state)
+            elif self.durable and token is not None and self._pending_path(cid, token).exists():
+                # staged by a runner that died before it received this commit: the file carries it out
+                os.replace(self._pending_path(cid, token), self._path(cid))
+                self._on_disk.add(cid)
+                if cid in self._mem:
+                    self._mem.pop(cid)
+                    self._total -= self._sizes.pop(cid)
         self._enforce()
 
     def discard(self, cids: Optional[Iterable[int]] = None) -> None:
         for cid in list(self._pending) if cids is None else list(cids):
-            self._pending.pop(cid, None)
+            item = self._pending.pop(cid, None)
+            if item is not None and self.durable:
+                try:
+                    os.unlink(self._pending_path(cid, item[1]))
+                except FileNotFoundError:
+                    pass
 
     def pending(self) -> list[int]:
         return sorted(self._pending)
 
     def _commit_one(self, cid: int, state) -> None:
-        if cid in self._on_disk:
+        if cid in self._on_disk and not self.durable:
             self._on_disk.discard(cid)
             self._delete_file(cid)
         self._total -= self._sizes.get(cid, 0)
@@ -150,7 +187,8 @@ class StateStore:
         while self._mem and self._total > self.memory_bytes:
             cid, state = self._mem.popitem(last=False)
             self._total -= self._sizes.pop(cid)
-            atomic_save(state, self._path(cid))
+            if not self.durable:  # a durable store has the file already
+                atomic_save(state, self._path(cid))
             self._on_disk.add(cid)
             self.spills += 1
 
@@ -177,13 +215,16 @@ class StateStore:
         loaded = []
         for cid, state in load_file(path).items():
             if keep is None or cid in keep:
+                if self.durable:
+                    atomic_save(state, self._path(int(cid)))
+                    self._on_disk.add(int(cid))
                 self._commit_one(int(cid), state)
                 loaded.append(int(cid))
         self._enforce()
         return loaded
 
     def clear(self) -> None:
-        for cid in list(self._on_disk):
+        for cid in self.client_ids():
             self._delete_file(cid)
         self._mem.clear()
         self._sizes.clear()

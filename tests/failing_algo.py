@@ -2,6 +2,7 @@
 from dataclasses import dataclass, field
 
 from algorithms.fedavg import FedAvg
+from algorithms.fedproto import FedProto
 
 
 class FailingFedAvg(FedAvg):
@@ -54,3 +55,26 @@ class NaNFedAvg(FedAvg):
                 msg = next(iter(res.upload.values()))
                 next(iter(msg.tensors.values())).view(-1)[0] = float("inf")
         return res
+
+
+class DyingFedProto(FedProto):
+    """A FedProto whose hosting process dies (os._exit) the first time ``die_client`` runs in ``die_round``: a killed
+    actor mid-step. A marker file in ``marker_dir`` makes it happen once (a retried client then runs normally)."""
+
+    name = "dying_fedproto"
+
+    @dataclass(frozen=True)
+    class Params(FedProto.Params):
+        marker_dir: str = ""
+        die_client: int = 1
+        die_round: int = 1
+
+    def client_update(self, payload, state, data, ctx):
+        import os
+
+        marker = os.path.join(self.params.marker_dir, "died")
+        if ctx.client_id == self.params.die_client and ctx.round_idx == self.params.die_round and \
+                not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)
+        return super().client_update(payload, state, data, ctx)

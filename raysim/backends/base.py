@@ -3,6 +3,7 @@ a server step) plus commit, checkpoint shards and lifecycle. Backends hold no al
 uploads) are opaque: in-process objects for the sequential backend, Ray object references for the Ray backend."""
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any, Optional
 
@@ -22,7 +23,7 @@ class Backend(ABC):
         One call per actor per step. New client states stay pending until :meth:`commit`."""
 
     @abstractmethod
-    def commit(self, client_ids: list[int]) -> None:
+    def commit(self, client_ids: list[int], token: Optional[str] = None) -> None:
         """The step's reports reached the driver: commit the new states of ``client_ids``; drop other pending ones."""
 
     @abstractmethod
@@ -44,3 +45,17 @@ class Backend(ABC):
         return []
 
     def shutdown(self) -> None: ...
+
+
+def run_state_dir(spec):
+    """A fresh directory for this run's state stores, under ``backend.state_dir`` (or the system's temporary
+    directory); the backend removes it at shutdown. Returns (spec with state_dir set, the directory)."""
+    import dataclasses
+    import tempfile
+
+    base = spec.cfg.backend.state_dir
+    if base:
+        os.makedirs(base, exist_ok=True)
+    d = tempfile.mkdtemp(prefix=f"raysim-{spec.cfg.name}-", dir=base or None)
+    durable = spec.cfg.backend.name == "ray" and spec.cfg.on_actor_failure == "retry"
+    return dataclasses.replace(spec, state_dir=d, durable=durable), d

@@ -13,9 +13,11 @@ import os
 import ray
 
 from raysim import ray_watchdog
-from raysim.backends.base import Backend
+import shutil
+
+from raysim.backends.base import Backend, run_state_dir
 from raysim.config import ConfigError
-from raysim.runtime import ClientRunner, ServerRunner
+from raysim.runtime import ClientReport, ClientRunner, ServerRunner, SimulationError
 
 
 def _gpu_capacity(per_actor: float, gpus: float) -> int:
@@ -67,6 +69,8 @@ class RayBackend(Backend):
         self.spec, self.fed_data = spec, fed_data
         self._own_session = False
         self._watchdog = None
+        self._state_dir = None
+        self.actor_failures: list[dict] = []  # every client actor death seen (round, step, actor, action)
 
     def start(self) -> None:
         cfg = self.spec.cfg
@@ -85,16 +89,68 @@ class RayBackend(Backend):
         res = ray.cluster_resources()
         check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster")
 
+        self.spec, self._state_dir = run_state_dir(self.spec)
         n = min(b.num_actors, cfg.data.num_clients)
         self.assignment = {c.client_id: c.client_id % n for c in self.fed_data.clients}
         groups = [[c.compact() for c in self.fed_data.clients if self.assignment[c.client_id] == a] for a in range(n)]
-        spec_ref = ray.put(self.spec)
+        self._spec_ref = ray.put(self.spec)
+        self._group_refs = [ray.put(g) for g in groups]
         Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
                                                   max_concurrency=1)
-        Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus)
-        self.server = Server.remote(spec_ref, ray.put(self.fed_data.global_test))
-        self.actors = [Client.remote(spec_ref, ray.put(g), f"actor{k}") for k, g in enumerate(groups)]
+        self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus)
+        self.server = Server.remote(self._spec_ref, ray.put(self.fed_data.global_test))
+        self.actors = [self._Client.remote(self._spec_ref, g, f"actor{k}") for k, g in enumerate(self._group_refs)]
+        self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit sent
         ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
+
+    # -- actor failures -------------------------------------------------------------------------------------------
+    def _replace_actor(self, k: int) -> None:
+        """A new actor for group k: same clients, states from the durable store; the last commit is replayed
+        (idempotent: it renames the staged files the dead actor may not have committed)."""
+        try:
+            ray.kill(self.actors[k], no_restart=True)
+        except Exception:
+            pass
+        self.actors[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}")
+        if self._last_commit[k] is not None:
+            ids, token = self._last_commit[k]
+            self.actors[k].commit_and_discard.remote(ids, token)
+        ray.get(self.actors[k].ready.remote())
+
+    def _on_actor_death(self, k: int, where: str, error: BaseException, attempt: int) -> str:
+        """What to do about client actor k dying during ``where``: 'retry' or 'skip' (or raise for stop)."""
+        cfg = self.spec.cfg
+        policy = cfg.on_actor_failure
+        action = policy if policy != "retry" or attempt < cfg.max_retries else "skip"
+        self.actor_failures.append({"where": where, "actor": k, "attempt": attempt + 1, "action": action,
+                                    "error": type(error).__name__})
+        if action == "stop":
+            raise SimulationError(f"client actor {k} died during {where} ({type(error).__name__}); "
+                                  f"on_actor_failure: stop")
+        self._replace_actor(k)
+        return action
+
+    def _call_actors(self, groups, submit, where: str):
+        """Submit ``submit(actor, group)`` -> (result_ref, report_ref) for every non-empty group and collect the
+        reports; a dead actor is replaced and its call retried (on_actor_failure), or its clients are failed."""
+        calls = {k: submit(self.actors[k], g) for k, g in enumerate(groups) if g}
+        out = {}
+        for k in sorted(calls):
+            attempt = 0
+            while True:
+                res_ref, rep_ref = calls[k]
+                try:
+                    out[k] = (res_ref, ray.get(rep_ref))
+                    break
+                except ray.exceptions.RayActorError as e:
+                    action = self._on_actor_death(k, where, e, attempt)
+                    if action == "retry":
+                        attempt += 1
+                        calls[k] = submit(self.actors[k], groups[k])
+                        continue
+                    out[k] = (None, None)
+                    break
+        return out
 
     def _groups(self, client_ids):
         groups = [[] for _ in self.actors]
@@ -106,30 +162,44 @@ class RayBackend(Backend):
         return self.server.initial_payload.remote(round_idx)  # an ObjectRef: the payload is stored once
 
     def client_step(self, step, payload, round_idx, iteration, client_ids):
-        upload_refs, report_refs = [], []
-        for actor, group in zip(self.actors, self._groups(client_ids)):
-            if group:
-                up, rep = actor.run_client_step.options(num_returns=2).remote(step, payload, round_idx, iteration, group)
+        groups = self._groups(client_ids)
+        out = self._call_actors(groups, lambda a, g: a.run_client_step.options(num_returns=2).remote(
+            step, payload, round_idx, iteration, g), f"round {round_idx}, step '{step.name}'")
+        upload_refs, reports = [], []
+        for k in sorted(out):
+            up, reps = out[k]
+            if reps is None:  # skipped: the actor's clients failed this step
+                reps = [ClientReport(c, round_idx, step.name, ok=False, iteration=iteration,
+                                     error="ActorDied: its client actor died (on_actor_failure)") for c in groups[k]]
+            else:
                 upload_refs.append(up)
-                report_refs.append(rep)
-        reports = [r for group in ray.get(report_refs) for r in group]
+            reports += reps
         return upload_refs, sorted(reports, key=lambda r: r.client_id)
 
-    def commit(self, client_ids):
-        # fire and forget: an actor runs its calls in submission order, so the commit lands before its next step
-        for actor, group in zip(self.actors, self._groups(client_ids)):
-            actor.commit_and_discard.remote(group)
+    def commit(self, client_ids, token=None):
+        # fire and forget: an actor runs its calls in submission order, so the commit lands before its next step;
+        # remembered per actor so that a replacement replays it
+        for k, (actor, group) in enumerate(zip(self.actors, self._groups(client_ids))):
+            self._last_commit[k] = (group, token)
+            actor.commit_and_discard.remote(group, token)
 
     def server_step(self, step, round_idx, iteration, uploads, failures, keep=None):
         payload_ref, info_ref = self.server.run_server_step_ref.options(num_returns=2).remote(
             step, round_idx, iteration, failures, *(uploads or []), keep=keep)
-        has_payload, metrics = ray.get(info_ref)
+        try:
+            has_payload, metrics = ray.get(info_ref)
+        except ray.exceptions.RayActorError as e:
+            raise SimulationError(f"the server actor died in round {round_idx}, step '{step.name}' "
+                                  f"({type(e).__name__}); the server state lives only there, so the run stops "
+                                  f"(resume from its last checkpoint with --resume)") from None
         return (payload_ref if has_payload else None), metrics
 
     def save_checkpoint(self, directory):
         files = [f"clients-{k}.pt" for k in range(len(self.actors))]
-        ray.get([self.server.save.remote(os.path.join(directory, "server.pt"))] +
-                [a.save_shard.remote(os.path.join(directory, f)) for a, f in zip(self.actors, files)])
+        server_ref = self.server.save.remote(os.path.join(directory, "server.pt"))
+        self._call_actors([[0]] * len(self.actors), lambda a, g: (None, a.save_shard.remote(
+            os.path.join(directory, files[self.actors.index(a)]))), "a checkpoint")
+        ray.get(server_ref)
         return {"server": "server.pt", "clients": files}
 
     def load_checkpoint(self, directory, manifest):
@@ -151,14 +221,16 @@ class RayBackend(Backend):
                 pass
         for a in actors:
             ray.kill(a)
+        if self._state_dir:
+            shutil.rmtree(self._state_dir, ignore_errors=True)
         if self._own_session:
             ray.shutdown()
             ray_watchdog.stop(self._watchdog)
 
 
 class _ClientActor(ClientRunner):
-    def commit_and_discard(self, client_ids):
-        self.commit(client_ids)
+    def commit_and_discard(self, client_ids, token=None):
+        self.commit(client_ids, token)
         self.discard()
 
 

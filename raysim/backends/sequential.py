@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 
-from raysim.backends.base import Backend
+import shutil
+
+from raysim.backends.base import Backend, run_state_dir
 from raysim.runtime import ClientRunner, ServerRunner
 
 
@@ -15,6 +17,7 @@ class SequentialBackend(Backend):
         self.server = self.clients = None
 
     def start(self) -> None:
+        self.spec, self._state_dir = run_state_dir(self.spec)
         self.server = ServerRunner(self.spec, self.fed_data.global_test)
         self.clients = ClientRunner(self.spec, self.fed_data.clients)
 
@@ -25,8 +28,8 @@ class SequentialBackend(Backend):
         uploads, reports = self.clients.run_client_step(step, payload, round_idx, iteration, client_ids)
         return [uploads], reports
 
-    def commit(self, client_ids):
-        self.clients.commit(client_ids)
+    def commit(self, client_ids, token=None):
+        self.clients.commit(client_ids, token)
         self.clients.discard()
 
     def server_step(self, step, round_idx, iteration, uploads, failures, keep=None):
@@ -48,3 +51,5 @@ class SequentialBackend(Backend):
         for r in (self.clients, self.server):
             if r is not None:
                 r.close()
+        if getattr(self, "_state_dir", None):
+            shutil.rmtree(self._state_dir, ignore_errors=True)
