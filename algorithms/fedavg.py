@@ -17,6 +17,9 @@ from raysim.training import accuracy, clone_state, forward_all
 
 
 class FedAvg(LocalTraining):
+    def declared_uploads(self):
+        return {"weights", "num_samples"}
+
     name = "fedavg"
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
 

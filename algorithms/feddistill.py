@@ -22,6 +22,9 @@ from raysim.training import accuracy, clone_state, forward_all, train_epochs
 
 
 class FedDistill(Algorithm):
+    def declared_uploads(self):
+        return {"class_logits"}
+
     name = "feddistill"
     paper = ("Jeong et al., Communication-Efficient On-Device Machine Learning: Federated Distillation and "
              "Augmentation under Non-IID Private Data, arXiv:1811.11479, 2018 (HtFLlib's FD)")

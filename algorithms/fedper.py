@@ -24,6 +24,9 @@ class SharedPartAverage(LocalTraining):
     """Shared by FedPer and LG-FedAvg: one part of the model (``shared`` = "body" or "head") is averaged on the
     server with sample-count weights; the other part stays on the client."""
 
+    def declared_uploads(self):
+        return {f"{self.shared}_weights", "num_samples"}
+
     shared: str = "body"
 
     @dataclass(frozen=True)

@@ -25,6 +25,9 @@ from raysim.training import accuracy, clone_state, forward_all
 
 
 class FedProto(LocalTraining):
+    def declared_uploads(self):
+        return {"prototypes"}
+
     name = "fedproto"
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
 

@@ -37,6 +37,9 @@ def fesem_step(local_states: list, centres: list) -> tuple[list, torch.Tensor]:
 
 
 class FeSEM(Algorithm):
+    def declared_uploads(self):
+        return {"weights"}
+
     name = "fesem"
     paper = "Xie et al., Multi-Center Federated Learning: Clients Clustering for Better Personalization, WWW Journal 2023"
 

@@ -14,6 +14,9 @@ def ce_loss(model, xb, yb):
 
 
 class Local(LocalTraining):
+    def declared_uploads(self):
+        return set()
+
     name = "local"
     paper = "Baseline: each client trains alone on its own data."
 

@@ -147,6 +147,11 @@ class Algorithm:
     name: ClassVar[str] = "base"
     paper: ClassVar[str] = ""
 
+    def declared_uploads(self) -> Optional[set]:
+        """The message kinds this method's clients may send to the server (the privacy boundary: tests check that
+        nothing else, and never a client's data, reaches the server). None: undeclared."""
+        return None
+
     @dataclass(frozen=True)
     class Params:
         pass

@@ -62,7 +62,7 @@ def atomic_save(obj, path: Path) -> None:
 
 
 def load_file(path: Path):
-    return torch.load(Path(path), map_location="cpu", weights_only=False)
+    return torch.load(Path(path), map_location="cpu", weights_only=True)  # tensors and plain containers only
 
 
 class StateStore:

@@ -83,7 +83,7 @@ class RayBackend(Backend):
             if b.address:
                 ray.init(address=b.address, **kwargs)
             else:
-                ray.init(**kwargs)
+                ray.init(dashboard_host="127.0.0.1", **kwargs)  # never exposed beyond loopback unless configured
                 self._watchdog = ray_watchdog.start()  # the local cluster exits with this driver, even on kill -9
             self._own_session = True
         res = ray.cluster_resources()

@@ -33,6 +33,7 @@ class ArrayDataset:
     y: torch.Tensor  # int64 (N,)
     num_classes: int
     norm: Optional[tuple] = None  # (mean, std) when x came from uint8 pixels: x = (pixel / 255 - mean) / std
+    provenance: str = "pool"  # pool (split into private client data), public (may reach the server), test
 
     def __len__(self) -> int:
         return int(self.y.shape[0])

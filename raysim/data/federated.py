@@ -26,6 +26,7 @@ class ClientData:
     group: int = 0  # ground-truth domain / cluster id (rotation index), for ARI
     num_classes: int = 10
     norm: Optional[tuple] = None  # (mean, std) of the uint8 source: x = (pixel / 255 - mean) / std
+    provenance: str = "private"  # a client's data never leaves its runner (tests/test_privacy.py)
 
     @property
     def num_train(self) -> int:
@@ -157,8 +158,11 @@ def _load_public(spec: dict, seed: int) -> ArrayDataset:
     ds = load_dataset(spec["dataset"], spec.get("root"))
     size = spec.get("size")
     if size is None:
+        ds.train.provenance = "public"
         return ds.train
     if size > len(ds.train):
         raise DataError("data.public.size", f"{size} exceeds the {len(ds.train)} samples of {spec['dataset']}")
     r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "public")
-    return ds.train.subset(np.sort(r.choice(len(ds.train), size=size, replace=False)))
+    pub = ds.train.subset(np.sort(r.choice(len(ds.train), size=size, replace=False)))
+    pub.provenance = "public"
+    return pub
