@@ -250,10 +250,15 @@ class BackendConfig:
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
     state_memory_mb: float = 1024.0  # client states kept in memory per actor; beyond it the least recently used spill
     state_dir: Optional[str] = None  # where states spill (None: a temporary directory, removed at the end)
+    placement: str = "default"  # Ray: default (Ray packs actors) | spread (client actors over the cluster's nodes)
+    data: str = "auto"  # Ray: where client data is built: driver (shipped to actors) | actors (each actor loads its
+    #                     clients from the config on its own node) | auto (actors when backend.address is set)
 
     def check(self, path: str) -> None:
         choice(_p(path, "name"), self.name, ["sequential", "ray"])
         positive(_p(path, "state_memory_mb"), self.state_memory_mb, allow_zero=True)
+        choice(_p(path, "placement"), self.placement, ["default", "spread"])
+        choice(_p(path, "data"), self.data, ["auto", "driver", "actors"])
         positive(_p(path, "num_actors"), self.num_actors)
         positive(_p(path, "num_cpus"), self.num_cpus, allow_zero=True)
         positive(_p(path, "num_gpus"), self.num_gpus, allow_zero=True)

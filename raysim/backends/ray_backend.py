@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 
 import ray
 
 from raysim import ray_watchdog
-import shutil
 
 from raysim.backends.base import Backend, run_state_dir
 from raysim.config import ConfigError
@@ -27,6 +27,32 @@ def _gpu_capacity(per_actor: float, gpus: float) -> int:
         return int(math.floor(gpus + 1e-9)) * int(math.floor(1 / per_actor + 1e-9)) + (
             int(math.floor((gpus % 1) / per_actor + 1e-9)) if gpus % 1 else 0)
     return int(math.floor(gpus / per_actor + 1e-9))
+
+
+def check_node_resources(cfg, nodes: list[dict]) -> None:
+    """Per node: an actor must fit on at least one alive node (a cluster of small nodes cannot host a big actor)."""
+    b = cfg.backend
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    if not alive:
+        return
+    if not any(r.get("CPU", 0) + 1e-9 >= b.num_cpus and r.get("GPU", 0) + 1e-9 >= b.num_gpus for r in alive):
+        biggest = max(alive, key=lambda r: r.get("CPU", 0))
+        raise ConfigError("backend.num_cpus", f"a client actor asks for {b.num_cpus:g} CPU / {b.num_gpus:g} GPU, but no "
+                                              f"node of the Ray cluster has that much (largest: {biggest.get('CPU', 0):g} "
+                                              f"CPU, {biggest.get('GPU', 0):g} GPU)")
+
+
+def code_runtime_env(address) -> dict:
+    """How raysim's code reaches the workers: on a local cluster the checkout's path (PYTHONPATH); on an existing
+    cluster (``backend.address``) also Ray's ``py_modules`` (the packages are uploaded and unpacked on every node)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}}
+    if address:
+        import importlib
+
+        env["py_modules"] = [os.path.dirname(importlib.import_module(m).__file__)
+                             for m in ("raysim", "algorithms", "envs", "tuning")]
+    return env
 
 
 def check_resources(cfg, cpus: float, gpus: float, where: str) -> None:
@@ -76,10 +102,8 @@ class RayBackend(Backend):
         cfg = self.spec.cfg
         b = cfg.backend
         if not ray.is_initialized():
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            env = {"PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}
             kwargs = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=True,
-                          runtime_env={"env_vars": env})
+                          runtime_env=code_runtime_env(b.address))
             if b.address:
                 ray.init(address=b.address, **kwargs)
             else:
@@ -88,16 +112,27 @@ class RayBackend(Backend):
             self._own_session = True
         res = ray.cluster_resources()
         check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster")
+        check_node_resources(cfg, ray.nodes())
 
         self.spec, self._state_dir = run_state_dir(self.spec)
         n = min(b.num_actors, cfg.data.num_clients)
         self.assignment = {c.client_id: c.client_id % n for c in self.fed_data.clients}
-        groups = [[c.compact() for c in self.fed_data.clients if self.assignment[c.client_id] == a] for a in range(n)]
+        on_actors = b.data == "actors" or (b.data == "auto" and bool(b.address))
+        if on_actors:  # each actor builds its clients' data from the config, on its own node
+            groups = [[c.client_id for c in self.fed_data.clients if self.assignment[c.client_id] == a] for a in range(n)]
+        else:
+            groups = [[c.compact() for c in self.fed_data.clients if self.assignment[c.client_id] == a]
+                      for a in range(n)]
         self._spec_ref = ray.put(self.spec)
         self._group_refs = [ray.put(g) for g in groups]
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # the server actor holds the server state alone: keep it on the driver's node (soft: elsewhere if it must)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
-                                                  max_concurrency=1)
-        self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus)
+                                                  max_concurrency=1, scheduling_strategy=here)
+        self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
+                                                        scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT")
         self.server = Server.remote(self._spec_ref, ray.put(self.fed_data.global_test))
         self.actors = [self._Client.remote(self._spec_ref, g, f"actor{k}") for k, g in enumerate(self._group_refs)]
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit sent
@@ -210,6 +245,10 @@ class RayBackend(Backend):
     def store_stats(self):
         return ray.get([a.store_stats.remote() for a in self.actors])
 
+    def actor_nodes(self) -> list[str]:
+        """The node id each client actor runs on."""
+        return ray.get([a.node_id.remote() for a in self.actors])
+
     def shutdown(self) -> None:
         actors = list(getattr(self, "actors", []))
         if getattr(self, "server", None) is not None:
@@ -229,6 +268,17 @@ class RayBackend(Backend):
 
 
 class _ClientActor(ClientRunner):
+    def __init__(self, spec, clients, name="clients"):
+        if clients and isinstance(clients[0], int):  # client ids: build their data here, from the config
+            from raysim.data.federated import build_federated_data
+
+            fed = build_federated_data(spec.cfg.data, spec.cfg.seed)
+            clients = [fed.clients[i] for i in clients]
+        super().__init__(spec, clients, name)
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def commit_and_discard(self, client_ids, token=None):
         self.commit(client_ids, token)
         self.discard()

@@ -1,0 +1,27 @@
+"""A real two-node Ray cluster on this machine, run in its own process (benchmarks/two_node.py): raysim connects
+with backend.address, its client actors land on both nodes, the second node is stopped mid-run by ending its
+processes, the dead actor is recreated on the surviving node and the table equals an undisturbed sequential run."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.cluster
+
+
+def test_two_node_cluster_survives_a_node_stop(tmp_path):
+    out = tmp_path / "two_node.json"
+    p = subprocess.run([sys.executable, "benchmarks/two_node.py", "--rounds", "6", "--stop-after", "2",
+                        "--json", str(out)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert sorted(r["actors_before"]) == ["head", "node2"]  # one actor on each node
+    assert r["node2_stopped"] and r["actors_after"] == ["head", "head"]
+    assert r["actor_failures"] and r["actor_failures"][0]["action"] == "retry"
+    assert r["identical_to_sequential"]
