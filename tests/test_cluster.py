@@ -25,3 +25,13 @@ def test_two_node_cluster_survives_a_node_stop(tmp_path):
     assert r["node2_stopped"] and r["actors_after"] == ["head", "head"]
     assert r["actor_failures"] and r["actor_failures"][0]["action"] == "retry"
     assert r["identical_to_sequential"]
+
+
+def test_two_node_tuning_study_on_postgresql_survives_a_node_stop(tmp_path):
+    out = tmp_path / "tune.json"
+    p = subprocess.run([sys.executable, "benchmarks/two_node_tune.py", "--trials", "4", "--json", str(out)], cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["finished"] == 6 and set(r["finished_on"]) == {"head", "node2"}  # trials ran on both nodes
+    assert r["interrupted"] and r["no_trial_lost"] and r["no_trial_counted_twice"]

@@ -231,6 +231,12 @@ def _remote_trial(storage_url: str, study_name: str, trial_id: int, base: dict, 
     study = optuna.load_study(study_name=study_name, storage=open_storage(storage_url), pruner=space.pruner.build(),
                               sampler=space.sampler.build())
     trial = optuna.trial.Trial(study, trial_id)
+    try:  # where the trial ran (multi-node studies show it)
+        import ray
+
+        trial.set_user_attr("node", ray.get_runtime_context().get_node_id())
+    except Exception:
+        pass
     base = apply_overrides(base, ["backend.name=sequential"])
     return execute_trial(trial, base, space, run_dir)
 
@@ -296,11 +302,11 @@ def recover_stale(study, log: Callable = print) -> int:
     return n
 
 
-def _interrupt(study, trial, params: dict) -> None:
+def _interrupt(study, trial, params: dict, reason: str = "interrupted: KeyboardInterrupt") -> None:
     import optuna
 
     study._storage.set_trial_user_attr(trial._trial_id, "outcome", "interrupted")
-    study._storage.set_trial_user_attr(trial._trial_id, "fail_reason", "interrupted: KeyboardInterrupt")
+    study._storage.set_trial_user_attr(trial._trial_id, "fail_reason", reason)
     study.tell(trial, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
     if params:
         study.enqueue_trial(dict(params), user_attrs={"retry_of": trial.number})
@@ -426,7 +432,7 @@ def _run_sequential(study, space, base, out_dir, todo, log, stop_after) -> int:
 def _run_parallel(study, space, base, out_dir, storage_url, study_name, todo, parallel, log, stop_after) -> int:
     from optuna.trial import TrialState
 
-    from raysim.backends.ray_backend import TaskPool
+    from raysim.backends.ray_backend import LostTask, TaskPool
 
     cfg = make_config(base)
     r = space.trial_resources
@@ -447,6 +453,11 @@ def _run_parallel(study, space, base, out_dir, storage_url, study_name, todo, pa
                 started += 1
             number, out, err = pool.wait()
             trial, params = running.pop(number)
+            if isinstance(err, LostTask):  # its worker or node died: not the trial's fault; run its values again
+                _interrupt(study, trial, params, reason=f"interrupted: {err}")
+                log(f"trial {trial.number} lost its Ray worker ({err}); its parameters are enqueued again")
+                started -= 1
+                continue
             if err is not None:
                 if isinstance(err, (ConfigError, DataError)):
                     trial.set_user_attr("outcome", "config_error")

@@ -290,6 +290,10 @@ class _ServerActor(ServerRunner):
         return payload, (payload is not None, metrics)
 
 
+class LostTask(RuntimeError):
+    """A task that did not fail by itself: its worker or node died (the work can be run again)."""
+
+
 class TaskPool:
     """Plain functions as Ray tasks, each with fixed resources (used by ``tuning`` for parallel trials: one trial per
     task, the sequential backend inside). ``wait`` returns ``(key, result, error)`` for the next finished task."""
@@ -329,8 +333,10 @@ class TaskPool:
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
             return key, None, cause
-        except Exception as e:  # worker died, cancelled ...
-            return key, None, e
+        except Exception as e:  # worker or node died, object lost, cancelled ...
+            lost = LostTask(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            lost.__cause__ = e
+            return key, None, lost
 
     def shutdown(self) -> None:
         for ref in list(self.pending):

@@ -1,0 +1,166 @@
+"""Tuning across a two-node Ray cluster with a PostgreSQL study (issue "Fault tolerance", item 6).
+
+Starts a private PostgreSQL server (Debian's postgresql; initdb in a temporary directory, its own port, run as the
+postgres user), a two-node Ray cluster (``ray.cluster_utils.Cluster``: head and node 2, 1 CPU each), and runs
+``tuning.study.tune(..., parallel=2, storage=postgresql+psycopg://...)`` with ``backend.address`` pointing at the
+cluster, so one trial runs on each node. Once a trial has finished on node 2 and another is running there, node 2 is
+stopped (its processes ended by PID). The lost trial is marked failed ("interrupted") and its values enqueued again;
+the study finishes on the head. Then the study is resumed with more trials. Checks: no trial lost or counted twice.
+Everything started here is stopped at the end.
+
+    python benchmarks/two_node_tune.py [--trials 6] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.cluster_utils import Cluster
+
+PG_BIN = Path("/usr/lib/postgresql")
+
+
+def _pg_bin() -> Path:
+    versions = sorted(PG_BIN.glob("*/bin/initdb"))
+    if not versions:
+        raise SystemExit("PostgreSQL server binaries not found (apt-get install -y postgresql)")
+    return versions[-1].parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Postgres:
+    """A throw-away PostgreSQL server in ``root`` (trust auth on 127.0.0.1 only)."""
+
+    def __init__(self, root: Path):
+        self.root, self.bin, self.port = root / "pg", _pg_bin(), _free_port()
+        self.as_pg = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
+
+    def _run(self, *args):
+        subprocess.run(self.as_pg + [str(self.bin / args[0]), *args[1:]], check=True, capture_output=True)
+
+    def start(self) -> str:
+        self.root.mkdir()
+        os.chmod(self.root.parent, 0o755)
+        if self.as_pg:
+            shutil.chown(self.root, "postgres")
+        self._run("initdb", "-D", str(self.root), "-A", "trust", "-U", "postgres", "--no-sync")
+        self._run("pg_ctl", "-D", str(self.root), "-w", "-l", str(self.root / "log"), "-o",
+                  f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off", "start")
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "raysim")
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/raysim"
+
+    def stop(self):
+        try:
+            self._run("pg_ctl", "-D", str(self.root), "-m", "immediate", "stop")
+        except Exception:
+            pass
+
+
+BASE = {"name": "tune2node", "seed": 5, "rounds": 8, "clients_per_round": None,
+        "data": {"dataset": "mnist5k", "num_clients": 8, "partition": "nway_kshot",
+                 "partition_params": {"ways": 3, "shots": 20, "stdev": 1, "test_shots": 10}},
+        "model": {"arch": "cnn_mnist", "params": {"embed_dim": 16}},
+        "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.02, "momentum": 0.5},
+        "algorithm": {"name": "fedproto", "params": {}}, "eval": {"every": 2}, "output": {"progress": False}}
+SPACE = {"params": {"algorithm.params.lam": {"type": "float", "low": 0.05, "high": 5.0, "log": True}},
+         "objective": {"metric": "test_acc", "mode": "final"}, "pruner": {"name": "none"},
+         "sampler": {"name": "random", "seed": 0}, "trial_resources": {"num_cpus": 1, "num_gpus": 0}}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=6)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import optuna
+
+    from tuning.space import parse_space
+    from tuning.study import open_storage, tune
+
+    root = Path(tempfile.mkdtemp(prefix="raysim-2node-tune-"))
+    pg = Postgres(root)
+    cluster = None
+    try:
+        url = pg.start()
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        node2 = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        head_id = [n["NodeID"] for n in ray.nodes() if n["NodeID"] != node2.node_id][0] if ray.is_initialized() else None
+        study_name = "two-node"
+        stopped = {}
+
+        def watch():  # stop node 2 once a trial has finished there and another is running there
+            while not stopped:
+                time.sleep(0.2)
+                try:  # a fresh connection each time: a cached storage would not show other processes' updates
+                    st = optuna.load_study(study_name=study_name, storage=open_storage(url))
+                except Exception as e:
+                    print("watch:", type(e).__name__, str(e)[:200])
+                    continue
+                ts = st.get_trials(deepcopy=False)
+                done2 = [t for t in ts if t.user_attrs.get("node") == node2.node_id and t.state.is_finished()]
+                run2 = [t for t in ts if t.user_attrs.get("node") == node2.node_id and not t.state.is_finished()]
+                if done2 and run2:
+                    stopped.update(at=time.time(), running_trial=run2[0].number)
+                    cluster.remove_node(node2)
+
+        threading.Thread(target=watch, daemon=True).start()
+        over = [f"backend.address={cluster.address}"]
+        out_dir = root / "study"
+        t0 = time.perf_counter()
+        r1 = tune(BASE, parse_space(SPACE), args.trials, storage=url, study_name=study_name, out_dir=out_dir,
+                  parallel=2, overrides=over, log=lambda m: print("tune:", m))
+        wall1 = time.perf_counter() - t0
+        stopped.setdefault("at", None)
+        r2 = tune(BASE, parse_space(SPACE), args.trials + 2, storage=url, study_name=study_name, out_dir=out_dir,
+                  parallel=2, overrides=over, log=lambda m: print("tune (resumed):", m))
+        st = optuna.load_study(study_name=study_name, storage=open_storage(url))
+        ts = st.get_trials(deepcopy=False)
+        finished = [t for t in ts if t.user_attrs.get("outcome") in ("complete", "pruned", "diverged", "error")]
+        interrupted = [t for t in ts if t.user_attrs.get("outcome") == "interrupted"]
+        where = lambda t: "node2" if t.user_attrs.get("node") == node2.node_id else "head"  # noqa: E731
+        retried = {t.user_attrs.get("retry_of") for t in ts if t.user_attrs.get("retry_of") is not None}
+        lam = [round(t.params.get("algorithm.params.lam", float("nan")), 6) for t in finished]
+        out = {
+            "storage": url.split("@")[0] + "@127.0.0.1:<port>/raysim",
+            "trials": [{"number": t.number, "outcome": t.user_attrs.get("outcome"), "node": where(t),
+                        "retry_of": t.user_attrs.get("retry_of"), "value": t.value} for t in ts],
+            "finished": len(finished), "finished_on": sorted({where(t) for t in finished}),
+            "interrupted": [t.number for t in interrupted], "retried": sorted(retried),
+            "node2_stopped_while_running_trial": stopped.get("running_trial"),
+            "no_trial_lost": all(t.number in retried for t in interrupted),
+            "no_trial_counted_twice": len(lam) == len(set(lam)) and len(finished) == args.trials + 2,
+            "first_call_wall_s": round(wall1, 1), "best_value": r2.best_value,
+        }
+        print(json.dumps(out, indent=1))
+        if args.json:
+            Path(args.json).write_text(json.dumps(out))
+        ok = out["no_trial_lost"] and out["no_trial_counted_twice"] and out["interrupted"] and \
+            "node2" in out["finished_on"]
+        return 0 if ok else 1
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        pg.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
