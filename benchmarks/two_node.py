@@ -32,6 +32,8 @@ class StopNode(Callback):
 
     def on_run_start(self, run):
         self.before = run.backend.actor_nodes()
+        self.server = run.backend.server_node()
+        print(f"client actors on {self.before}, server on {self.server}, node2 {self.node.node_id}", file=sys.stderr, flush=True)
 
     def on_round_end(self, run, round_idx, evaluated):
         if round_idx == self.after:
@@ -69,7 +71,8 @@ def main():
         identical = ref.table.drop(columns="run_id").equals(res.table.drop(columns="run_id"))
         out = {
             "actors_before": [label(n) for n in stopper.before],
-            "actors_after": [label(n) for n in stopper.after_nodes],
+            "actors_after": [label(n) for n in stopper.after_nodes] if stopper.after_nodes else None,
+            "server": label(stopper.server),
             "node2_stopped": stopper.stopped_at is not None,
             "actor_failures": res.metadata["actor_failures"],
             "identical_to_sequential": bool(identical),

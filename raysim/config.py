@@ -232,9 +232,12 @@ class AlgorithmConfig:
 @dataclass(frozen=True)
 class EvalConfig:
     every: int = 1  # evaluate every N rounds (the last round is always evaluated)
+    fraction: float = 1.0  # share of the clients evaluated per evaluation round (a seeded sample; huge populations)
 
     def check(self, path: str) -> None:
         positive(_p(path, "every"), self.every)
+        if not 0.0 < self.fraction <= 1.0:
+            raise ConfigError(_p(path, "fraction"), f"must be in (0, 1], got {self.fraction}")
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,16 @@ def sample_clients(cfg: ExperimentConfig, round_idx: int) -> list[int]:
     return sorted(r.choice(n, size=k, replace=False).tolist())
 
 
+def eval_clients(cfg: ExperimentConfig, round_idx: int) -> list[int]:
+    """The clients evaluated after ``round_idx``: all, or a seeded sample of ``eval.fraction`` of them."""
+    n = cfg.data.num_clients
+    if cfg.eval.fraction >= 1.0:
+        return list(range(n))
+    k = max(1, math.ceil(cfg.eval.fraction * n))
+    r = rngmod.numpy_rng(cfg.seed, round_idx, rngmod.SERVER, "eval-sampling")
+    return sorted(r.choice(n, size=k, replace=False).tolist())
+
+
 def resume_hash(cfg: ExperimentConfig) -> str:
     """The identity a checkpoint is checked against: everything that changes the numbers except ``rounds``."""
     return cfg.config_hash(drop=("rounds",))
@@ -316,6 +326,7 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
     failures: list = []  # (client_id, reason) handed to server steps
     out_of_round: set[int] = set()  # failed, dropped or late this round: skip the round's later client steps
     keep = None
+    to_commit = None  # (client ids, token) of the last client step, not yet committed
     env_seen = False
     t_env = 0.0
     compute = 0.0
@@ -323,8 +334,12 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
     for step, it in flatten(schedule):
         if isinstance(step, ClientStep):
             ids = [c for c in (all_clients if step.clients == ALL else selected) if c not in out_of_round]
+            if to_commit is not None:
+                backend.commit(*to_commit)
             uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids)
-            backend.commit([r.client_id for r in reports if r.ok], step_token(round_idx, step, it))
+            # committed once the uploads have been consumed too (the next server step), so that a step whose
+            # uploads are lost with a node can still be run again from the previous states
+            to_commit = ([r.client_id for r in reports if r.ok], step_token(round_idx, step, it))
             compute += sum(r.seconds for r in reports)
             log.add(step.name, reports)
             skipped = safety.decide(cfg.on_nonfinite, round_idx, reports, step.name)  # raises under stop
@@ -347,10 +362,15 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
                 t_env += time.perf_counter() - t0
         else:
             payload, metrics = backend.server_step(step, round_idx, it, uploads, failures, keep=keep)
+            if to_commit is not None:
+                backend.commit(*to_commit)
+                to_commit = None
             safety.check_metrics(round_idx, -1, step.name, metrics)
             if payload is not None:
                 run.payload = payload
             run.recorder.server(round_idx, metrics)
+    if to_commit is not None:
+        backend.commit(*to_commit)
     run.recorder.round(round_idx, log)
     run.timing["client_compute_s"].append(compute)
     run.timing["env_s"].append(t_env)
@@ -359,8 +379,7 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
 def _evaluate(run: Run, round_idx: int) -> None:
     for step, it in flatten(run.algorithm.evaluation_schedule()):
         if isinstance(step, ClientStep):
-            ids = list(range(run.cfg.data.num_clients))
-            _, reports = run.backend.client_step(step, run.payload, round_idx, it, ids)
+            _, reports = run.backend.client_step(step, run.payload, round_idx, it, eval_clients(run.cfg, round_idx))
             for r in reports:
                 safety.check_metrics(round_idx, r.client_id, step.name, r.metrics)
             run.recorder.evaluation(round_idx, reports)

@@ -104,13 +104,15 @@ class ClientRunner:
     def client_ids(self) -> list[int]:
         return sorted(self.data)
 
-    def state(self, cid: int):
-        """The client's committed state, created on first use (a pure function of (seed, client))."""
+    def state(self, cid: int, keep: bool = True):
+        """The client's committed state, created on first use (a pure function of (seed, client)). ``keep=False``
+        (evaluating a client that never trained): the state is built transiently, not stored."""
         s = self.store.get(cid)
         if s is None:
             rngmod.seed_torch_global(self.spec.cfg.seed, rngmod.NO_ROUND, cid, "init")
             s = self.algorithm.init_client_state(self._ctx(rngmod.NO_ROUND, cid, "init"))
-            self.store.put_initial(cid, s)
+            if keep:
+                self.store.put_initial(cid, s)
         return s
 
     def _data(self, cid: int) -> ClientData:
@@ -125,6 +127,8 @@ class ClientRunner:
         evaluate = step.mode == "evaluate"
         uploads, reports = {}, []
         for cid in client_ids:
+            if evaluate and self.data[cid].y_test.numel() == 0:
+                continue  # a client without local test data is not evaluated
             t0 = time.perf_counter()
             rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
             try:
@@ -132,7 +136,7 @@ class ClientRunner:
                 down = self.algorithm.downlink(payload, cid, ctx)
                 if not evaluate:
                     rep.down = payload_sizes(down)
-                state = self.state(cid)
+                state = self.state(cid, keep=not evaluate)
                 rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
                 if evaluate:
                     rep.metrics = dict(fn(down, state, self._data(cid), ctx))

@@ -127,8 +127,10 @@ class RayBackend(Backend):
         self._group_refs = [ray.put(g) for g in groups]
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        # the server actor holds the server state alone: keep it on the driver's node (soft: elsewhere if it must)
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # the server actor holds the server state alone: keep it on the head node (where the GCS lives, the last
+        # node to go), else the driver's (soft: elsewhere if it must)
+        heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})]
+        here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(), soft=False)
         Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
                                                   max_concurrency=1, scheduling_strategy=here)
         self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
@@ -201,8 +203,12 @@ class RayBackend(Backend):
         out = self._call_actors(groups, lambda a, g: a.run_client_step.options(num_returns=2).remote(
             step, payload, round_idx, iteration, g), f"round {round_idx}, step '{step.name}'")
         upload_refs, reports = [], []
+        self._last_client_step = (step, payload, round_idx, iteration, groups)
+        self._upload_actor = {}
         for k in sorted(out):
             up, reps = out[k]
+            if reps is not None:
+                self._upload_actor[up] = k
             if reps is None:  # skipped: the actor's clients failed this step
                 reps = [ClientReport(c, round_idx, step.name, ok=False, iteration=iteration,
                                      error="ActorDied: its client actor died (on_actor_failure)") for c in groups[k]]
@@ -223,11 +229,33 @@ class RayBackend(Backend):
             step, round_idx, iteration, failures, *(uploads or []), keep=keep)
         try:
             has_payload, metrics = ray.get(info_ref)
-        except ray.exceptions.RayActorError as e:
-            raise SimulationError(f"the server actor died in round {round_idx}, step '{step.name}' "
-                                  f"({type(e).__name__}); the server state lives only there, so the run stops "
-                                  f"(resume from its last checkpoint with --resume)") from None
+        except ray.exceptions.RayError as e:
+            if not _alive(self.server):
+                raise SimulationError(f"the server actor died in round {round_idx}, step '{step.name}' "
+                                      f"({type(e).__name__}); the server state lives only there, so the run stops "
+                                      f"(resume from its last checkpoint with --resume)") from None
+            uploads = self._redo_lost_uploads(list(uploads or []), e, f"round {round_idx}, step '{step.name}'")
+            return self.server_step(step, round_idx, iteration, uploads, failures, keep)
         return (payload_ref if has_payload else None), metrics
+
+    def _redo_lost_uploads(self, uploads: list, error, where: str) -> list:
+        """The server could not read some uploads: they lived in the object store of a node (or actor) that is
+        gone. Recreate the dead client actors and run their share of the last client step again (their states are
+        still the committed ones from before it), then hand the fresh uploads to the server step."""
+        step, payload, round_idx, iteration, groups = self._last_client_step
+        redo = sorted({k for ref, k in self._upload_actor.items() if ref in uploads and not _alive(self.actors[k])})
+        if not redo:
+            raise error
+        for k in redo:
+            old = next(ref for ref, a in self._upload_actor.items() if a == k)
+            self._on_actor_death(k, where + " (its uploads were lost)", error, 0)
+            up, rep = self.actors[k].run_client_step.options(num_returns=2).remote(step, payload, round_idx, iteration,
+                                                                                   groups[k])
+            ray.get(rep)  # same reports as before (the retried clients reproduce exactly)
+            uploads[uploads.index(old)] = up
+            del self._upload_actor[old]
+            self._upload_actor[up] = k
+        return uploads
 
     def save_checkpoint(self, directory):
         files = [f"clients-{k}.pt" for k in range(len(self.actors))]
@@ -248,6 +276,9 @@ class RayBackend(Backend):
     def actor_nodes(self) -> list[str]:
         """The node id each client actor runs on."""
         return ray.get([a.node_id.remote() for a in self.actors])
+
+    def server_node(self) -> str:
+        return ray.get(self.server.node_id.remote())
 
     def shutdown(self) -> None:
         actors = list(getattr(self, "actors", []))
@@ -285,9 +316,22 @@ class _ClientActor(ClientRunner):
 
 
 class _ServerActor(ServerRunner):
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def run_server_step_ref(self, step, round_idx, iteration, failures, *upload_groups, keep=None):
         payload, metrics = self.run_server_step(step, round_idx, iteration, failures, *upload_groups, keep=keep)
         return payload, (payload is not None, metrics)
+
+
+def _alive(actor) -> bool:
+    try:
+        ray.get(actor.ready.remote(), timeout=60)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+    except ray.exceptions.GetTimeoutError:  # busy, not dead
+        return True
 
 
 class LostTask(RuntimeError):

@@ -33,8 +33,21 @@ def _field(name: str) -> str:
 
 
 def iid(train_y, test_y, num_clients, rng, num_classes, samples_per_client: int | None = None,
-        test_per_client: int | None = None) -> Partition:
-    """Uniformly random, equal-sized shares of the train pool and of the test pool."""
+        test_per_client: int | None = None, replace: bool = False) -> Partition:
+    """Uniformly random, equal-sized shares of the train pool and of the test pool. ``replace``: every client draws
+    its samples independently (clients may share samples), for populations larger than the pool; then
+    ``test_per_client`` may be 0 (clients without local test data are not evaluated)."""
+    if replace:
+        per = 1 if samples_per_client is None else samples_per_client
+        tper = 0 if test_per_client is None else test_per_client
+        if per <= 0 or tper < 0:
+            raise DataError(_field("samples_per_client"), f"must be > 0 (test_per_client >= 0), got {per} / {tper}")
+        train = [np.sort(rng.choice(len(train_y), size=per, replace=False)) for _ in range(num_clients)]
+        test = [np.sort(rng.choice(len(test_y), size=tper, replace=False)) if tper else np.zeros(0, dtype=np.int64)
+                for _ in range(num_clients)]
+        classes = [sorted(set(train_y[t].tolist())) for t in train]
+        return Partition(train, test, classes, [f"iid with replacement: {per} train / {tper} test samples per client, "
+                                                f"drawn independently per client"])
     tr = rng.permutation(len(train_y))
     te = rng.permutation(len(test_y))
     per = len(tr) // num_clients if samples_per_client is None else samples_per_client

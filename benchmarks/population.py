@@ -1,0 +1,63 @@
+"""Population scale: round time and peak memory for 1k, 10k and 100k personalised clients (FedPer with cnn_mnist,
+10 clients per round, fashion_mnist IID with replacement: 2 training images and 1 test image per client), sequential
+backend, one process per population size. Client states are created lazily (on first selection), kept under
+backend.state_memory_mb, and client data stays uint8; evaluation samples eval.fraction of the clients.
+
+    python benchmarks/population.py [--sizes 1000,10000,100000] [--rounds 12]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def one(n: int, rounds: int) -> dict:
+    from raysim.config import make_config
+    from raysim.driver import run_experiment
+
+    cfg = make_config({
+        "name": f"pop{n}", "seed": 3, "rounds": rounds, "clients_per_round": 10,
+        "data": {"dataset": "fashion_mnist", "num_clients": n, "partition": "iid",
+                 "partition_params": {"replace": True, "samples_per_client": 2, "test_per_client": 1}},
+        "model": {"arch": "cnn_mnist"}, "algorithm": {"name": "fedper", "params": {}},
+        "eval": {"every": rounds, "fraction": min(1.0, 200 / n)},
+        "backend": {"name": "sequential", "state_memory_mb": 256}, "output": {"progress": False}})
+    t0 = time.perf_counter()
+    res = run_experiment(cfg, write=False)
+    total = time.perf_counter() - t0
+    train_rounds = res.timing["round_s"][1:-1]  # not the first (warm-up) nor the last (evaluation)
+    return {"clients": n, "median_round_s": statistics.median(train_rounds), "total_s": round(total, 1),
+            "setup_and_data_s": round(total - sum(res.timing["round_s"]), 1),
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "evaluated": int((res.table["metric"] == "test_acc").sum())}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="1000,10000,100000")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--one", type=int, default=None)
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(args.one, args.rounds)))
+        return
+    rows = []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        p = subprocess.run([sys.executable, __file__, "--one", str(n), "--rounds", str(args.rounds)],
+                           capture_output=True, text=True, check=True)
+        rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
+        print(rows[-1], flush=True)
+    base = rows[0]["median_round_s"]
+    for r in rows:
+        print(f"{r['clients']:>7} clients: {r['median_round_s']:.3f} s/round ({r['median_round_s'] / base:.2f}x the "
+              f"smallest), setup + data {r['setup_and_data_s']} s, peak RSS {r['peak_rss_gb']:.2f} GB, "
+              f"{r['evaluated']} clients evaluated")
+
+
+if __name__ == "__main__":
+    main()
