@@ -119,6 +119,7 @@ def main():
                     stopped.update(at=time.time(), running_trial=run2[0].number)
                     cluster.remove_node(node2)
 
+        open_storage(url)  # create the schema once, before two processes race to create it
         threading.Thread(target=watch, daemon=True).start()
         over = [f"backend.address={cluster.address}"]
         out_dir = root / "study"
