@@ -63,10 +63,13 @@ def min_pairwise_distance(protos: torch.Tensor) -> float:
 
 
 def orthogonal_head(num_classes: int, dim: int, generator: torch.Generator) -> torch.Tensor:
-    """W (C x d) with orthonormal rows: orthogonal_(rand(C, d)) as FedNH, drawn from an explicit generator."""
+    """W (C x d) with orthonormal rows, as ``nn.init.orthogonal_`` computes it: the QR factorisation of a N(0, 1)
+    matrix (rotation-invariant, so no class is favoured), drawn from an explicit generator. (FedNH calls
+    ``orthogonal_(torch.rand(C, d))``, but orthogonal_ overwrites its argument with its own normal draw; a QR of the
+    *uniform* matrix itself would give class 0 the all-positive row, the best margin for non-negative embeddings.)"""
     if num_classes > dim:
         raise ValueError(f"an orthogonal head needs num_classes <= embedding size, got {num_classes} > {dim}")
-    w = torch.rand(num_classes, dim, generator=generator)
+    w = torch.randn(num_classes, dim, generator=generator)
     # QR of the transpose gives d x C with orthonormal columns (what nn.init.orthogonal_ computes, without the
     # global RNG); the sign fix makes the factorisation unique
     q, r = torch.linalg.qr(w.t())

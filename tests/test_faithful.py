@@ -47,3 +47,68 @@ def test_fedper_convs_needs_conv_layers(tiny):
     assert e.value.field == "algorithm.params.shared"
     with pytest.raises(ConfigError):
         _algo(tiny, "fedper", {"shared": "head"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FedProto-UH's fixed head
+
+
+def test_orthogonal_head_is_nn_init_orthogonal():
+    from algorithms.proto_ops import orthogonal_head
+
+    w = orthogonal_head(10, 50, torch.Generator().manual_seed(3))
+    ref = torch.nn.init.orthogonal_(torch.empty(10, 50), generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(w, ref, atol=1e-6)
+
+
+def _best_margin(W, c):
+    """max over non-negative embeddings z with sum(z) = 1 of W_c z - max_{j != c} W_j z (a linear programme)."""
+    import numpy as np
+    from scipy.optimize import linprog
+
+    C, d = W.shape
+    A = np.array([np.r_[W[j] - W[c], 1.0] for j in range(C) if j != c])
+    res = linprog(np.r_[np.zeros(d), -1.0], A_ub=A, b_ub=np.zeros(C - 1), A_eq=np.r_[np.ones(d), 0.0][None],
+                  b_eq=[1.0], bounds=[(0, None)] * d + [(None, None)])
+    return -res.fun
+
+
+def _mean_margins(make, draws=40, C=10, d=50):
+    import numpy as np
+
+    return np.array([[_best_margin(make(C, d, torch.Generator().manual_seed(s)).double().numpy(), c)
+                      for c in range(C)] for s in range(draws)]).mean(0)
+
+
+def test_orthogonal_head_favours_no_class_for_nonnegative_embeddings():
+    from algorithms.proto_ops import orthogonal_head
+
+    m = _mean_margins(orthogonal_head)
+    assert m.max() - m.min() < 0.04  # equal across classes up to sampling noise (each mean ~0.245, sd ~0.007)
+
+    def uniform_qr(C, d, g):  # the old head: QR of a uniform matrix, whose first row is all positive
+        q, r = torch.linalg.qr(torch.rand(C, d, generator=g).t())
+        return (q * torch.sign(torch.diagonal(r)).unsqueeze(0)).t()
+
+    u = _mean_margins(uniform_qr)
+    assert u.argmax() == 0 and u.max() - u.min() > 0.06  # the test can fail: the biased head does
+
+
+def test_fedproto_uh_linear_head_is_frozen_and_free(tiny):
+    algo, prep = _algo(tiny, "fedproto_uh")
+    assert algo.params.head == "linear"
+    from algorithms.fedproto_uh import FixedLinearHead
+
+    model = algo.build_client_model(0)
+    assert isinstance(model.head, FixedLinearHead) and not list(model.head.parameters())
+    w = model.head.weight
+    assert torch.allclose(w @ w.t(), torch.eye(prep.task.num_classes), atol=1e-5)
+    z = torch.rand(3, w.shape[1])
+    assert torch.allclose(model.head(z), z @ w.t())  # logits = W z, no normalisation, no bias
+    t = run_experiment(tiny(rounds=2, algorithm={"name": "fedproto_uh", "params": {}}), write=False).table
+    c = t[t.scope == "client"]
+    d, C = w.shape[1], prep.task.num_classes
+    # the head is rebuilt from the shared seed: clients only ever send/receive prototypes (<= C x d floats)
+    assert (c[c.metric == "up_floats"]["value"] <= C * d).all()
+    with pytest.raises(ConfigError):
+        _algo(tiny, "fedproto_uh", {"head": "mlp"})

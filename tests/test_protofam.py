@@ -226,7 +226,7 @@ def test_fedtgp_checkpoint_carries_generator(tiny, tmp_path):
 
 
 def test_fedproto_uh_head_is_fixed_shared_and_orthogonal(tiny):
-    algo, prep = make_algo(tiny, "fedproto_uh")
+    algo, prep = make_algo(tiny, "fedproto_uh", {"head": "cosine"})
     task = prep.task
     from raysim.algorithm import ModelCache
 
