@@ -150,6 +150,7 @@ def _cmd_list() -> int:
     print("partitioners:")
     for name in PARTITIONERS:
         print(f"  {name:<12} {', '.join(partition_params(name))}")
+    print(f"  {'files':<12} root (a PFLlib/HtFLlib split: config.json, train/<i>.npz, test/<i>.npz)")
     print("model architectures:")
     for name in ARCHS:
         print(f"  {name:<12} {', '.join(arch_params(name))}")

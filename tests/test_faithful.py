@@ -112,3 +112,96 @@ def test_fedproto_uh_linear_head_is_frozen_and_free(tiny):
     assert (c[c.metric == "up_floats"]["value"] <= C * d).all()
     with pytest.raises(ConfigError):
         _algo(tiny, "fedproto_uh", {"head": "mlp"})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# splits written by PFLlib / HtFLlib, and FedAvgCNN
+
+
+def _write_split(root, num_clients=3, num_classes=4, shape=(1, 28, 28), seed=0):
+    import json
+
+    import numpy as np
+
+    g = np.random.default_rng(seed)
+    (root / "train").mkdir(parents=True)
+    (root / "test").mkdir()
+    written = []
+    for i in range(num_clients):
+        parts = {}
+        for what, n in (("train", 5 + i), ("test", 2 + i)):
+            x = g.normal(size=(n,) + shape).astype(np.float32)
+            y = g.integers(0, num_classes, size=n).astype(np.int64)
+            with open(root / what / f"{i}.npz", "wb") as f:
+                np.savez_compressed(f, data={"x": x, "y": y})  # PFLlib's save_file
+            parts[what] = (x, y)
+        written.append(parts)
+    (root / "config.json").write_text(json.dumps({"num_clients": num_clients, "num_classes": num_classes,
+                                                  "non_iid": True, "partition": "dir"}))
+    return written
+
+
+def _files_cfg(root, **over):
+    from raysim.config import make_config
+
+    return make_config({"data": {"partition": "files", "num_clients": 3, "partition_params": {"root": str(root)},
+                                 **over}})
+
+
+def test_files_partition_loads_the_split_unchanged(tmp_path):
+    from raysim.data import build_federated_data
+
+    written = _write_split(tmp_path / "split")
+    fd = build_federated_data(_files_cfg(tmp_path / "split").data, 0)
+    assert fd.num_classes == 4 and fd.input_shape == (1, 28, 28) and len(fd.clients) == 3
+    for c, w in zip(fd.clients, written):
+        assert torch.equal(c.x_train, torch.from_numpy(w["train"][0])) and c.y_train.tolist() == w["train"][1].tolist()
+        assert torch.equal(c.x_test, torch.from_numpy(w["test"][0])) and c.y_test.tolist() == w["test"][1].tolist()
+    assert len(fd.global_test) == 2 + 3 + 4
+    fv = build_federated_data(_files_cfg(tmp_path / "split", val_fraction=0.4).data, 0)
+    for c, w in zip(fv.clients, written):  # the validation split is carved from the file's training samples
+        both = torch.cat([c.x_train, c.x_val]).flatten(1).tolist()
+        assert sorted(map(tuple, both)) == sorted(map(tuple, torch.from_numpy(w["train"][0]).flatten(1).tolist()))
+
+
+def test_files_partition_errors(tmp_path):
+    from raysim.data import DataError, build_federated_data
+
+    with pytest.raises(DataError) as e:
+        build_federated_data(_files_cfg(tmp_path / "nowhere").data, 0)
+    assert e.value.field == "data.partition_params.root" and "not a directory" in str(e.value)
+    _write_split(tmp_path / "s")
+    with pytest.raises(DataError) as e:
+        build_federated_data(_files_cfg(tmp_path / "s", num_clients=5).data, 0)
+    assert e.value.field == "data.num_clients" and "has 3 clients" in str(e.value)
+    (tmp_path / "s" / "test" / "2.npz").unlink()
+    with pytest.raises(DataError, match="missing test file"):
+        build_federated_data(_files_cfg(tmp_path / "s").data, 0)
+    (tmp_path / "s" / "config.json").unlink()
+    with pytest.raises(DataError, match="config.json"):
+        build_federated_data(_files_cfg(tmp_path / "s").data, 0)
+    from raysim.config import make_config
+
+    with pytest.raises(DataError, match="needs the directory"):
+        build_federated_data(make_config({"data": {"partition": "files"}}).data, 0)
+
+
+def test_fedavg_cnn_shapes_and_a_run_on_a_file_split(tmp_path):
+    from raysim.config import ArchSpec
+    from raysim.models import build_model, num_parameters
+
+    m = build_model(ArchSpec("fedavg_cnn"), (1, 28, 28), 10)
+    logits, z = m(torch.zeros(2, 1, 28, 28), return_embedding=True)
+    assert logits.shape == (2, 10) and z.shape == (2, 512)
+    # conv 1->32 k5 (832) + conv 32->64 k5 (51,264) + fc 1024->512 (524,800) + head 512->10 (5,130)
+    assert num_parameters(m) == 832 + 51264 + 524800 + 5130
+    _write_split(tmp_path / "split", num_classes=10)
+    from tests.conftest import tiny_config
+    from raysim.config import make_config
+
+    cfg = make_config(tiny_config(rounds=1, data={"partition": "files", "num_clients": 3,
+                                                  "partition_params": {"root": str(tmp_path / "split")}},
+                                  model={"arch": "fedavg_cnn", "params": {"embed_dim": 32}},
+                                  algorithm={"name": "fedavg", "params": {}}))
+    t = run_experiment(cfg, write=False).table
+    assert len(t[(t.scope == "client") & (t.metric == "test_acc")]) >= 3

@@ -10,7 +10,7 @@ import torch
 from raysim import rng as rngmod
 from raysim.config import DataConfig
 from raysim.data.datasets import ArrayDataset, DataError, LoadedDataset, load_dataset
-from raysim.data.partition import run_partitioner
+from raysim.data.partition import load_split_files, run_partitioner
 
 
 @dataclass
@@ -149,7 +149,41 @@ def rotate(x: torch.Tensor, angle: float) -> torch.Tensor:
     return TF.rotate(x, -a, fill=float(x.min()))
 
 
+def _files_data(cfg: DataConfig, seed: int) -> FederatedData:
+    """``data.partition: files``: the clients hold exactly the samples of a reference library's split files."""
+    split = load_split_files(dict(cfg.partition_params), cfg.num_clients)
+    notes = list(split.notes)
+    clients = []
+    for i, ((xtr, ytr), (xte, yte)) in enumerate(zip(split.train, split.test)):
+        if len(ytr) == 0:
+            raise DataError("data.partition_params.root", f"client {i} has no training samples (train/{i}.npz)")
+        x_tr, y_tr = torch.as_tensor(xtr, dtype=torch.float32), torch.as_tensor(ytr, dtype=torch.int64)
+        x_va = y_va = None
+        if cfg.val_fraction > 0:
+            keep, va = split_validation(np.arange(len(ytr)), cfg.val_fraction,
+                                        rngmod.numpy_rng(seed, rngmod.NO_ROUND, i, "val-split"))
+            x_va, y_va = x_tr[va], y_tr[va]
+            x_tr, y_tr = x_tr[keep], y_tr[keep]
+        x_te, y_te = torch.as_tensor(xte, dtype=torch.float32), torch.as_tensor(yte, dtype=torch.int64)
+        group = 0
+        if cfg.rotations:
+            group = i % len(cfg.rotations)
+            x_tr, x_te = rotate(x_tr, cfg.rotations[group]), rotate(x_te, cfg.rotations[group])
+            if x_va is not None:
+                x_va = rotate(x_va, cfg.rotations[group])
+        clients.append(ClientData(i, x_tr, y_tr, x_te, y_te, sorted(set(y_tr.tolist())), group, split.num_classes,
+                                  None, x_val=x_va, y_val=y_va))
+    if cfg.val_fraction > 0:
+        notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out")
+    test = ArrayDataset(torch.cat([c.x_test for c in clients]), torch.cat([c.y_test for c in clients]),
+                        split.num_classes, provenance="test")
+    public = _load_public(cfg.public, seed) if cfg.public else None
+    return FederatedData(clients, split.num_classes, tuple(clients[0].x_train.shape[1:]), test, public, notes)
+
+
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
+    if cfg.partition == "files":
+        return _files_data(cfg, seed)
     ds = load_dataset(cfg.dataset, cfg.root)
     notes = [ds.notes]
     if ds.test is None:
