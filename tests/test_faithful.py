@@ -205,3 +205,50 @@ def test_fedavg_cnn_shapes_and_a_run_on_a_file_split(tmp_path):
                                   algorithm={"name": "fedavg", "params": {}}))
     t = run_experiment(cfg, write=False).table
     assert len(t[(t.scope == "client") & (t.metric == "test_acc")]) >= 3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FedPU as the seed states it
+
+
+def test_pu_split_official_hand_example():
+    import numpy as np
+
+    from algorithms.proto_ops import UNLABELLED, pu_split
+
+    y = torch.tensor([0] * 50 + [1] * 10 + [2] * 45)
+    # positive classes {0, 1}; rho = 0.5; a positive class keeps labels only with >= 40 samples
+    y_obs, prior, m = pu_split(y, [0, 1], 4, 0.5, np.random.default_rng(0), min_class_samples=40, at_least_one=False)
+    assert (y_obs == 0).sum() == 25 and (y_obs == 1).sum() == 0 and (y_obs == 2).sum() == 0
+    assert (y_obs[y_obs != UNLABELLED] == y[y_obs != UNLABELLED]).all()  # labels kept are the true ones
+    # |U| = 25 + 10 + 45 = 80: pi over all C classes, the non-positive class 2 included
+    assert torch.allclose(prior, torch.tensor([25 / 80, 10 / 80, 45 / 80, 0.0]))
+    assert m.tolist() == [1.0, 1.0, 0.0, 0.0]
+    # the held split (today's): every held class positive, at least one label each
+    y_obs, prior, m = pu_split(y, [0, 1, 2], 4, 0.05, np.random.default_rng(0))
+    assert [(y_obs == c).sum().item() for c in range(3)] == [2, 1, 2]  # floor(.05 n), at least 1
+    assert m.tolist() == [1.0, 1.0, 1.0, 0.0] and torch.allclose(prior, torch.tensor([48, 9, 43, 0]) / 100.0)
+
+
+def test_positive_classes_seeded_subset():
+    from algorithms.fedpu import positive_classes
+
+    a = positive_classes([1, 3, 5, 7], 2, seed=0, client_id=4)
+    assert len(a) == 2 and set(a) <= {1, 3, 5, 7} and a == positive_classes([7, 5, 3, 1], 2, seed=0, client_id=4)
+    assert positive_classes([1, 3, 5, 7], 0, 0, 4) == [1, 3, 5, 7] == positive_classes([1, 3, 5, 7], 9, 0, 4)
+    draws = {tuple(positive_classes([1, 3, 5, 7], 2, 0, cid)) for cid in range(20)}
+    assert len(draws) > 1  # differs between clients
+
+
+@pytest.mark.parametrize("name", ["fedproto", "fedavg"])
+@pytest.mark.parametrize("min_class", [1, 40])  # 40: the tiny clients' 10 shots per class keep no label at all
+def test_official_pu_split_runs(tiny, name, min_class):
+    import numpy as np
+
+    params = {"positive_rate": 0.5, "pu_split": "official", "labelled_classes": 2, "pu_min_class": min_class}
+    t = run_experiment(tiny(rounds=2, algorithm={"name": name, "params": params}), write=False).table
+    assert np.isfinite(t[t.metric == "train_pu"]["value"]).all()
+    assert (t[t.metric == "train_pu"]["value"] != 0).any()
+    with pytest.raises(ConfigError) as e:
+        prepare(tiny(algorithm={"name": name, "params": {"pu_split": "some"}}))
+    assert e.value.field == "algorithm.params.pu_split"
