@@ -119,6 +119,8 @@ def main():
                     stopped.update(at=time.time(), running_trial=run2[0].number)
                     cluster.remove_node(node2)
 
+        open_storage(url)  # create the schema once, before the watcher and the study connect (concurrent
+        # first connections race on PostgreSQL's CREATE TYPE: duplicate key in pg_type_typname_nsp_index)
         threading.Thread(target=watch, daemon=True).start()
         over = [f"backend.address={cluster.address}"]
         out_dir = root / "study"
