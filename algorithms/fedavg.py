@@ -27,9 +27,13 @@ class FedAvg(LocalTraining):
     class Params:
         positive_rate: float = 1.0  # FedPU: share of each held class's samples that keep their label
         pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
+        pu_split: str = "held"  # FedPU: held (every held class labelled) | official (labelled_classes, pu_min_class)
+        labelled_classes: int = 0  # FedPU official split: positive classes per client (seeded subset; 0 = all)
+        pu_min_class: int = 40  # FedPU official split: a positive class keeps labels only with >= this many samples
 
         def check(self, path):
-            fedpu.check_params(path, self.positive_rate, self.pu_weight)
+            fedpu.check_params(path, self.positive_rate, self.pu_weight, self.pu_split, self.labelled_classes,
+                               self.pu_min_class)
 
     def validate(self):
         self.require_homogeneous()
@@ -41,7 +45,8 @@ class FedAvg(LocalTraining):
         return {"model": state_message("weights", server_state["model"])}
 
     def pu_view(self, data):
-        return fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed)
+        return fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed,
+                             self.params.pu_split, self.params.labelled_classes, self.params.pu_min_class)
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(payload["model"].tensors)

@@ -39,9 +39,13 @@ class FedProto(LocalTraining):
         restrict_local_classes: bool = True  # prototype inference among the client's own classes (official)
         positive_rate: float = 1.0  # FedPU: share of each held class's samples that keep their label
         pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
+        pu_split: str = "held"  # FedPU: held (every held class labelled) | official (labelled_classes, pu_min_class)
+        labelled_classes: int = 0  # FedPU official split: positive classes per client (seeded subset; 0 = all)
+        pu_min_class: int = 40  # FedPU official split: a positive class keeps labels only with >= this many samples
 
         def check(self, path):
-            fedpu.check_params(path, self.positive_rate, self.pu_weight)
+            fedpu.check_params(path, self.positive_rate, self.pu_weight, self.pu_split, self.labelled_classes,
+                               self.pu_min_class)
             choice(f"{path}.proto_agg", self.proto_agg, ["weighted", "mean"])
             choice(f"{path}.proto_collect", self.proto_collect, ["after", "during_train"])
             if self.lam < 0:
@@ -126,7 +130,8 @@ class FedProto(LocalTraining):
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(state["model"])
         protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, data.y_train.device)
-        pu = fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed)
+        pu = fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed,
+                             self.params.pu_split, self.params.labelled_classes, self.params.pu_min_class)
         aux = {"protos": protos, "mask": mask, "pu": pu, "collect": None}
         on_epoch = None
         if self.params.proto_collect == "during_train":

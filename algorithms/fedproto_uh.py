@@ -1,13 +1,20 @@
-"""FedProto-UH: FedProto (Tan et al., AAAI 2022) with a fixed, orthogonally initialised head — the "FedUH" head of
-FedNH (Dai et al., "Tackling Data Heterogeneity in Federated Learning with Class Prototypes", AAAI 2023), combined
-with FedProto as in the seed's reproduction (reference §1.10; the combination is inferred there).
+"""FedProto-UH: FedProto (Tan et al., AAAI 2022) with a fixed, orthogonally initialised head, as in the seed's
+reproduction (seed 000, "固定头 UH"; reference §1.10), whose head idea is FedNH's "FedUH" (Dai et al., "Tackling Data
+Heterogeneity in Federated Learning with Class Prototypes", AAAI 2023).
 
-Every client's classifier is logits = s * <z / ||z||, W_c>, where W (C x d) has orthonormal rows and is never
-trained, and s is a learnable scale (FedNH's default; ``learn_scale: false`` freezes it). The prototype loss and the
-prototypes use the normalised embedding z / ||z|| (the vector the head consumes); inference reports the head's argmax
-("test_acc") and the nearest global prototype ("test_acc_proto"). W is a pure function of the experiment seed
-(stream (seed, -, server, "uh_head")), so every client rebuilds the same matrix locally and it is not communicated
-(a deployment without a shared seed would send its C*d floats once). FedNH's gradient-norm clipping is not applied.
+The head W (C x d) has orthonormal rows (``nn.init.orthogonal_``: the QR of a N(0, 1) draw, rotation-invariant, so
+no class is favoured) and is never trained. ``head``:
+
+* ``linear`` (default, the seed's design): the client's last layer is an orthogonally initialised, frozen linear
+  layer, logits = W z (no bias), on the model's embedding z; prototypes are means of z, as in FedProto.
+* ``cosine`` (FedNH's head): logits = s * <z / ||z||, W_c> with a learnable scale s (``scale``, ``learn_scale``);
+  the prototype loss and the prototypes use the normalised embedding z / ||z|| (the vector the head consumes).
+
+The classifier replaces the base model's whole head (its dropout included). Inference reports the head's argmax
+("test_acc") and the nearest global prototype ("test_acc_proto"). Communication of the head: W is a pure function
+of the experiment seed (stream (seed, -, server, "uh_head")), so every client rebuilds the same matrix locally from
+the shared seed and it costs 0 floats on the wire (our choice; a deployment without a shared seed would send its
+C*d floats once, in a setup schedule). FedNH's gradient-norm clipping is not applied.
 """
 from __future__ import annotations
 
@@ -20,7 +27,7 @@ import torch.nn.functional as F
 from algorithms.fedproto import FedProto
 from algorithms.proto_ops import orthogonal_head, uh_logits
 from raysim import rng as rngmod
-from raysim.config import ConfigError
+from raysim.config import ConfigError, choice
 from raysim.models import SplitModel, arch_key
 
 
@@ -45,8 +52,22 @@ class FixedOrthogonalHead(nn.Module):
         return uh_logits(z, self.weight, self.scale)
 
 
-def uh_model(base: SplitModel, weight: torch.Tensor, scale: float, learn_scale: bool) -> SplitModel:
-    """``base``'s feature extractor followed by normalisation, with the fixed head instead of base's classifier."""
+class FixedLinearHead(nn.Module):
+    """logits = W z: a linear layer (no bias) whose weight W is a buffer (saved with the weights, never trained)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.clone())
+
+    def forward(self, z):
+        return z @ self.weight.t()
+
+
+def uh_model(base: SplitModel, weight: torch.Tensor, scale: float, learn_scale: bool, head: str = "cosine") -> SplitModel:
+    """``base``'s feature extractor with the fixed head instead of base's classifier (``cosine``: after
+    normalising the embedding)."""
+    if head == "linear":
+        return SplitModel(nn.Sequential(base.body), FixedLinearHead(weight), base.embed_dim)
     return SplitModel(nn.Sequential(base.body, _Normalise()), FixedOrthogonalHead(weight, scale, learn_scale), base.embed_dim)
 
 
@@ -56,11 +77,13 @@ class FedProtoUH(FedProto):
 
     @dataclass(frozen=True)
     class Params(FedProto.Params):
-        scale: float = 1.0  # initial s (FedNH: 1.0 for its small CNN, 20.0 for ResNet18)
-        learn_scale: bool = True  # FedNH_fix_scaling=False
+        head: str = "linear"  # linear: frozen orthogonal last layer (the seed's) | cosine: FedNH's normalised head
+        scale: float = 1.0  # cosine: initial s (FedNH: 1.0 for its small CNN, 20.0 for ResNet18)
+        learn_scale: bool = True  # cosine: FedNH_fix_scaling=False
 
         def check(self, path):
             super().check(path)
+            choice(f"{path}.head", self.head, ["linear", "cosine"])
             if self.scale <= 0:
                 raise ConfigError(f"{path}.scale", f"must be > 0, got {self.scale}")
 
@@ -80,11 +103,13 @@ class FedProtoUH(FedProto):
         return orthogonal_head(self.task.num_classes, self.embed_dim(), g)
 
     def build_client_model(self, client_id: int):
-        return uh_model(self.task.build_model(client_id), self.head_weight(), self.params.scale, self.params.learn_scale)
+        return uh_model(self.task.build_model(client_id), self.head_weight(), self.params.scale, self.params.learn_scale,
+                        self.params.head)
 
     def live_model(self, ctx):
         base = ctx.model()
         key = arch_key(self.task.archs[ctx.client_id])
         if key not in self._live or self._live[key].body[0] is not base.body:
-            self._live[key] = uh_model(base, self.head_weight(), self.params.scale, self.params.learn_scale).to(ctx.device)
+            self._live[key] = uh_model(base, self.head_weight(), self.params.scale, self.params.learn_scale,
+                                       self.params.head).to(ctx.device)
         return self._live[key]

@@ -11,6 +11,17 @@ i.e. treated as known, as in FedPU. Local objective per batch (reference §1.11)
 
 ``positive_rate = 1`` keeps every label (the plain supervised method, bit for bit the old code path);
 ``pu_weight = 0`` trains on the labelled rows only (the seed's "labelled data only" column).
+
+``pu_split`` chooses which classes are positive (labelled):
+
+* ``held`` (default, the earlier behaviour): every class the client holds is positive; each keeps
+  max(1, floor(rho * n_c)) labels.
+* ``official`` (FedPU's ``puSpilt_index`` and the seed's "each client labels a limited amount of data in some of its
+  classes"): a seeded subset of ``labelled_classes`` of the client's classes (stream (seed, -, client,
+  "pu_classes"); 0 = all of them) is positive; a positive class keeps floor(rho * n_c) labels only when
+  n_c >= ``pu_min_class`` (official 40), else none; samples of the other classes are all unlabelled. The indicator
+  m covers all C classes (1 for the positive ones) and the prior pi_c = (unlabelled samples of c) / |U| over all C
+  classes (non-positive ones included: n_c / |U|).
 """
 from __future__ import annotations
 
@@ -37,19 +48,44 @@ class PUView:
         return self.y_obs != UNLABELLED
 
 
-def check_params(path: str, positive_rate: float, pu_weight: float) -> None:
+PU_SPLITS = ("held", "official")
+
+
+def check_params(path: str, positive_rate: float, pu_weight: float, split: str = "held", labelled_classes: int = 0,
+                 min_class: int = 40) -> None:
+    if split not in PU_SPLITS:
+        raise ConfigError(f"{path}.pu_split", f"{split!r} is not allowed; choose one of: {', '.join(PU_SPLITS)}")
+    if labelled_classes < 0:
+        raise ConfigError(f"{path}.labelled_classes", f"must be >= 0 (0: all held classes), got {labelled_classes}")
+    if min_class < 0:
+        raise ConfigError(f"{path}.pu_min_class", f"must be >= 0, got {min_class}")
     if not 0.0 < positive_rate <= 1.0:
         raise ConfigError(f"{path}.positive_rate", f"must be in (0, 1], got {positive_rate}")
     if pu_weight < 0:
         raise ConfigError(f"{path}.pu_weight", f"must be >= 0, got {pu_weight}")
 
 
-def make_view(data, num_classes: int, positive_rate: float, seed: int) -> Optional[PUView]:
-    """The client's PU view, or None when every label is kept (positive_rate = 1)."""
-    if positive_rate >= 1.0:
+def positive_classes(classes, labelled_classes: int, seed: int, client_id: int) -> list[int]:
+    """``official`` split: the client's positive (labelled) classes, a seeded subset of ``classes``."""
+    classes = sorted(classes)
+    if labelled_classes <= 0 or labelled_classes >= len(classes):
+        return classes
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, client_id, "pu_classes")
+    return sorted(int(c) for c in r.choice(classes, size=labelled_classes, replace=False))
+
+
+def make_view(data, num_classes: int, positive_rate: float, seed: int, split: str = "held",
+              labelled_classes: int = 0, min_class: int = 40) -> Optional[PUView]:
+    """The client's PU view, or None when every label is kept (positive_rate = 1 with the ``held`` split)."""
+    if positive_rate >= 1.0 and split == "held":
         return None
     r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, data.client_id, "pu_split")
-    y_obs, prior, positive = pu_split(data.y_train, data.classes, num_classes, positive_rate, r)
+    if split == "held":
+        y_obs, prior, positive = pu_split(data.y_train, data.classes, num_classes, positive_rate, r)
+    else:
+        pos = positive_classes(data.classes, labelled_classes, seed, data.client_id)
+        y_obs, prior, positive = pu_split(data.y_train, pos, num_classes, positive_rate, r,
+                                          min_class_samples=min_class, at_least_one=False)
     return PUView(y_obs, prior, positive)
 
 

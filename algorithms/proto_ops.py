@@ -63,10 +63,13 @@ def min_pairwise_distance(protos: torch.Tensor) -> float:
 
 
 def orthogonal_head(num_classes: int, dim: int, generator: torch.Generator) -> torch.Tensor:
-    """W (C x d) with orthonormal rows: orthogonal_(rand(C, d)) as FedNH, drawn from an explicit generator."""
+    """W (C x d) with orthonormal rows, as ``nn.init.orthogonal_`` computes it: the QR factorisation of a N(0, 1)
+    matrix (rotation-invariant, so no class is favoured), drawn from an explicit generator. (FedNH calls
+    ``orthogonal_(torch.rand(C, d))``, but orthogonal_ overwrites its argument with its own normal draw; a QR of the
+    *uniform* matrix itself would give class 0 the all-positive row, the best margin for non-negative embeddings.)"""
     if num_classes > dim:
         raise ValueError(f"an orthogonal head needs num_classes <= embedding size, got {num_classes} > {dim}")
-    w = torch.rand(num_classes, dim, generator=generator)
+    w = torch.randn(num_classes, dim, generator=generator)
     # QR of the transpose gives d x C with orthonormal columns (what nn.init.orthogonal_ computes, without the
     # global RNG); the sign fix makes the factorisation unique
     q, r = torch.linalg.qr(w.t())
@@ -86,28 +89,34 @@ UNLABELLED = -1  # the label a client sees for an unlabelled sample (its true la
 
 
 def pu_split(y: torch.Tensor, classes: Sequence[int], num_classes: int, positive_rate: float,
-             rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             rng: np.random.Generator, min_class_samples: int = 0,
+             at_least_one: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A client's labelled / unlabelled split (FedPU's ``puSpilt_index``, with a seeded shuffle instead of "the
-    first" samples): for every positive class c (the classes the client holds), floor(rho * n_c) samples, at least
-    one, keep their label; the rest are unlabelled.
+    first" samples): for every positive class c in ``classes`` with n_c >= ``min_class_samples`` samples,
+    floor(rho * n_c) samples (at least one when ``at_least_one``) keep their label; all other samples (of the
+    remaining positive classes and of every non-positive class) are unlabelled.
 
-    Returns (observed labels with UNLABELLED for unlabelled samples, the class prior of the unlabelled set
-    pi_c = (n_c - labelled_c) / |U| (0 when U is empty; FedPU treats this prior as known), the positive-class
-    indicator m (C,))."""
+    Returns (observed labels with UNLABELLED for unlabelled samples, the class prior of the unlabelled set over all
+    C classes, pi_c = (unlabelled samples of class c) / |U| (0 when U is empty; FedPU treats this prior as known),
+    the positive-class indicator m (C,): 1 for every class in ``classes``)."""
     y_np = y.detach().cpu().numpy()
     observed = np.full(len(y_np), UNLABELLED, dtype=np.int64)
-    prior = np.zeros(num_classes, dtype=np.float64)
     positive = np.zeros(num_classes, dtype=np.float32)
     for c in classes:
         idx = np.flatnonzero(y_np == c)
         if len(idx) == 0:
             continue
         positive[c] = 1.0
-        n_lab = len(idx) if positive_rate >= 1.0 else max(1, int(np.floor(positive_rate * len(idx))))
+        if len(idx) < min_class_samples:
+            continue
+        n_lab = len(idx) if positive_rate >= 1.0 else int(np.floor(positive_rate * len(idx)))
+        if at_least_one:
+            n_lab = max(1, n_lab)
         lab = rng.permutation(idx)[:n_lab]
         observed[lab] = c
-        prior[c] = len(idx) - n_lab
-    n_unl = int((observed == UNLABELLED).sum())
+    unl = observed == UNLABELLED
+    n_unl = int(unl.sum())
+    prior = np.bincount(y_np[unl], minlength=num_classes).astype(np.float64)[:num_classes]
     if n_unl > 0:
         prior = prior / n_unl
     dev = y.device

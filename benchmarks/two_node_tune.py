@@ -73,12 +73,12 @@ class Postgres:
 
 BASE = {"name": "tune2node", "seed": 5, "rounds": 8, "clients_per_round": None,
         "data": {"dataset": "mnist5k", "num_clients": 8, "partition": "nway_kshot",
-                 "partition_params": {"ways": 3, "shots": 20, "stdev": 1, "test_shots": 10}},
+                 "partition_params": {"ways": 3, "shots": 20, "stdev": 1, "test_shots": 10}, "val_fraction": 0.2},
         "model": {"arch": "cnn_mnist", "params": {"embed_dim": 16}},
         "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.02, "momentum": 0.5},
         "algorithm": {"name": "fedproto", "params": {}}, "eval": {"every": 2}, "output": {"progress": False}}
 SPACE = {"params": {"algorithm.params.lam": {"type": "float", "low": 0.05, "high": 5.0, "log": True}},
-         "objective": {"metric": "test_acc", "mode": "final"}, "pruner": {"name": "none"},
+         "objective": {"metric": "val_acc", "mode": "final"}, "pruner": {"name": "none"},
          "sampler": {"name": "random", "seed": 0}, "trial_resources": {"num_cpus": 1, "num_gpus": 0}}
 
 
@@ -119,7 +119,8 @@ def main():
                     stopped.update(at=time.time(), running_trial=run2[0].number)
                     cluster.remove_node(node2)
 
-        open_storage(url)  # create the schema once, before two processes race to create it
+        open_storage(url)  # create the schema once, before the watcher and the study connect (concurrent
+        # first connections race on PostgreSQL's CREATE TYPE: duplicate key in pg_type_typname_nsp_index)
         threading.Thread(target=watch, daemon=True).start()
         over = [f"backend.address={cluster.address}"]
         out_dir = root / "study"

@@ -59,6 +59,9 @@ def _add_tune_report(sub) -> None:
     rep.add_argument("--target", type=float, default=None, help="target accuracy for rounds-to-target")
     rep.add_argument("--time-metric", default=None, help="total/server metric holding a round's simulated time")
     rep.add_argument("--no-plots", action="store_true")
+    rep.add_argument("--tuned-on", action="append", default=None, metavar="DIR",
+                     help="a raysim tune output directory (repeatable): warn when a compared run uses a seed its "
+                          "trials ran on")
 
 
 def _cmd_tune(args) -> int:
@@ -86,7 +89,7 @@ def _cmd_report(args) -> int:
     try:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
         files = build_report(args.runs, args.out, metrics, args.target, args.time_metric, plots=not args.no_plots,
-                             per_client=args.per_client)
+                             per_client=args.per_client, tuned_on=args.tuned_on)
     except (KeyError, FileNotFoundError) as e:
         print(f"raysim report: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
@@ -147,6 +150,7 @@ def _cmd_list() -> int:
     print("partitioners:")
     for name in PARTITIONERS:
         print(f"  {name:<12} {', '.join(partition_params(name))}")
+    print(f"  {'files':<12} root (a PFLlib/HtFLlib split: config.json, train/<i>.npz, test/<i>.npz)")
     print("model architectures:")
     for name in ARCHS:
         print(f"  {name:<12} {', '.join(arch_params(name))}")

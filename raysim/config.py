@@ -158,9 +158,12 @@ class DataConfig:
     test_fraction: float = 0.2  # per-class share held out as the test pool when a dataset has no test split
     public: Optional[dict] = None  # an explicitly public dataset: {dataset: ..., size: ..., root: ...}
     rotations: Optional[list[float]] = None  # domain shift: client i's images rotated by rotations[i % len] degrees
+    val_fraction: float = 0.0  # per-client validation split carved from each client's training data (0: none)
 
     def check(self, path: str) -> None:
         positive(_p(path, "num_clients"), self.num_clients)
+        if not 0.0 <= self.val_fraction < 1.0:
+            raise ConfigError(_p(path, "val_fraction"), f"must be in [0, 1), got {self.val_fraction}")
         if self.rotations is not None and len(self.rotations) == 0:
             raise ConfigError(_p(path, "rotations"), "must list at least one angle (degrees)")
         if not 0.0 < self.test_fraction < 1.0:

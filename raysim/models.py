@@ -166,9 +166,23 @@ def mobilenet_small(input_shape, num_classes, width: int = 16, expand: int = 4, 
     return SplitModel(nn.Sequential(*layers), _zoo_head(embed_dim, num_classes, dropout), embed_dim)
 
 
+def fedavg_cnn(input_shape, num_classes, embed_dim: int = 512) -> SplitModel:
+    """PFLlib's / HtFLlib's ``FedAvgCNN`` at full width (for 1x28x28: ``dim=1024``): conv in->32 k5, ReLU, max-pool 2;
+    conv 32->64 k5, ReLU, max-pool 2; fc 64*4*4=1024 -> 512, ReLU (the embedding); head: a bare Linear 512 -> C."""
+    side = input_shape[-1]
+    if side < 12 or input_shape[-2] < 12:
+        raise ConfigError("model.arch", f"fedavg_cnn needs images of at least 12x12, got {tuple(input_shape)}")
+    oh, ow = (((input_shape[-2] - 4) // 2 - 4) // 2), (((side - 4) // 2 - 4) // 2)
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 32, 5), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(64 * oh * ow, embed_dim), nn.ReLU())
+    return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
+
+
 ARCHS: dict[str, Callable[..., SplitModel]] = {"cnn_mnist": cnn_mnist, "mlp": mlp, "cnn_small": cnn_small,
                                                "cnn4": cnn4, "resnet_small": resnet_small,
-                                               "mobilenet_small": mobilenet_small}
+                                               "mobilenet_small": mobilenet_small, "fedavg_cnn": fedavg_cnn}
 
 # The heterogeneous zoo for 1x28x28 inputs (assign with model.per_client + assign: cycle | blocks | list | tier).
 ZOO_28 = ("cnn_mnist", "cnn4", "resnet_small", "mobilenet_small")

@@ -205,9 +205,18 @@ def plot_client_curves(df: pd.DataFrame, index: pd.DataFrame, metric: str, path:
     plt.close(fig)
 
 
+def tuning_seeds(directory) -> set[int]:
+    """The seeds a ``raysim tune`` study ran its trials on (its output directory's ``trials.parquet``)."""
+    path = Path(directory) / "trials.parquet"
+    if not path.exists():
+        raise FileNotFoundError(f"--tuned-on {directory}: no trials.parquet (give a raysim tune output directory)")
+    t = pd.read_parquet(path)
+    return {int(x) for x in t["seed"].dropna()} if "seed" in t else set()
+
+
 def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None, target: Optional[float] = None,
                  time_metric: Optional[str] = None, plots: bool = True, log: Callable = print,
-                 per_client: bool = False) -> dict:
+                 per_client: bool = False, tuned_on: Optional[list] = None) -> dict:
     """Write summary.md, summary.parquet (one row per setting and metric), runs.parquet and the PNG plots into
     ``out_dir``; returns {name: path}. A metric that a run lacks is an error naming the run."""
     df, index = load_runs(paths)
@@ -224,6 +233,17 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
           f"count rounds completed (round r = after r rounds), in the table and on the plots' x axis. Plot bands: ± std "
           f"over seeds.\n"]
     md += [f"\nNote: {n}.\n" for n in notes]
+    if tuned_on:
+        seeds = set()
+        for d in tuned_on:
+            seeds |= tuning_seeds(d)
+        hit = index[index["seed"].isin(sorted(seeds))]
+        if len(hit):
+            msg = (f"run(s) {', '.join(hit['run_id'].astype(str))} use seed(s) "
+                   f"{', '.join(str(int(x)) for x in sorted(set(hit['seed'])))} that the hyperparameters were tuned "
+                   f"on ({', '.join(str(d) for d in tuned_on)}): their results are biased; compare on other seeds")
+            log(f"WARNING: {msg}")
+            md.append(f"\n**Warning**: {msg}.\n")
     sums = []
     for metric in metrics:
         s = results.seed_summary(df, metric, index, target, tm)

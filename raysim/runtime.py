@@ -139,7 +139,12 @@ class ClientRunner:
                 state = self.state(cid, keep=not evaluate)
                 rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
                 if evaluate:
-                    rep.metrics = dict(fn(down, state, self._data(cid), ctx))
+                    data = self._data(cid)
+                    rep.metrics = dict(fn(down, state, data, ctx))
+                    if data.has_val:  # the same evaluation on the validation split: test_* -> val_*
+                        rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                        vm = fn(down, state, data.validation_view(), ctx)
+                        rep.metrics.update({"val_" + k[5:]: v for k, v in vm.items() if k.startswith("test_")})
                 else:
                     res = fn(down, state, self._data(cid), ctx)
                     rep.nonfinite = safety.check_update(res.metrics, res.upload) or ""

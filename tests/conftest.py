@@ -34,6 +34,14 @@ def tiny_config(**over) -> dict:
     return cfg
 
 
+def method_overrides(name: str) -> dict:
+    """Config overrides a method needs on the tiny config: FedPer shares conv layers by default (the mlp has none),
+    so it runs on the two-conv cnn_small."""
+    if name == "fedper":
+        return {"model": {"arch": "cnn_small", "params": {"channels": 4, "embed_dim": 16}}}
+    return {}
+
+
 @pytest.fixture
 def tiny():
     return lambda **over: make_config(tiny_config(**over))

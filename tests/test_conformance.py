@@ -21,7 +21,9 @@ def same(a, b):
 
 
 def cfg_for(tiny, name, **over):
-    return tiny(rounds=3, clients_per_round=4, algorithm={"name": name, "params": {}}, **over)
+    from tests.conftest import method_overrides
+
+    return tiny(rounds=3, clients_per_round=4, algorithm={"name": name, "params": {}}, **{**method_overrides(name), **over})
 
 
 @pytest.mark.parametrize("name", NAMES)

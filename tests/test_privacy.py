@@ -12,7 +12,9 @@ NAMES = sorted(n for n, t in ALGORITHMS.items() if t.startswith("algorithms."))
 
 @pytest.mark.parametrize("name", NAMES)
 def test_only_declared_kinds_reach_the_server(tiny, name, monkeypatch):
-    cfg = tiny(rounds=2, clients_per_round=4, algorithm={"name": name, "params": {}})
+    from tests.conftest import method_overrides
+
+    cfg = tiny(rounds=2, clients_per_round=4, algorithm={"name": name, "params": {}}, **method_overrides(name))
     prep = prepare(cfg)
     declared = prep.algorithm.declared_uploads()
     assert declared is not None, f"{name} does not declare its uploads"

@@ -22,7 +22,9 @@ NEW = ["fedtgp", "fedproto_uh", "fedprox", "fedper", "lgfedavg", "fesem", "feddi
 
 
 def make_algo(tiny, name, params=None, **over):
-    cfg = tiny(algorithm={"name": name, "params": params or {}}, **over)
+    from tests.conftest import method_overrides
+
+    cfg = tiny(algorithm={"name": name, "params": params or {}}, **{**method_overrides(name), **over})
     prep = prepare(cfg)
     return algorithm_class(name).from_config(params or {}, prep.task), prep
 
@@ -40,7 +42,7 @@ def _n(n):
 
 
 def test_fedper_averages_bodies_and_keeps_heads(tiny):
-    algo, prep = make_algo(tiny, "fedper")
+    algo, prep = make_algo(tiny, "fedper", {"shared": "body"})
     ups = {0: {"shared": Message("body_weights", {"body.w": torch.tensor([1.0, 2.0])}), "num_samples": _n(1)},
            1: {"shared": Message("body_weights", {"body.w": torch.tensor([3.0, 6.0])}), "num_samples": _n(3)}}
     state, _ = algo.aggregate({}, ups, sctx(prep.task))
@@ -224,7 +226,7 @@ def test_fedtgp_checkpoint_carries_generator(tiny, tmp_path):
 
 
 def test_fedproto_uh_head_is_fixed_shared_and_orthogonal(tiny):
-    algo, prep = make_algo(tiny, "fedproto_uh")
+    algo, prep = make_algo(tiny, "fedproto_uh", {"head": "cosine"})
     task = prep.task
     from raysim.algorithm import ModelCache
 
@@ -353,7 +355,9 @@ def _final(table, metric="test_acc"):
 @pytest.mark.parametrize("name", NEW)
 def test_tiny_run_is_finite_and_deterministic(tiny, name):
     params = {"server_epochs": 3} if name == "fedtgp" else {}
-    cfg = tiny(rounds=2, algorithm={"name": name, "params": params})
+    from tests.conftest import method_overrides
+
+    cfg = tiny(rounds=2, algorithm={"name": name, "params": params}, **method_overrides(name))
     a = run_experiment(cfg, write=False).table
     b = run_experiment(cfg, write=False).table
     assert a.equals(b)
@@ -368,7 +372,9 @@ def test_uploads_of_one_runner_are_not_aliased(tiny, name):
     is loaded into (regression: state_message did not copy on CPU, so FedAvg averaged the last client only)."""
     from raysim.runtime import ClientRunner, ServerRunner
 
-    prep = prepare(tiny(algorithm={"name": name, "params": {}}))
+    from tests.conftest import method_overrides
+
+    prep = prepare(tiny(algorithm={"name": name, "params": {}}, **method_overrides(name)))
     srv, runner = ServerRunner(prep.spec), ClientRunner(prep.spec, prep.fed_data.clients)
     from raysim.steps import CLASSIC_ROUND
 

@@ -27,6 +27,11 @@ from tuning.study import RoundMonitor, counted, nonfinite_loss, objective_value,
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = lambda *a: None  # noqa: E731
 
+def vcfg(**over):
+    """The tiny config with a validation split (tuning selects on val_* metrics)."""
+    return tiny_config(data__val_fraction=0.2, **over)
+
+
 LAM = {"algorithm.params.lam": {"type": "float", "low": 0.01, "high": 10.0, "log": True}}
 
 
@@ -66,15 +71,15 @@ def test_space_errors_name_the_field(space, field):
 ])
 def test_space_checked_against_the_config(params, field):
     with pytest.raises(ConfigError) as e:
-        check_against_config(parse_space({"params": params}), tiny_config())
+        check_against_config(parse_space({"params": params}), vcfg())
     assert e.value.field == field
 
 
 def test_apply_params_sets_dotted_keys_exactly():
-    cfg = apply_params(tiny_config(), {"algorithm.params.lam": 1e20, "train.batch_size": 3}, seed=11)
+    cfg = apply_params(vcfg(), {"algorithm.params.lam": 1e20, "train.batch_size": 3}, seed=11)
     assert cfg.algorithm.params["lam"] == 1e20 and isinstance(cfg.algorithm.params["lam"], float)
     assert cfg.train.batch_size == 3 and cfg.seed == 11
-    assert tiny_config()["algorithm"]["params"]["lam"] == 1.0  # the base is not modified
+    assert vcfg()["algorithm"]["params"]["lam"] == 1.0  # the base is not modified
 
 
 def test_bad_storage_url():
@@ -166,7 +171,7 @@ def test_nonfinite_loss_in_table():
 def test_tiny_study_runs_prunes_and_exports(tmp_path):
     space = {"params": {"train.lr": {"type": "categorical", "choices": [0.05, 0.0005]}},
              "pruner": {"name": "median", "n_startup_trials": 1}, "sampler": {"name": "random", "seed": 0}}
-    res = tune(tiny_config(rounds=4), space, 4, out_dir=tmp_path / "s", log=QUIET)
+    res = tune(vcfg(rounds=4), space, 4, out_dir=tmp_path / "s", log=QUIET)
     t = res.trials.set_index("number")
     # seed 0 draws lr 0.0005, 0.05, 0.0005, 0.0005: the first is a start-up trial, the last two fall below the
     # median of the finished ones at round 0 and stop there
@@ -174,12 +179,12 @@ def test_tiny_study_runs_prunes_and_exports(tmp_path):
     assert t["state"].tolist() == ["COMPLETE", "COMPLETE", "PRUNED", "PRUNED"]
     assert t.loc[[2, 3], "last_round"].tolist() == [0, 0] and t.loc[[0, 1], "last_round"].tolist() == [3, 3]
     for n, row in t.iterrows():
-        cfg = apply_params(tiny_config(rounds=4, output__progress=False), {"train.lr": row["params_train.lr"]})
+        cfg = apply_params(vcfg(rounds=4, output__progress=False), {"train.lr": row["params_train.lr"]})
         assert row["seed"] == 7 and row["config_hash"] == cfg.config_hash()
         assert (Path(row["run_dir"]) / "results.parquet").exists()
     # the objective is the Parquet table's final mean client accuracy
     df = results.load(t.loc[1, "run_dir"])
-    assert t.loc[1, "value"] == pytest.approx(float(results.final(df)["mean"].iloc[0]))
+    assert t.loc[1, "value"] == pytest.approx(float(results.final(df, "val_acc")["mean"].iloc[0]))
     exported = pd.read_parquet(res.files["trials"])
     assert len(exported) == 4 and set(exported["state"]) == {"COMPLETE", "PRUNED"}
     best = load_config(res.files["best"])
@@ -189,14 +194,15 @@ def test_tiny_study_runs_prunes_and_exports(tmp_path):
 def test_diverging_trial_fails_with_reason_and_study_goes_on(tmp_path):
     space = {"params": {"algorithm.params.lam": {"type": "categorical", "choices": [1.0, 1e8]}},
              "pruner": {"name": "none"}, "sampler": {"name": "random", "seed": 0}}
-    res = tune(tiny_config(rounds=3), space, 3, out_dir=tmp_path / "s", log=QUIET)
+    res = tune(vcfg(rounds=3), space, 3, out_dir=tmp_path / "s", log=QUIET)
     t = res.trials.set_index("number")
     assert t["params_algorithm.params.lam"].tolist() == [1e8, 1.0, 1e8]
     assert t["state"].tolist() == ["FAIL", "COMPLETE", "FAIL"]
-    assert t.loc[0, "outcome"] == "diverged" and "=nan at round" in t.loc[0, "reason"]
+    assert t.loc[0, "outcome"] == "diverged" and ("=nan at round" in t.loc[0, "reason"]
+                                                   or "=inf at round" in t.loc[0, "reason"])
     assert res.best_params == {"algorithm.params.lam": 1.0}
     # diverged trials count as finished: asking for 3 again runs nothing
-    again = tune(tiny_config(rounds=3), space, 3, out_dir=tmp_path / "s", log=QUIET)
+    again = tune(vcfg(rounds=3), space, 3, out_dir=tmp_path / "s", log=QUIET)
     assert again.ran == 0 and len(again.trials) == 3
 
 
@@ -204,7 +210,7 @@ def test_resume_recovers_an_orphaned_trial(tmp_path):
     """A trial left RUNNING by a driver process that is gone is failed as interrupted and retried once."""
     space = {"params": LAM, "pruner": {"name": "none"}, "sampler": {"name": "random", "seed": 3}}
     out = tmp_path / "s"
-    first = tune(tiny_config(rounds=2), space, 5, out_dir=out, log=QUIET, stop_after=2)
+    first = tune(vcfg(rounds=2), space, 5, out_dir=out, log=QUIET, stop_after=2)
     assert first.ran == 2
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     pid = int(dead.stdout)
@@ -212,7 +218,7 @@ def test_resume_recovers_an_orphaned_trial(tmp_path):
     orphan = study.ask()
     orphan.set_user_attr("driver", f"{socket.gethostname()}:{pid}")
     lam = orphan.suggest_float("algorithm.params.lam", 0.01, 10.0, log=True)
-    res = tune(tiny_config(rounds=2), space, 5, out_dir=out, log=QUIET)
+    res = tune(vcfg(rounds=2), space, 5, out_dir=out, log=QUIET)
     t = res.trials.set_index("number")
     assert t.loc[2, "state"] == "FAIL" and t.loc[2, "outcome"] == "interrupted"
     assert t.loc[3, "retry_of"] == 2 and t.loc[3, "params_algorithm.params.lam"] == lam
@@ -223,7 +229,7 @@ def test_resume_recovers_an_orphaned_trial(tmp_path):
 
 def test_killed_study_resumes_without_lost_or_duplicated_trials(tmp_path):
     cfg_file, space_file, out = tmp_path / "tiny.yaml", tmp_path / "space.yaml", tmp_path / "study"
-    cfg_file.write_text(yaml.safe_dump(tiny_config(rounds=6)))
+    cfg_file.write_text(yaml.safe_dump(vcfg(rounds=6)))
     space_file.write_text(yaml.safe_dump({"params": LAM, "pruner": {"name": "none"},
                                           "sampler": {"name": "random", "seed": 5}}))
     storage = f"sqlite:///{tmp_path / 'study.db'}"
@@ -271,24 +277,24 @@ def test_killed_study_resumes_without_lost_or_duplicated_trials(tmp_path):
 def test_first_trial_runs_the_given_baseline(tmp_path):
     space = {"params": LAM, "pruner": {"name": "none"}, "sampler": {"name": "random", "seed": 0}}
     with pytest.raises(ConfigError) as e:
-        tune(tiny_config(rounds=1), space, 2, out_dir=tmp_path, log=QUIET, first_params={"train.lr": 0.1})
+        tune(vcfg(rounds=1), space, 2, out_dir=tmp_path, log=QUIET, first_params={"train.lr": 0.1})
     assert e.value.field == "--first" and not (tmp_path / "study.journal").exists()
-    res = tune(tiny_config(rounds=1), space, 2, out_dir=tmp_path, log=QUIET, first_params={"algorithm.params.lam": 1.0})
+    res = tune(vcfg(rounds=1), space, 2, out_dir=tmp_path, log=QUIET, first_params={"algorithm.params.lam": 1.0})
     lams = res.trials.sort_values("number")["params_algorithm.params.lam"].tolist()
     assert lams[0] == 1.0 and lams[1] != 1.0
 
 
 def test_changed_space_refuses_to_resume(tmp_path):
-    tune(tiny_config(rounds=1), {"params": LAM, "pruner": {"name": "none"}}, 1, out_dir=tmp_path, log=QUIET)
+    tune(vcfg(rounds=1), {"params": LAM, "pruner": {"name": "none"}}, 1, out_dir=tmp_path, log=QUIET)
     other = {"params": {"algorithm.params.lam": {"type": "float", "low": 0.1, "high": 1.0}}, "pruner": {"name": "none"}}
     with pytest.raises(ConfigError) as e:
-        tune(tiny_config(rounds=1), other, 2, out_dir=tmp_path, log=QUIET)
+        tune(vcfg(rounds=1), other, 2, out_dir=tmp_path, log=QUIET)
     assert e.value.field == "--study-name"
 
 
 def test_cli_tune_bad_space_exit_code_2(tmp_path, capsys):
     cfg_file, space_file = tmp_path / "c.yaml", tmp_path / "s.yaml"
-    cfg_file.write_text(yaml.safe_dump(tiny_config()))
+    cfg_file.write_text(yaml.safe_dump(vcfg()))
     space_file.write_text(yaml.safe_dump({"params": {"algorithm.params.lamda": {"low": 0.1, "high": 1.0}}}))
     assert main(["tune", str(cfg_file), "--space", str(space_file), "--trials", "2", "--out", str(tmp_path / "o")]) == 2
     assert "space.params.algorithm.params.lamda" in capsys.readouterr().err
@@ -301,13 +307,13 @@ def test_parallel_trials_on_ray_match_in_process_runs(tmp_path, ray_session):
 
     space = {"params": LAM, "pruner": {"name": "none"}, "sampler": {"name": "random", "seed": 1},
              "trial_resources": {"num_cpus": 1, "num_gpus": 0.5}}  # the session declares 2 fake GPUs (no CUDA used)
-    base = tiny_config(rounds=2, backend__name="ray")  # trials run the sequential backend inside their task
+    base = vcfg(rounds=2, backend__name="ray")  # trials run the sequential backend inside their task
     res = tune(base, space, 3, out_dir=tmp_path / "s", parallel=2, log=QUIET)
     t = res.trials.set_index("number")
     assert t["state"].tolist() == ["COMPLETE"] * 3 and res.ran == 3
     lam = t.loc[2, "params_algorithm.params.lam"]
-    ref = run_experiment(apply_params(tiny_config(rounds=2), {"algorithm.params.lam": lam}), write=False, progress=False)
-    assert t.loc[2, "value"] == ref.final("test_acc")[0]
+    ref = run_experiment(apply_params(vcfg(rounds=2), {"algorithm.params.lam": lam}), write=False, progress=False)
+    assert t.loc[2, "value"] == ref.final("val_acc")[0]
     assert counted(optuna.load_study(study_name="tiny-tune", storage=open_storage(
         f"journal:{tmp_path / 's' / 'study.journal'}")).get_trials()) == 3
 
@@ -316,5 +322,5 @@ def test_parallel_trials_on_ray_match_in_process_runs(tmp_path, ray_session):
 def test_parallel_trials_asking_for_missing_gpus_fail_fast(tmp_path, ray_session):
     space = {"params": LAM, "trial_resources": {"num_cpus": 1, "num_gpus": 3}}
     with pytest.raises(ConfigError) as e:
-        tune(tiny_config(rounds=1), space, 2, out_dir=tmp_path, parallel=2, log=QUIET)
+        tune(vcfg(rounds=1), space, 2, out_dir=tmp_path, parallel=2, log=QUIET)
     assert e.value.field == "space.trial_resources.num_gpus"

@@ -13,6 +13,7 @@ Example (``configs/tune_fedproto_lam.yaml``)::
     sampler: {name: tpe, seed: 0}
     trial_seed: config           # config: every trial runs the config's seed; trial: seed + trial number
     trial_resources: {num_cpus: 1, num_gpus: 0}   # per trial with --parallel (Ray tasks)
+    allow_test_metric: false     # default: a test_* metric is read as val_* (needs data.val_fraction > 0)
 
 The file is validated like an experiment config: every problem is one :class:`raysim.config.ConfigError` naming the
 dotted field (``space.params.<key>.low`` ...), raised before the study touches its storage.
@@ -177,6 +178,7 @@ class SearchSpace:
     sampler: SamplerSpec = field(default_factory=SamplerSpec)
     trial_seed: str = "config"
     trial_resources: Resources = field(default_factory=Resources)
+    allow_test_metric: bool = False  # select on test_* metrics as written (biased; a warning is printed)
 
     def check(self, path: str) -> None:
         choice(f"{path}.trial_seed", self.trial_seed, ["config", "trial"])
@@ -210,6 +212,29 @@ def parse_space(data: dict | None, path: str = "space") -> SearchSpace:
 
 def load_space(path: str | Path) -> SearchSpace:
     return parse_space(load_yaml_mapping(path, "--space"))
+
+
+def resolve_objective(space: SearchSpace, cfg, log=print) -> SearchSpace:
+    """Honest selection: a ``test_*`` objective metric is read on the validation split (``val_*``) unless the space
+    sets ``allow_test_metric: true`` (then a warning says that selection on test data is biased). A validation
+    objective needs a base config with ``data.val_fraction > 0``: tuning refuses otherwise (it never changes the
+    clients' training data silently)."""
+    import dataclasses
+
+    metric = space.objective.metric
+    if space.allow_test_metric:
+        if metric.startswith("test_"):
+            log(f"WARNING: the objective {metric!r} is read on the test data (allow_test_metric: true): the selected "
+                f"configuration's test accuracy is biased upwards; report it on other seeds or use a validation split")
+        return space
+    if metric.startswith("test_"):
+        metric = "val_" + metric[len("test_"):]
+    if metric.startswith("val_") and float(cfg.data.val_fraction) <= 0:
+        raise ConfigError("data.val_fraction", f"tuning selects on the validation split ({metric!r}) but the base "
+                                               f"config has none; set data.val_fraction (e.g. 0.2) in the config or "
+                                               f"with --set data.val_fraction=0.2, or allow_test_metric: true in the "
+                                               f"space (biased selection on test data)")
+    return dataclasses.replace(space, objective=dataclasses.replace(space.objective, metric=metric))
 
 
 def apply_params(base: dict, params: dict, seed: Optional[int] = None):

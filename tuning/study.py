@@ -32,7 +32,7 @@ import yaml
 from raysim import results
 from raysim.config import ConfigError, apply_overrides, load_config_dict, make_config, to_dict
 from raysim.data.datasets import DataError
-from tuning.space import SearchSpace, apply_params, check_against_config, parse_space
+from tuning.space import SearchSpace, apply_params, check_against_config, parse_space, resolve_objective
 
 FINISHED_OUTCOMES = ("complete", "pruned", "diverged", "error")
 
@@ -364,6 +364,7 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
     if not isinstance(space, SearchSpace):
         space = parse_space(space)
     check_against_config(space, base)
+    space = resolve_objective(space, cfg, log)
     unknown = sorted(set(first_params or {}) - set(space.params))
     if unknown:
         raise ConfigError("--first", f"{', '.join(unknown)} is not a tuned key; tuned: {', '.join(space.params)}")
@@ -496,10 +497,19 @@ def trials_frame(study) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def tuned_seeds(df: pd.DataFrame) -> list[int]:
+    """The seeds a study's trials ran (trials.parquet column ``seed``; study attribute ``tuned_seeds``)."""
+    if df.empty or "seed" not in df:
+        return []
+    return sorted({int(x) for x in df["seed"].dropna()})
+
+
 def export(study, out_dir: Path, base: dict, space: SearchSpace) -> TuneResult:
     import optuna
 
     df = trials_frame(study)
+    seeds = tuned_seeds(df)
+    study.set_user_attr("tuned_seeds", seeds)
     files = {"trials": out_dir / "trials.parquet"}
     tmp = out_dir / ".trials.parquet.tmp"
     df.to_parquet(tmp, index=False)
@@ -514,7 +524,8 @@ def export(study, out_dir: Path, base: dict, space: SearchSpace) -> TuneResult:
         best["output"]["progress"] = True
         header = (f"# best trial {bt.number} of study {study.study_name!r}: {space.objective.mode} "
                   f"{space.objective.metric} = {bt.value:.6g}\n# tuned: "
-                  + ", ".join(f"{k}={v!r}" for k, v in best_params.items()) + "\n")
+                  + ", ".join(f"{k}={v!r}" for k, v in best_params.items()) + "\n"
+                  + f"# tuned on seeds: {', '.join(str(x) for x in seeds)} (compare methods on other seeds)\n")
         files["best"] = out_dir / "best.yaml"
         files["best"].write_text(header + yaml.safe_dump(best, sort_keys=False))
     return TuneResult(study.study_name, out_dir, df, best_params, best_value, 0, 0.0, files)

@@ -10,7 +10,7 @@ import torch
 from raysim import rng as rngmod
 from raysim.config import DataConfig
 from raysim.data.datasets import ArrayDataset, DataError, LoadedDataset, load_dataset
-from raysim.data.partition import run_partitioner
+from raysim.data.partition import load_split_files, run_partitioner
 
 
 @dataclass
@@ -27,6 +27,23 @@ class ClientData:
     num_classes: int = 10
     norm: Optional[tuple] = None  # (mean, std) of the uint8 source: x = (pixel / 255 - mean) / std
     provenance: str = "private"  # a client's data never leaves its runner (tests/test_privacy.py)
+    x_val: Optional[torch.Tensor] = None  # validation split (data.val_fraction), carved from the training data;
+    y_val: Optional[torch.Tensor] = None  # empty when there is none
+
+    def __post_init__(self):
+        if self.x_val is None:
+            self.x_val = self.x_test[:0]
+        if self.y_val is None:
+            self.y_val = self.y_test[:0]
+
+    @property
+    def has_val(self) -> bool:
+        return int(self.y_val.shape[0]) > 0
+
+    def validation_view(self) -> "ClientData":
+        """The same client with its validation split in the test fields (what an evaluate function reads)."""
+        return ClientData(self.client_id, self.x_train, self.y_train, self.x_val, self.y_val, self.classes, self.group,
+                          self.num_classes, self.norm, self.provenance)
 
     @property
     def num_train(self) -> int:
@@ -35,9 +52,9 @@ class ClientData:
     def class_counts(self) -> torch.Tensor:
         return torch.bincount(self.y_train, minlength=self.num_classes)
 
-    def _replace(self, x_train, y_train, x_test, y_test) -> "ClientData":
+    def _replace(self, x_train, y_train, x_test, y_test, x_val, y_val) -> "ClientData":
         return ClientData(self.client_id, x_train, y_train, x_test, y_test, self.classes, self.group, self.num_classes,
-                          self.norm)
+                          self.norm, self.provenance, x_val, y_val)
 
     @property
     def is_compact(self) -> bool:
@@ -53,20 +70,22 @@ class ClientData:
         if self.norm is None or self.is_compact:
             return self
         mean, std = self.norm
-        enc = [((x * std + mean) * 255.0).round().clamp(0, 255).to(torch.uint8) for x in (self.x_train, self.x_test)]
-        if not all(torch.equal(self._decode(u, "cpu"), x) for u, x in zip(enc, (self.x_train, self.x_test))):
+        xs = (self.x_train, self.x_test, self.x_val)
+        enc = [((x * std + mean) * 255.0).round().clamp(0, 255).to(torch.uint8) for x in xs]
+        if not all(torch.equal(self._decode(u, "cpu"), x) for u, x in zip(enc, xs)):
             return self
-        return self._replace(enc[0], self.y_train, enc[1], self.y_test)
+        return self._replace(enc[0], self.y_train, enc[1], self.y_test, enc[2], self.y_val)
 
     def to(self, device) -> "ClientData":
         """The client's data as float tensors on ``device`` (decoded per step when stored compact)."""
         if self.is_compact:
             return self._replace(self._decode(self.x_train, device), self.y_train.to(device),
-                                 self._decode(self.x_test, device), self.y_test.to(device))
+                                 self._decode(self.x_test, device), self.y_test.to(device),
+                                 self._decode(self.x_val, device), self.y_val.to(device))
         if str(device) == "cpu":
             return self
         return self._replace(self.x_train.to(device), self.y_train.to(device), self.x_test.to(device),
-                             self.y_test.to(device))
+                             self.y_test.to(device), self.x_val.to(device), self.y_val.to(device))
 
 
 @dataclass
@@ -79,7 +98,7 @@ class FederatedData:
     notes: list[str] = field(default_factory=list)
 
     def summary(self) -> dict:
-        return {
+        out = {
             "num_clients": len(self.clients),
             "train_sizes": [c.num_train for c in self.clients],
             "test_sizes": [int(c.y_test.shape[0]) for c in self.clients],
@@ -87,6 +106,22 @@ class FederatedData:
             "groups": [c.group for c in self.clients],
             "notes": self.notes,
         }
+        if any(c.has_val for c in self.clients):
+            out["val_sizes"] = [int(c.y_val.shape[0]) for c in self.clients]
+        return out
+
+
+def split_validation(train_idx: np.ndarray, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val): ``round(fraction * n)`` of a client's training indices (at least 1, at most n - 1) drawn at
+    random as its validation split; both sorted, disjoint, together exactly ``train_idx``."""
+    n = len(train_idx)
+    if fraction <= 0 or n == 0:
+        return train_idx, train_idx[:0]
+    k = min(max(1, int(round(fraction * n))), n - 1)
+    if k <= 0:
+        raise DataError("data.val_fraction", f"a client with {n} training sample(s) cannot hold out a validation split")
+    perm = rng.permutation(n)
+    return np.sort(train_idx[perm[k:]]), np.sort(train_idx[perm[:k]])
 
 
 def _split_test_pool(ds: LoadedDataset, fraction: float, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
@@ -114,7 +149,41 @@ def rotate(x: torch.Tensor, angle: float) -> torch.Tensor:
     return TF.rotate(x, -a, fill=float(x.min()))
 
 
+def _files_data(cfg: DataConfig, seed: int) -> FederatedData:
+    """``data.partition: files``: the clients hold exactly the samples of a reference library's split files."""
+    split = load_split_files(dict(cfg.partition_params), cfg.num_clients)
+    notes = list(split.notes)
+    clients = []
+    for i, ((xtr, ytr), (xte, yte)) in enumerate(zip(split.train, split.test)):
+        if len(ytr) == 0:
+            raise DataError("data.partition_params.root", f"client {i} has no training samples (train/{i}.npz)")
+        x_tr, y_tr = torch.as_tensor(xtr, dtype=torch.float32), torch.as_tensor(ytr, dtype=torch.int64)
+        x_va = y_va = None
+        if cfg.val_fraction > 0:
+            keep, va = split_validation(np.arange(len(ytr)), cfg.val_fraction,
+                                        rngmod.numpy_rng(seed, rngmod.NO_ROUND, i, "val-split"))
+            x_va, y_va = x_tr[va], y_tr[va]
+            x_tr, y_tr = x_tr[keep], y_tr[keep]
+        x_te, y_te = torch.as_tensor(xte, dtype=torch.float32), torch.as_tensor(yte, dtype=torch.int64)
+        group = 0
+        if cfg.rotations:
+            group = i % len(cfg.rotations)
+            x_tr, x_te = rotate(x_tr, cfg.rotations[group]), rotate(x_te, cfg.rotations[group])
+            if x_va is not None:
+                x_va = rotate(x_va, cfg.rotations[group])
+        clients.append(ClientData(i, x_tr, y_tr, x_te, y_te, sorted(set(y_tr.tolist())), group, split.num_classes,
+                                  None, x_val=x_va, y_val=y_va))
+    if cfg.val_fraction > 0:
+        notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out")
+    test = ArrayDataset(torch.cat([c.x_test for c in clients]), torch.cat([c.y_test for c in clients]),
+                        split.num_classes, provenance="test")
+    public = _load_public(cfg.public, seed) if cfg.public else None
+    return FederatedData(clients, split.num_classes, tuple(clients[0].x_train.shape[1:]), test, public, notes)
+
+
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
+    if cfg.partition == "files":
+        return _files_data(cfg, seed)
     ds = load_dataset(cfg.dataset, cfg.root)
     notes = [ds.notes]
     if ds.test is None:
@@ -129,16 +198,29 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     notes += part.notes
     clients = []
     for i in range(cfg.num_clients):
-        tr, te = train_pool.subset(part.train[i]), test_pool.subset(part.test[i])
+        va = None
+        tr_idx = np.asarray(part.train[i])
+        if cfg.val_fraction > 0:
+            tr_idx, va_idx = split_validation(tr_idx, cfg.val_fraction,
+                                              rngmod.numpy_rng(seed, rngmod.NO_ROUND, i, "val-split"))
+            va = train_pool.subset(va_idx)
+        tr, te = train_pool.subset(tr_idx), test_pool.subset(part.test[i])
         if len(tr) == 0:
             raise DataError("data.partition_params", f"client {i} received no training samples")
         group = 0
         x_tr, x_te = tr.x, te.x
+        x_va = va.x if va is not None else None
         if cfg.rotations:
             group = i % len(cfg.rotations)
             x_tr, x_te = rotate(x_tr, cfg.rotations[group]), rotate(x_te, cfg.rotations[group])
+            if x_va is not None:
+                x_va = rotate(x_va, cfg.rotations[group])
         classes = sorted(set(tr.y.tolist()))
-        clients.append(ClientData(i, x_tr, tr.y, x_te, te.y, classes, group, ds.num_classes, train_pool.norm))
+        clients.append(ClientData(i, x_tr, tr.y, x_te, te.y, classes, group, ds.num_classes, train_pool.norm,
+                                  x_val=x_va, y_val=va.y if va is not None else None))
+    if cfg.val_fraction > 0:
+        notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out "
+                     f"(stream (seed, -, client, 'val-split')), disjoint from its train and test data")
     if cfg.rotations:
         notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
     public = None

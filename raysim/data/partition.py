@@ -216,6 +216,78 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
 }
 
 
+# -- splits written by the reference libraries ---------------------------------------------------------------------
+
+FILES_PARAMS = ["root"]
+
+
+@dataclass
+class FileSplit:
+    """A PFLlib / HtFLlib split loaded unchanged: per client (x, y) train and test arrays."""
+
+    train: list[tuple[np.ndarray, np.ndarray]]
+    test: list[tuple[np.ndarray, np.ndarray]]
+    num_classes: int
+    notes: list[str] = field(default_factory=list)
+
+
+def _load_npz(path, what: str) -> tuple[np.ndarray, np.ndarray]:
+    from pathlib import Path
+
+    if not Path(path).exists():
+        raise DataError(_field("root"), f"missing {what} file {path}")
+    try:
+        with open(path, "rb") as f:
+            d = np.load(f, allow_pickle=True)["data"].tolist()
+        x, y = np.asarray(d["x"]), np.asarray(d["y"])
+    except DataError:
+        raise
+    except Exception as e:
+        raise DataError(_field("root"), f"cannot read {path} as a PFLlib split file (np.load(f, allow_pickle=True)"
+                                        f"['data'] with keys x and y): {type(e).__name__}: {e}") from None
+    if x.shape[0] != y.shape[0]:
+        raise DataError(_field("root"), f"{path}: {x.shape[0]} samples in x but {y.shape[0]} labels in y")
+    return x, y
+
+
+def load_split_files(params: dict, num_clients: int) -> FileSplit:
+    """``data.partition: files``: ``partition_params.root`` holds PFLlib's layout (``config.json`` with
+    num_clients and num_classes, ``train/<i>.npz`` and ``test/<i>.npz`` for client i, each with arrays x and y under
+    the key ``data``). Loaded as written: no reshuffling, resampling or normalisation."""
+    import json
+    from pathlib import Path
+
+    for key in params:
+        if key not in FILES_PARAMS:
+            raise DataError(_field(key), f"unknown parameter for partition 'files'; allowed: {', '.join(FILES_PARAMS)}")
+    if "root" not in params:
+        raise DataError(_field("root"), "partition 'files' needs the directory of a PFLlib/HtFLlib split")
+    root = Path(str(params["root"])).expanduser()
+    if not root.is_dir():
+        raise DataError(_field("root"), f"{root} is not a directory")
+    cfg_path = root / "config.json"
+    if not cfg_path.exists():
+        raise DataError(_field("root"), f"missing {cfg_path} (PFLlib writes num_clients and num_classes there)")
+    try:
+        meta = json.loads(cfg_path.read_text())
+        n, num_classes = int(meta["num_clients"]), int(meta["num_classes"])
+    except Exception as e:
+        raise DataError(_field("root"), f"{cfg_path} needs integer num_clients and num_classes: {e}") from None
+    if n != num_clients:
+        raise DataError("data.num_clients", f"the split in {root} has {n} clients (config.json), the config asks for "
+                                            f"{num_clients}; set data.num_clients: {n}")
+    train = [_load_npz(root / "train" / f"{i}.npz", "training") for i in range(n)]
+    test = [_load_npz(root / "test" / f"{i}.npz", "test") for i in range(n)]
+    for i, (tr, te) in enumerate(zip(train, test)):
+        for what, (x, y) in (("train", tr), ("test", te)):
+            if len(y) and (y.min() < 0 or y.max() >= num_classes):
+                raise DataError(_field("root"), f"{what}/{i}.npz has labels outside 0..{num_classes - 1}")
+    shapes = {tuple(x.shape[1:]) for x, _ in train + test}
+    if len(shapes) != 1:
+        raise DataError(_field("root"), f"the split's samples have different shapes: {sorted(shapes)}")
+    return FileSplit(train, test, num_classes, [f"split loaded unchanged from {root} (PFLlib/HtFLlib layout)"])
+
+
 def partition_params(name: str) -> list[str]:
     sig = inspect.signature(PARTITIONERS[name])
     return [p for p in list(sig.parameters)[5:]]
@@ -223,7 +295,7 @@ def partition_params(name: str) -> list[str]:
 
 def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, num_classes) -> Partition:
     if name not in PARTITIONERS:
-        raise DataError("data.partition", f"{name!r} is not allowed; choose one of: {', '.join(PARTITIONERS)}")
+        raise DataError("data.partition", f"{name!r} is not allowed; choose one of: {', '.join(PARTITIONERS)}, files")
     allowed = partition_params(name)
     for key in params:
         if key not in allowed:
