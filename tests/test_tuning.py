@@ -53,7 +53,8 @@ def _states(res):
     ({"params": LAM, "pruner": {"name": "hyperband2"}}, "space.pruner.name"),
     ({"params": LAM, "objective": {"mode": "time_to_target"}}, "space.objective.target"),
     ({"params": LAM, "objective": {"mode": "last"}}, "space.objective.mode"),
-    ({"params": LAM, "sampler": {"name": "grid"}}, "space.sampler.name"),
+    ({"params": LAM, "sampler": {"name": "grid"}}, "space.params.algorithm.params.lam.type"),
+    ({"params": LAM, "sampler": {"name": "grdi"}}, "space.sampler.name"),
     ({"params": LAM, "trial_seed": "random"}, "space.trial_seed"),
     ({"params": LAM, "prunner": {}}, "space.prunner"),
 ])
@@ -189,6 +190,21 @@ def test_tiny_study_runs_prunes_and_exports(tmp_path):
     assert len(exported) == 4 and set(exported["state"]) == {"COMPLETE", "PRUNED"}
     best = load_config(res.files["best"])
     assert best.train.lr == 0.05 and res.best_params == {"train.lr": 0.05}
+
+
+def test_grid_study_runs_every_point_once_and_resumes(tmp_path):
+    grid = {"params": {"algorithm.params.lam": {"type": "categorical", "choices": [0.1, 1.0]},
+                       "train.lr": {"type": "categorical", "choices": [0.05, 0.01]}},
+            "pruner": {"name": "none"}, "sampler": {"name": "grid", "seed": 0}}
+    with pytest.raises(ConfigError) as e:
+        tune(vcfg(rounds=1), grid, 5, out_dir=tmp_path / "g", log=QUIET)
+    assert e.value.field == "--trials" and "4 points" in str(e.value)
+    first = tune(vcfg(rounds=1), grid, 4, out_dir=tmp_path / "g", log=QUIET, stop_after=2)  # as if interrupted
+    assert first.ran == 2
+    res = tune(vcfg(rounds=1), grid, 4, out_dir=tmp_path / "g", log=QUIET)
+    assert res.ran == 2
+    points = sorted(zip(res.trials["params_algorithm.params.lam"], res.trials["params_train.lr"]))
+    assert points == [(0.1, 0.01), (0.1, 0.05), (1.0, 0.01), (1.0, 0.05)]
 
 
 def test_diverging_trial_fails_with_reason_and_study_goes_on(tmp_path):

@@ -31,7 +31,7 @@ from raysim.config import (ConfigError, choice, from_dict, load_yaml_mapping, ma
                            to_dict)
 
 PRUNERS = ("none", "median", "percentile", "successive_halving")
-SAMPLERS = ("tpe", "random")
+SAMPLERS = ("tpe", "random", "grid")
 MODES = ("final", "best", "time_to_target")
 
 
@@ -145,10 +145,15 @@ class SamplerSpec:
         choice(f"{path}.name", self.name, SAMPLERS)
         positive(f"{path}.n_startup_trials", self.n_startup_trials, allow_zero=True)
 
-    def build(self, resumed_at: int = 0):
+    def build(self, resumed_at: int = 0, grid: Optional[dict] = None):
         """``resumed_at``: trials already in the study. A resumed study reseeds its sampler from (seed, resumed_at),
-        so it does not replay the draws of the first session (identical parameters twice)."""
+        so it does not replay the draws of the first session (identical parameters twice). ``grid``: the search
+        space as {key: choices} (``name: grid``; every point once, in a seeded order; a resumed study runs the points
+        not yet visited)."""
         import optuna
+
+        if self.name == "grid":
+            return _GridSampler(grid or {}, seed=self.seed)
 
         from raysim.rng import derive_seed
 
@@ -158,6 +163,23 @@ class SamplerSpec:
         if self.name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         return optuna.samplers.TPESampler(seed=seed, n_startup_trials=self.n_startup_trials)
+
+
+def _grid_sampler_class():
+    import optuna
+
+    class GridSampler(optuna.samplers.GridSampler):
+        """Optuna's grid sampler without its ``study.stop()`` when the grid is exhausted (that call is only legal
+        inside ``study.optimize``; raysim runs ask/tell and asks for at most the grid's size)."""
+
+        def after_trial(self, study, trial, state, values) -> None:
+            return None
+
+    return GridSampler
+
+
+def _GridSampler(grid: dict, seed=None):
+    return _grid_sampler_class()(grid, seed=seed)
 
 
 @dataclass(frozen=True)
@@ -184,6 +206,25 @@ class SearchSpace:
         choice(f"{path}.trial_seed", self.trial_seed, ["config", "trial"])
         if not self.params:
             raise ConfigError(f"{path}.params", "name at least one config key to tune, e.g. algorithm.params.lam")
+        if self.sampler.name == "grid":
+            for key, spec in self.params.items():
+                if spec.type != "categorical":
+                    raise ConfigError(f"{path}.params.{key}.type", "sampler grid needs every parameter categorical "
+                                                                   f"(a list of choices), got {spec.type}")
+
+    @property
+    def grid(self) -> Optional[dict]:
+        """{key: choices} for ``sampler: {name: grid}``, else None."""
+        if self.sampler.name != "grid":
+            return None
+        return {key: list(spec.choices) for key, spec in self.params.items()}
+
+    @property
+    def grid_size(self) -> Optional[int]:
+        return None if self.grid is None else math.prod(len(v) for v in self.grid.values())
+
+    def build_sampler(self, resumed_at: int = 0):
+        return self.sampler.build(resumed_at=resumed_at, grid=self.grid)
 
     def to_dict(self) -> dict:
         d = to_dict(self)

@@ -229,7 +229,7 @@ def _remote_trial(storage_url: str, study_name: str, trial_id: int, base: dict, 
 
     space = parse_space(space_dict)
     study = optuna.load_study(study_name=study_name, storage=open_storage(storage_url), pruner=space.pruner.build(),
-                              sampler=space.sampler.build())
+                              sampler=space.build_sampler())
     trial = optuna.trial.Trial(study, trial_id)
     try:  # where the trial ran (multi-node studies show it)
         import ray
@@ -365,6 +365,9 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
         space = parse_space(space)
     check_against_config(space, base)
     space = resolve_objective(space, cfg, log)
+    if space.grid_size is not None and n_trials > space.grid_size:
+        raise ConfigError("--trials", f"the grid (sampler: grid) has {space.grid_size} points; ask for at most that "
+                                      f"many trials, got {n_trials}")
     unknown = sorted(set(first_params or {}) - set(space.params))
     if unknown:
         raise ConfigError("--first", f"{', '.join(unknown)} is not a tuned key; tuned: {', '.join(space.params)}")
@@ -377,7 +380,7 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     study = optuna.create_study(study_name=study_name, storage=store, direction=space.objective.direction,
-                                sampler=space.sampler.build(), pruner=space.pruner.build(), load_if_exists=True)
+                                sampler=space.build_sampler(), pruner=space.pruner.build(), load_if_exists=True)
     identity = {"space_hash": space.space_hash(), "config_hash": cfg.config_hash()}
     for key, value in identity.items():
         old = study.user_attrs.get(key)
@@ -393,7 +396,7 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
     if first_params and not study.get_trials(deepcopy=False):
         study.enqueue_trial(dict(first_params), user_attrs={"baseline": True})
     recover_stale(study, log)
-    study.sampler = space.sampler.build(resumed_at=len(study.get_trials(deepcopy=False)))
+    study.sampler = space.build_sampler(resumed_at=len(study.get_trials(deepcopy=False)))
     done = counted(study.get_trials(deepcopy=False))
     todo = max(0, n_trials - done)
     log(f"study {study_name!r} ({storage_url}): {done} finished trial(s), running {todo} more"
