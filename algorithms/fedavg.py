@@ -58,6 +58,9 @@ class FedAvg(LocalTraining):
         view = start.aux["view"]
         return ce_loss if view is None else fedpu.pu_ce_loss(view, self.params.pu_weight)
 
+    def vectorizable(self, start: LocalStart) -> bool:
+        return start.aux["view"] is None  # FedPU's view is per client (its own prior and positive classes)
+
     def client_final(self, model, start, payload, state, data, ctx: Context):
         upload = {"model": state_message("weights", model.state_dict()),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}

@@ -72,6 +72,9 @@ class SharedPartAverage(LocalTraining):
     def objective(self, start: LocalStart):
         return ce_loss
 
+    def vectorizable(self, start: LocalStart) -> bool:
+        return True
+
     def client_final(self, model, start, payload, state, data, ctx: Context):
         new_state = clone_state(model)
         upload = {"shared": state_message(f"{self.shared}_weights", self.select_shared(new_state, model)),

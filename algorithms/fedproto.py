@@ -158,6 +158,11 @@ class FedProto(LocalTraining):
 
         return self.make_loss(a["protos"], a["mask"], collect, pu=a["pu"])
 
+    def vectorizable(self, start: LocalStart) -> bool:
+        # the global prototypes come from the broadcast; FedPU's view is per client and during_train collects
+        # embeddings as a side effect: those run in the per-client loop
+        return start.aux["pu"] is None and start.aux["collect"] is None
+
     def client_final(self, model, start, payload, state, data, ctx: Context):
         a = start.aux
         if a["collect"] is not None:

@@ -34,6 +34,9 @@ class Local(LocalTraining):
     def objective(self, start: LocalStart):
         return ce_loss
 
+    def vectorizable(self, start: LocalStart) -> bool:
+        return True  # plain cross-entropy: the same loss for every client
+
     def client_final(self, model, start, payload, state, data, ctx: Context):
         return {"model": clone_state(model)}, {}
 

@@ -259,6 +259,13 @@ class LocalTraining(Algorithm):
     def client_final(self, model, start: LocalStart, payload, state, data, ctx: Context) -> tuple[Any, Payload]:
         raise TypeError(f"{type(self).__name__} does not define client_final")
 
+    def vectorizable(self, start: LocalStart) -> bool:
+        """Opt-in to the vectorised executor (``backend.vectorize``): True promises that ``objective(start)`` depends
+        only on what every client of the step shares (the broadcast payload), so that one loss function serves a
+        group of clients trained together, and that it has no side effects (no ``on_epoch``). Default False: the
+        client runs in the per-client loop."""
+        return False
+
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
         from raysim.training import local_sgd
 

@@ -259,6 +259,8 @@ class BackendConfig:
     placement: str = "default"  # Ray: default (Ray packs actors) | spread (client actors over the cluster's nodes)
     data: str = "auto"  # Ray: where client data is built: driver (shipped to actors) | actors (each actor loads its
     #                     clients from the config on its own node) | auto (actors when backend.address is set)
+    vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
+    #                          the numbers within a stated tolerance, so it is part of the run's identity
 
     def check(self, path: str) -> None:
         choice(_p(path, "name"), self.name, ["sequential", "ray"])
@@ -328,7 +330,7 @@ class ExperimentConfig:
     def science_dict(self) -> dict:
         """The part of the config that determines the numbers (not where or how fast they are computed)."""
         d = to_dict(self)
-        d.pop("backend")
+        d["backend"] = {"vectorize": self.backend.vectorize}  # the executor changes the numbers (within tolerance)
         d.pop("output")
         d.pop("name")
         d.pop("on_actor_failure")  # recovery policies: a retried client reproduces exactly

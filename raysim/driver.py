@@ -96,11 +96,15 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
             seen.add(arch_key(spec))
             path = "model" if cfg.model.per_client is None else f"model.per_client[{i % len(cfg.model.per_client)}]"
             try:
-                build_model(spec, task.input_shape, task.num_classes, path)
+                built = build_model(spec, task.input_shape, task.num_classes, path)
             except (TypeError, ValueError, RuntimeError) as e:
                 if isinstance(e, ConfigError):
                     raise
                 raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
+            if cfg.backend.vectorize:
+                from raysim.vectorized import check_model
+
+                check_model(built, spec.arch)
     algorithm = algo_cls(params, task)
     algorithm.validate()
     for where, sched in (("schedule()", algorithm.schedule()), ("setup_schedule()", algorithm.setup_schedule()),

@@ -34,11 +34,54 @@ class Dropout(nn.Module):
         if self.p == 1.0:
             return x * 0.0
         shape = (x.shape[0], x.shape[1]) + (1,) * (x.dim() - 2) if self.channelwise else x.shape
-        mask = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p, generator=self.generator)
+        if _MASKS.replay is not None:  # vectorised executor: this client's mask, drawn beforehand (raysim.vectorized)
+            mask = next(_MASKS.replay)
+        else:
+            if _MASKS.record is not None:  # shape probe: which masks one forward draws, in call order
+                _MASKS.record.append((tuple(shape), x.dtype, self.p))
+            mask = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p, generator=self.generator)
         return x * mask * (1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:
         return f"p={self.p}, channelwise={self.channelwise}"
+
+
+class _MaskChannel:
+    """Where :class:`Dropout` takes its masks from: its generator (default), a replay iterator (the vectorised
+    executor feeds each client's pre-drawn masks), or its generator while recording the masks' shapes (a probe)."""
+
+    replay = None
+    record = None
+
+
+_MASKS = _MaskChannel()
+
+
+def dropout_masks_of(forward) -> list:
+    """Run ``forward()`` recording the (shape, dtype, p) of every dropout mask it draws, in call order."""
+    _MASKS.record = []
+    try:
+        forward()
+        return list(_MASKS.record)
+    finally:
+        _MASKS.record = None
+
+
+class replay_masks:
+    """Context manager: every :class:`Dropout` forward inside takes the next of ``masks`` instead of drawing."""
+
+    def __init__(self, masks):
+        self.masks = masks
+
+    def __enter__(self):
+        _MASKS.replay = iter(self.masks)
+
+    def __exit__(self, *exc):
+        _MASKS.replay = None
+
+
+def has_dropout(model: nn.Module) -> bool:
+    return any(isinstance(m, Dropout) and m.p > 0 for m in model.modules())
 
 
 def set_dropout_generator(model: nn.Module, generator) -> None:
@@ -64,11 +107,11 @@ class _CNNMnistBody(nn.Module):
     """FedProto's CNNMnist feature extractor (official ``lib/models/models.py``): conv 1->10 k5, pool, relu;
     conv 10->oc k5, dropout2d, pool, relu; fc -> embed_dim, relu (the prototype, taken before dropout)."""
 
-    def __init__(self, in_channels: int, out_channels: int, embed_dim: int, input_hw: int):
+    def __init__(self, in_channels: int, out_channels: int, embed_dim: int, input_hw: int, conv_dropout: float = 0.5):
         super().__init__()
         self.conv1 = nn.Conv2d(in_channels, 10, kernel_size=5)
         self.conv2 = nn.Conv2d(10, out_channels, kernel_size=5)
-        self.drop = Dropout(0.5, channelwise=True)
+        self.drop = Dropout(conv_dropout, channelwise=True)
         side = ((input_hw - 4) // 2 - 4) // 2
         self.fc1 = nn.Linear(out_channels * side * side, embed_dim)
 
@@ -78,10 +121,15 @@ class _CNNMnistBody(nn.Module):
         return F.relu(self.fc1(x.flatten(1)))
 
 
-def cnn_mnist(input_shape, num_classes, out_channels: int = 20, embed_dim: int = 50, dropout: float = 0.5) -> SplitModel:
+def cnn_mnist(input_shape, num_classes, out_channels: int = 20, embed_dim: int = 50, dropout: float = 0.5,
+              conv_dropout: float = 0.5) -> SplitModel:
+    """``dropout``: the head's dropout; ``conv_dropout``: the Dropout2d after conv2 (both FedProto's 0.5)."""
     if input_shape[-1] < 16:
         raise ConfigError("model.arch", f"cnn_mnist needs images of at least 16x16, got {tuple(input_shape)}; use mlp or cnn_small")
-    body = _CNNMnistBody(input_shape[0], out_channels, embed_dim, input_shape[-1])
+    for name, p in (("dropout", dropout), ("conv_dropout", conv_dropout)):
+        if not 0.0 <= p < 1.0:
+            raise ConfigError(f"model.params.{name}", f"must be in [0, 1), got {p}")
+    body = _CNNMnistBody(input_shape[0], out_channels, embed_dim, input_shape[-1], conv_dropout)
     return SplitModel(body, nn.Sequential(Dropout(dropout), nn.Linear(embed_dim, num_classes)), embed_dim)
 
 

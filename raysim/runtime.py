@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 
 from raysim import rng as rngmod
-from raysim.algorithm import Context, ModelCache, ServerUpdate, Task
+from raysim.algorithm import Context, LocalTraining, ModelCache, ServerUpdate, Task
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData
 from raysim.messages import payload_sizes
@@ -126,6 +126,9 @@ class ClientRunner:
         fn = getattr(self.algorithm, step.method)
         evaluate = step.mode == "evaluate"
         uploads, reports = {}, []
+        if (not evaluate and step.method == "client_update" and self.spec.cfg.backend.vectorize
+                and isinstance(self.algorithm, LocalTraining)):
+            return self._run_vectorized(step, payload, round_idx, iteration, client_ids)
         for cid in client_ids:
             if evaluate and self.data[cid].y_test.numel() == 0:
                 continue  # a client without local test data is not evaluated
@@ -162,6 +165,93 @@ class ClientRunner:
             rep.seconds = time.perf_counter() - t0
             reports.append(rep)
         return uploads, reports
+
+    def _finish_update(self, rep: ClientReport, cid: int, res, token: str, uploads: dict) -> None:
+        from raysim import safety
+
+        rep.nonfinite = safety.check_update(res.metrics, res.upload) or ""
+        if rep.nonfinite:  # a diverged update never reaches the server; the client keeps its last state
+            rep.ok, rep.error = False, safety.NONFINITE_PREFIX + rep.nonfinite
+        else:
+            self.store.stage(cid, res.state, token)
+            uploads[cid] = res.upload
+            rep.metrics = dict(res.metrics)
+            rep.up = payload_sizes(res.upload)
+
+    def _run_vectorized(self, step: ClientStep, payload, round_idx: int, iteration: int,
+                        client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
+        """``backend.vectorize``: ``client_init`` per client, the local training of every client whose method opts
+        in (``vectorizable``) batched per architecture (:mod:`raysim.vectorized`), ``client_final`` per client;
+        every client keeps its own failure guard. Clients that do not opt in run the per-client loop."""
+        from raysim.algorithm import ClientUpdate
+        from raysim.vectorized import check_model, vmap_local_sgd
+
+        alg, cfg = self.algorithm, self.spec.task.train
+        token = step_token(round_idx, step, iteration)
+        uploads, reports, pending, groups = {}, {}, {}, {}
+        for cid in client_ids:
+            t0 = time.perf_counter()
+            rep = reports[cid] = ClientReport(cid, round_idx, step.name, iteration=iteration)
+            try:
+                ctx = self._ctx(round_idx, cid, step.name, iteration)
+                down = alg.downlink(payload, cid, ctx)
+                rep.down = payload_sizes(down)
+                state = self.state(cid)
+                data = self._data(cid)
+                rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                model = alg.live_model(ctx)
+                start = alg.client_init(model, down, state, data, ctx)
+                if alg.vectorizable(start) and start.on_epoch is None:
+                    check_model(model)
+                    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+                    opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
+                    pending[cid] = (ctx, down, state, data, start, params, opt_state)
+                    groups.setdefault(id(model), (model, []))[1].append(cid)
+                else:
+                    rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                    self._finish_update(rep, cid, alg.client_update(down, state, data, ctx), token, uploads)
+            except Exception as e:
+                _failure(rep, e)
+                self.store.discard([cid])
+                uploads.pop(cid, None)
+                pending.pop(cid, None)
+            rep.seconds += time.perf_counter() - t0
+        for model, cids in groups.values():
+            cids = [c for c in cids if c in pending]
+            if not cids:
+                continue
+            t0 = time.perf_counter()
+            items = [pending[c] for c in cids]
+            try:
+                trained, metrics, opt_states = vmap_local_sgd(
+                    model, alg.objective(items[0][4]), [it[5] for it in items],
+                    [it[3].x_train for it in items], [it[3].y_train if it[4].y is None else it[4].y for it in items],
+                    cfg, [it[0].generator("batches") for it in items],
+                    [it[0].generator("dropout", device=it[0].device) for it in items], [it[6] for it in items])
+            except Exception as e:  # the batched computation failed: every client in it failed with the error
+                for c in cids:
+                    _failure(reports[c], e)
+                    self.store.discard([c])
+                continue
+            share = (time.perf_counter() - t0) / len(cids)
+            for j, c in enumerate(cids):
+                t1 = time.perf_counter()
+                ctx, down, state, data, start, _, _ = pending[c]
+                rep = reports[c]
+                try:
+                    with torch.no_grad():
+                        for n, p in model.named_parameters():
+                            p.copy_(trained[j][n])
+                    new_state, upload = alg.client_final(model, start, down, state, data, ctx)
+                    if cfg.persist_optimizer:
+                        new_state = {**(new_state or {}), "opt": opt_states[j]}
+                    self._finish_update(rep, c, ClientUpdate(new_state, upload, metrics[j]), token, uploads)
+                except Exception as e:
+                    _failure(rep, e)
+                    self.store.discard([c])
+                    uploads.pop(c, None)
+                rep.seconds += share + time.perf_counter() - t1
+        return uploads, [reports[c] for c in client_ids]
 
     def commit(self, client_ids: Optional[list[int]] = None, token: Optional[str] = None) -> None:
         """The step's results reached the driver: its new states become the committed ones."""

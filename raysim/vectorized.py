@@ -1,0 +1,229 @@
+"""The vectorised executor (``backend.vectorize: true``): the clients of one architecture in one client step on one
+runner train together as one batched computation — ``torch.func.functional_call`` + ``vmap`` + ``grad`` over the
+stacked parameters of the clients — instead of one after another.
+
+It runs the same three functions as the per-client loop (:func:`raysim.training.local_sgd`), the pure client step of
+:class:`raysim.algorithm.LocalTraining`: ``client_init`` per client (loads its starting weights, unpacks the
+payload), one ``objective`` for the whole group, ``client_final`` per client. A method opts in with
+``LocalTraining.vectorizable(start)``: True promises that the objective built from ``start`` depends only on what
+every client of the step shares (the broadcast payload), so one loss function serves the group.
+
+Exactness rules (what makes the table equal to the loop's within the stated tolerance, not bit for bit):
+
+* **batches** — each client draws its batch order from its own ``"batches"`` generator exactly as the loop does (one
+  ``randperm`` per epoch), so its batches are the loop's. Clients with different data sizes have different batch
+  counts and a smaller last batch: at every step the executor groups the clients that still train by their batch
+  size and runs one batched computation per group (no padding, so every client's loss is the mean over exactly its
+  own batch, as in the loop); a client that has finished its steps keeps its weights.
+* **dropout** — each client's masks are drawn from its own ``"dropout"`` generator with the same calls, shapes and
+  order as in the loop (shapes found by a probe forward per batch size), then fed to the batched forward
+  (``models.replay_masks``): the masks are the loop's masks.
+* **optimisers** — SGD (momentum, weight decay) and Adam (weight decay, bias correction) are applied to the stacked
+  tensors with torch's own update formulas; per-client state (momentum buffers, Adam moments and step counts) goes in
+  and out in the loop's format (``training.optimizer_state``), so ``persist_optimizer`` and repeated steps work.
+* **BatchNorm** — refused: a batch-norm layer updates its running statistics in place during training, which a
+  vmapped forward cannot do per client (``check_model`` raises a ConfigError naming ``backend.vectorize``).
+
+Floating-point sums inside batched kernels are ordered differently from per-client kernels, so the numbers differ
+from the loop's in the last bits (the equality policy's "stated tolerance": metrics within 1e-4).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from raysim.config import ConfigError, TrainConfig
+from raysim.models import dropout_masks_of, replay_masks
+from raysim.training import minibatches
+
+
+def check_model(model: nn.Module, arch: str = "") -> None:
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            raise ConfigError("backend.vectorize", f"the vectorised executor does not support BatchNorm (model "
+                                                   f"{arch or type(model).__name__} has {type(m).__name__}: its running "
+                                                   f"statistics update in place per client); use backend.vectorize: "
+                                                   f"false or an architecture without batch norm")
+
+
+class _FunctionalModel:
+    """What an objective sees as ``model`` inside the batched computation: calling it runs the live module's forward
+    under the (batched) parameters; ``named_parameters()`` / ``parameters()`` give those parameters (FedProx's
+    proximal term); other attributes (``embed_dim``, ...) come from the live module."""
+
+    def __init__(self, module: nn.Module, params: dict, buffers: dict):
+        self._module, self._params, self._buffers = module, params, buffers
+
+    def __call__(self, *args, **kwargs):
+        return torch.func.functional_call(self._module, (self._params, self._buffers), args, kwargs)
+
+    def named_parameters(self):
+        return iter(self._params.items())
+
+    def parameters(self):
+        return iter(self._params.values())
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+class _Optimizer:
+    """SGD / Adam over stacked per-client tensors ({name: [K, ...]}), torch.optim's update formulas."""
+
+    def __init__(self, cfg: TrainConfig, params: dict, states: list[Optional[dict]], lr: float):
+        self.cfg, self.lr = cfg, lr
+        self.adam = cfg.optimizer == "adam"
+        k = len(states)
+        self.bufs: dict = {}  # name -> [K, ...] momentum buffer (SGD) or (exp_avg, exp_avg_sq) (Adam)
+        self.has_buf = torch.zeros(k, dtype=torch.bool)  # SGD: the first momentum step copies the gradient
+        self.steps = torch.zeros(k, dtype=torch.float64)  # Adam: per-client step count
+        for name, p in params.items():
+            if self.adam:
+                m, v = torch.zeros_like(p), torch.zeros_like(p)
+                for i, st in enumerate(states):
+                    s = (st or {}).get(name)
+                    if s:
+                        m[i], v[i] = s["exp_avg"], s["exp_avg_sq"]
+                        self.steps[i] = float(s["step"])
+                self.bufs[name] = (m, v)
+            elif cfg.momentum:
+                b = torch.zeros_like(p)
+                for i, st in enumerate(states):
+                    s = (st or {}).get(name)
+                    if s and s.get("momentum_buffer") is not None:
+                        b[i] = s["momentum_buffer"]
+                        self.has_buf[i] = True
+                self.bufs[name] = b
+
+    @torch.no_grad()
+    def step(self, params: dict, grads: dict, rows: torch.Tensor) -> None:
+        """Update the clients ``rows`` (indices into the stack) with their gradients ``grads`` ({name: [len(rows), ...]})."""
+        cfg, lr = self.cfg, self.lr
+        if self.adam:
+            self.steps[rows] += 1
+        for name, g in grads.items():
+            p = params[name]
+            pr = p[rows]
+            if cfg.weight_decay:
+                g = g.add(pr, alpha=cfg.weight_decay)
+            if self.adam:
+                b1, b2 = 0.9, 0.999
+                m, v = self.bufs[name]
+                mr, vr = m[rows], v[rows]
+                mr.lerp_(g, 1 - b1)
+                vr.mul_(b2).addcmul_(g, g, value=1 - b2)
+                step = self.steps[rows]
+                shape = (-1,) + (1,) * (p.dim() - 1)
+                bc1 = (1 - b1 ** step).to(p.dtype).view(shape)
+                bc2_sqrt = (1 - b2 ** step).sqrt().to(p.dtype).view(shape)
+                denom = (vr.sqrt() / bc2_sqrt).add_(1e-8)
+                pr.addcdiv_(mr, denom * (bc1 / lr), value=-1.0)
+                m[rows], v[rows] = mr, vr
+            elif cfg.momentum:
+                b = self.bufs[name]
+                br = b[rows]
+                first = ~self.has_buf[rows]
+                br = torch.where(first.view((-1,) + (1,) * (p.dim() - 1)), g, br.mul(cfg.momentum).add(g))
+                b[rows] = br
+                pr.add_(br, alpha=-lr)
+            else:
+                pr.add_(g, alpha=-lr)
+            p[rows] = pr
+        if not self.adam and cfg.momentum:
+            self.has_buf[rows] = True
+
+    def state_of(self, i: int, names: list[str]) -> dict:
+        """Client ``i``'s state in the loop's format ({name: {key: tensor}}); {} when it never stepped."""
+        out = {}
+        for name in names:
+            if self.adam:
+                if self.steps[i] > 0:
+                    m, v = self.bufs[name]
+                    out[name] = {"step": torch.tensor(float(self.steps[i])), "exp_avg": m[i].clone(),
+                                 "exp_avg_sq": v[i].clone()}
+            elif self.cfg.momentum and bool(self.has_buf[i]):
+                out[name] = {"momentum_buffer": self.bufs[name][i].clone()}
+        return out
+
+
+def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: list[torch.Tensor],
+                   ys: list[torch.Tensor], cfg: TrainConfig, batch_generators: list[torch.Generator],
+                   dropout_generators: list[torch.Generator], opt_states: list[Optional[dict]],
+                   epochs: Optional[int] = None, lr: Optional[float] = None) -> tuple[list[dict], list[dict], list[dict]]:
+    """Train K clients of one architecture together. ``params[k]``: client k's starting parameters (name ->
+    tensor); ``loss_fn(model, xb, yb) -> (loss, parts)``, shared by the group. Returns per client (trained
+    parameters, ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client."""
+    k = len(params)
+    epochs = cfg.local_epochs if epochs is None else epochs
+    lr = cfg.lr if lr is None else lr
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head) get no step
+    names = [n for n in params[0] if n in trainable]
+    stacked = {n: torch.stack([p[n].detach() for p in params]).clone() for n in names}
+    frozen = {n: torch.stack([p[n].detach() for p in params]) for n in params[0] if n not in trainable}
+    buffers = {n: b for n, b in model.named_buffers()}
+    opt = _Optimizer(cfg, stacked, opt_states, lr)
+
+    # each client's batches, drawn from its own generator exactly as the loop draws them (one randperm per epoch)
+    plans = []
+    for i in range(k):
+        n = int(ys[i].shape[0])
+        plans.append([idx for _ in range(epochs) for idx in minibatches(n, cfg.batch_size, batch_generators[i])])
+    steps = max((len(p) for p in plans), default=0)
+
+    probes: dict[int, list] = {}  # batch size -> the dropout masks one forward draws: (shape, dtype, p)
+
+    def probe(b: int, i: int) -> list:
+        if b not in probes:
+            fm = _FunctionalModel(model, {**{n: stacked[n][i] for n in names}, **{n: t[i] for n, t in frozen.items()}},
+                                  buffers)
+            x0, y0 = xs[i][plans[i][0][:b]], ys[i][plans[i][0][:b]]
+            with torch.no_grad():  # draws from a throw-away generator: the clients' streams are untouched
+                g = torch.Generator(device=x0.device)
+                from raysim.models import set_dropout_generator
+                set_dropout_generator(model, g)
+                try:
+                    probes[b] = dropout_masks_of(lambda: loss_fn(fm, x0, y0))
+                finally:
+                    set_dropout_generator(model, None)
+        return probes[b]
+
+    def one(p, fz, xb, yb, masks):
+        with replay_masks(masks):
+            loss, parts = loss_fn(_FunctionalModel(model, {**p, **fz}, buffers), xb, yb)
+        parts = {key: (v if torch.is_tensor(v) else torch.tensor(float(v))).detach() for key, v in parts.items()}
+        return loss, (loss.detach(), parts)
+
+    grad_fn = torch.func.vmap(torch.func.grad(one, has_aux=True), in_dims=(0, 0, 0, 0, 0))
+    totals: list[dict] = [{} for _ in range(k)]
+    counts = [0] * k
+    model.train()
+    for s in range(steps):
+        by_size: dict[int, list[int]] = {}
+        for i in range(k):
+            if s < len(plans[i]):
+                by_size.setdefault(int(plans[i][s].numel()), []).append(i)
+        for b, group in by_size.items():
+            spec = probe(b, group[0])
+            xb = torch.stack([xs[i][plans[i][s].to(xs[i].device)] for i in group])
+            yb = torch.stack([ys[i][plans[i][s].to(ys[i].device)] for i in group])
+            masks = [torch.stack([torch.empty(shape, device=xb.device, dtype=dt).bernoulli_(
+                1.0 - p, generator=dropout_generators[i]) for i in group]) for shape, dt, p in spec]
+            rows = torch.as_tensor(group)
+            whole = len(group) == k
+            sub = stacked if whole else {n: t[rows] for n, t in stacked.items()}
+            fz = frozen if whole else {n: t[rows] for n, t in frozen.items()}
+            grads, (loss, parts) = grad_fn(sub, fz, xb, yb, masks)
+            opt.step(stacked, grads, rows)
+            for j, i in enumerate(group):
+                counts[i] += 1
+                t = totals[i]
+                t["loss"] = t.get("loss", 0.0) + float(loss[j])
+                for key, v in parts.items():
+                    t[key] = t.get(key, 0.0) + float(v[j])
+    trained = [{**{n: stacked[n][i].clone() for n in names}, **{n: t[i].clone() for n, t in frozen.items()}}
+               for i in range(k)]
+    metrics = [{f"train_{key}": v / max(counts[i], 1) for key, v in totals[i].items()} for i in range(k)]
+    states = [opt.state_of(i, names) for i in range(k)]
+    return trained, metrics, states
