@@ -259,6 +259,8 @@ class BackendConfig:
     placement: str = "default"  # Ray: default (Ray packs actors) | spread (client actors over the cluster's nodes)
     data: str = "auto"  # Ray: where client data is built: driver (shipped to actors) | actors (each actor loads its
     #                     clients from the config on its own node) | auto (actors when backend.address is set)
+    balance: str = "static"  # Ray: which actor runs a client: static (client i on actor i % n) | cost (each training
+    #                          step's clients placed by predicted cost, corrected online from measured step times)
     vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
     #                          the numbers within a stated tolerance, so it is part of the run's identity
 
@@ -267,6 +269,7 @@ class BackendConfig:
         positive(_p(path, "state_memory_mb"), self.state_memory_mb, allow_zero=True)
         choice(_p(path, "placement"), self.placement, ["default", "spread"])
         choice(_p(path, "data"), self.data, ["auto", "driver", "actors"])
+        choice(_p(path, "balance"), self.balance, ["static", "cost"])
         positive(_p(path, "num_actors"), self.num_actors)
         positive(_p(path, "num_cpus"), self.num_cpus, allow_zero=True)
         positive(_p(path, "num_gpus"), self.num_gpus, allow_zero=True)

@@ -608,6 +608,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
             cb.on_run_start(run)
         run_loop(run, cbs)
         run.store_stats = backend.store_stats()
+        if getattr(backend, "balance_log", None):
+            run.timing["balance"] = backend.balance_log  # cost-aware placement: per-step loads and moves
         result = RunResult(run_id, None, run.table.frame(), _metadata(run), run.timing)
         for cb in reversed(cbs):
             cb.on_run_end(run, result)

@@ -260,6 +260,26 @@ class ClientRunner:
     def discard(self, client_ids: Optional[list[int]] = None) -> None:
         self.store.discard(client_ids)
 
+    # -- moving clients (cost-aware placement, Ray backend) -----------------------------------------------------------
+    def export_clients(self, client_ids: list[int]) -> dict:
+        """Data and committed state of clients about to move to another runner; they stay here until
+        :meth:`forget_clients` (so a move that fails half-way loses nothing)."""
+        return {cid: (self.data[cid], self.store.get(cid)) for cid in client_ids}
+
+    def adopt_clients(self, *exports: dict) -> list[int]:
+        ids = []
+        for ex in exports:
+            for cid, (data, state) in ex.items():
+                self.data[cid] = data
+                self.store.adopt(cid, state)
+                ids.append(cid)
+        return sorted(ids)
+
+    def forget_clients(self, client_ids: list[int]) -> None:
+        for cid in client_ids:
+            self.data.pop(cid, None)
+        self.store.forget(client_ids)
+
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save_shard(self, path: str) -> list[int]:
         return self.store.save_shard(Path(path))

@@ -170,6 +170,26 @@ class StateStore:
                 except FileNotFoundError:
                     pass
 
+    # -- moving clients between stores (cost-aware placement) ---------------------------------------------------
+    def adopt(self, cid: int, state) -> None:
+        """A client moved here from another runner, with its committed state (None: never created yet)."""
+        if self.owned is not None:
+            self.owned.add(cid)
+        if state is not None:
+            self.put_initial(cid, state)
+
+    def forget(self, cids: Iterable[int]) -> None:
+        """Clients that moved to another runner: drop them here. A spilled file is left alone: the run's stores share
+        one directory keyed by client id, and the client's new runner owns that path now."""
+        for cid in cids:
+            if cid in self._mem:
+                self._mem.pop(cid)
+                self._total -= self._sizes.pop(cid)
+            self._on_disk.discard(cid)
+            self._pending.pop(cid, None)
+            if self.owned is not None:
+                self.owned.discard(cid)
+
     def pending(self) -> list[int]:
         return sorted(self._pending)
 

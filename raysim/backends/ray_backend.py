@@ -138,7 +138,66 @@ class RayBackend(Backend):
         self.server = Server.remote(self._spec_ref, ray.put(self.fed_data.global_test))
         self.actors = [self._Client.remote(self._spec_ref, g, f"actor{k}") for k, g in enumerate(self._group_refs)]
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit sent
+        self._on_actors = on_actors
+        self.cost = self._cost_model() if b.balance == "cost" and n > 1 else None
+        self._warm: set = set()  # (actor, step name) pairs that have run once
+        self.balance_log: list[dict] = []  # per balanced step: predicted/measured per-actor loads, moves
         ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
+
+    # -- cost-aware placement (backend.balance: cost) ---------------------------------------------------------------
+    def _cost_model(self):
+        from raysim.models import arch_key
+        from raysim.placement import CostModel
+
+        task = self.spec.task
+        keys = [arch_key(a) for a in task.archs]
+        index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+        params = {}
+        for cid, k in enumerate(keys):
+            if index[k] not in params:
+                params[index[k]] = sum(p.numel() for p in task.build_model(cid).parameters())
+        samples = {c.client_id: int(c.y_train.numel()) for c in self.fed_data.clients}
+        return CostModel(samples, {cid: index[k] for cid, k in enumerate(keys)}, params)
+
+    def _rebalance(self, step, client_ids, where: str) -> None:
+        """Place a training step's clients by predicted cost; move the clients whose actor changes (their data and
+        committed state go actor to actor through the object store; the old actor forgets them only once the new
+        one holds them, so a move interrupted by an actor's death loses nothing)."""
+        from raysim.placement import moves, plan
+
+        costs = {c: self.cost.predict(step.name, c) for c in client_ids}
+        new = plan(costs, self.assignment, len(self.actors))
+        todo = moves(self.assignment, new)
+        if todo:
+            by_src: dict[int, list[int]] = {}
+            for c, (a, _) in todo.items():
+                by_src.setdefault(a, []).append(c)
+            exports = {a: self.actors[a].export_clients.remote(sorted(cs)) for a, cs in by_src.items()}
+            by_dst: dict[int, list[int]] = {}
+            for c, (a, b) in todo.items():
+                by_dst.setdefault(b, []).append(a)
+            adopted = {b: self.actors[b].adopt_clients.remote(*[exports[a] for a in sorted(set(srcs))])
+                       for b, srcs in by_dst.items()}
+            try:
+                ray.get(list(adopted.values()))
+            except ray.exceptions.RayError:
+                # an actor died mid-move: keep the old layout (every source still holds its clients); the step's
+                # call on a dead actor is handled by the failure policy as usual. A destination that survived may
+                # hold copies it never uses (they are forgotten below).
+                for b, ref in adopted.items():
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayError:
+                        continue
+                    gone = sorted(c for c, (_, d) in todo.items() if d == b)
+                    if _alive(self.actors[b]):
+                        self.actors[b].forget_clients.remote(gone)
+                return
+            for a, cs in by_src.items():
+                self.actors[a].forget_clients.remote(sorted(cs))
+            for c, (_, b) in todo.items():
+                self.assignment[c] = b
+        self._pending_balance = {"where": where, "predicted": costs, "moves": len(todo)}
 
     # -- actor failures -------------------------------------------------------------------------------------------
     def _replace_actor(self, k: int) -> None:
@@ -148,6 +207,9 @@ class RayBackend(Backend):
             ray.kill(self.actors[k], no_restart=True)
         except Exception:
             pass
+        if self.cost is not None:  # clients may have moved since the start: the group as it is now
+            mine = [c for c in self.fed_data.clients if self.assignment[c.client_id] == k]
+            self._group_refs[k] = ray.put([c.client_id for c in mine] if self._on_actors else [c.compact() for c in mine])
         self.actors[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}")
         if self._last_commit[k] is not None:
             ids, token = self._last_commit[k]
@@ -199,9 +261,13 @@ class RayBackend(Backend):
         return self.server.initial_payload.remote(round_idx)  # an ObjectRef: the payload is stored once
 
     def client_step(self, step, payload, round_idx, iteration, client_ids):
+        where = f"round {round_idx}, step '{step.name}'"
+        self._pending_balance = None
+        if self.cost is not None and step.mode != "evaluate":
+            self._rebalance(step, client_ids, where)
         groups = self._groups(client_ids)
         out = self._call_actors(groups, lambda a, g: a.run_client_step.options(num_returns=2).remote(
-            step, payload, round_idx, iteration, g), f"round {round_idx}, step '{step.name}'")
+            step, payload, round_idx, iteration, g), where)
         upload_refs, reports = [], []
         self._last_client_step = (step, payload, round_idx, iteration, groups)
         self._upload_actor = {}
@@ -215,7 +281,29 @@ class RayBackend(Backend):
             else:
                 upload_refs.append(up)
             reports += reps
+        if self._pending_balance is not None:
+            self._log_balance(reports, step.name)
         return upload_refs, sorted(reports, key=lambda r: r.client_id)
+
+    def _log_balance(self, reports, step_name: str) -> None:
+        from raysim.placement import ideal
+
+        n = len(self.actors)
+        measured, pred = [0.0] * n, [0.0] * n
+        seconds = {}
+        for r in reports:
+            k = self.assignment[r.client_id]
+            if r.ok and r.seconds > 0:
+                if (k, step_name) in self._warm:  # an actor's first call of a step also builds models: not observed
+                    self.cost.observe(step_name, r.client_id, r.seconds)
+                seconds[r.client_id] = r.seconds
+            measured[k] += r.seconds
+        self._warm |= {(self.assignment[r.client_id], step_name) for r in reports}
+        for c, w in self._pending_balance["predicted"].items():
+            pred[self.assignment[c]] += w
+        self.balance_log.append({"where": self._pending_balance["where"], "moves": self._pending_balance["moves"],
+                                 "predicted_loads": pred, "measured_loads": measured,
+                                 "ideal_s": ideal(seconds, n) if seconds else 0.0})
 
     def commit(self, client_ids, token=None):
         # fire and forget: an actor runs its calls in submission order, so the commit lands before its next step;

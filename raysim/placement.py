@@ -1,0 +1,90 @@
+"""Cost-aware placement of clients on actors (``backend.balance: cost``), Ray-free.
+
+The Ray backend hosts every client on one actor; a step's round time is set by the busiest actor. With a fixed
+layout (client i on actor i % n, ``backend.balance: static``) a Dirichlet split or a zoo of model sizes leaves one
+actor working long after the others. :class:`CostModel` predicts a client's step time and :func:`plan` assigns the
+step's clients to actors by longest-processing-time-first, keeping the current layout when it is already close to the
+plan (every move ships the client's data and state from one actor to the other).
+
+Prediction, per step name (training and evaluation cost differently):
+* a client measured before: an exponential moving average of its measured step seconds;
+* otherwise its training samples x the per-sample seconds measured for its architecture;
+* an architecture never measured: samples x its parameter count x the seconds per (sample x parameter) measured over
+  every architecture so far (before any measurement: samples x parameters, a relative prior).
+So the first round is placed by data size x model size, every later one by what was measured (as Pollen does for
+Flower's simulation). Placement only moves work: a client's result never depends on which actor runs it.
+"""
+from __future__ import annotations
+
+
+class CostModel:
+    def __init__(self, samples: dict[int, int], arch: dict[int, int], arch_params: dict[int, int],
+                 decay: float = 0.5):
+        self.samples = {c: max(1, int(n)) for c, n in samples.items()}
+        self.arch = dict(arch)
+        self.arch_params = {a: max(1, int(p)) for a, p in arch_params.items()}
+        self.decay = decay
+        self._client: dict[tuple[str, int], float] = {}  # (step, client) -> EMA seconds
+        self._arch_s: dict[tuple[str, int], list[float]] = {}  # (step, arch) -> [seconds, samples]
+        self._all_s: dict[str, list[float]] = {}  # step -> [seconds, samples x params]
+
+    def observe(self, step: str, client_id: int, seconds: float) -> None:
+        if not seconds > 0:
+            return
+        key = (step, client_id)
+        old = self._client.get(key)
+        self._client[key] = seconds if old is None else self.decay * old + (1 - self.decay) * seconds
+        a, n = self.arch[client_id], self.samples[client_id]
+        acc = self._arch_s.setdefault((step, a), [0.0, 0.0])
+        acc[0] += seconds
+        acc[1] += n
+        tot = self._all_s.setdefault(step, [0.0, 0.0])
+        tot[0] += seconds
+        tot[1] += n * self.arch_params[a]
+
+    def predict(self, step: str, client_id: int) -> float:
+        if (step, client_id) in self._client:
+            return self._client[(step, client_id)]
+        a, n = self.arch[client_id], self.samples[client_id]
+        acc = self._arch_s.get((step, a))
+        if acc and acc[1] > 0:
+            return n * acc[0] / acc[1]
+        tot = self._all_s.get(step)
+        rate = tot[0] / tot[1] if tot and tot[1] > 0 else 1.0
+        return n * self.arch_params[a] * rate
+
+
+def makespan(costs: dict[int, float], assignment: dict[int, int], n: int) -> float:
+    loads = [0.0] * n
+    for c, w in costs.items():
+        loads[assignment[c]] += w
+    return max(loads) if loads else 0.0
+
+
+def plan(costs: dict[int, float], current: dict[int, int], n: int, slack: float = 1.05) -> dict[int, int]:
+    """Actor for each client of ``costs`` (client -> predicted seconds). Longest processing time first onto the least
+    loaded actor (ties: the client's current actor, then the lowest index); the current layout is kept when its
+    predicted makespan is within ``slack`` of the plan's. Deterministic for given inputs."""
+    if n <= 1 or not costs:
+        return {c: current[c] for c in costs}
+    loads = [0.0] * n
+    new: dict[int, int] = {}
+    for c in sorted(costs, key=lambda c: (-costs[c], c)):
+        low = min(loads)
+        cands = [k for k in range(n) if loads[k] <= low + 1e-12]
+        k = current[c] if current[c] in cands else cands[0]
+        new[c] = k
+        loads[k] += costs[c]
+    if makespan(costs, current, n) <= slack * max(loads):
+        return {c: current[c] for c in costs}
+    return new
+
+
+def ideal(costs: dict[int, float], n: int) -> float:
+    """The lower bound of a step's time on n actors: max(total work / n, the largest single client)."""
+    return max(sum(costs.values()) / n, max(costs.values(), default=0.0))
+
+
+def moves(old: dict[int, int], new: dict[int, int]) -> dict[int, tuple[int, int]]:
+    """client -> (from actor, to actor) for every client whose actor changes."""
+    return {c: (old[c], k) for c, k in new.items() if old[c] != k}

@@ -1,0 +1,89 @@
+"""Cost-aware placement (backend.balance: cost): the plan and the cost model on hand examples; on Ray, clients move
+between actors with their data and state and the table stays identical to the sequential one (with spilling, with
+the durable store, and with an actor killed after moves)."""
+import pandas as pd
+import pytest
+
+from raysim.driver import run_experiment
+from raysim.placement import CostModel, ideal, makespan, moves, plan
+from raysim.registry import register_algorithm
+
+register_algorithm("dying_fedproto", "tests.failing_algo:DyingFedProto")
+
+
+def test_plan_is_longest_processing_time_first():
+    costs = {0: 5.0, 1: 4.0, 2: 3.0, 3: 3.0, 4: 3.0}
+    current = {c: 0 for c in costs}  # everything on actor 0: makespan 18
+    new = plan(costs, current, 2)
+    # 5 -> a0 (tie: current), 4 -> a1, 3 (c2) -> a1 (7), 3 (c3) -> a0 (8), 3 (c4) -> a1 (10)
+    assert new == {0: 0, 1: 1, 2: 1, 3: 0, 4: 1}
+    assert makespan(costs, new, 2) == 10.0
+    assert moves(current, new) == {1: (0, 1), 2: (0, 1), 4: (0, 1)}
+    assert ideal(costs, 2) == 9.0 and ideal({0: 10.0, 1: 1.0}, 2) == 10.0
+
+
+def test_plan_keeps_a_layout_that_is_close_enough():
+    costs = {0: 5.0, 1: 4.0, 2: 3.0, 3: 3.0, 4: 3.0}
+    current = {0: 0, 1: 1, 2: 0, 3: 1, 4: 1}  # loads 8 / 10: the plan's makespan is 10 too
+    assert plan(costs, current, 2) == current
+    skewed = {0: 0, 1: 0, 2: 0, 3: 1, 4: 1}  # 12 / 6 > 1.05 x 10
+    assert plan(costs, skewed, 2) != skewed
+    assert plan(costs, skewed, 1) == skewed
+
+
+def test_cost_model_prior_then_measured():
+    m = CostModel(samples={0: 100, 1: 50, 2: 100}, arch={0: 0, 1: 0, 2: 1}, arch_params={0: 10, 1: 20})
+    assert m.predict("update", 0) == 100 * 10 and m.predict("update", 2) == 100 * 20  # samples x parameters
+    m.observe("update", 0, 2.0)
+    assert m.predict("update", 0) == 2.0
+    assert m.predict("update", 1) == pytest.approx(1.0)  # same architecture: 50 samples x 2 s / 100 samples
+    assert m.predict("update", 2) == pytest.approx(4.0)  # unseen architecture: twice the parameters per sample
+    m.observe("update", 0, 4.0)
+    assert m.predict("update", 0) == pytest.approx(3.0)  # moving average, decay 0.5
+    assert m.predict("evaluate", 0) == 100 * 10  # steps are costed separately
+
+
+def _skewed(tiny, **over):
+    return tiny(**{"rounds": 4, "data": {"dataset": "synthetic", "num_clients": 6, "partition": "dirichlet",
+                                         "partition_params": {"alpha": 0.2, "min_samples": 5, "test_ratio": 0.2}},
+                   "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.05, "momentum": 0.5,
+                             "persist_optimizer": True}, **over})
+
+
+def _table(cfg):
+    return run_experiment(cfg, write=False).table
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("extra", [{}, {"state_memory_mb": 0}, {"durable": True}])
+def test_moves_keep_the_table_identical(ray_session, tiny, extra):
+    durable = extra.pop("durable", False)
+    over = {"on_actor_failure": "retry"} if durable else {}
+    ref = _table(_skewed(tiny, **over))
+    res = run_experiment(_skewed(tiny, backend={"name": "ray", "num_actors": 2, "num_cpus": 1, "balance": "cost",
+                                                **extra}, **over), write=False)
+    assert sum(e["moves"] for e in res.timing["balance"]) > 0  # clients really changed actors
+    pd.testing.assert_frame_equal(ref, res.table)
+
+
+@pytest.mark.ray
+def test_actor_killed_after_moves_is_replaced_with_its_current_clients(ray_session, tiny, tmp_path):
+    quiet = tmp_path / "undisturbed"
+    quiet.mkdir()
+    (quiet / "died").touch()
+    alg = lambda d: {"name": "dying_fedproto", "params": {"marker_dir": str(d), "die_client": 3, "die_round": 2}}
+    ref = run_experiment(_skewed(tiny, algorithm=alg(quiet)), write=False)
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    res = run_experiment(_skewed(tiny, algorithm=alg(killed), backend={"name": "ray", "num_actors": 2, "num_cpus": 1,
+                                                                     "balance": "cost"}), write=False)
+    assert (killed / "died").exists()
+    assert sum(e["moves"] for e in res.timing["balance"]) > 0
+    pd.testing.assert_frame_equal(ref.table.drop(columns="run_id"), res.table.drop(columns="run_id"))
+
+
+def test_balance_is_checked(tiny):
+    from raysim.config import ConfigError
+
+    with pytest.raises(ConfigError, match="backend.balance"):
+        tiny(backend={"name": "ray", "balance": "fastest"})
