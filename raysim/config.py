@@ -259,7 +259,7 @@ class BackendConfig:
     placement: str = "default"  # Ray: default (Ray packs actors) | spread (client actors over the cluster's nodes)
     data: str = "auto"  # Ray: where client data is built: driver (shipped to actors) | actors (each actor loads its
     #                     clients from the config on its own node) | auto (actors when backend.address is set)
-    balance: str = "static"  # Ray: which actor runs a client: static (client i on actor i % n) | cost (each training
+    balance: str = "cost"  # Ray: which actor runs a client: static (client i on actor i % n) | cost (each training
     #                          step's clients placed by predicted cost, corrected online from measured step times)
     vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
     #                          the numbers within a stated tolerance, so it is part of the run's identity
