@@ -68,11 +68,18 @@ def run_one(cfg: dict) -> dict:
     from raysim.config import make_config
     from raysim.driver import run_experiment
 
+    from raysim.safety import NonFiniteError
+
     t0 = time.perf_counter()
     c = make_config(cfg)
-    df = run_experiment(c, write=False, progress=False).table
-    out = {"name": c.name, "seed": c.seed, "algorithm": c.algorithm.name, "seconds": time.perf_counter() - t0,
-           "curves": {}}
+    out = {"name": c.name, "seed": c.seed, "algorithm": c.algorithm.name, "curves": {}}
+    try:
+        df = run_experiment(c, write=False, progress=False).table
+    except NonFiniteError as e:  # on_nonfinite: stop (the default): the run diverged; recorded, not hidden
+        out.update(seconds=time.perf_counter() - t0, diverged_round=e.event.round_idx, diverged=str(e),
+                   up_floats_per_round=float("nan"), down_floats_per_round=float("nan"))
+        return out
+    out["seconds"] = time.perf_counter() - t0
     for (scope, metric), g in df[df.scope.isin(["mean", "wmean"])].groupby(["scope", "metric"]):
         g = g.sort_values("round")
         out["curves"][f"{scope}:{metric}"] = {int(r): float(v) for r, v in zip(g["round"], g["value"])}
@@ -87,6 +94,18 @@ def run_one(cfg: dict) -> dict:
         v = tot[tot.metric == m]["value"]
         out[m + "_per_round"] = float(v.mean()) if len(v) else 0.0
     return out
+
+
+def ms(values) -> str:
+    """mean ± std over the finite values, with how many runs diverged (NaN/inf, the run stopped)."""
+    v = [x for x in values if np.isfinite(x)]
+    out = mean_std(v) if v else "—"
+    return out + (f" ({len(values) - len(v)} of {len(values)} diverged)" if len(v) < len(values) else "")
+
+
+def floats(rs, key) -> str:
+    v = [r[key] for r in rs if np.isfinite(r[key])]
+    return f"{v[0]:,.0f}" if v else "—"
 
 
 def at(curve: dict, rnd: int) -> float:
@@ -127,18 +146,20 @@ def fresh(args):
     n = len(uniq)
     for i, k in enumerate(uniq):
         rs = res[i::n]
-        c = [r["curves"]["wmean:test_acc_proto"] for r in rs]
+        c = [r["curves"].get("wmean:test_acc_proto", {}) for r in rs]
         r30 = [at(x, 29) for x in c]
         rl = [at(x, last) for x in c]
-        best = [max(x.values()) for x in c]
-        cl = [at(r["curves"]["wmean:test_acc"], last) for r in rs]
+        best = [max(x.values()) if x else None for x in c]
+        cl = [at(r["curves"].get("wmean:test_acc", {}), last) for r in rs]
         bad = sum(1 for v in rl if not np.isfinite(v) or v < 0.5)
         marg = [max(r["curves"]["tgp_margin"].values()) for r in rs if "tgp_margin" in r["curves"]]
-        ms = " / ".join(f"{m:.3g}" for m in marg) if marg else "—"
-        print(f"| {k} | {mean_std(r30)} | {mean_std(rl)} | {mean_std(best)} | {mean_std(cl)} | {bad} of {len(rs)} "
-              f"| {ms} | {rs[0]['up_floats_per_round']:,.0f} | {rs[0]['down_floats_per_round']:,.0f} |")
-        print(f"|   per seed, round {args.rounds} | {' / '.join(f'{100 * v:.2f}' for v in rl)} | | | | | | | |",
-              flush=True)
+        mg = " / ".join(f"{m:.3g}" for m in marg) if marg else "—"
+        best = [b if b is not None else float("nan") for b in best]
+        print(f"| {k} | {ms(r30)} | {ms(rl)} | {ms(best)} | {ms(cl)} | {bad} of {len(rs)} "
+              f"| {mg} | {floats(rs, 'up_floats_per_round')} | {floats(rs, 'down_floats_per_round')} |")
+        per = " / ".join(f"{100 * v:.2f}" if np.isfinite(v) else f"diverged in round {r.get('diverged_round', '?')}"
+                         for v, r in zip(rl, rs))
+        print(f"|   per seed, round {args.rounds} | {per} | | | | | | | |", flush=True)
 
 
 def table_methods(args) -> dict:
@@ -181,13 +202,14 @@ def table(args):
                 rows.append((label, ZOO, rs))
     rows += [(k, zoo, res[i::n]) for i, (k, (_, _, zoo)) in enumerate(meths.items())]
     for k, zoo, rs in rows:
-        cl = [at(r["curves"]["wmean:test_acc"], args.rounds - 1) for r in rs]
-        best = [max(v for rr, v in r["curves"]["wmean:test_acc"].items() if rr < args.rounds) for r in rs]
+        cl = [at(r["curves"].get("wmean:test_acc", {}), args.rounds - 1) for r in rs]
+        best = [max([v for rr, v in r["curves"].get("wmean:test_acc", {}).items() if rr < args.rounds] or [np.nan])
+                for r in rs]
         pr = [at(r["curves"]["wmean:test_acc_proto"], args.rounds - 1) for r in rs
               if "wmean:test_acc_proto" in r["curves"]]
-        print(f"| {k} | {'zoo of 4' if zoo is ZOO else 'cnn_mnist'} | {mean_std(cl)} | "
-              f"{mean_std(pr) if pr else '—'} | {mean_std(best)} | {rs[0]['up_floats_per_round']:,.0f} | "
-              f"{rs[0]['down_floats_per_round']:,.0f} |", flush=True)
+        print(f"| {k} | {'zoo of 4' if zoo is ZOO else 'cnn_mnist'} | {ms(cl)} | "
+              f"{ms(pr) if pr else '—'} | {ms(best)} | {floats(rs, 'up_floats_per_round')} | "
+              f"{floats(rs, 'down_floats_per_round')} |", flush=True)
 
 
 def main(argv=None):

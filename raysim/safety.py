@@ -31,6 +31,9 @@ class NonFiniteError(SimulationError):
         self.event = event
         super().__init__(event.message())
 
+    def __reduce__(self):  # picklable (process pools, Ray): rebuilt from its event
+        return (type(self), (self.event,))
+
 
 @dataclass(frozen=True)
 class NonFinite:

@@ -18,7 +18,7 @@ def dying(tiny, marker_dir, **over):
                                                                   "momentum": 0.5, "persist_optimizer": True},
                    "algorithm": {"name": "dying_fedproto", "params": {"marker_dir": str(marker_dir), "die_client": 3,
                                                                       "die_round": 2}},
-                   "backend": {"name": "ray", "num_actors": 2, "num_cpus": 1}, **over})
+                   "backend": {"name": "ray", "num_actors": 2, "num_cpus": 1, "balance": "static"}, **over})
 
 
 def test_killed_actor_is_replaced_and_the_table_is_identical(ray_session, tiny, tmp_path):

@@ -308,3 +308,15 @@ def test_watchdog_ends_ray_processes_of_a_killed_driver():
             break
         time.sleep(0.1)
     assert time.time() - t0 < 5, "the driver's Ray process outlived it"
+
+
+def test_divergence_error_survives_pickling():
+    """A diverged run inside a process pool or a Ray task reaches the caller as the same error (it failed to
+    unpickle before: its constructor takes the event, not the message)."""
+    import pickle
+
+    from raysim.safety import NonFinite, NonFiniteError
+
+    e = pickle.loads(pickle.dumps(NonFiniteError(NonFinite(3, 1, "update", "train_loss=nan"))))
+    assert isinstance(e, NonFiniteError) and e.event.round_idx == 3
+    assert str(e).startswith("diverged: round 3, client 1, stage 'update': train_loss=nan")
