@@ -18,6 +18,9 @@ ALGORITHMS: dict[str, str] = {
     "feddistill": "algorithms.feddistill:FedDistill",
     "scaffold": "algorithms.scaffold:Scaffold",
     "moon": "algorithms.moon:Moon",
+    "slaugfl": "algorithms.slaugfl:SlaugFL",
+    "fedgen": "algorithms.fedgen:FedGen",
+    "vhl": "algorithms.vhl:VHL",
 }
 
 
