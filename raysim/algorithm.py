@@ -91,6 +91,8 @@ class Context:
     iteration: int = 0  # repetition index inside a Repeat group
     keep: Optional[list] = None  # server side: client ids the environment let deliver (None: no environment)
     client_store: Any = None  # server side: per-client state kept by the server (raysim.store.StateStore)
+    global_test: Any = None  # server side: the global test set (ArrayDataset or None); SlaugFL's preparation tests
+    # the devices' models per class on it to pick each class's representative device
 
     def _purpose(self, purpose: str) -> str:
         # streams of the classic steps keep their names; other steps and repetitions get their own streams
@@ -136,6 +138,8 @@ class LocalStart:
     whatever the objective needs from the payload (global prototypes, anchor weights, ...)."""
 
     y: Any = None  # None: data.y_train
+    x: Any = None  # None: data.x_train; else the inputs to train on (SlaugFL: the client's own data plus its one-off
+    # synthetic augmentation, kept in the client's state and never sent anywhere)
     aux: dict = field(default_factory=dict)
     on_epoch: Any = None  # optional hook(epoch, epochs) called before each local epoch
 
@@ -274,7 +278,8 @@ class LocalTraining(Algorithm):
         cfg = self.task.train
         opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
         y = data.y_train if start.y is None else start.y
-        metrics, opt_state = local_sgd(model, self.objective(start), data.x_train, y, cfg, ctx.generator("batches"),
+        x = data.x_train if start.x is None else start.x
+        metrics, opt_state = local_sgd(model, self.objective(start), x, y, cfg, ctx.generator("batches"),
                                        ctx.generator("dropout", device=ctx.device), opt_state, on_epoch=start.on_epoch)
         new_state, upload = self.client_final(model, start, payload, state, data, ctx)
         if cfg.persist_optimizer:

@@ -16,6 +16,11 @@ ALGORITHMS: dict[str, str] = {
     "lgfedavg": "algorithms.lgfedavg:LGFedAvg",
     "fesem": "algorithms.fesem:FeSEM",
     "feddistill": "algorithms.feddistill:FedDistill",
+    "scaffold": "algorithms.scaffold:Scaffold",
+    "moon": "algorithms.moon:Moon",
+    "slaugfl": "algorithms.slaugfl:SlaugFL",
+    "fedgen": "algorithms.fedgen:FedGen",
+    "vhl": "algorithms.vhl:VHL",
 }
 
 

@@ -225,7 +225,7 @@ class ClientRunner:
             try:
                 trained, metrics, opt_states = vmap_local_sgd(
                     model, alg.objective(items[0][4]), [it[5] for it in items],
-                    [it[3].x_train for it in items], [it[3].y_train if it[4].y is None else it[4].y for it in items],
+                    [it[3].x_train if it[4].x is None else it[4].x for it in items], [it[3].y_train if it[4].y is None else it[4].y for it in items],
                     cfg, [it[0].generator("batches") for it in items],
                     [it[0].generator("dropout", device=it[0].device) for it in items], [it[6] for it in items])
             except Exception as e:  # the batched computation failed: every client in it failed with the error
@@ -331,7 +331,8 @@ class ServerRunner:
 
     def _ctx(self, round_idx: int, failures=None, step: str = "", iteration: int = 0, keep=None) -> Context:
         return Context(round_idx, rngmod.SERVER, self.spec.cfg.seed, self.device, self.spec.task, self.models,
-                       list(failures or []), step=step, iteration=iteration, keep=keep, client_store=self.client_store)
+                       list(failures or []), step=step, iteration=iteration, keep=keep, client_store=self.client_store,
+                       global_test=self.global_test)
 
     def initial_payload(self, round_idx: int):
         return self.algorithm.initial_payload(self.state, self._ctx(round_idx, step="broadcast"))

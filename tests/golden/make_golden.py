@@ -39,6 +39,8 @@ def golden_config(name: str) -> dict:
             {"arch": "cnn4", "params": {"embed_dim": 16}}]}
     if name == "fedtgp":
         cfg["algorithm"]["params"] = {"server_epochs": 5, "margin_threshold": 1.0}
+    if name == "slaugfl":
+        cfg["algorithm"]["params"] = {"gen_steps": 10, "gen_channels": 16, "prep_epochs": 3, "select_test_size": 200}
     return cfg
 
 

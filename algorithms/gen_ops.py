@@ -1,0 +1,107 @@
+"""Shared maths of the generative methods (SlaugFL, FedGen, VHL), as small pure functions with hand-computed tests
+(tests/test_generative.py).
+
+* :func:`dual_calibration_loss` — SlaugFL's device loss (reference §5.5): L_cla + lambda_sep * L_sep;
+* :func:`mode_seeking_ratio` / :func:`diversity_loss` — the mode-seeking diversity term of SlaugFL's scenario-2
+  generator (§5.4);
+* :func:`cosine_distance` / :func:`filter_candidates` — SlaugFL's candidate filter (seed eq. 11);
+* :func:`per_class_accuracy` / :func:`select_representatives` — SlaugFL's representative devices (seed Algorithm 2);
+* :func:`to_input_space` — map a generator's tanh output (pixels in [-1, 1]) into the task's normalised input space.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def to_input_space(t: torch.Tensor, norm: Optional[tuple]) -> torch.Tensor:
+    """tanh output t in [-1, 1] read as pixels p = (t + 1) / 2, normalised as the task's data: (p - mean) / std.
+    Without a normalisation (data not from uint8 pixels) the output is used as it is."""
+    if norm is None:
+        return t
+    mean, std = norm
+    return ((t + 1.0) / 2.0 - mean) / std
+
+
+def dual_calibration_loss(logits: torch.Tensor, z: torch.Tensor, y: torch.Tensor, num_classes: int,
+                          global_protos: Optional[torch.Tensor], proto_mask: Optional[torch.Tensor],
+                          lam_syn: float, lam_sep: float, beta: float) -> tuple[torch.Tensor, dict]:
+    """SlaugFL's dual calibration on a batch of the augmented data (labels 0..C-1 real, C..2C-1 synthetic):
+
+    L_cla = CE(real logits, y) + lam_syn * CE(syn logits, y)   (each the mean over its part of the batch; an empty
+            part contributes 0; logits over all 2C outputs, synthetic targets are y + C);
+    L_sep = mean over the classes c present in the batch that have a global p-f prototype of
+            CE([cos(f_c, Zbar_c') / beta]_{c' with a prototype}, c),  f_c = mean embedding of the batch's samples of
+            class c, real and synthetic (synthetic labels mapped back to c);
+    L = L_cla + lam_sep * L_sep (L_sep = 0 while there are no global prototypes)."""
+    real = y < num_classes
+    zero = logits.sum() * 0.0
+    ce_real = F.cross_entropy(logits[real], y[real]) if bool(real.any()) else zero
+    ce_syn = F.cross_entropy(logits[~real], y[~real]) if bool((~real).any()) else zero
+    l_cla = ce_real + lam_syn * ce_syn
+    l_sep = zero
+    if global_protos is not None and proto_mask is not None and bool(proto_mask.any()) and lam_sep > 0:
+        base = torch.where(real, y, y - num_classes)
+        counts = torch.bincount(base, minlength=num_classes)
+        sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, base, z)
+        mask = proto_mask.to(z.device)
+        present = (counts > 0) & mask
+        if bool(present.any()):
+            cls = torch.nonzero(present, as_tuple=False).flatten()
+            f = sums[cls] / counts[cls].unsqueeze(1).to(z.dtype)
+            cols = torch.nonzero(mask, as_tuple=False).flatten()
+            protos = global_protos.to(z.device)[cols]
+            sim = F.cosine_similarity(f.unsqueeze(1), protos.unsqueeze(0), dim=2) / beta
+            target = torch.searchsorted(cols, cls)  # column of class c among the classes with a prototype
+            l_sep = F.cross_entropy(sim, target)
+    loss = l_cla + lam_sep * l_sep
+    return loss, {"cla": l_cla.detach(), "sep": l_sep.detach()}
+
+
+def mode_seeking_ratio(g1: torch.Tensor, g2: torch.Tensor, z1: torch.Tensor, z2: torch.Tensor) -> torch.Tensor:
+    """l_z = mean|G(z1) - G(z2)| / mean|z1 - z2| (mode-seeking GAN)."""
+    return (g1 - g2).abs().mean() / (z1 - z2).abs().mean()
+
+
+def diversity_loss(gen: torch.Tensor, noise: torch.Tensor, lam: float, eps: float = 1e-5) -> torch.Tensor:
+    """lam / (l_z + eps), l_z the mode-seeking ratio between the two halves of the batch (SlaugFL's acgan.py)."""
+    h = gen.shape[0] // 2
+    if h == 0:
+        return gen.sum() * 0.0
+    return lam / (mode_seeking_ratio(gen[:h], gen[h:2 * h], noise[:h], noise[h:2 * h]) + eps)
+
+
+def cosine_distance(feats: torch.Tensor, proto: torch.Tensor) -> torch.Tensor:
+    """d_cos = 1 - cos(f, Z) per row of feats."""
+    return 1.0 - F.cosine_similarity(feats, proto.unsqueeze(0).expand_as(feats), dim=1)
+
+
+def filter_candidates(feats: torch.Tensor, proto: torch.Tensor, top_k: int, delta: Optional[float] = None) -> torch.Tensor:
+    """Indices of the candidates kept for one class: those with d_cos(f, Z) <= delta (when delta is given), the
+    top_k closest of them, in increasing distance (ties: lower index first)."""
+    d = cosine_distance(feats, proto)
+    order = torch.argsort(d, stable=True)
+    if delta is not None:
+        order = order[d[order] <= delta]
+    return order[:top_k]
+
+
+def per_class_accuracy(pred: torch.Tensor, y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """Top-1 accuracy per class (C,); NaN for a class absent from y."""
+    correct = torch.bincount(y[pred == y], minlength=num_classes).to(torch.float64)
+    total = torch.bincount(y, minlength=num_classes).to(torch.float64)
+    return torch.where(total > 0, correct / total.clamp(min=1), torch.full_like(total, float("nan")))
+
+
+def select_representatives(acc: torch.Tensor, eligible: torch.Tensor, client_ids: list) -> torch.Tensor:
+    """acc (K x C) per-class accuracies of K devices' models on the global test set, eligible (K x C) whether the
+    device can supply a class-c prototype (it holds class-c validation data). For each class the eligible device with
+    the highest accuracy (ties: the lowest client id, rows are in client-id order); -1 where nobody is eligible.
+    Returns client ids (C,)."""
+    a = torch.where(eligible, torch.nan_to_num(acc.to(torch.float64), nan=-1.0), torch.full_like(acc, -2.0,
+                                                                                                   dtype=torch.float64))
+    best = torch.argmax(a, dim=0)  # first maximum: the lowest client id
+    ids = torch.as_tensor(client_ids, dtype=torch.int64)[best]
+    return torch.where(eligible.any(dim=0), ids, torch.full_like(ids, -1))

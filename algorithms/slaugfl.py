@@ -1,0 +1,516 @@
+"""SlaugFL (Liu et al., "SlaugFL: Efficient Edge Federated Learning with Selective GAN-based Data Augmentation",
+IEEE TMC 2024; seed 004, reference §5; public code mobinets/SlaugFL for the collaborative phase and the GAN routines).
+
+**Preparation phase** (``setup_schedule``, round -1, every device):
+
+1. ``prep_train`` (all devices): each device splits its data 7:3 (seeded per device) into train / validation, trains
+   a C-output copy of the model for ``prep_epochs`` epochs from a common seeded initialisation with early stopping on
+   validation accuracy (patience ``prep_patience``; the best epoch's weights are kept) and uploads the model plus its
+   validation class counts (int64; how the server "judges whether the device holds the target class", seed §IV-B3).
+2. ``prep_select`` (server): every model is tested per class on the global test set (``ctx.global_test``;
+   ``select_test_size`` > 0 subsamples it, seeded); for each class c the device with the highest class-c top-1
+   accuracy among those holding class-c validation data is the representative (ties: lowest client id) and its model
+   the representative model; each representative is asked for its target classes (a small int64 message).
+3. ``prep_prototypes`` (representatives): Z^{k,c} = mean embedding of the class-c validation data under the device's
+   own model, uploaded. Devices then drop their preparation model.
+4. ``prep_generator`` (server): scenario 2 trains the prototype-guided generator (``generators.ProtoGenerator``):
+   per batch, each generated image of label y is embedded by the representative model of y, L_proto = MSE between
+   the batch's per-label mean embeddings and the prototypes, plus the mode-seeking diversity loss
+   lam_div / (l_z + 1e-5) (§5.4; ``weak_loss`` is undefined in the source, MSE as the reference says). Scenario 1
+   filters candidate data class by class: features under the representative model of c, cosine distance to Z^{k,c}
+   (seed eq. 11), the ``candidate_top_k`` closest (optionally only those within ``candidate_delta``), and trains an
+   ACGAN on them. The candidate source is pluggable: ``candidate_dir`` (a folder with one sub-folder per class index
+   holding images) or the run's public dataset (``data.public``, e.g. MNIST-5k for a Fashion-MNIST task: a shifted
+   public set standing in for the paper's Stable-Diffusion images, which are not available offline).
+5. ``prep_augment`` (all devices): the generator is downloaded **once** (accounted once, in this step) and each
+   device generates a class-balanced synthetic set, max(1, floor(|D_i| / C)) images per class (or
+   ``syn_per_class``), kept in its state and never sent anywhere.
+
+**Collaborative phase** (classic rounds): the model has 2C outputs (real classes 0..C-1, synthetic C..2C-1); a device
+trains on its data plus its synthetic set (``LocalStart.x``) with the dual calibration loss
+(``gen_ops.dual_calibration_loss``: lam_syn, lam_sep, beta; L_sep active once global p-f prototypes exist, i.e. from
+the second round), then computes p-f prototypes from its *synthetic data only* (eval mode) and uploads them with
+counts and its model. Server: FedAvg with sample-count weights (the device's real data size) and
+Zbar_c = sum_k n_k^c Zhat_k^c / sum_k n_k^c. Evaluation: argmax over all 2C outputs (a synthetic-half prediction is
+wrong, as the source does: ``test_acc``) and over the first C (``test_acc_c``).
+
+Communication (seed §IV-F): preparation up N |w_C| + C d (+ int64 class counts), down N |G| (+ int64 requests);
+each round K (|w| + C d) up and K |w| (+ C d from the second round) down; tests/test_generative.py checks the
+measured table against this formula.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from algorithms import gen_ops
+from algorithms.generators import ACGANDiscriminator, ACGANGenerator, ProtoGenerator
+from algorithms.local import ce_loss
+from raysim import rng as rngmod
+from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
+from raysim.config import ConfigError, choice, positive
+from raysim.messages import Message, state_message
+from raysim.models import arch_key, build_model
+from raysim.ops import aggregate_prototypes, class_prototypes, weighted_average_states
+from raysim.steps import ALL, ClientStep, ServerStep
+from raysim.training import accuracy, clone_state, forward_all, make_optimizer, train_epochs
+
+
+class SlaugFL(LocalTraining):
+    name = "slaugfl"
+    paper = ("Liu et al., SlaugFL: Efficient Edge Federated Learning with Selective GAN-based Data Augmentation, "
+             "IEEE TMC 2024")
+
+    def declared_uploads(self):
+        return {"weights", "num_samples", "prototypes", "class_counts"}
+
+    @dataclass(frozen=True)
+    class Params:
+        scenario: int = 2  # 1: ACGAN on filtered candidate data | 2: prototype-guided generator
+        lam_syn: float = 0.5
+        lam_sep: float = 1.0
+        beta: float = 0.5
+        prep_epochs: int = 10  # H (seed)
+        prep_patience: int = 3  # early stopping on validation accuracy
+        prep_val_fraction: float = 0.3  # the 7:3 split
+        select_test_size: int = 0  # 0: the whole global test set for the per-class tests
+        syn_per_class: int = 0  # 0: max(1, floor(|D_i| / C))
+        gen_steps: int = 300
+        gen_batch: int = 64
+        gen_lr: float = 2e-4
+        gen_channels: int = 128  # scenario 2 (source: 128)
+        gen_noise: int = 100  # scenario 2 (source: 100 for 10 classes)
+        lam_div: float = 5000.0  # scenario 2 diversity weight (source 10-class version)
+        gan_channels: int = 64  # scenario 1 generator width
+        gan_noise: int = 110  # scenario 1 (source: 110)
+        disc_channels: int = 32
+        candidate_dir: Optional[str] = None  # scenario 1: folder <class index>/<images>; None: data.public
+        candidate_top_k: int = 1000  # per class (seed)
+        candidate_delta: Optional[float] = None  # optional cosine-distance threshold
+
+        def check(self, path):
+            choice(f"{path}.scenario", self.scenario, [1, 2])
+            for k in ("lam_syn", "lam_sep", "lam_div"):
+                positive(f"{path}.{k}", getattr(self, k), allow_zero=True)
+            for k in ("beta", "gen_lr", "prep_epochs", "prep_patience", "gen_steps", "gen_batch", "gen_channels",
+                      "gen_noise", "gan_channels", "gan_noise", "disc_channels", "candidate_top_k"):
+                positive(f"{path}.{k}", getattr(self, k))
+            positive(f"{path}.select_test_size", self.select_test_size, allow_zero=True)
+            positive(f"{path}.syn_per_class", self.syn_per_class, allow_zero=True)
+            if not 0.0 < self.prep_val_fraction < 1.0:
+                raise ConfigError(f"{path}.prep_val_fraction", f"must be in (0, 1), got {self.prep_val_fraction}")
+            if self.gen_channels < 2:
+                raise ConfigError(f"{path}.gen_channels", "must be at least 2")
+            if self.candidate_delta is not None and not 0.0 <= self.candidate_delta <= 2.0:
+                raise ConfigError(f"{path}.candidate_delta", f"a cosine distance lies in [0, 2], got {self.candidate_delta}")
+
+    def __init__(self, params, task):
+        super().__init__(params, task)
+        self._models = {}  # runner-local live modules (2C-output models, generators, representative models)
+
+    def validate(self):
+        self.require_homogeneous()
+        if len(self.task.input_shape) != 3:
+            raise ConfigError("data.dataset", f"slaugfl's generators make images (C, H, W); the input shape is "
+                                              f"{self.task.input_shape}")
+        if self.params.scenario == 1:
+            d = self.params.candidate_dir
+            if d is not None and not Path(d).expanduser().is_dir():
+                raise ConfigError("algorithm.params.candidate_dir", f"{d} is not a directory")
+            if d is None and self.task.public is None:
+                raise ConfigError("algorithm.params.candidate_dir", "scenario 1 needs candidate data: set "
+                                  "candidate_dir (one sub-folder per class index) or data.public (a labelled dataset)")
+
+    # -- modules ------------------------------------------------------------------------------------------------------
+    def _module(self, key, make, device):
+        key = (key, str(device))
+        if key not in self._models:
+            with torch.random.fork_rng(devices=[]):  # building never moves the caller's random stream
+                self._models[key] = make().to(device)
+        return self._models[key]
+
+    def _model2c(self, client_id: int, device):
+        spec = self.task.archs[client_id]
+        c2 = 2 * self.task.num_classes
+        return self._module(("2c", arch_key(spec)), lambda: build_model(spec, self.task.input_shape, c2), device)
+
+    def live_model(self, ctx: Context):
+        return self._model2c(ctx.client_id, ctx.device)
+
+    def make_generator(self):
+        p, t = self.params, self.task
+        if p.scenario == 2:
+            return ProtoGenerator(t.num_classes, t.input_shape, p.gen_channels, p.gen_noise)
+        return ACGANGenerator(t.num_classes, t.input_shape, p.gan_channels, p.gan_noise)
+
+    def noise_dim(self) -> int:
+        return self.params.gen_noise if self.params.scenario == 2 else self.params.gan_noise
+
+    def embed_dim(self) -> int:
+        return self.task.build_model(0).embed_dim
+
+    def _prep_init(self) -> dict:
+        """The common initial weights of the preparation models (derived from the seed; nothing is sent)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "slaug_prep_init"))
+            return clone_state(self.task.build_model(0))
+
+    # -- schedules ----------------------------------------------------------------------------------------------------
+    def setup_schedule(self):
+        return (ServerStep("prep_begin"), ClientStep("prep_train", clients=ALL), ServerStep("prep_select"),
+                ClientStep("prep_prototypes", clients=ALL), ServerStep("prep_generator"),
+                ClientStep("prep_augment", clients=ALL))
+
+    # -- server -------------------------------------------------------------------------------------------------------
+    def init_server_state(self, ctx: Context):
+        c, d = self.task.num_classes, self.embed_dim()
+        model = build_model(self.task.archs[0], self.task.input_shape, 2 * c)
+        return {"model": clone_state(model), "protos": torch.zeros(c, d), "mask": torch.zeros(c, dtype=torch.bool),
+                "rep": torch.full((c,), -1, dtype=torch.int64), "rep_models": {}, "rep_protos": torch.zeros(c, d),
+                "rep_mask": torch.zeros(c, dtype=torch.bool), "generator": {}}
+
+    def broadcast(self, server_state, ctx: Context):
+        out = {"model": state_message("weights", server_state["model"])}
+        if bool(server_state["mask"].any()):
+            out["protos"] = Message("global_prototypes", {"protos": server_state["protos"].clone(),
+                                                          "mask": server_state["mask"].clone()})
+        return out
+
+    def prep_begin(self, state, uploads, ctx: Context):
+        return ServerUpdate(state, {})
+
+    def prep_select(self, state, uploads, ctx: Context):
+        test = ctx.global_test
+        if test is None or len(test) == 0:
+            raise RuntimeError("slaugfl's preparation tests each device's model on the global test set; this run has "
+                               "none (the dataset has no test split)")
+        x, y = test.x, test.y
+        if 0 < self.params.select_test_size < len(test):
+            idx = np.sort(ctx.rng("select_test").choice(len(test), self.params.select_test_size, replace=False))
+            x, y = x[torch.as_tensor(idx)], y[torch.as_tensor(idx)]
+        x, y = x.to(ctx.device), y.to(ctx.device)
+        ids = sorted(uploads)
+        c = self.task.num_classes
+        accs, eligible = [], []
+        for cid in ids:
+            model = ctx.model(cid)
+            model.load_state_dict(uploads[cid]["model"].tensors)
+            logits, _ = forward_all(model, x)
+            accs.append(gen_ops.per_class_accuracy(logits.argmax(1), y, c).cpu())
+            eligible.append(uploads[cid]["val_counts"]["counts"] > 0)
+        if not ids:
+            return ServerUpdate(state, {"requests": Message("prototype_request", {})}, {"representatives": 0.0})
+        rep = gen_ops.select_representatives(torch.stack(accs), torch.stack(eligible), ids)
+        reps = sorted({int(r) for r in rep if int(r) >= 0})
+        requests = {str(k): torch.nonzero(rep == k, as_tuple=False).flatten() for k in reps}
+        rep_models = {k: {n: v.clone() for n, v in uploads[k]["model"].tensors.items()} for k in reps}
+        best = torch.stack(accs).max(dim=0).values
+        new = {**state, "rep": rep, "rep_models": rep_models}
+        return ServerUpdate(new, {"requests": Message("prototype_request", requests)},
+                            {"representatives": float(len(reps)), "classes_covered": float((rep >= 0).sum()),
+                             "rep_class_acc": float(torch.nanmean(best))})
+
+    def downlink(self, payload, client_id, ctx=None):
+        if payload and "requests" in payload:  # prep_prototypes: each device downloads only its own request
+            key = str(client_id)
+            req = payload["requests"].tensors
+            return {"request": Message("prototype_request", {"classes": req[key]})} if key in req else {}
+        return payload
+
+    def prep_generator(self, state, uploads, ctx: Context):
+        c, d = self.task.num_classes, self.embed_dim()
+        protos, mask = torch.zeros(c, d), torch.zeros(c, dtype=torch.bool)
+        for cid in sorted(uploads):
+            m = uploads[cid].get("protos")
+            if m is not None:
+                protos[m["classes"]] = m["protos"].to(torch.float32)
+                mask[m["classes"]] = True
+        rep = state["rep"].clone()
+        rep[~mask] = -1  # a representative that did not deliver its prototype
+        models = {}
+        for k in sorted({int(r) for r in rep if int(r) >= 0}):
+            m = self._module(("rep", k), lambda k=k: self.task.build_model(k), ctx.device)
+            m.load_state_dict(state["rep_models"][k])
+            m.eval()
+            m.requires_grad_(False)
+            models[k] = m
+        norm = ctx.global_test.norm if ctx.global_test is not None else None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "slaug_gen_init"))
+            gen = self.make_generator().to(ctx.device)
+        g = ctx.generator("gen", ctx.device)
+        if not bool(mask.any()):
+            metrics = {"gen_steps": 0.0}
+        elif self.params.scenario == 2:
+            metrics = self._train_proto_generator(gen, protos.to(ctx.device), mask, rep, models, norm, g, ctx)
+        else:
+            metrics = self._train_acgan(gen, protos.to(ctx.device), mask, rep, models, norm, g, ctx)
+        gsd = clone_state(gen)
+        new = {**state, "generator": gsd, "rep_models": {}, "rep_protos": protos, "rep_mask": mask}
+        return ServerUpdate(new, {"generator": state_message("generator", gsd)}, metrics)
+
+    def _features_by_rep(self, x, y, rep, models):
+        """Embeddings of x, each under the representative model of its label."""
+        owner = rep.to(x.device)[y]
+        parts, order = [], []
+        for k, m in models.items():
+            idx = torch.nonzero(owner == k, as_tuple=False).flatten()
+            if len(idx):
+                _, z = m(x[idx], return_embedding=True)
+                parts.append(z)
+                order.append(idx)
+        z = torch.cat(parts)
+        return z[torch.argsort(torch.cat(order))]
+
+    def _train_proto_generator(self, gen, protos, mask, rep, models, norm, g, ctx):
+        p = self.params
+        classes = torch.nonzero(mask, as_tuple=False).flatten().to(ctx.device)
+        opt = torch.optim.Adam(gen.parameters(), lr=p.gen_lr, betas=(0.5, 0.999))
+        gen.train()
+        lp = ld = 0.0
+        for step in range(p.gen_steps):
+            y = classes[torch.randint(len(classes), (p.gen_batch,), generator=g, device=ctx.device)]
+            z = torch.randn(p.gen_batch, p.gen_noise, generator=g, device=ctx.device)
+            raw = gen(z, y)
+            feats = self._features_by_rep(gen_ops.to_input_space(raw, norm), y, rep, models)
+            present, means, _ = class_prototypes(feats, y, self.task.num_classes)
+            l_proto = F.mse_loss(means, protos[present])
+            l_div = gen_ops.diversity_loss(raw, z, p.lam_div)
+            opt.zero_grad(set_to_none=True)
+            (l_proto + l_div).backward()
+            opt.step()
+            if step >= p.gen_steps - 10:  # mean over the last 10 steps
+                lp, ld = lp + float(l_proto.detach()) / 10, ld + float(l_div.detach()) / 10
+        return {"gen_proto_loss": lp, "gen_div_loss": ld, "gen_steps": float(p.gen_steps)}
+
+    # -- scenario 1 ---------------------------------------------------------------------------------------------------
+    def candidates(self, device, norm):
+        """The candidate data in the task's input space: (x, y)."""
+        p, t = self.params, self.task
+        if p.candidate_dir is not None:
+            x, y = load_image_folder(p.candidate_dir, t.input_shape, t.num_classes)  # pixels in [0, 1]
+        else:
+            pub = t.public
+            x, y = pub.x.clone(), pub.y.clone()
+            if pub.norm is not None:
+                x = x * pub.norm[1] + pub.norm[0]  # back to pixels in [0, 1]
+            elif norm is not None:
+                raise RuntimeError("slaugfl scenario 1: data.public has no pixel normalisation to undo; use candidate_dir")
+            if x.shape[1] != t.input_shape[0]:
+                x = x.mean(1, keepdim=True).expand(-1, t.input_shape[0], -1, -1) if x.shape[1] > 1 else \
+                    x.expand(-1, t.input_shape[0], -1, -1)
+            if tuple(x.shape[2:]) != tuple(t.input_shape[1:]):
+                x = F.interpolate(x, size=tuple(t.input_shape[1:]), mode="bilinear", align_corners=False)
+        if norm is not None:
+            x = (x - norm[0]) / norm[1]
+        elif p.candidate_dir is not None:
+            x = x * 2.0 - 1.0
+        return x.to(device), y.to(device)
+
+    def _train_acgan(self, gen, protos, mask, rep, models, norm, g, ctx):
+        p, c = self.params, self.task.num_classes
+        x_all, y_all = self.candidates(ctx.device, norm)
+        keep_x, keep_y = [], []
+        for cls in torch.nonzero(mask, as_tuple=False).flatten().tolist():
+            idx = torch.nonzero(y_all == cls, as_tuple=False).flatten()
+            if not len(idx):
+                continue
+            with torch.no_grad():
+                _, f = forward_all(models[int(rep[cls])], x_all[idx])
+            kept = gen_ops.filter_candidates(f, protos[cls], p.candidate_top_k, p.candidate_delta)
+            keep_x.append(x_all[idx[kept]])
+            keep_y.append(y_all[idx[kept]])
+        if not keep_x:
+            return {"candidates_kept": 0.0, "gen_steps": 0.0}
+        xs, ys = torch.cat(keep_x), torch.cat(keep_y)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "slaug_disc_init"))
+            disc = ACGANDiscriminator(c, self.task.input_shape, p.disc_channels).to(ctx.device)
+        opt_g = torch.optim.Adam(gen.parameters(), lr=p.gen_lr, betas=(0.5, 0.999))
+        opt_d = torch.optim.Adam(disc.parameters(), lr=p.gen_lr, betas=(0.5, 0.999))
+        classes = torch.unique(ys)
+        gen.train()
+        disc.train()
+        bce = F.binary_cross_entropy_with_logits
+        ld_sum = lg_sum = 0.0
+        for step in range(p.gen_steps):
+            b = min(p.gen_batch, len(ys))
+            idx = torch.randint(len(ys), (b,), generator=g, device=ctx.device)
+            xr, yr = xs[idx], ys[idx]
+            z = torch.randn(b, p.gan_noise, generator=g, device=ctx.device)
+            yg = classes[torch.randint(len(classes), (b,), generator=g, device=ctx.device)]
+            fake = gen_ops.to_input_space(gen(z, yg), norm)
+            ones, zeros = torch.ones(b, device=ctx.device), torch.zeros(b, device=ctx.device)
+            adv_r, aux_r = disc(xr)
+            adv_f, aux_f = disc(fake.detach())
+            l_d = 0.5 * (0.5 * (bce(adv_r, ones) + F.cross_entropy(aux_r, yr))
+                         + 0.5 * (bce(adv_f, zeros) + F.cross_entropy(aux_f, yg)))
+            opt_d.zero_grad(set_to_none=True)
+            l_d.backward()
+            opt_d.step()
+            adv_g, aux_g = disc(fake)
+            l_g = 0.5 * (bce(adv_g, ones) + F.cross_entropy(aux_g, yg))
+            opt_g.zero_grad(set_to_none=True)
+            l_g.backward()
+            opt_g.step()
+            if step >= p.gen_steps - 10:
+                ld_sum, lg_sum = ld_sum + float(l_d.detach()) / 10, lg_sum + float(l_g.detach()) / 10
+        return {"candidates_kept": float(len(ys)), "candidates_total": float(len(y_all)), "gan_d_loss": ld_sum,
+                "gan_g_loss": lg_sum, "gen_steps": float(p.gen_steps)}
+
+    # -- client: preparation ------------------------------------------------------------------------------------------
+    def _val_split(self, n: int, ctx: Context):
+        perm = torch.as_tensor(ctx.rng("prep_split").permutation(n), dtype=torch.int64)
+        n_val = int(round(self.params.prep_val_fraction * n))
+        return torch.sort(perm[n_val:]).values, torch.sort(perm[:n_val]).values
+
+    def prep_train(self, payload, state, data, ctx: Context):
+        tr, va = self._val_split(data.num_train, ctx)
+        x_tr, y_tr = data.x_train[tr.to(data.x_train.device)], data.y_train[tr.to(data.y_train.device)]
+        x_va, y_va = data.x_train[va.to(data.x_train.device)], data.y_train[va.to(data.y_train.device)]
+        model = ctx.model()
+        model.load_state_dict(self._prep_init())
+        cfg = self.task.train
+        opt = make_optimizer(model.parameters(), cfg)
+        gb, gd = ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)
+        best, best_acc, bad, epochs, loss = clone_state(model), -1.0, 0, 0, float("nan")
+        for _ in range(self.params.prep_epochs):
+            loss = train_epochs(model, x_tr, y_tr, cfg, gb, ce_loss, optimizer=opt, epochs=1,
+                                dropout_generator=gd).get("train_loss", float("nan"))
+            epochs += 1
+            if len(y_va) == 0:
+                best = clone_state(model)
+                continue
+            logits, _ = forward_all(model, x_va)
+            acc = float((logits.argmax(1) == y_va).float().mean())
+            if acc > best_acc:
+                best, best_acc, bad = clone_state(model), acc, 0
+            else:
+                bad += 1
+                if bad >= self.params.prep_patience:
+                    break
+        counts = torch.bincount(y_va.cpu(), minlength=self.task.num_classes).to(torch.int64)
+        upload = {"model": state_message("weights", best), "val_counts": Message("class_counts", {"counts": counts})}
+        new = {"prep_model": {k: v.cpu() for k, v in best.items()}, "val_idx": va}
+        return ClientUpdate(new, upload, {"prep_val_acc": best_acc if len(y_va) else float("nan"),
+                                          "prep_epochs": float(epochs), "train_loss": loss})
+
+    def prep_prototypes(self, payload, state, data, ctx: Context):
+        req = (payload or {}).get("request")
+        if req is None or "prep_model" not in (state or {}):
+            return ClientUpdate({}, {})
+        model = ctx.model()
+        model.load_state_dict(state["prep_model"])
+        va = state["val_idx"].to(data.x_train.device)
+        _, z = forward_all(model, data.x_train[va])
+        y = data.y_train[va]
+        classes = req["classes"].to(y.device)
+        protos = torch.stack([z[y == c].mean(0) for c in classes.tolist()])
+        return ClientUpdate({}, {"protos": Message("prototypes", {"classes": classes.cpu(), "protos": protos.cpu()})})
+
+    def prep_augment(self, payload, state, data, ctx: Context):
+        c = self.task.num_classes
+        gen = self._module(("gen",), self.make_generator, ctx.device)
+        gen.load_state_dict(payload["generator"].tensors)
+        gen.eval()
+        per = self.params.syn_per_class or max(1, data.num_train // c)
+        y = torch.arange(c, device=ctx.device).repeat_interleave(per)
+        z = torch.randn(len(y), self.noise_dim(), generator=ctx.generator("augment", ctx.device), device=ctx.device)
+        with torch.no_grad():
+            x = gen_ops.to_input_space(gen(z, y), data.norm)
+        return ClientUpdate({"syn_x": x.cpu(), "syn_y": y.cpu()}, {}, {"syn_samples": float(len(y))})
+
+    # -- client: collaborative phase ----------------------------------------------------------------------------------
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
+        model.load_state_dict(payload["model"].tensors)
+        c = self.task.num_classes
+        x, y = data.x_train, data.y_train
+        syn_x, syn_y = (state or {}).get("syn_x"), (state or {}).get("syn_y")
+        if syn_x is not None:
+            x = torch.cat([x, syn_x.to(x.device)])
+            y = torch.cat([y, syn_y.to(y.device) + c])
+        pm = payload.get("protos")
+        return LocalStart(x=x, y=y, aux={"protos": None if pm is None else pm["protos"].to(ctx.device),
+                                         "mask": None if pm is None else pm["mask"].to(ctx.device)})
+
+    def objective(self, start: LocalStart):
+        p, c = self.params, self.task.num_classes
+        protos, mask = start.aux["protos"], start.aux["mask"]
+
+        def loss_fn(model, xb, yb):
+            logits, z = model(xb, return_embedding=True)
+            return gen_ops.dual_calibration_loss(logits, z, yb, c, protos, mask, p.lam_syn, p.lam_sep, p.beta)
+
+        return loss_fn
+
+    def client_final(self, model, start, payload, state, data, ctx: Context):
+        c = self.task.num_classes
+        upload = {"model": state_message("weights", model.state_dict()),
+                  "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
+        syn_x = (state or {}).get("syn_x")
+        if syn_x is not None:
+            _, z = forward_all(model, syn_x.to(ctx.device))
+            classes, protos, counts = class_prototypes(z, state["syn_y"].to(z.device), c)
+            upload["pf_protos"] = Message("prototypes", {"classes": classes.cpu(), "protos": protos.cpu(),
+                                                         "counts": counts.cpu()})
+        return state, upload
+
+    def aggregate(self, server_state, uploads, ctx: Context):
+        ids = sorted(uploads)
+        if not ids:
+            return server_state, {}
+        model = weighted_average_states([uploads[i]["model"].tensors for i in ids],
+                                        [int(uploads[i]["num_samples"]["n"][0]) for i in ids])
+        pf = [(u["classes"], u["protos"], u["counts"]) for u in (uploads[i].get("pf_protos") for i in ids) if u is not None]
+        new = {**server_state, "model": model}
+        if pf:
+            protos, mask = aggregate_prototypes(pf, self.task.num_classes, self.embed_dim(), "weighted")
+            new["protos"], new["mask"] = protos, mask | server_state["mask"]
+            new["protos"][~mask] = server_state["protos"][~mask]
+        return new, {}
+
+    # -- evaluation ---------------------------------------------------------------------------------------------------
+    def _eval(self, model_state, x, y, device, client_id):
+        model = self._model2c(client_id, device)
+        model.load_state_dict(model_state)
+        logits, _ = forward_all(model, x)
+        c = self.task.num_classes
+        return accuracy(logits.argmax(1), y), accuracy(logits[:, :c].argmax(1), y)
+
+    def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
+        a2, a1 = self._eval(payload["model"].tensors, data.x_test, data.y_test, ctx.device, ctx.client_id)
+        return {"test_acc": a2, "test_acc_c": a1}
+
+    def evaluate_server(self, server_state, test, ctx: Context) -> dict:
+        a2, a1 = self._eval(server_state["model"], test.x.to(ctx.device), test.y.to(ctx.device), ctx.device, 0)
+        return {"global_test_acc": a2, "global_test_acc_c": a1}
+
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
+
+
+def load_image_folder(root: str, input_shape, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Labelled candidate images from ``root/<class index>/<image>`` (sorted names), converted to the task's channels
+    and size; pixels in [0, 1]."""
+    from PIL import Image
+
+    xs, ys = [], []
+    ch, h, w = (int(v) for v in input_shape)
+    for sub in sorted(Path(root).expanduser().iterdir()):
+        if not sub.is_dir() or not sub.name.isdigit() or int(sub.name) >= num_classes:
+            continue
+        for f in sorted(sub.iterdir()):
+            if f.suffix.lower() not in IMAGE_EXTENSIONS:
+                continue
+            img = Image.open(f).convert("L" if ch == 1 else "RGB").resize((w, h))
+            arr = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)
+            xs.append(arr.unsqueeze(0) if ch == 1 else arr.permute(2, 0, 1))
+            ys.append(int(sub.name))
+    if not xs:
+        raise RuntimeError(f"slaugfl scenario 1: no labelled images under {root} (expected <class index>/<image>)")
+    return torch.stack(xs), torch.as_tensor(ys, dtype=torch.int64)

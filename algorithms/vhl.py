@@ -1,0 +1,199 @@
+"""VHL — virtual homogeneity learning (Tang et al., "Virtual Homogeneity Learning: Defending against Data
+Heterogeneity in Federated Learning", ICML 2022; reference §6.12, after wizard1203/VHL).
+
+Setup (``setup_schedule``, once): the server draws an *untrained* generator from the shared seed
+(``generators.VirtualGenerator``; the official code uses an untrained StyleGAN-v2) and every device downloads it once
+(accounted once) and generates the same virtual dataset, ``virtual_per_class`` images for each of C_v = C virtual
+classes, from the common stream (seed, -1, server, "vhl_virtual"); it stays in the device's state. Noise-like images,
+no real data.
+
+Model: C + C_v outputs. Local loss per batch (with a virtual batch of the same size drawn from the device's stream):
+CE(real) + alpha * CE(virtual, C + y_v) + lam_cls * SupCon(real and virtual embeddings, virtual labels mapped back
+to 0..C-1 so virtual class k pairs with real class k, virtual embeddings detached) + lam_noise * SupCon(virtual only),
+SupCon temperature 0.07; the two contrastive terms only in local epochs < ``align_epochs`` (official: 5). Embeddings
+are L2-normalised before SupCon (no projection head). Server: FedAvg. Evaluation: argmax over all C + C_v outputs
+(``test_acc``) and over the first C (``test_acc_c``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from algorithms.generators import VirtualGenerator
+from raysim import rng as rngmod
+from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
+from raysim.config import ConfigError, positive
+from raysim.messages import Message, state_message
+from raysim.models import arch_key, build_model
+from raysim.ops import weighted_average_states
+from raysim.steps import ALL, ClientStep, ServerStep
+from raysim.training import accuracy, clone_state, forward_all
+
+
+def supcon(z: torch.Tensor, y: torch.Tensor, temperature: float, anchors: int = None) -> torch.Tensor:
+    """Supervised contrastive loss (Khosla et al. 2020) on L2-normalised rows: for each anchor i with positives
+    P(i) = {p != i: y_p = y_i}, -1/|P(i)| sum_p log(exp(s_ip / T) / sum_{a != i} exp(s_ia / T)); mean over anchors
+    with positives (the first ``anchors`` rows only, when given). 0 when no anchor has a positive."""
+    z = F.normalize(z, dim=1)
+    s = z @ z.t() / temperature
+    n = z.shape[0]
+    eye = torch.eye(n, dtype=torch.bool, device=z.device)
+    s = s.masked_fill(eye, float("-inf"))
+    logp = s - torch.logsumexp(s, dim=1, keepdim=True)
+    pos = (y.unsqueeze(0) == y.unsqueeze(1)) & ~eye
+    if anchors is not None:
+        logp, pos = logp[:anchors], pos[:anchors]
+    npos = pos.sum(1)
+    has = npos > 0
+    if not bool(has.any()):
+        return z.sum() * 0.0
+    per = -(logp.masked_fill(~pos, 0.0).sum(1)[has] / npos[has])
+    return per.mean()
+
+
+class VHL(LocalTraining):
+    name = "vhl"
+    paper = ("Tang et al., Virtual Homogeneity Learning: Defending against Data Heterogeneity in Federated Learning, "
+             "ICML 2022")
+
+    def declared_uploads(self):
+        return {"weights", "num_samples"}
+
+    @dataclass(frozen=True)
+    class Params:
+        alpha: float = 1.0  # weight of the virtual CE (alignNoiseContrast script)
+        lam_cls: float = 1.0
+        lam_noise: float = 0.1
+        temperature: float = 0.07
+        align_epochs: int = 5
+        virtual_per_class: int = 50
+        gen_channels: int = 32
+        gen_noise: int = 64
+
+        def check(self, path):
+            for k in ("alpha", "lam_cls", "lam_noise"):
+                positive(f"{path}.{k}", getattr(self, k), allow_zero=True)
+            for k in ("temperature", "virtual_per_class", "gen_channels", "gen_noise"):
+                positive(f"{path}.{k}", getattr(self, k))
+            positive(f"{path}.align_epochs", self.align_epochs, allow_zero=True)
+
+    def __init__(self, params, task):
+        super().__init__(params, task)
+        self._mods = {}
+
+    def validate(self):
+        self.require_homogeneous()
+        if len(self.task.input_shape) != 3:
+            raise ConfigError("data.dataset", f"vhl's virtual data are images (C, H, W); the input shape is "
+                                              f"{self.task.input_shape}")
+
+    def _module(self, key, make, device):
+        key = (key, str(device))
+        if key not in self._mods:
+            with torch.random.fork_rng(devices=[]):
+                self._mods[key] = make().to(device)
+        return self._mods[key]
+
+    def outputs(self) -> int:
+        return 2 * self.task.num_classes
+
+    def live_model(self, ctx: Context):
+        spec = self.task.archs[ctx.client_id]
+        return self._module(("model", arch_key(spec)), lambda: build_model(spec, self.task.input_shape, self.outputs()),
+                            ctx.device)
+
+    def make_generator(self):
+        p = self.params
+        return VirtualGenerator(self.task.num_classes, self.task.input_shape, p.gen_channels, p.gen_noise)
+
+    # -- setup ------------------------------------------------------------------------------------------------------
+    def setup_schedule(self):
+        return (ServerStep("vhl_share"), ClientStep("vhl_receive", clients=ALL))
+
+    def vhl_share(self, state, uploads, ctx: Context):
+        return ServerUpdate(state, {"generator": state_message("generator", state["generator"])})
+
+    def vhl_receive(self, payload, state, data, ctx: Context):
+        c, per = self.task.num_classes, self.params.virtual_per_class
+        gen = self._module("gen", self.make_generator, ctx.device)
+        gen.load_state_dict(payload["generator"].tensors)
+        gen.eval()
+        y = torch.arange(c, device=ctx.device).repeat_interleave(per)
+        g = rngmod.torch_generator(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "vhl_virtual", device=ctx.device)
+        z = torch.randn(len(y), self.params.gen_noise, generator=g, device=ctx.device)
+        x = gen(z, y)  # tanh output: noise-like images, used as they are
+        return ClientUpdate({"vx": x.cpu(), "vy": y.cpu()}, {}, {"virtual_samples": float(len(y))})
+
+    # -- server -----------------------------------------------------------------------------------------------------
+    def init_server_state(self, ctx: Context):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "vhl_generator"))
+            gen = self.make_generator()
+        model = build_model(self.task.archs[0], self.task.input_shape, self.outputs())
+        return {"model": clone_state(model), "generator": clone_state(gen)}
+
+    def broadcast(self, server_state, ctx: Context):
+        return {"model": state_message("weights", server_state["model"])}
+
+    def aggregate(self, server_state, uploads, ctx: Context):
+        ids = sorted(uploads)
+        if not ids:
+            return server_state, {}
+        model = weighted_average_states([uploads[i]["model"].tensors for i in ids],
+                                        [int(uploads[i]["num_samples"]["n"][0]) for i in ids])
+        return {**server_state, "model": model}, {}
+
+    # -- client -----------------------------------------------------------------------------------------------------
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
+        model.load_state_dict(payload["model"].tensors)
+        vx, vy = (state or {}).get("vx"), (state or {}).get("vy")
+        epoch = {"e": 0}
+        aux = {"vx": None if vx is None else vx.to(ctx.device), "vy": None if vy is None else vy.to(ctx.device),
+               "rng": ctx.generator("virtual_batches"), "epoch": epoch}
+        return LocalStart(aux=aux, on_epoch=lambda e, _n: epoch.__setitem__("e", e))
+
+    def objective(self, start: LocalStart):
+        aux, p, c = start.aux, self.params, self.task.num_classes
+
+        def loss_fn(model, xb, yb):
+            if aux["vx"] is None:
+                logits = model(xb)
+                ce = F.cross_entropy(logits, yb)
+                return ce, {"ce": ce.detach()}
+            idx = torch.randint(len(aux["vy"]), (yb.shape[0],), generator=aux["rng"]).to(xb.device)
+            vx, vy = aux["vx"][idx], aux["vy"][idx]
+            n = yb.shape[0]
+            logits, z = model(torch.cat([xb, vx]), return_embedding=True)
+            ce = F.cross_entropy(logits[:n], yb)
+            ce_v = F.cross_entropy(logits[n:], vy + c)
+            loss = ce + p.alpha * ce_v
+            parts = {"ce": ce.detach(), "ce_virtual": ce_v.detach()}
+            if aux["epoch"]["e"] < p.align_epochs:
+                l_cls = supcon(torch.cat([z[:n], z[n:].detach()]), torch.cat([yb, vy]), p.temperature, anchors=n)
+                l_noise = supcon(z[n:], vy, p.temperature)
+                loss = loss + p.lam_cls * l_cls + p.lam_noise * l_noise
+                parts.update(con_cls=l_cls.detach(), con_noise=l_noise.detach())
+            return loss, parts
+
+        return loss_fn
+
+    def client_final(self, model, start, payload, state, data, ctx: Context):
+        upload = {"model": state_message("weights", model.state_dict()),
+                  "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
+        return state, upload
+
+    def _eval(self, sd, x, y, ctx):
+        model = self.live_model(ctx)
+        model.load_state_dict(sd)
+        logits, _ = forward_all(model, x)
+        return accuracy(logits.argmax(1), y), accuracy(logits[:, :self.task.num_classes].argmax(1), y)
+
+    def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
+        a, ac = self._eval(payload["model"].tensors, data.x_test, data.y_test, ctx)
+        return {"test_acc": a, "test_acc_c": ac}
+
+    def evaluate_server(self, server_state, test, ctx: Context) -> dict:
+        a, ac = self._eval(server_state["model"], test.x.to(ctx.device), test.y.to(ctx.device), ctx)
+        return {"global_test_acc": a, "global_test_acc_c": ac}

@@ -1,0 +1,389 @@
+"""Issue 15: SCAFFOLD, MOON, SlaugFL, FedGen, VHL — the maths against hand-computed numbers, message sizes, and
+sequential == ray (the Ray part also runs for every method in tests/test_conformance.py)."""
+import math
+
+import pandas as pd
+import pytest
+import torch
+
+from raysim.config import ConfigError, make_config
+from raysim.driver import run_experiment
+from tests.conftest import tiny_config
+
+
+def run(name, params=None, **over):
+    return run_experiment(make_config(tiny_config(algorithm={"name": name, "params": params or {}}, **over)),
+                          write=False).table
+
+
+def total(table, metric, round_idx=None):
+    t = table[(table["scope"] == "total") & (table["metric"] == metric)]
+    if round_idx is not None:
+        t = t[t["round"] == round_idx]
+    return float(t["value"].sum())
+
+
+def mlp_floats(in_dim=64, hidden=32, embed=16, classes=10):
+    return in_dim * hidden + hidden + hidden * embed + embed + embed * classes + classes
+
+
+# -- SCAFFOLD ---------------------------------------------------------------------------------------------------------
+def test_scaffold_effective_steps_and_control_update_by_hand():
+    from algorithms.scaffold import control_update, effective_steps, server_update
+
+    assert effective_steps(3, 0.0) == 3.0
+    assert effective_steps(2, 0.5) == pytest.approx(1.0 + 1.5)  # (1-.5)/.5 + (1-.25)/.5
+    t = lambda v: {"w": torch.tensor([v])}
+    # c_i+ = c_i - c + (x - y) / (K lr) = 0.1 - 0.3 + 0.6 / (3 * 0.1) = 1.8
+    assert float(control_update(t(0.1), t(0.3), t(1.0), t(0.4), 3.0, 0.1)["w"]) == pytest.approx(1.8)
+    # x + lr_g * mean(dy) = 1 + 0.5 * (0.2 + 0.4) / 2 = 1.15; c + sum(dc) / N = 0.3 + (0.1 + 0.5) / 4 = 0.45
+    x, c = server_update(t(1.0), t(0.3), [t(0.2), t(0.4)], [t(0.1), t(0.5)], 4, 0.5)
+    assert float(x["w"]) == pytest.approx(1.15) and float(c["w"]) == pytest.approx(0.45)
+
+
+def test_scaffold_one_full_batch_step_gives_the_local_gradient():
+    """With one plain-SGD step on the full batch, y = x - lr (g(x) + c - c_i), so option II gives c_i+ = g(x):
+    the correction has the right sign and K_eff is right."""
+    from algorithms.scaffold import Scaffold
+    from raysim.driver import prepare
+    from raysim.runtime import ClientRunner, ServerRunner
+    from raysim.messages import state_message
+
+    cfg = make_config(tiny_config(algorithm={"name": "scaffold", "params": {}},
+                                  train={"local_epochs": 1, "batch_size": 1000, "lr": 0.1, "momentum": 0.0}))
+    prep = prepare(cfg)
+    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    clients = ClientRunner(prep.spec, prep.fed_data.clients)
+    alg: Scaffold = clients.algorithm
+    payload = server.initial_payload(0)
+    g = torch.Generator().manual_seed(3)
+    control = {n: 0.01 * torch.randn(v.shape, generator=g) for n, v in payload["control"].tensors.items()}
+    payload = {**payload, "control": state_message("control_variate", control)}
+    cid = clients.client_ids()[0]
+    c_i = {n: 0.02 * torch.randn(v.shape, generator=g) for n, v in control.items()}
+    state = {"control": c_i}
+    data = clients._data(cid)
+    ctx = clients._ctx(0, cid, "update")
+    res = alg.client_update(payload, state, data, ctx)
+    model = alg.task.build_model(cid)
+    model.load_state_dict(payload["model"].tensors)
+    model.train()
+    loss = torch.nn.functional.cross_entropy(model(data.x_train), data.y_train)  # the mlp has no dropout
+    grads = dict(zip([n for n, _ in model.named_parameters()], torch.autograd.grad(loss, list(model.parameters()))))
+    for n, gr in grads.items():
+        torch.testing.assert_close(res.state["control"][n], gr, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res.upload["delta_c"][n], gr - c_i[n], rtol=1e-4, atol=1e-5)
+
+
+def test_scaffold_accounting_doubles_fedavg():
+    sc, fa = run("scaffold"), run("fedavg")
+    w = mlp_floats()
+    for t in (sc,):
+        per_round = total(t, "participants", 0)
+        assert total(t, "up_floats", 0) == 2 * w * per_round
+        assert total(t, "down_floats", 0) == 2 * w * per_round
+    assert total(fa, "down_floats", 0) == w * total(fa, "participants", 0)
+
+
+def test_scaffold_bad_input():
+    with pytest.raises(ConfigError, match="server_lr"):
+        run("scaffold", {"server_lr": -1.0})
+
+
+# -- MOON -------------------------------------------------------------------------------------------------------------
+def test_moon_contrastive_by_hand():
+    from algorithms.moon import moon_contrastive
+
+    z = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    zg = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    zp = torch.tensor([[0.0, 1.0], [1.0, 1.0]])
+    # sample 1: pos cos 1, neg cos 0 -> log(1 + e^{(0-1)/0.5}); sample 2: pos cos 1/sqrt2, neg cos 1
+    l1 = math.log(1 + math.exp(-2.0))
+    l2 = math.log(1 + math.exp((1.0 - 1 / math.sqrt(2)) / 0.5))
+    assert float(moon_contrastive(z, zg, zp, 0.5)) == pytest.approx((l1 + l2) / 2, rel=1e-6)
+    # identical references: log 2 whatever z is
+    assert float(moon_contrastive(z, zg, zg, 0.7)) == pytest.approx(math.log(2), rel=1e-6)
+
+
+def test_moon_keeps_the_previous_model_in_client_state_and_sends_fedavg_traffic():
+    t = run("moon", {"mu": 1.0, "tau": 0.5})
+    fa = run("fedavg")
+    for m in ("up_floats", "down_floats"):
+        assert total(t, m) == total(fa, m)
+    con = t[(t["metric"] == "train_con") & (t["scope"] == "client")]
+    first = con[con["round"] == 0]["value"]
+    assert (first - math.log(2)).abs().max() < 1e-6  # first round: previous model = global model
+    assert (con[con["round"] == 2]["value"] - math.log(2)).abs().max() > 1e-4  # later: a real previous model
+    with pytest.raises(ConfigError, match="tau"):
+        run("moon", {"tau": 0.0})
+
+
+# -- SlaugFL ----------------------------------------------------------------------------------------------------------
+SLAUG = {"gen_steps": 20, "gen_channels": 8, "gen_noise": 8, "gan_channels": 8, "gan_noise": 8, "disc_channels": 4}
+
+
+def test_representative_selection_on_a_toy_problem():
+    from algorithms.gen_ops import per_class_accuracy, select_representatives
+
+    # per-class accuracy: y = [0,0,1,1,2], pred = [0,1,1,1,0] -> class 0: 1/2, class 1: 2/2, class 2: 0/1, class 3: nan
+    acc = per_class_accuracy(torch.tensor([0, 1, 1, 1, 0]), torch.tensor([0, 0, 1, 1, 2]), 4)
+    assert acc[:3].tolist() == [0.5, 1.0, 0.0] and math.isnan(float(acc[3]))
+    a = torch.tensor([[0.9, 0.2, 0.5, 0.1],
+                      [0.9, 0.8, 0.7, 0.1],
+                      [0.1, 0.95, 0.6, 0.1]], dtype=torch.float64)
+    eligible = torch.tensor([[True, True, True, False],
+                             [True, True, False, False],
+                             [False, True, True, False]])
+    # class 0: tie 0.9 between clients 4 and 7 -> lowest id 4; class 1: client 9 (0.95); class 2: client 7 has 0.7 but
+    # no class-2 validation data -> client 9 (0.6); class 3: nobody eligible -> -1
+    assert select_representatives(a, eligible, [4, 7, 9]).tolist() == [4, 9, 9, -1]
+
+
+def test_candidate_filter_by_cosine_distance():
+    from algorithms.gen_ops import cosine_distance, filter_candidates
+
+    proto = torch.tensor([1.0, 0.0])
+    feats = torch.tensor([[0.0, 1.0], [2.0, 0.0], [1.0, 1.0], [-1.0, 0.0], [1.0, 1.0]])
+    d = cosine_distance(feats, proto)
+    s = 1 - 1 / math.sqrt(2)
+    torch.testing.assert_close(d, torch.tensor([1.0, 0.0, s, 2.0, s]))
+    assert filter_candidates(feats, proto, 3).tolist() == [1, 2, 4]  # tie between 2 and 4: lower index first
+    assert filter_candidates(feats, proto, 10, delta=0.5).tolist() == [1, 2, 4]
+    assert filter_candidates(feats, proto, 10, delta=1.0).tolist() == [1, 2, 4, 0]
+    assert filter_candidates(feats, proto, 1).tolist() == [1]
+
+
+def test_dual_calibration_loss_against_its_formula():
+    from algorithms.gen_ops import dual_calibration_loss
+
+    c = 2
+    logits = torch.tensor([[2.0, 0.0, 0.5, 0.1], [0.0, 1.0, 0.0, 0.3], [0.2, 0.1, 1.5, 0.0]])
+    z = torch.tensor([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
+    y = torch.tensor([0, 1, 2])  # real 0, real 1, synthetic of class 0
+    protos = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    mask = torch.tensor([True, True])
+
+    def ce(row, t):
+        return -math.log(math.exp(row[t]) / sum(math.exp(v) for v in row))
+
+    ce_real = (ce(logits[0].tolist(), 0) + ce(logits[1].tolist(), 1)) / 2
+    ce_syn = ce(logits[2].tolist(), 2)
+    l_cla = ce_real + 0.5 * ce_syn
+    # class 0: mean of z[0], z[2] = (1, 0.5); class 1: (0, 2)
+    f0, f1 = torch.tensor([1.0, 0.5]), torch.tensor([0.0, 2.0])
+    cos = lambda a, b: float(a @ b / (a.norm() * b.norm()))
+    beta = 0.5
+    r0 = [cos(f0, protos[0]) / beta, cos(f0, protos[1]) / beta]
+    r1 = [cos(f1, protos[0]) / beta, cos(f1, protos[1]) / beta]
+    l_sep = (ce(r0, 0) + ce(r1, 1)) / 2
+    loss, parts = dual_calibration_loss(logits, z, y, c, protos, mask, 0.5, 2.0, beta)
+    assert float(parts["cla"]) == pytest.approx(l_cla, rel=1e-6)
+    assert float(parts["sep"]) == pytest.approx(l_sep, rel=1e-6)
+    assert float(loss) == pytest.approx(l_cla + 2.0 * l_sep, rel=1e-6)
+    # no global prototypes yet: L_cla only; a class without a prototype is left out of L_sep
+    loss0, parts0 = dual_calibration_loss(logits, z, y, c, None, None, 0.5, 2.0, beta)
+    assert float(loss0) == pytest.approx(l_cla, rel=1e-6) and float(parts0["sep"]) == 0.0
+    _, parts1 = dual_calibration_loss(logits, z, y, c, protos, torch.tensor([True, False]), 0.5, 1.0, beta)
+    assert float(parts1["sep"]) == pytest.approx(0.0, abs=1e-7)  # one column: CE of a single logit is 0
+
+
+def test_mode_seeking_diversity_by_hand():
+    from algorithms.gen_ops import diversity_loss, mode_seeking_ratio
+
+    g = torch.tensor([[1.0, 2.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    z = torch.tensor([[1.0], [0.0], [0.0], [2.0]])
+    # halves: g[:2] - g[2:] = [[1, 1], [0, 0]] -> mean 0.5; z: [[1], [-2]] -> mean 1.5; l_z = 1/3
+    assert float(mode_seeking_ratio(g[:2], g[2:], z[:2], z[2:])) == pytest.approx(1 / 3)
+    assert float(diversity_loss(g, z, 10.0)) == pytest.approx(10.0 / (1 / 3 + 1e-5))
+
+
+def _generator_floats(params):
+    from algorithms.slaugfl import SlaugFL
+    from raysim.driver import prepare
+
+    prep = prepare(make_config(tiny_config(algorithm={"name": "slaugfl", "params": params})))
+    gen = prep.algorithm.make_generator() if hasattr(prep, "algorithm") else SlaugFL(prep.spec.params, prep.spec.task).make_generator()
+    return sum(v.numel() for v in gen.state_dict().values() if v.is_floating_point())
+
+
+def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
+    """Seed §IV-F: prep up N|w_C| + C d, generator down N|G| (once, in the setup only), each round K(|w| + Cd) up and
+    K|w| (+ K C d once global p-f prototypes exist) down; floats measured in the table."""
+    t = run("slaugfl", SLAUG, rounds=3)
+    n, c, d = 6, 10, 16
+    w_c = mlp_floats()
+    w_2c = mlp_floats(classes=2 * c)
+    g = _generator_floats(SLAUG)
+    setup = t[t["round"] == -1]
+    covered = float(setup[setup["metric"] == "classes_covered"]["value"].iloc[0])
+    assert total(setup, "up_floats@prep_train") == n * w_c
+    assert total(setup, "up_floats@prep_prototypes") == covered * d
+    assert total(setup, "down_floats@prep_augment") == n * g  # every device once
+    assert total(setup, "down_floats") == n * g and total(setup, "up_floats") == n * w_c + covered * d
+    gen_rows = t[(t["scope"] == "total") & (t["metric"] == "down_floats@prep_augment")]
+    assert set(gen_rows["round"]) == {-1}  # never again
+    for r in range(3):
+        k = total(t, "participants", r)
+        assert total(t, "up_floats", r) == k * (w_2c + c * d)
+        assert total(t, "down_floats", r) == k * (w_2c + (c * d if r > 0 else 0))
+    formula = n * (w_c + g) + covered * d + sum(total(t, "participants", r) * 2 * (w_2c + c * d) for r in range(3)) \
+        - total(t, "participants", 0) * c * d  # round 0 has no global p-f prototypes to download yet
+    assert total(t, "up_floats") + total(t, "down_floats") == formula
+
+
+def test_slaugfl_pf_prototypes_come_from_synthetic_data_only():
+    from raysim.driver import prepare
+    from raysim.ops import class_prototypes
+    from raysim.runtime import ClientRunner, ServerRunner
+    from raysim.steps import flatten
+
+    cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": SLAUG}))
+    prep = prepare(cfg)
+    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    clients = ClientRunner(prep.spec, prep.fed_data.clients)
+    ids = clients.client_ids()
+    payload, uploads = None, {}
+    for step, it in flatten(server.algorithm.setup_schedule()):
+        if hasattr(step, "clients"):
+            uploads, reports = clients.run_client_step(step, payload, -1, it, ids)
+            assert all(r.ok for r in reports), [r.error for r in reports]
+            clients.commit()
+        else:
+            out, _ = server.run_server_step(step, -1, it, [], uploads)
+            payload = out if out is not None else payload
+    alg = clients.algorithm
+    cid = ids[0]
+    state = clients.state(cid)
+    data = clients._data(cid)
+    assert state["syn_x"].shape[0] == 10 * max(1, data.num_train // 10)  # class-balanced, floor(|D|/C) per class
+    assert set(state) == {"syn_x", "syn_y"}  # the preparation model is gone
+    res = alg.client_update(server.initial_payload(0), state, data, clients._ctx(0, cid, "update"))
+    model = alg.live_model(clients._ctx(0, cid))
+    model.load_state_dict(res.upload["model"].tensors)
+    model.eval()
+    with torch.no_grad():
+        _, z = model(state["syn_x"], return_embedding=True)
+    classes, protos, counts = class_prototypes(z, state["syn_y"], 10)
+    torch.testing.assert_close(res.upload["pf_protos"]["protos"], protos)
+    assert res.upload["pf_protos"]["counts"].tolist() == counts.tolist()
+    # the synthetic set never leaves the client: no upload holds as many rows as it
+    assert all(v.shape[0] != state["syn_x"].shape[0] for m in res.upload.values() for v in m.tensors.values()
+               if v.dim() > 1)
+
+
+def test_slaugfl_scenario1_filters_candidates_from_the_public_set():
+    params = {**SLAUG, "scenario": 1, "candidate_top_k": 7}
+    t = run("slaugfl", params, data__public={"dataset": "synthetic", "size": 300})
+    setup = t[(t["round"] == -1) & (t["scope"] == "server")].set_index("metric")["value"]
+    assert setup["candidates_kept"] == 7 * setup["classes_covered"]  # 7 per covered class (each has >= 7 candidates)
+    assert math.isfinite(setup["gan_d_loss"]) and math.isfinite(setup["gan_g_loss"])
+    with pytest.raises(ConfigError, match="candidate_dir"):
+        run("slaugfl", {"scenario": 1})
+    with pytest.raises(ConfigError, match="scenario"):
+        run("slaugfl", {"scenario": 3})
+    with pytest.raises(ConfigError, match="prep_val_fraction"):
+        run("slaugfl", {"prep_val_fraction": 1.0})
+
+
+def test_slaugfl_candidate_folder(tmp_path):
+    from PIL import Image
+    import numpy as np
+
+    from algorithms.slaugfl import load_image_folder
+
+    for c in (0, 2):
+        (tmp_path / str(c)).mkdir()
+        for j in range(2):
+            Image.fromarray(np.full((5, 5), 51 * (c + j), dtype=np.uint8)).save(tmp_path / str(c) / f"{j}.png")
+    (tmp_path / "notes").mkdir()
+    x, y = load_image_folder(str(tmp_path), (1, 8, 8), 10)
+    assert x.shape == (4, 1, 8, 8) and y.tolist() == [0, 0, 2, 2]
+    assert float(x[3].mean()) == pytest.approx(153 / 255, abs=1e-6)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("params", [{**SLAUG, "scenario": 1}, SLAUG])
+def test_slaugfl_sequential_equals_ray(ray_session, params):
+    over = {"data__public": {"dataset": "synthetic", "size": 300}}
+    seq = run("slaugfl", params, **over)
+    ray_t = run("slaugfl", params, backend={"name": "ray", "num_actors": 2, "num_cpus": 1}, **over)
+    pd.testing.assert_frame_equal(seq.reset_index(drop=True), ray_t.reset_index(drop=True))
+
+
+# -- FedGen -----------------------------------------------------------------------------------------------------------
+def test_fedgen_losses_by_hand():
+    from algorithms.fedgen import ensemble_loss, fedgen_diversity
+
+    eps = torch.tensor([[0.0], [1.0]])
+    z = torch.tensor([[0.0, 0.0], [1.0, 3.0]])
+    # pairs (a, b) over the 2 x 2 grid: noise distances [[0,1],[1,0]], layer distances [[0,2],[2,0]] -> mean 1
+    assert float(fedgen_diversity(eps, z)) == pytest.approx(math.exp(-1.0))
+    y = torch.tensor([0, 1])
+    l1 = torch.tensor([[1.0, 0.0], [0.0, 0.0]])
+    l2 = torch.tensor([[0.0, 0.0], [0.0, 2.0]])
+    w = torch.tensor([[0.25, 1.0], [0.75, 0.0]])  # class 0: 1/4 client 1, 3/4 client 2; class 1: client 1 only
+    ce = lambda row, t: -math.log(math.exp(row[t]) / sum(math.exp(v) for v in row))
+    want = (0.25 * ce([1, 0], 0) + 0.75 * ce([0, 0], 0) + 1.0 * ce([0, 0], 1)) / 2
+    assert float(ensemble_loss([l1, l2], w, y)) == pytest.approx(want, rel=1e-6)
+
+
+def test_fedgen_generator_downloaded_every_round_after_the_first():
+    from algorithms.fedgen import FedGen
+    from raysim.driver import prepare
+
+    t = run("fedgen")
+    prep = prepare(make_config(tiny_config(algorithm={"name": "fedgen", "params": {}})))
+    alg = FedGen(prep.spec.params, prep.spec.task)
+    g = sum(v.numel() for v in alg.make_generator().state_dict().values() if v.is_floating_point())
+    w = mlp_floats()
+    for r in range(3):
+        k = total(t, "participants", r)
+        assert total(t, "up_floats", r) == k * w
+        assert total(t, "down_floats", r) == k * (w + (g if r > 0 else 0))
+    teacher = t[(t["metric"] == "train_teacher") & (t["scope"] == "client")]
+    assert set(teacher["round"]) == {1, 2}  # the generator regularises from the second round
+    with pytest.raises(ConfigError, match="decay"):
+        run("fedgen", {"decay": 0.0})
+
+
+# -- VHL --------------------------------------------------------------------------------------------------------------
+def test_supcon_by_hand():
+    from algorithms.vhl import supcon
+
+    z = torch.tensor([[1.0, 0.0], [1.0, 0.0], [0.0, 1.0]])
+    y = torch.tensor([0, 0, 1])
+    t = 0.5
+    # anchor 0: positive 1 (sim 1), others {1: 1, 2: 0} -> -log(e^2 / (e^2 + e^0)); anchor 1 the same; anchor 2 none
+    want = -math.log(math.exp(2) / (math.exp(2) + 1))
+    assert float(supcon(z, y, t)) == pytest.approx(want, rel=1e-6)
+    assert float(supcon(z, y, t, anchors=1)) == pytest.approx(want, rel=1e-6)
+    assert float(supcon(z, torch.tensor([0, 1, 2]), t)) == 0.0
+
+
+def test_vhl_generator_once_and_the_same_virtual_data_everywhere():
+    from raysim.driver import prepare
+    from raysim.runtime import ClientRunner, ServerRunner
+    from raysim.steps import flatten
+
+    t = run("vhl", {"virtual_per_class": 3})
+    prep = prepare(make_config(tiny_config(algorithm={"name": "vhl", "params": {"virtual_per_class": 3}})))
+    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    clients = ClientRunner(prep.spec, prep.fed_data.clients)
+    g = sum(v.numel() for v in server.algorithm.make_generator().state_dict().values() if v.is_floating_point())
+    assert total(t, "down_floats", -1) == 6 * g and total(t, "up_floats", -1) == 0
+    w = mlp_floats(classes=20)
+    for r in range(3):
+        k = total(t, "participants", r)
+        assert total(t, "up_floats", r) == k * w and total(t, "down_floats", r) == k * w
+    payload = None
+    for step, it in flatten(server.algorithm.setup_schedule()):
+        if hasattr(step, "clients"):
+            clients.run_client_step(step, payload, -1, it, clients.client_ids())
+            clients.commit()
+        else:
+            payload, _ = server.run_server_step(step, -1, it, [], {})
+    a, b = clients.state(0), clients.state(3)
+    assert a["vx"].shape == (30, 1, 8, 8) and torch.equal(a["vx"], b["vx"]) and a["vy"].tolist() == b["vy"].tolist()
+    assert float(a["vx"].std()) > 0.0
+    with pytest.raises(ConfigError, match="temperature"):
+        run("vhl", {"temperature": 0.0})
