@@ -16,6 +16,8 @@ ALGORITHMS: dict[str, str] = {
     "lgfedavg": "algorithms.lgfedavg:LGFedAvg",
     "fesem": "algorithms.fesem:FeSEM",
     "feddistill": "algorithms.feddistill:FedDistill",
+    "pnicfl": "algorithms.pnicfl:PNICFL",
+    "pnicfl_plus": "algorithms.pnicfl:PNICFLPlus",
 }
 
 

@@ -114,3 +114,92 @@ def test_ari_rows_are_sklearns_score_of_the_reported_clusters(tiny):
     # no domains (no rotations): no ari rows
     plain = run_experiment(tiny(rounds=1, algorithm={"name": "fesem", "params": {}}), write=False)
     assert rows(plain.table, "ari", "server").empty
+
+
+# -- PN-ICFL -----------------------------------------------------------------------------------------------------------
+
+def test_pnicfl_distance_and_e_step_by_hand():
+    from algorithms.pnicfl import cluster_distances, e_step
+
+    # two users, C = 3 classes, d = 2; user 0 holds classes 0 (3 samples) and 1 (1 sample), user 1 only class 2
+    u = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]],
+                      [[0.0, 0.0], [0.0, 0.0], [5.0, 5.0]]])
+    counts = torch.tensor([[3, 1, 0], [0, 0, 2]])
+    E = torch.tensor([[[1.0, 0.0], [0.0, 0.0], [5.0, 5.0]],  # cluster 0 holds all classes
+                      [[9.0, 9.0], [0.0, 1.0], [1.0, 1.0]]])  # cluster 1 lacks class 0 (mask)
+    mask = torch.tensor([[True, True, True], [False, True, True]])
+    d = cluster_distances(u, counts, E, mask)
+    # d_00 = 3/4 * 0 + 1/4 * ||(0,1)-(0,0)||^2 = 0.25; d_01: only class 1 shared -> p~ = 1, distance 0
+    # d_10 = ||(5,5)-(5,5)||^2 = 0; d_11 = ||(5,5)-(1,1)||^2 = 32
+    assert d.tolist() == [[0.25, 0.0], [0.0, 32.0]]
+    assert e_step(u, counts, E, mask).tolist() == [1, 0]
+    # no class in common: +inf, never chosen
+    d2 = cluster_distances(u[1:], counts[1:], E, torch.tensor([[True, True, False], [False, False, True]]))
+    assert math.isinf(float(d2[0, 0])) and e_step(u[1:], counts[1:], E, torch.tensor(
+        [[True, True, False], [False, False, True]])).tolist() == [1]
+
+
+def test_pnicfl_m_step_by_hand():
+    from algorithms.pnicfl import m_step
+
+    E = torch.zeros(2, 2, 1)
+    E[1, 1] = 7.0
+    mask = torch.tensor([[False, False], [False, True]])
+    u = torch.tensor([[[1.0], [2.0]], [[3.0], [0.0]], [[8.0], [8.0]]])
+    counts = torch.tensor([[1, 2], [3, 0], [1, 1]])
+    newE, newm = m_step(E, mask, [0, 0, 0], u, counts)
+    # class 0: (1*1 + 3*3 + 1*8) / 5 = 3.6; class 1: (2*2 + 1*8) / 3 = 4
+    assert newE[0, :, 0].tolist() == pytest.approx([3.6, 4.0]) and newm[0].tolist() == [True, True]
+    assert newE[1, 1, 0] == 7.0 and newm[1].tolist() == [False, True]  # nobody joined cluster 1: unchanged
+
+
+def test_pnicfl_initial_centres():
+    from algorithms.pnicfl import initial_centres
+
+    u = torch.tensor([[[0.0]], [[0.1]], [[10.0]], [[10.1]]])
+    counts = torch.ones(4, 1, dtype=torch.int64)
+    assert len(set(initial_centres(u, counts, 3, np.random.default_rng(0)))) == 3
+    # k-means++ with two far-apart pairs almost surely takes one of each pair
+    for s in range(5):
+        picks = initial_centres(u, counts, 2, np.random.default_rng(s), "kmeans++")
+        assert {p // 2 for p in picks} == {0, 1}
+
+
+def pn_cfg(tiny, name="pnicfl", params=None, **over):
+    p = {"num_clusters": 2, "pretrain_episodes": 10, **(params or {})}
+    return rotated_tiny(tiny, name, p, data__public={"dataset": "synthetic", "size": 400}, **over)
+
+
+def test_pnicfl_finds_separable_domains_and_accounts_one_model(tiny):
+    from raysim.models import build_model
+    from raysim.config import ArchSpec
+
+    res = run_experiment(pn_cfg(tiny, rounds=3), write=False)
+    t = res.table
+    ari = rows(t, "ari", "server")
+    assert float(ari[ari["round"] == 2]["value"].iloc[0]) == 1.0  # rotations 0 / 90 of the synthetic clusters
+    m = build_model(ArchSpec("mlp", {"hidden": 32, "embed_dim": 16}), (1, 8, 8), 10)
+    theta = sum(p.numel() for p in m.body.parameters())
+    c, d = 10, 16
+    down = rows(t, "down_floats")
+    up = rows(t, "up_floats")
+    # every participant, every round: theta once (embed) + its own cluster's prototypes (update), never K models
+    assert set(down["value"]) == {theta + c * d}
+    assert set(rows(t, "down_floats@embed")["value"]) == {theta}
+    assert set(rows(t, "down_floats@update")["value"]) == {c * d}
+    assert set(up["value"]) == {2 * c * d + theta}  # u and u' (C x d) and theta
+    assert set(rows(t, "down_bytes:cluster_id")["value"]) == {8}
+    assert (rows(t, "pretrain_loss", "server")["round"] == -1).all()
+
+
+def test_pnicfl_plus_uses_lg_and_new_users_get_a_cluster(tiny):
+    res = run_experiment(pn_cfg(tiny, "pnicfl_plus", {"lam": 0.5, "init": "kmeans++"}, rounds=1,
+                                clients_per_round=3), write=False)
+    t = res.table
+    assert (rows(t, "train_g")["value"] > 0).all()
+    cl = rows(t, "cluster")
+    assert len(cl) == 8 and set(cl["value"]) <= {0.0, 1.0}  # 5 never-sampled users assigned as new users
+    with pytest.raises(ConfigError, match="lam"):
+        run_experiment(pn_cfg(tiny, "pnicfl_plus", {"lam": 0.0}), write=False)
+    with pytest.raises(ConfigError, match="data.public"):
+        run_experiment(rotated_tiny(tiny, "pnicfl", {"num_clusters": 2}), write=False)
