@@ -18,6 +18,8 @@ ALGORITHMS: dict[str, str] = {
     "feddistill": "algorithms.feddistill:FedDistill",
     "pnicfl": "algorithms.pnicfl:PNICFL",
     "pnicfl_plus": "algorithms.pnicfl:PNICFLPlus",
+    "ifca": "algorithms.ifca:IFCA",
+    "fedfomo": "algorithms.fedfomo:FedFomo",
 }
 
 

@@ -42,6 +42,8 @@ def method_overrides(name: str) -> dict:
     if name in ("pnicfl", "pnicfl_plus"):  # server pre-training on a public set; 2 clusters of 6 clients
         return {"data__public": {"dataset": "synthetic", "size": 400},
                 "algorithm__params": {"num_clusters": 2, "pretrain_episodes": 5}}
+    if name == "fedfomo":  # weighs the received models on a validation split
+        return {"data__val_fraction": 0.2}
     return {}
 
 

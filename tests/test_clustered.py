@@ -203,3 +203,78 @@ def test_pnicfl_plus_uses_lg_and_new_users_get_a_cluster(tiny):
         run_experiment(pn_cfg(tiny, "pnicfl_plus", {"lam": 0.0}), write=False)
     with pytest.raises(ConfigError, match="data.public"):
         run_experiment(rotated_tiny(tiny, "pnicfl", {"num_clusters": 2}), write=False)
+
+
+# -- IFCA --------------------------------------------------------------------------------------------------------------
+
+def test_ifca_assignment_and_averaging_by_hand():
+    from algorithms.ifca import choose_cluster, cluster_average, model_losses
+    from raysim.config import ArchSpec
+    from raysim.models import build_model
+
+    # a linear model (mlp1 with 1 hidden unit is not linear; take the head of a tiny mlp1 with identity-ish body)
+    m = build_model(ArchSpec("mlp1", {"hidden": 2}), (1, 1, 2), 2)
+    base = {k: torch.zeros_like(v) for k, v in m.state_dict().items()}
+    base["body.1.weight"] = torch.eye(2)  # hidden = relu(x)
+    good, bad = dict(base), dict(base)
+    good["head.weight"] = torch.eye(2) * 5  # predicts argmax(x)
+    bad["head.weight"] = torch.tensor([[0.0, 5.0], [5.0, 0.0]])  # predicts the other class
+    x = torch.tensor([[[[1.0, 0.0]]], [[[0.0, 1.0]]]])
+    y = torch.tensor([0, 1])
+    losses = model_losses(m, [bad, good], x, y)
+    # CE of the good model: -log softmax([5, 0])[0] = log(1 + e^-5); the bad one: log(1 + e^5)
+    assert losses.tolist() == pytest.approx([math.log(1 + math.exp(5)), math.log(1 + math.exp(-5))], rel=1e-6)
+    assert choose_cluster(losses) == 1
+    assert choose_cluster(torch.tensor([0.3, 0.1, 0.1])) == 1  # ties: the lower k
+    a, b, c = ({"w": torch.tensor([v])} for v in (1.0, 3.0, 10.0))
+    out = cluster_average([a, b, c], [0, 0, 2], [{"w": torch.tensor([0.0])}] * 3)
+    assert [float(s["w"]) for s in out] == [2.0, 0.0, 10.0]  # plain mean; cluster 1 unchanged
+
+
+def test_ifca_downloads_k_models_and_finds_separable_domains(tiny):
+    from raysim.config import ArchSpec
+    from raysim.models import build_model
+
+    res = run_experiment(rotated_tiny(tiny, "ifca", {"num_clusters": 2}, rounds=3), write=False)
+    t = res.table
+    m = build_model(ArchSpec("mlp", {"hidden": 32, "embed_dim": 16}), (1, 8, 8), 10)
+    size = sum(p.numel() for p in m.parameters())
+    assert set(rows(t, "down_floats")["value"]) == {2 * size}  # K models down, every round
+    assert set(rows(t, "up_floats")["value"]) == {size}
+    ari = rows(t, "ari", "server")
+    assert float(ari[ari["round"] == 2]["value"].iloc[0]) == 1.0
+
+
+# -- FedFomo -----------------------------------------------------------------------------------------------------------
+
+def test_fedfomo_weights_and_peers_by_hand():
+    from algorithms.fedfomo import fomo_weights, top_peers
+
+    raw, used = fomo_weights(1.0, [0.5, 1.5, 0.0], [0.5, 1.0, 2.0])
+    # w = (1 - 0.5)/0.50001, (1 - 1.5)/1.00001, (1 - 0)/2.00001
+    assert raw.tolist() == pytest.approx([0.5 / 0.50001, -0.5 / 1.00001, 1.0 / 2.00001])
+    s = 0.5 / 0.50001 + 1.0 / 2.00001
+    assert used.tolist() == pytest.approx([0.5 / 0.50001 / s, 0.0, 1.0 / 2.00001 / s])
+    raw, used = fomo_weights(0.1, [0.5, 0.7], [1.0, 1.0])
+    assert used.tolist() == [0.0, 0.0]  # none helps: the client keeps its old model
+    P = torch.tensor([0.0, 2.0, 1.0, 2.0, 5.0])
+    assert top_peers(P, [1, 2, 3], 2) == [1, 3] and top_peers(P, [1, 2], 5) == [1, 2]
+
+
+def test_fedfomo_accounting_and_affinity(tiny):
+    from raysim.config import ArchSpec
+    from raysim.models import build_model
+
+    res = run_experiment(tiny(rounds=3, clients_per_round=6, data__val_fraction=0.2,
+                              algorithm={"name": "fedfomo", "params": {"num_peers": 2}}), write=False)
+    t = res.table
+    m = build_model(ArchSpec("mlp", {"hidden": 32, "embed_dim": 16}), (1, 8, 8), 10)
+    size = sum(p.numel() for p in m.parameters())
+    down = rows(t, "down_floats")
+    assert set(down[down["round"] == 0]["value"]) == {0}  # nothing held yet
+    assert set(down[down["round"] > 0]["value"]) == {2 * size}  # M = 2 peers
+    up = rows(t, "up_floats")
+    assert set(up[up["round"] == 0]["value"]) == {size}
+    assert set(up[up["round"] > 0]["value"]) == {size + 2}  # + the two raw weights
+    with pytest.raises(ConfigError, match="data.val_fraction"):
+        run_experiment(tiny(rounds=1, algorithm={"name": "fedfomo", "params": {}}), write=False)

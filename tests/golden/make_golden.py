@@ -39,6 +39,14 @@ def golden_config(name: str) -> dict:
             {"arch": "cnn4", "params": {"embed_dim": 16}}]}
     if name == "fedtgp":
         cfg["algorithm"]["params"] = {"server_epochs": 5, "margin_threshold": 1.0}
+    if name in ("pnicfl", "pnicfl_plus"):
+        cfg["data"]["public"] = {"dataset": "fashion_mnist", "size": 300}
+        cfg["algorithm"]["params"] = {"num_clusters": 2, "pretrain_episodes": 5}
+        cfg["train"]["lr"] = 0.01  # squared-distance logits diverge at 0.05
+    if name == "ifca":
+        cfg["algorithm"]["params"] = {"num_clusters": 2}
+    if name == "fedfomo":
+        cfg["data"]["val_fraction"] = 0.2
     return cfg
 
 
