@@ -176,7 +176,7 @@ def main() -> None:
     ap.add_argument("--general-rounds", type=int, default=10)
     ap.add_argument("--pretrain", type=int, default=100)
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--minutes", type=float, default=25.0, help="stop starting results after this wall time")
+    ap.add_argument("--minutes", type=float, default=25.0, help="stop collecting results after this wall time")
     ap.add_argument("--general", action="store_true", help="also the general setting (|D_i| = 1000, rotated Fashion)")
     ap.add_argument("--only", default="", help="comma-separated settings to run")
     args = ap.parse_args()
@@ -188,8 +188,9 @@ def main() -> None:
     if args.only:
         settings = [s for s in settings if s in args.only.split(",")]
     rounds = {s: (args.general_rounds if s.startswith("gen") else args.rounds) for s in settings}
-    # seed-major order: every cell gets seed 1 before any gets seed 2, so a cut-off grid is still complete per seed
-    cfgs = [config(s, m, seed, rounds[s], args.pretrain) for seed in seeds for s in settings for m in METHODS]
+    # rotated MNIST first, then the other settings; seed-major within each, so a cut-off grid is complete per seed
+    groups = [[s for s in settings if s.startswith("rot")], [s for s in settings if not s.startswith("rot")]]
+    cfgs = [config(s, m, seed, rounds[s], args.pretrain) for g in groups for seed in seeds for s in g for m in METHODS]
     t0 = time.time()
     done = run_grid(cfgs, args.workers, OUT / "runs.jsonl", t0 + 60 * args.minutes)
     print(f"\nwall time {time.time() - t0:.0f}s\n")
