@@ -179,6 +179,7 @@ def main() -> None:
     ap.add_argument("--minutes", type=float, default=25.0, help="stop collecting results after this wall time")
     ap.add_argument("--general", action="store_true", help="also the general setting (|D_i| = 1000, rotated Fashion)")
     ap.add_argument("--only", default="", help="comma-separated settings to run")
+    ap.add_argument("--report", action="store_true", help="only print the tables of the runs already logged")
     args = ap.parse_args()
     seeds = list(range(1, args.seeds + 1))
     rot = ["rot-a3-r1.0", "rot-a3-r0.5", "rot-a100-r1.0", "rot-a100-r0.5"]
@@ -192,7 +193,13 @@ def main() -> None:
     groups = [[s for s in settings if s.startswith("rot")], [s for s in settings if not s.startswith("rot")]]
     cfgs = [config(s, m, seed, rounds[s], args.pretrain) for g in groups for seed in seeds for s in g for m in METHODS]
     t0 = time.time()
-    done = run_grid(cfgs, args.workers, OUT / "runs.jsonl", t0 + 60 * args.minutes)
+    if args.report:  # tables from the runs already logged, nothing run
+        done = {}
+        for line in (OUT / "runs.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            done[(r["name"], r["seed"], r["rounds"])] = r
+    else:
+        done = run_grid(cfgs, args.workers, OUT / "runs.jsonl", t0 + 60 * args.minutes)
     print(f"\nwall time {time.time() - t0:.0f}s\n")
     rot_s = [s for s in settings if s.startswith("rot")]
     other = [s for s in settings if not s.startswith("rot")]

@@ -278,3 +278,20 @@ def test_fedfomo_accounting_and_affinity(tiny):
     assert set(up[up["round"] > 0]["value"]) == {size + 2}  # + the two raw weights
     with pytest.raises(ConfigError, match="data.val_fraction"):
         run_experiment(tiny(rounds=1, algorithm={"name": "fedfomo", "params": {}}), write=False)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", ["pnicfl_plus", "ifca"])
+def test_clustered_sequential_equals_ray_with_ari(ray_session, tiny, name):
+    import pandas as pd
+
+    def cfg(**over):
+        if name == "ifca":
+            return rotated_tiny(tiny, name, {"num_clusters": 2}, **over)
+        return pn_cfg(tiny, name, **over)
+
+    seq = run_experiment(cfg(), write=False).table
+    ray = run_experiment(cfg(backend={"name": "ray", "num_actors": 2, "num_cpus": 1, "state_memory_mb": 0}),
+                         write=False).table
+    assert not rows(seq, "ari", "server").empty
+    pd.testing.assert_frame_equal(seq.reset_index(drop=True), ray.reset_index(drop=True))
