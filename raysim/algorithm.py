@@ -51,6 +51,7 @@ class Task:
     seed: int
     rounds: int
     public: Optional[ArrayDataset] = None
+    val_fraction: float = 0.0  # data.val_fraction: whether clients hold a validation split (its size only)
 
     def build_model(self, client_id: int) -> SplitModel:
         return build_model(self.archs[client_id], self.input_shape, self.num_classes)

@@ -10,7 +10,8 @@ reports, user loggers — is a :class:`Callback`:
     on_run_error(run, exc)                 when the run failed (reverse order)
 
 Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`,
-:class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it). Pass your own
+:class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it),
+:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains). Pass your own
 with ``run_experiment(cfg, callbacks=[...])`` (e.g. a TensorBoard or MLflow logger reading ``run.table``).
 """
 from __future__ import annotations
@@ -89,7 +90,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
     archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
-                fed.public)
+                fed.public, cfg.data.val_fraction)
     seen = set()
     for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
         if arch_key(spec) not in seen:
@@ -532,6 +533,34 @@ class ProgressBar(Callback):
         self._close()
 
 
+class ClusterAgreement(Callback):
+    """ARI of a clustered method's assignment against the ground-truth domains, after every evaluated round.
+
+    The driver alone holds the domains (``FederatedData.domains``: rotation index or data source); the methods never
+    see them. A clustered method reports each evaluated client's cluster as the client metric ``cluster``; this
+    callback reads those rows and writes scikit-learn's ``adjusted_rand_score(domains, clusters)`` over the evaluated
+    clients as the server-scope metric ``ari`` (weight: the number of clients). It runs before the checkpointer, so
+    checkpoints (and a resume) carry the row."""
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        domains = run.prep.fed_data.domains
+        if not evaluated or domains is None:
+            return None
+        clusters = {}
+        for row in reversed(run.table.rows):
+            if row[1] != round_idx:
+                break
+            if row[3] == "client" and row[4] == "cluster":
+                clusters[row[2]] = int(row[5])
+        if clusters:
+            from sklearn.metrics import adjusted_rand_score
+
+            ids = sorted(clusters)
+            ari = adjusted_rand_score([domains[c] for c in ids], [clusters[c] for c in ids])
+            run.table.add(round_idx, -1, "server", "ari", float(ari), len(ids))
+        return None
+
+
 class EvalCallback(Callback):
     """``fn(round_idx, table) -> stop?`` after every evaluated round (the tuning monitor's interface)."""
 
@@ -583,7 +612,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         write = True
     elif write:
         rd = rundir.RunDir.claim(target, where)
-    cbs: list[Callback] = []
+    cbs: list[Callback] = [ClusterAgreement()]  # first: its rows belong to the round the checkpointer saves
     if rd is not None:
         (rd.work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         cbs += [RunDirectory(rd), Checkpointer(cfg.output.checkpoint_every)]
@@ -595,7 +624,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
 
     backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)
     run = Run(prep, backend, run_id)
-    started: list[Callback] = cbs[:1] if rd is not None else []  # the claimed directory is cleaned up on any error
+    started: list[Callback] = cbs[1:2] if rd is not None else []  # the claimed directory is cleaned up on any error
     try:
         t0 = time.perf_counter()
         backend.start()
@@ -645,7 +674,7 @@ def _metadata(run: Run) -> dict:
         "config_hash": cfg.config_hash(),
         "seed": cfg.seed,
         "versions": versions(),
-        "data": run.prep.fed_data.summary(),
+        "data": run.prep.fed_data.summary(),  # data.domains: the ground truth of ClusterAgreement
         "data_notes": run.prep.fed_data.notes,
         "stopped_early": run.stopped_early,
         "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures],

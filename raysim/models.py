@@ -228,9 +228,38 @@ def fedavg_cnn(input_shape, num_classes, embed_dim: int = 512) -> SplitModel:
     return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
 
 
+def mlp1(input_shape, num_classes, hidden: int = 200) -> SplitModel:
+    """IFCA's Rotated-MNIST model (Ghosh et al. 2020, official ``mnist/train_cluster_mnist.py``): 784-200-10 with one
+    ReLU hidden layer; the embedding is the hidden layer."""
+    d = 1
+    for s in input_shape:
+        d *= s
+    body = nn.Sequential(nn.Flatten(), nn.Linear(d, hidden), nn.ReLU())
+    return SplitModel(body, nn.Linear(hidden, num_classes), hidden)
+
+
+def protonet(input_shape, num_classes, channels: int = 32, hidden: int = 128, embed_dim: int = 64) -> SplitModel:
+    """The PN-ICFL seed's prototypical network, "3 conv + 2 fc" (layer widths are not given there; ours are chosen
+    small for CPUs): three conv3x3(pad 1)-ReLU-maxpool2 blocks, fc -> hidden, ReLU, fc -> embed_dim (the embedding
+    f_theta(x), no ReLU: prototypes live in R^d as in Snell et al.). The head (one linear layer) is what the seed adds
+    for the end-to-end baselines; PN-ICFL never uses it."""
+    h, w = input_shape[-2], input_shape[-1]
+    for _ in range(3):
+        h, w = h // 2, w // 2
+    if h < 1 or w < 1:
+        raise ConfigError("model.arch", f"protonet needs images of at least 8x8, got {tuple(input_shape)}")
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(channels * h * w, hidden), nn.ReLU(), nn.Linear(hidden, embed_dim))
+    return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
+
+
 ARCHS: dict[str, Callable[..., SplitModel]] = {"cnn_mnist": cnn_mnist, "mlp": mlp, "cnn_small": cnn_small,
                                                "cnn4": cnn4, "resnet_small": resnet_small,
-                                               "mobilenet_small": mobilenet_small, "fedavg_cnn": fedavg_cnn}
+                                               "mobilenet_small": mobilenet_small, "fedavg_cnn": fedavg_cnn,
+                                               "mlp1": mlp1, "protonet": protonet}
 
 # The heterogeneous zoo for 1x28x28 inputs (assign with model.per_client + assign: cycle | blocks | list | tier).
 ZOO_28 = ("cnn_mnist", "cnn4", "resnet_small", "mobilenet_small")

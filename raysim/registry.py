@@ -21,6 +21,10 @@ ALGORITHMS: dict[str, str] = {
     "slaugfl": "algorithms.slaugfl:SlaugFL",
     "fedgen": "algorithms.fedgen:FedGen",
     "vhl": "algorithms.vhl:VHL",
+    "pnicfl": "algorithms.pnicfl:PNICFL",
+    "pnicfl_plus": "algorithms.pnicfl:PNICFLPlus",
+    "ifca": "algorithms.ifca:IFCA",
+    "fedfomo": "algorithms.fedfomo:FedFomo",
 }
 
 

@@ -36,9 +36,14 @@ def tiny_config(**over) -> dict:
 
 def method_overrides(name: str) -> dict:
     """Config overrides a method needs on the tiny config: FedPer shares conv layers by default (the mlp has none),
-    so it runs on the two-conv cnn_small."""
+    so it runs on the two-conv cnn_small; PN-ICFL pre-trains on a public set."""
     if name == "fedper":
         return {"model": {"arch": "cnn_small", "params": {"channels": 4, "embed_dim": 16}}}
+    if name in ("pnicfl", "pnicfl_plus"):  # server pre-training on a public set; 2 clusters of 6 clients
+        return {"data__public": {"dataset": "synthetic", "size": 400},
+                "algorithm__params": {"num_clusters": 2, "pretrain_episodes": 5}}
+    if name == "fedfomo":  # weighs the received models on a validation split
+        return {"data__val_fraction": 0.2}
     return {}
 
 

@@ -275,7 +275,7 @@ def test_fedpu_client_trains_without_hidden_labels(tiny):
         scrambled_y = data.y_train.clone()
         hidden = view.y_obs == UNLABELLED
         scrambled_y[hidden] = (scrambled_y[hidden] + 1) % task.num_classes
-        scrambled = ClientData(0, data.x_train, scrambled_y, data.x_test, data.y_test, data.classes, 0, data.num_classes)
+        scrambled = ClientData(0, data.x_train, scrambled_y, data.x_test, data.y_test, data.classes, data.num_classes)
         fedpu.make_view = lambda *args, **kw: view  # same split as for the real labels
         b = run(scrambled)
     finally:

@@ -34,13 +34,15 @@ class ArrayDataset:
     num_classes: int
     norm: Optional[tuple] = None  # (mean, std) when x came from uint8 pixels: x = (pixel / 255 - mean) / std
     provenance: str = "pool"  # pool (split into private client data), public (may reach the server), test
+    domain: Optional[torch.Tensor] = None  # int64 (N,): the source of each sample (multi-source datasets), or None
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
     def subset(self, idx) -> "ArrayDataset":
         idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.norm)
+        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.norm,
+                            domain=None if self.domain is None else self.domain[idx])
 
 
 @dataclass
@@ -179,7 +181,14 @@ def _torchvision_loader(kind: str) -> Callable:
     return load
 
 
+def _multisource(root: Optional[str]) -> LoadedDataset:
+    from raysim.data.multisource import load_multisource_digits
+
+    return load_multisource_digits(root)
+
+
 LOADERS: dict[str, Callable[[Optional[str]], LoadedDataset]] = {
+    "multisource_digits": _multisource,
     "mnist5k": load_mnist5k,
     "fashion_mnist": load_fashion_mnist,
     "digits": load_digits,

@@ -23,7 +23,6 @@ class ClientData:
     x_test: torch.Tensor
     y_test: torch.Tensor
     classes: list[int]  # classes present in the client's training data
-    group: int = 0  # ground-truth domain / cluster id (rotation index), for ARI
     num_classes: int = 10
     norm: Optional[tuple] = None  # (mean, std) of the uint8 source: x = (pixel / 255 - mean) / std
     provenance: str = "private"  # a client's data never leaves its runner (tests/test_privacy.py)
@@ -42,7 +41,7 @@ class ClientData:
 
     def validation_view(self) -> "ClientData":
         """The same client with its validation split in the test fields (what an evaluate function reads)."""
-        return ClientData(self.client_id, self.x_train, self.y_train, self.x_val, self.y_val, self.classes, self.group,
+        return ClientData(self.client_id, self.x_train, self.y_train, self.x_val, self.y_val, self.classes,
                           self.num_classes, self.norm, self.provenance)
 
     @property
@@ -53,7 +52,7 @@ class ClientData:
         return torch.bincount(self.y_train, minlength=self.num_classes)
 
     def _replace(self, x_train, y_train, x_test, y_test, x_val, y_val) -> "ClientData":
-        return ClientData(self.client_id, x_train, y_train, x_test, y_test, self.classes, self.group, self.num_classes,
+        return ClientData(self.client_id, x_train, y_train, x_test, y_test, self.classes, self.num_classes,
                           self.norm, self.provenance, x_val, y_val)
 
     @property
@@ -96,6 +95,10 @@ class FederatedData:
     global_test: ArrayDataset
     public: Optional[ArrayDataset] = None
     notes: list[str] = field(default_factory=list)
+    # the ground-truth domain of every client (rotation index or data source), or None. Known to the driver's
+    # evaluation (ARI of a method's clustering, raysim.driver.ClusterAgreement), never to the algorithm: it is not
+    # part of ClientData, so no client_update or aggregate can see it.
+    domains: Optional[list[int]] = None
 
     def summary(self) -> dict:
         out = {
@@ -103,7 +106,7 @@ class FederatedData:
             "train_sizes": [c.num_train for c in self.clients],
             "test_sizes": [int(c.y_test.shape[0]) for c in self.clients],
             "classes": [c.classes for c in self.clients],
-            "groups": [c.group for c in self.clients],
+            "domains": self.domains,
             "notes": self.notes,
         }
         if any(c.has_val for c in self.clients):
@@ -165,20 +168,21 @@ def _files_data(cfg: DataConfig, seed: int) -> FederatedData:
             x_va, y_va = x_tr[va], y_tr[va]
             x_tr, y_tr = x_tr[keep], y_tr[keep]
         x_te, y_te = torch.as_tensor(xte, dtype=torch.float32), torch.as_tensor(yte, dtype=torch.int64)
-        group = 0
         if cfg.rotations:
-            group = i % len(cfg.rotations)
-            x_tr, x_te = rotate(x_tr, cfg.rotations[group]), rotate(x_te, cfg.rotations[group])
+            angle = cfg.rotations[i % len(cfg.rotations)]
+            x_tr, x_te = rotate(x_tr, angle), rotate(x_te, angle)
             if x_va is not None:
-                x_va = rotate(x_va, cfg.rotations[group])
-        clients.append(ClientData(i, x_tr, y_tr, x_te, y_te, sorted(set(y_tr.tolist())), group, split.num_classes,
+                x_va = rotate(x_va, angle)
+        clients.append(ClientData(i, x_tr, y_tr, x_te, y_te, sorted(set(y_tr.tolist())), split.num_classes,
                                   None, x_val=x_va, y_val=y_va))
     if cfg.val_fraction > 0:
         notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out")
     test = ArrayDataset(torch.cat([c.x_test for c in clients]), torch.cat([c.y_test for c in clients]),
                         split.num_classes, provenance="test")
     public = _load_public(cfg.public, seed) if cfg.public else None
-    return FederatedData(clients, split.num_classes, tuple(clients[0].x_train.shape[1:]), test, public, notes)
+    domains = [i % len(cfg.rotations) for i in range(cfg.num_clients)] if cfg.rotations else None
+    return FederatedData(clients, split.num_classes, tuple(clients[0].x_train.shape[1:]), test, public, notes,
+                         domains)
 
 
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
@@ -193,8 +197,9 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     else:
         train_pool, test_pool = ds.train, ds.test
     r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "partition")
+    num_domains, part_domains = _domain_structure(cfg, train_pool, test_pool)
     part = run_partitioner(cfg.partition, dict(cfg.partition_params), train_pool.y.numpy(), test_pool.y.numpy(),
-                           cfg.num_clients, r, ds.num_classes)
+                           cfg.num_clients, r, ds.num_classes, domains=part_domains)
     notes += part.notes
     clients = []
     for i in range(cfg.num_clients):
@@ -207,16 +212,15 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
         tr, te = train_pool.subset(tr_idx), test_pool.subset(part.test[i])
         if len(tr) == 0:
             raise DataError("data.partition_params", f"client {i} received no training samples")
-        group = 0
         x_tr, x_te = tr.x, te.x
         x_va = va.x if va is not None else None
         if cfg.rotations:
-            group = i % len(cfg.rotations)
-            x_tr, x_te = rotate(x_tr, cfg.rotations[group]), rotate(x_te, cfg.rotations[group])
+            angle = cfg.rotations[i % len(cfg.rotations)]
+            x_tr, x_te = rotate(x_tr, angle), rotate(x_te, angle)
             if x_va is not None:
-                x_va = rotate(x_va, cfg.rotations[group])
+                x_va = rotate(x_va, angle)
         classes = sorted(set(tr.y.tolist()))
-        clients.append(ClientData(i, x_tr, tr.y, x_te, te.y, classes, group, ds.num_classes, train_pool.norm,
+        clients.append(ClientData(i, x_tr, tr.y, x_te, te.y, classes, ds.num_classes, train_pool.norm,
                                   x_val=x_va, y_val=va.y if va is not None else None))
     if cfg.val_fraction > 0:
         notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out "
@@ -227,7 +231,35 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     if cfg.public:
         public = _load_public(cfg.public, seed)
         notes.append(f"public dataset: {cfg.public}")
-    return FederatedData(clients, ds.num_classes, ds.input_shape, test_pool, public, notes)
+    domains = [i % num_domains for i in range(cfg.num_clients)] if num_domains else None
+    if train_pool.domain is not None:
+        notes.append(f"data sources as domains: client i holds source i % {num_domains}")
+    return FederatedData(clients, ds.num_classes, ds.input_shape, test_pool, public, notes, domains)
+
+
+def _domain_structure(cfg: DataConfig, train_pool: ArrayDataset, test_pool: ArrayDataset):
+    """(number of ground-truth domains or None, what the partitioner gets as ``domains``). Domains are the
+    rotations (client i: rotations[i % R]) or a multi-source dataset's sources (client i: source i % S)."""
+    params = dict(cfg.partition_params)
+    if train_pool.domain is not None:
+        if cfg.rotations:
+            raise DataError("data.rotations", f"{cfg.dataset} already has one domain per source; remove data.rotations")
+        if cfg.partition != "domain_dirichlet":
+            raise DataError("data.partition", f"{cfg.dataset} holds several sources: use partition domain_dirichlet "
+                                              f"(client i draws from source i % sources)")
+        k = int(train_pool.domain.max()) + 1
+        tr_dom, te_dom = train_pool.domain.numpy(), test_pool.domain.numpy()
+    elif cfg.rotations:
+        k, tr_dom, te_dom = len(cfg.rotations), None, None
+    else:
+        return None, None
+    if cfg.partition != "domain_dirichlet":
+        return k, None
+    if "num_domains" in params and int(params["num_domains"]) != k:
+        raise DataError("data.partition_params.num_domains", f"the data has {k} domains "
+                                                             f"({'sources' if tr_dom is not None else 'rotations'}); "
+                                                             f"got {params['num_domains']}")
+    return k, (k, tr_dom, te_dom)
 
 
 def _load_public(spec: dict, seed: int) -> ArrayDataset:

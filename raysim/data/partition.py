@@ -208,11 +208,70 @@ def nway_kshot(train_y, test_y, num_clients, rng, num_classes, ways: int = 3, sh
     return Partition(train, test, classes, notes)
 
 
+def domain_dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: float = 100.0,
+                     samples_per_client: int = 100, test_ratio: float = 1 / 3, num_domains: int = 1,
+                     _domains=None) -> Partition:
+    """Clustered FL data (IFCA's Rotated MNIST; the PN-ICFL seed's Dir(alpha) label skew). Client i belongs to
+    domain ``i % K``. Every domain draws from its own pool -- the whole base set for rotation domains (an image may
+    appear in several domains, rotated differently, but never twice within one domain, as IFCA builds Rotated
+    MNIST), the domain's source for a multi-source dataset. Each client draws its class distribution
+    p_i(y) ~ Dir(alpha * 1_C) (the seed: alpha = 100 ~ IID, alpha = 3 non-IID) and then |D_i| =
+    ``samples_per_client`` samples with counts ~ Multinomial(|D_i|, p_i), disjoint from the other clients of its
+    domain. Its local test set has its class proportions (``ceil(n_ic * test_ratio)`` per class), disjoint within the
+    domain. ``_domains`` (set by build_federated_data): (K, train-pool domain ids or None, test-pool domain ids or
+    None); without it ``num_domains`` gives K and every domain pools the whole base set."""
+    if alpha <= 0:
+        raise DataError(_field("alpha"), f"must be > 0, got {alpha}")
+    if samples_per_client <= 0:
+        raise DataError(_field("samples_per_client"), f"must be > 0, got {samples_per_client}")
+    if test_ratio < 0:
+        raise DataError(_field("test_ratio"), f"must be >= 0, got {test_ratio}")
+    k_dom, tr_dom, te_dom = _domains if _domains is not None else (num_domains, None, None)
+    if k_dom <= 0:
+        raise DataError(_field("num_domains"), f"must be > 0, got {k_dom}")
+    train = [None] * num_clients
+    test = [None] * num_clients
+    classes = [None] * num_clients
+    for k in range(k_dom):
+        in_tr = np.ones(len(train_y), bool) if tr_dom is None else np.asarray(tr_dom) == k
+        in_te = np.ones(len(test_y), bool) if te_dom is None else np.asarray(te_dom) == k
+        tr_pools = [rng.permutation(np.flatnonzero(in_tr & (train_y == c))) for c in range(num_classes)]
+        te_pools = [rng.permutation(np.flatnonzero(in_te & (test_y == c))) for c in range(num_classes)]
+        tr_off = np.zeros(num_classes, dtype=np.int64)
+        te_off = np.zeros(num_classes, dtype=np.int64)
+        for i in range(k, num_clients, k_dom):
+            counts = rng.multinomial(samples_per_client, rng.dirichlet(np.full(num_classes, float(alpha))))
+            tr_idx, te_idx = [], []
+            for c in np.flatnonzero(counts):
+                n_c, t_c = int(counts[c]), int(np.ceil(counts[c] * test_ratio))
+                if tr_off[c] + n_c > len(tr_pools[c]):
+                    raise DataError(_field("samples_per_client"),
+                                    f"domain {k}: class {c} has {len(tr_pools[c])} training samples, fewer than its "
+                                    f"clients draw ({num_clients // k_dom} clients x {samples_per_client}); lower "
+                                    f"samples_per_client or use a larger dataset")
+                if te_off[c] + t_c > len(te_pools[c]):
+                    raise DataError(_field("test_ratio"), f"domain {k}: class {c} has {len(te_pools[c])} test samples, "
+                                                          f"too few for test_ratio {test_ratio}; lower it")
+                tr_idx.append(tr_pools[c][tr_off[c]:tr_off[c] + n_c])
+                te_idx.append(te_pools[c][te_off[c]:te_off[c] + t_c])
+                tr_off[c] += n_c
+                te_off[c] += t_c
+            train[i] = np.sort(np.concatenate(tr_idx))
+            test[i] = np.sort(np.concatenate(te_idx)) if te_idx else np.zeros(0, dtype=np.int64)
+            classes[i] = np.flatnonzero(counts).tolist()
+    per_client = np.mean([len(c) for c in classes])
+    notes = [f"domain_dirichlet: {k_dom} domain(s), client i in domain i % {k_dom}; p_i(y) ~ Dir({alpha:g}), "
+             f"|D_i| = {samples_per_client}, mean {per_client:.1f} classes per client; samples disjoint within a "
+             f"domain{', may repeat across domains' if tr_dom is None and k_dom > 1 else ''}"]
+    return Partition(train, test, classes, notes)
+
+
 PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "iid": iid,
     "dirichlet": dirichlet,
     "pathological": pathological,
     "nway_kshot": nway_kshot,
+    "domain_dirichlet": domain_dirichlet,
 }
 
 
@@ -290,10 +349,12 @@ def load_split_files(params: dict, num_clients: int) -> FileSplit:
 
 def partition_params(name: str) -> list[str]:
     sig = inspect.signature(PARTITIONERS[name])
-    return [p for p in list(sig.parameters)[5:]]
+    return [p for p in list(sig.parameters)[5:] if not p.startswith("_")]
 
 
-def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, num_classes) -> Partition:
+def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, num_classes,
+                    domains=None) -> Partition:
+    """``domains``: (K, train-pool domain ids, test-pool domain ids) for partitioners that take ``_domains``."""
     if name not in PARTITIONERS:
         raise DataError("data.partition", f"{name!r} is not allowed; choose one of: {', '.join(PARTITIONERS)}, files")
     allowed = partition_params(name)
@@ -301,6 +362,8 @@ def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, 
         if key not in allowed:
             raise DataError(_field(key), f"unknown parameter for partition {name!r}; allowed: {', '.join(allowed)}")
     try:
-        return PARTITIONERS[name](np.asarray(train_y), np.asarray(test_y), num_clients, rng, num_classes, **params)
+        extra = {"_domains": domains} if domains is not None and "_domains" in inspect.signature(PARTITIONERS[name]).parameters else {}
+        return PARTITIONERS[name](np.asarray(train_y), np.asarray(test_y), num_clients, rng, num_classes, **params,
+                                  **extra)
     except TypeError as e:  # e.g. a list where a number belongs
         raise DataError("data.partition_params", f"bad parameter for partition {name!r}: {e}") from None

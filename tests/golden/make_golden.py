@@ -41,6 +41,14 @@ def golden_config(name: str) -> dict:
         cfg["algorithm"]["params"] = {"server_epochs": 5, "margin_threshold": 1.0}
     if name == "slaugfl":
         cfg["algorithm"]["params"] = {"gen_steps": 10, "gen_channels": 16, "prep_epochs": 3, "select_test_size": 200}
+    if name in ("pnicfl", "pnicfl_plus"):
+        cfg["data"]["public"] = {"dataset": "fashion_mnist", "size": 300}
+        cfg["algorithm"]["params"] = {"num_clusters": 2, "pretrain_episodes": 5}
+        cfg["train"]["lr"] = 0.01  # squared-distance logits diverge at 0.05
+    if name == "ifca":
+        cfg["algorithm"]["params"] = {"num_clusters": 2}
+    if name == "fedfomo":
+        cfg["data"]["val_fraction"] = 0.2
     return cfg
 
 

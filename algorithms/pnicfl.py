@@ -1,0 +1,421 @@
+"""PN-ICFL and PN-ICFL+: prototypical-network-based iterative clustered federated learning (the seed
+001_ce8e72c830799c1d; reference §3.1b for what it fixes, §3.2 for what we inferred).
+
+One prototypical network f_theta (the model's body; the head is never used) is shared by all users; each of the K
+clusters is a class-prototype matrix E_k (C x d), not a model. Users never download K models.
+
+* Setup phase (server, once): episodic pre-training of f_theta on an explicitly public dataset (``data.public``; the
+  seed used Omniglot, unavailable offline: Fashion-MNIST when clients hold digits), Snell et al.'s loss
+  -log softmax_c(-||f(x_q) - z_c||^2) with z_c the support mean, Adam (Snell's optimiser).
+* Round, step ``embed`` (sampled users): download theta, compute the user embedding u_i (per-class mean of f_theta
+  over all local training data, eval mode) and the class counts n_ic (p_i(y) = n_ic / n_i); upload both.
+* Step ``assign`` (server E-step, eq. 9-10): d_ik = sum_{c in C_i and E_k} p~_i(c) ||u_i^c - E_k^c||^2 with p~_i
+  renormalised over the shared classes (+inf if none); s_i = argmin_k d_ik. In the first round with participants the
+  E_k are K embeddings of participants picked at random (the seed) or by k-means++ under d (option ``init``).
+* Step ``update`` (sampled users): download E_{s_i} (C x d and its class mask) and the cluster id; run E local epochs
+  of B episodes (``tasks_per_epoch``) on the local data (n_way classes of the user's, n_support + n_query samples per
+  class, drawn with replacement when a class has fewer); loss L = L_proto. PN-ICFL+ adds lambda * L_g, where L_g is
+  the same loss with the episode's support prototypes z_c replaced by the cluster prototypes E_{s_i}^c (eq. 16-17;
+  classes without a cluster prototype are left out of L_g). Upload theta_i, the embedding u'_i recomputed under the
+  trained theta_i, and n_i.
+* Step ``aggregate`` (server M-step, eq. 14-15): E_k^c = sum_{i: s_i = k} n_ic u'_i^c / sum n_ic over the round's
+  members (a class or cluster nobody brought keeps its old prototype); theta = FedAvg of theta_i weighted by n_i.
+* Test: a user downloads theta and E_{s_i}; prediction = the nearest prototype over every class E_{s_i} holds (it can
+  predict classes it never held). A user the server has not assigned yet is a new user: it computes u under theta,
+  and gets s = argmin_k d(u, E_k) (simulated in the evaluation step: the user downloads the K prototype matrices,
+  K x C x d floats, never K models). ``test_acc_local`` is the nearest prototype among the user's own u_i.
+
+The client keeps the theta it downloaded in ``embed`` for ``update`` (so theta is downloaded once per round).
+Communication per participating user and round: down |theta| + C*d floats (+ C mask bytes, 1 id), up 2*(C*d + C)
+values + |theta| + 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from raysim import rng as rngmod
+from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
+from raysim.config import ConfigError, choice, positive
+from raysim.messages import Message
+from raysim.models import set_dropout_generator
+from raysim.ops import weighted_average_states
+from raysim.steps import ClientStep, ServerStep
+from raysim.training import accuracy, make_optimizer
+
+
+# -- pure maths (tests/test_clustered.py checks these on hand examples) ------------------------------------------------
+
+def sq_dists(z: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
+    """||z_j - p_c||^2 for every (j, c): (n x d), (C x d) -> n x C (Snell's squared Euclidean distance)."""
+    return ((z.unsqueeze(1) - protos.unsqueeze(0)) ** 2).sum(-1)
+
+
+def proto_loss(zq: torch.Tensor, yq: torch.Tensor, protos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prototypical-network loss and accuracy: -mean log softmax_c(-||z_q - p_c||^2)[y_q]; ``yq`` indexes ``protos``."""
+    logp = F.log_softmax(-sq_dists(zq, protos), dim=1)
+    return F.nll_loss(logp, yq), (logp.argmax(1) == yq).float().mean()
+
+
+def user_embedding(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """u (C x d: the mean embedding of each class, zero for absent classes) and the class counts n_c (C, int64)."""
+    counts = torch.bincount(y, minlength=num_classes)
+    sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, y, z)
+    u = sums / counts.clamp(min=1).unsqueeze(1).to(z.dtype)
+    return u, counts
+
+
+def cluster_distances(u: torch.Tensor, counts: torch.Tensor, E: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The seed's model distance (eq. 9-10) for users u (N x C x d), counts (N x C) against cluster prototype matrices
+    E (K x C x d) with class masks (K x C): d_ik = sum_c w_ikc ||u_i^c - E_k^c||^2 / sum_c w_ikc, with
+    w_ikc = n_ic [c in E_k] (the class distribution renormalised over the classes both hold); +inf when none."""
+    u, E = u.to(torch.float64), E.to(torch.float64)
+    sq = ((u.unsqueeze(1) - E.unsqueeze(0)) ** 2).sum(-1)  # N x K x C
+    w = counts.to(torch.float64).unsqueeze(1) * mask.to(torch.float64).unsqueeze(0)  # N x K x C
+    tot = w.sum(-1)
+    d = (w * sq).sum(-1) / tot.clamp(min=1e-300)
+    return torch.where(tot > 0, d, torch.full_like(d, float("inf")))
+
+
+def e_step(u, counts, E, mask) -> torch.Tensor:
+    """s_i = argmin_k d_ik (ties: the lower k)."""
+    return cluster_distances(u, counts, E, mask).argmin(dim=1)
+
+
+def initial_centres(u: torch.Tensor, counts: torch.Tensor, k: int, rng: np.random.Generator,
+                    method: str = "random") -> list[int]:
+    """Indices (into the rows of u) of the users whose embeddings become E_1..E_k: ``random`` (the seed: k picked
+    uniformly without replacement) or ``kmeans++`` (first uniform, then each with probability ~ min_j d(i, j)^2
+    under the model distance; users at distance 0 or inf of every chosen centre are never / always preferred)."""
+    n = u.shape[0]
+    k = min(k, n)
+    if method == "random":
+        return sorted(rng.choice(n, size=k, replace=False).tolist())
+    chosen = [int(rng.integers(n))]
+    masks = counts > 0
+    while len(chosen) < k:
+        d = cluster_distances(u, counts, u[chosen], masks[chosen]).min(dim=1).values
+        finite = torch.isfinite(d)
+        d = torch.where(finite, d, torch.full_like(d, float(d[finite].max()) if finite.any() else 1.0))
+        p = (d ** 2).numpy()
+        p[chosen] = 0.0
+        if p.sum() <= 0:  # every other user coincides with a centre: pick uniformly among the rest
+            p = np.ones(n)
+            p[chosen] = 0.0
+        chosen.append(int(rng.choice(n, p=p / p.sum())))
+    return sorted(chosen)
+
+
+def m_step(E: torch.Tensor, mask: torch.Tensor, assign: list[int], u: torch.Tensor, counts: torch.Tensor):
+    """E_k^c = sum_{i: s_i = k} n_ic u_i^c / sum n_ic (eq. 14); classes and clusters nobody brought keep theirs."""
+    E, mask = E.clone(), mask.clone()
+    a = torch.as_tensor(assign)
+    for k in range(E.shape[0]):
+        members = torch.nonzero(a == k, as_tuple=False).flatten()
+        if len(members) == 0:
+            continue
+        n = counts[members].to(torch.float64)  # m x C
+        num = (n.unsqueeze(-1) * u[members].to(torch.float64)).sum(0)
+        den = n.sum(0)
+        has = den > 0
+        E[k][has] = (num[has] / den[has].unsqueeze(1)).to(E.dtype)
+        mask[k] |= has
+    return E, mask
+
+
+def sample_episode(y: torch.Tensor, classes: list[int], n_way: int, n_support: int, n_query: int,
+                   rng: np.random.Generator) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
+    """(episode classes, support indices per class, query indices per class): n_way of ``classes`` at random, then
+    n_support + n_query distinct samples of each (with replacement when the class has fewer)."""
+    yn = y.cpu().numpy()
+    way = rng.choice(len(classes), size=min(n_way, len(classes)), replace=False)
+    ep = [classes[j] for j in sorted(way.tolist())]
+    sup, qry = [], []
+    for c in ep:
+        idx = np.flatnonzero(yn == c)
+        need = n_support + n_query
+        pick = rng.choice(idx, size=need, replace=len(idx) < need)
+        sup.append(pick[:n_support])
+        qry.append(pick[n_support:])
+    return ep, sup, qry
+
+
+def episode_losses(body, x: torch.Tensor, ep, sup, qry, cluster=None, cluster_mask=None):
+    """L_proto of one episode and (PN-ICFL+) L_g: queries against the cluster prototypes of the episode's classes
+    that have one (None when none has). Returns (L_proto, accuracy, L_g or None)."""
+    n_s = len(sup[0])
+    idx = np.concatenate([np.concatenate([s, q]) for s, q in zip(sup, qry)])
+    z = body(x[torch.as_tensor(idx, device=x.device)])
+    per = n_s + len(qry[0])
+    z = z.view(len(ep), per, -1)
+    protos = z[:, :n_s].mean(1)
+    zq = z[:, n_s:].reshape(-1, z.shape[-1])
+    yq = torch.arange(len(ep), device=x.device).repeat_interleave(per - n_s)
+    loss, acc = proto_loss(zq, yq, protos)
+    lg = None
+    if cluster is not None:
+        have = [j for j, c in enumerate(ep) if bool(cluster_mask[c])]
+        if have:
+            sel = torch.as_tensor(have, device=x.device)
+            zq_g = z[sel, n_s:].reshape(-1, z.shape[-1])
+            yq_g = torch.arange(len(have), device=x.device).repeat_interleave(per - n_s)
+            lg, _ = proto_loss(zq_g, yq_g, cluster[torch.as_tensor([ep[j] for j in have])].to(z.device))
+    return loss, acc, lg
+
+
+def body_state(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.body.state_dict().items()}
+
+
+@torch.no_grad()
+def embed_all(body, x: torch.Tensor, batch: int = 1024) -> torch.Tensor:
+    body.eval()
+    return torch.cat([body(x[s:s + batch]) for s in range(0, int(x.shape[0]), batch)]) if len(x) else x.new_zeros(0)
+
+
+class PNICFL(Algorithm):
+    name = "pnicfl"
+    paper = ("PN-ICFL: prototypical-network-based iterative clustered federated learning (seed 001); Snell et al., "
+             "Prototypical Networks for Few-shot Learning, NeurIPS 2017")
+
+    def declared_uploads(self):
+        return {"user_embedding", "weights", "num_samples"}
+
+    @dataclass(frozen=True)
+    class Params:
+        num_clusters: int = 4  # K (the seed: the number of rotations / sources)
+        lam: float = 0.0  # PN-ICFL+: weight of L_g (0: PN-ICFL)
+        init: str = "random"  # initial E_k: random (the seed) | kmeans++ (under the model distance)
+        tasks_per_epoch: int = 2  # B: episodes per local epoch (the seed: B = 2); epochs = train.local_epochs (E)
+        n_way: int = 5  # classes per local episode (capped by the user's classes; Snell's / our inferred default)
+        n_support: int = 5
+        n_query: int = 5
+        pretrain_episodes: int = 300  # server pre-training on data.public in the setup phase (0: none)
+        pretrain_way: int = 10  # capped by the public dataset's classes
+        pretrain_support: int = 5
+        pretrain_query: int = 5
+        pretrain_lr: float = 1e-3  # Adam, Snell's default
+
+        def check(self, path):
+            positive(f"{path}.num_clusters", self.num_clusters)
+            positive(f"{path}.lam", self.lam, allow_zero=True)
+            choice(f"{path}.init", self.init, ["random", "kmeans++"])
+            for name in ("tasks_per_epoch", "n_way", "n_support", "n_query", "pretrain_way", "pretrain_support",
+                         "pretrain_query", "pretrain_lr"):
+                positive(f"{path}.{name}", getattr(self, name))
+            positive(f"{path}.pretrain_episodes", self.pretrain_episodes, allow_zero=True)
+
+    def validate(self):
+        self.require_homogeneous()
+        p, task = self.params, self.task
+        if p.num_clusters > task.num_clients:
+            raise ConfigError("algorithm.params.num_clusters", f"must be <= data.num_clients ({task.num_clients}), "
+                                                               f"got {p.num_clusters}")
+        if p.pretrain_episodes > 0:
+            pub = task.public
+            if pub is None:
+                raise ConfigError("data.public", f"{self.name} pre-trains its prototypical network on the server on a "
+                                                 f"public dataset (e.g. data.public: {{dataset: fashion_mnist, size: "
+                                                 f"2000}}); or set algorithm.params.pretrain_episodes: 0")
+            if tuple(pub.x.shape[1:]) != tuple(task.input_shape):
+                raise ConfigError("data.public", f"public images have shape {tuple(pub.x.shape[1:])}, the clients' "
+                                                 f"{tuple(task.input_shape)}")
+            short = min(int((pub.y == c).sum()) for c in torch.unique(pub.y).tolist())
+            if short < p.pretrain_support + p.pretrain_query:
+                raise ConfigError("data.public.size", f"a public class has {short} samples, fewer than "
+                                                      f"pretrain_support + pretrain_query")
+
+    # -- schedules ----------------------------------------------------------------------------------------------
+    def setup_schedule(self):
+        return (ServerStep("pretrain", fn="pretrain"),) if self.params.pretrain_episodes > 0 else None
+
+    def schedule(self):
+        return (ClientStep("embed", fn="embed"), ServerStep("assign", fn="assign"),
+                ClientStep("update", fn="local_update"), ServerStep("aggregate", fn="m_step"))
+
+    # -- server -------------------------------------------------------------------------------------------------
+    def init_server_state(self, ctx: Context):
+        model = self.task.build_model(0)
+        k, c, d = self.params.num_clusters, self.task.num_classes, model.embed_dim
+        return {"theta": body_state(model), "E": torch.zeros(k, c, d), "mask": torch.zeros(k, c, dtype=torch.bool),
+                "live": torch.zeros(k, dtype=torch.bool),
+                "assign": torch.full((self.task.num_clients,), -1, dtype=torch.int64)}
+
+    def pretrain(self, state, uploads, ctx: Context) -> ServerUpdate:
+        """Episodic pre-training of f_theta on the public dataset (Snell et al.), on the server runner."""
+        p, pub = self.params, self.task.public
+        model = ctx.model(0)
+        model.body.load_state_dict(state["theta"])
+        body = model.body
+        x, y = pub.x.to(ctx.device), pub.y
+        classes = sorted(torch.unique(y).tolist())
+        opt = torch.optim.Adam(body.parameters(), lr=p.pretrain_lr)
+        r = ctx.rng("pretrain")
+        set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
+        losses, accs = [], []
+        try:
+            body.train()
+            for _ in range(p.pretrain_episodes):
+                ep, sup, qry = sample_episode(y, classes, p.pretrain_way, p.pretrain_support, p.pretrain_query, r)
+                loss, acc, _ = episode_losses(body, x, ep, sup, qry)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                losses.append(float(loss.detach()))
+                accs.append(float(acc.detach()))
+        finally:
+            set_dropout_generator(model, None)
+        tail = max(1, len(losses) // 10)
+        return ServerUpdate({**state, "theta": body_state(model)}, None,
+                            {"pretrain_loss": float(np.mean(losses[-tail:])), "pretrain_acc": float(np.mean(accs[-tail:]))})
+
+    def broadcast(self, state, ctx: Context):
+        return {"theta": Message("weights", {k: v.clone() for k, v in state["theta"].items()}),
+                "prototypes": Message("cluster_prototypes", {"E": state["E"].clone(), "mask": state["mask"].clone()}),
+                "assignment": Message("cluster_assignment", {"assign": state["assign"].clone()})}
+
+    def downlink(self, payload, client_id: int, ctx=None):
+        step = ctx.step if ctx is not None else ""
+        if step == "embed":
+            return {"theta": payload["theta"]}
+        k = int(payload["assignment"]["assign"][client_id])
+        if step == "update":  # theta came with the embed step
+            return self._cluster_download(payload, k)
+        # evaluation: theta and the user's cluster prototypes; a new user gets the K prototype matrices
+        if k < 0:
+            return {"theta": payload["theta"], "prototypes": payload["prototypes"]}
+        return {"theta": payload["theta"], **self._cluster_download(payload, k)}
+
+    @staticmethod
+    def _cluster_download(payload, k: int):
+        pr = payload["prototypes"]
+        return {"cluster": Message("cluster_prototypes", {"E": pr["E"][k].clone(), "mask": pr["mask"][k].clone()}),
+                "cluster_id": Message("cluster_id", {"k": torch.tensor([k])})}
+
+    def assign(self, state, uploads, ctx: Context) -> ServerUpdate:
+        ids = sorted(uploads)
+        if not ids:
+            return ServerUpdate(state, self.broadcast(state, ctx), {})
+        u = torch.stack([uploads[i]["embedding"]["u"] for i in ids]).to(torch.float32)
+        counts = torch.stack([uploads[i]["embedding"]["counts"] for i in ids])
+        E, mask, live = state["E"].clone(), state["mask"].clone(), state["live"].clone()
+        dead = torch.nonzero(~live, as_tuple=False).flatten().tolist()
+        if dead:  # the first round with participants: E_k from K users' embeddings
+            picks = initial_centres(u, counts, len(dead), ctx.rng("pnicfl_init"), self.params.init)
+            for k, j in zip(dead, picks):
+                E[k], mask[k], live[k] = u[j], counts[j] > 0, True
+        s = e_step(u, counts, E, mask)
+        assign = state["assign"].clone()
+        before = assign[torch.as_tensor(ids)].clone()
+        assign[torch.as_tensor(ids)] = s
+        new = {**state, "E": E, "mask": mask, "live": live, "assign": assign}
+        return ServerUpdate(new, self.broadcast(new, ctx), {"pnicfl_moved": float((before != s).sum())})
+
+    def m_step(self, state, uploads, ctx: Context) -> ServerUpdate:
+        ids = sorted(uploads)
+        metrics = {}
+        if ids and (ctx.keep is None or ctx.keep):
+            u = torch.stack([uploads[i]["embedding"]["u"] for i in ids]).to(torch.float32)
+            counts = torch.stack([uploads[i]["embedding"]["counts"] for i in ids])
+            a = [int(state["assign"][i]) for i in ids]
+            E, mask = m_step(state["E"], state["mask"], a, u, counts)
+            theta = weighted_average_states([uploads[i]["model"].tensors for i in ids],
+                                            [int(uploads[i]["num_samples"]["n"][0]) for i in ids])
+            state = {**state, "theta": theta, "E": E, "mask": mask}
+            sizes = torch.bincount(torch.as_tensor(a), minlength=self.params.num_clusters)
+            metrics = {"largest_cluster": float(sizes.max()), "clusters_used": float((sizes > 0).sum())}
+        import dataclasses
+
+        nxt = dataclasses.replace(ctx, round_idx=ctx.round_idx + 1, failures=[], step="broadcast", keep=None)
+        return ServerUpdate(state, self.broadcast(state, nxt), metrics)
+
+    # -- client -------------------------------------------------------------------------------------------------
+    def _embedding_message(self, body, data) -> Message:
+        u, counts = user_embedding(embed_all(body, data.x_train), data.y_train, self.task.num_classes)
+        return Message("user_embedding", {"u": u.detach().cpu(), "counts": counts.cpu()})
+
+    def embed(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        model = ctx.model()
+        model.body.load_state_dict(payload["theta"].tensors)
+        theta = {k: v.clone() for k, v in payload["theta"].tensors.items()}
+        return ClientUpdate({"theta": theta}, {"embedding": self._embedding_message(model.body, data)})
+
+    def local_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        p, cfg = self.params, self.task.train
+        model = ctx.model()
+        model.body.load_state_dict(state["theta"])
+        body = model.body
+        cluster = payload["cluster"]["E"].to(ctx.device) if p.lam > 0 else None
+        cmask = payload["cluster"]["mask"] if p.lam > 0 else None
+        opt = make_optimizer(body.parameters(), cfg)
+        r = ctx.rng("episodes")
+        classes = sorted(torch.unique(data.y_train).tolist())
+        set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
+        tot = {"loss": 0.0, "proto": 0.0, "acc": 0.0}
+        if p.lam > 0:
+            tot["g"] = 0.0
+        steps = 0
+        try:
+            body.train()
+            for _ in range(cfg.local_epochs):
+                for _ in range(p.tasks_per_epoch):
+                    ep, sup, qry = sample_episode(data.y_train, classes, p.n_way, p.n_support, p.n_query, r)
+                    lp, acc, lg = episode_losses(body, data.x_train, ep, sup, qry, cluster, cmask)
+                    loss = lp if lg is None else lp + p.lam * lg
+                    opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    opt.step()
+                    steps += 1
+                    tot["loss"] += float(loss.detach())
+                    tot["proto"] += float(lp.detach())
+                    tot["acc"] += float(acc)
+                    if p.lam > 0:
+                        tot["g"] += float(lg.detach()) if lg is not None else 0.0
+        finally:
+            set_dropout_generator(model, None)
+        upload = {"model": Message("weights", body_state(model)),
+                  "embedding": self._embedding_message(body, data),
+                  "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
+        return ClientUpdate({}, upload, {f"train_{k}": v / max(steps, 1) for k, v in tot.items()})
+
+    def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
+        model = ctx.model()
+        model.body.load_state_dict(payload["theta"].tensors)
+        u, counts = user_embedding(embed_all(model.body, data.x_train), data.y_train, self.task.num_classes)
+        if "cluster" in payload:
+            k = int(payload["cluster_id"]["k"][0])
+            E, mask = payload["cluster"]["E"], payload["cluster"]["mask"]
+        else:  # a new user: nearest cluster under the model distance
+            pr = payload["prototypes"]
+            k = int(e_step(u.unsqueeze(0).cpu(), counts.unsqueeze(0).cpu(), pr["E"], pr["mask"])[0])
+            E, mask = pr["E"][k], pr["mask"][k]
+        z = embed_all(model.body, data.x_test)
+        out = {"cluster": float(k)}
+        if bool(mask.any()):
+            d = sq_dists(z, E.to(z.device)).masked_fill(~mask.to(z.device).unsqueeze(0), float("inf"))
+            out["test_acc"] = accuracy(d.argmin(1), data.y_test)
+        else:
+            out["test_acc"] = accuracy(torch.full_like(data.y_test, -1), data.y_test)
+        own = counts > 0
+        d = sq_dists(z, u).masked_fill(~own.to(z.device).unsqueeze(0), float("inf"))
+        out["test_acc_local"] = accuracy(d.argmin(1), data.y_test)
+        return out
+
+
+class PNICFLPlus(PNICFL):
+    """PN-ICFL+: L_total = L + lambda * L_g (the seed: lambda = 0.2 at R = 1, 0.1 at R = 0.5; 1.0 / 2.0 on the
+    multi-source digits)."""
+
+    name = "pnicfl_plus"
+
+    @dataclass(frozen=True)
+    class Params(PNICFL.Params):
+        lam: float = 0.2
+
+        def check(self, path):
+            super().check(path)
+            if self.lam <= 0:
+                raise ConfigError(f"{path}.lam", f"PN-ICFL+ needs lam > 0 (lam = 0 is pnicfl), got {self.lam}")

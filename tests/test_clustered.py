@@ -1,0 +1,297 @@
+"""Clustered FL (issue 13): the domain data, the ARI plumbing, PN-ICFL / PN-ICFL+, IFCA and FedFoMo.
+
+Hand-computed examples for each method's maths, accounting of what crosses the wire, ARI = 1 on separable domains,
+and sequential == Ray."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from raysim.config import ConfigError, make_config
+from raysim.data.datasets import DataError
+from raysim.data.federated import ClientData, build_federated_data
+from raysim.data.partition import domain_dirichlet
+from raysim.driver import run_experiment
+
+
+def rows(table, metric, scope="client"):
+    return table[(table["metric"] == metric) & (table["scope"] == scope)]
+
+
+# -- data ------------------------------------------------------------------------------------------------------------
+
+def test_domain_dirichlet_draws_each_domain_from_the_whole_base_set():
+    y = np.repeat(np.arange(10), 60)  # 600 samples, 60 per class
+    ty = np.repeat(np.arange(10), 30)
+    p = domain_dirichlet(y, ty, 8, np.random.default_rng(0), 10, alpha=3.0, samples_per_client=50, test_ratio=0.25,
+                         num_domains=4)
+    assert [len(t) for t in p.train] == [50] * 8
+    for k in range(4):
+        a, b = p.train[k], p.train[k + 4]  # the two clients of domain k
+        assert not set(a.tolist()) & set(b.tolist())  # never twice within one domain
+        assert not set(p.test[k].tolist()) & set(p.test[k + 4].tolist())
+        for tr, te in ((a, p.test[k]), (b, p.test[k + 4])):  # test follows the client's class proportions
+            counts = np.bincount(y[tr], minlength=10)
+            assert np.array_equal(np.bincount(ty[te], minlength=10), np.ceil(counts * 0.25).astype(int))
+    # across domains the same image may appear (each domain draws from the whole set): 8 x 50 = 400 of 600 samples,
+    # four independent domains overlap with certainty
+    assert len(set(np.concatenate(p.train).tolist())) < 400
+    # alpha controls the label skew: near-uniform at 100, skewed at 0.1
+    flat = domain_dirichlet(y, ty, 4, np.random.default_rng(1), 10, alpha=100.0, samples_per_client=50,
+                            test_ratio=0.0, num_domains=4)
+    skew = domain_dirichlet(y, ty, 4, np.random.default_rng(1), 10, alpha=0.1, samples_per_client=50,
+                            test_ratio=0.0, num_domains=4)
+    assert min(len(c) for c in flat.classes) >= 9 and max(len(c) for c in skew.classes) <= 6
+
+
+def test_domain_dirichlet_refuses_what_does_not_fit():
+    y = np.repeat(np.arange(2), 10)
+    with pytest.raises(DataError, match="samples_per_client"):
+        domain_dirichlet(y, y, 4, np.random.default_rng(0), 2, samples_per_client=30, num_domains=2)
+    with pytest.raises(DataError, match="alpha"):
+        domain_dirichlet(y, y, 4, np.random.default_rng(0), 2, alpha=0.0)
+
+
+def test_rotated_domains_reach_the_driver_never_the_clients():
+    cfg = make_config({"data": {"dataset": "mnist5k", "num_clients": 8, "partition": "domain_dirichlet",
+                                "partition_params": {"alpha": 100, "samples_per_client": 30},
+                                "rotations": [0, 90, 180, 270]}})
+    fd = build_federated_data(cfg.data, 3)
+    assert fd.domains == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert fd.summary()["domains"] == fd.domains
+    assert "group" not in {f.name for f in __import__("dataclasses").fields(ClientData)}
+    assert all(c.num_train == 30 for c in fd.clients)
+    bad = make_config({"data": {"dataset": "mnist5k", "num_clients": 8, "partition": "domain_dirichlet",
+                                "partition_params": {"num_domains": 2}, "rotations": [0, 90, 180, 270]}})
+    with pytest.raises(DataError, match="num_domains"):
+        build_federated_data(bad.data, 3)
+
+
+def test_multisource_digits_one_source_per_domain():
+    cfg = make_config({"data": {"dataset": "multisource_digits", "num_clients": 8, "partition": "domain_dirichlet",
+                                "partition_params": {"alpha": 100, "samples_per_client": 40, "test_ratio": 0.2}}})
+    fd = build_federated_data(cfg.data, 1)
+    assert fd.domains == [0, 1, 2, 3, 0, 1, 2, 3] and fd.input_shape == (1, 28, 28)
+    from raysim.data.multisource import load_multisource_digits
+
+    ds = load_multisource_digits()
+    assert sorted(set(ds.train.domain.tolist())) == [0, 1, 2, 3]
+    # client 2 (domain 2: inverted MNIST) has a bright background, client 0 (MNIST) a dark one
+    assert float(fd.clients[2].x_train.mean()) > 1.0 > float(fd.clients[0].x_train.mean())
+    with pytest.raises(DataError, match="data.partition"):
+        build_federated_data(make_config({"data": {"dataset": "multisource_digits", "num_clients": 8,
+                                                   "partition": "iid"}}).data, 1)
+    with pytest.raises(DataError, match="data.rotations"):
+        build_federated_data(make_config({"data": {"dataset": "multisource_digits", "num_clients": 8,
+                                                   "partition": "domain_dirichlet", "rotations": [0, 90]}}).data, 1)
+
+
+# -- ARI ---------------------------------------------------------------------------------------------------------------
+
+def rotated_tiny(tiny, name, params=None, **over):
+    base = dict(rounds=2, data={"dataset": "synthetic", "num_clients": 8, "partition": "domain_dirichlet",
+                               "partition_params": {"alpha": 100, "samples_per_client": 20},
+                               "rotations": [0, 90]},
+                algorithm={"name": name, "params": params or {}})
+    base.update(over)
+    return tiny(**base)
+
+
+def test_ari_rows_are_sklearns_score_of_the_reported_clusters(tiny):
+    from sklearn.metrics import adjusted_rand_score
+
+    res = run_experiment(rotated_tiny(tiny, "fesem", {"num_clusters": 2}), write=False)
+    t = res.table
+    ari = rows(t, "ari", "server")
+    assert list(ari["round"]) == [0, 1]
+    for r in (0, 1):
+        cl = rows(t, "cluster")
+        cl = cl[cl["round"] == r].sort_values("client_id")
+        truth = [c % 2 for c in cl["client_id"]]
+        assert float(ari[ari["round"] == r]["value"].iloc[0]) == pytest.approx(adjusted_rand_score(truth, cl["value"]))
+    assert res.metadata["data"]["domains"] == [0, 1] * 4
+    # no domains (no rotations): no ari rows
+    plain = run_experiment(tiny(rounds=1, algorithm={"name": "fesem", "params": {}}), write=False)
+    assert rows(plain.table, "ari", "server").empty
+
+
+# -- PN-ICFL -----------------------------------------------------------------------------------------------------------
+
+def test_pnicfl_distance_and_e_step_by_hand():
+    from algorithms.pnicfl import cluster_distances, e_step
+
+    # two users, C = 3 classes, d = 2; user 0 holds classes 0 (3 samples) and 1 (1 sample), user 1 only class 2
+    u = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]],
+                      [[0.0, 0.0], [0.0, 0.0], [5.0, 5.0]]])
+    counts = torch.tensor([[3, 1, 0], [0, 0, 2]])
+    E = torch.tensor([[[1.0, 0.0], [0.0, 0.0], [5.0, 5.0]],  # cluster 0 holds all classes
+                      [[9.0, 9.0], [0.0, 1.0], [1.0, 1.0]]])  # cluster 1 lacks class 0 (mask)
+    mask = torch.tensor([[True, True, True], [False, True, True]])
+    d = cluster_distances(u, counts, E, mask)
+    # d_00 = 3/4 * 0 + 1/4 * ||(0,1)-(0,0)||^2 = 0.25; d_01: only class 1 shared -> p~ = 1, distance 0
+    # d_10 = ||(5,5)-(5,5)||^2 = 0; d_11 = ||(5,5)-(1,1)||^2 = 32
+    assert d.tolist() == [[0.25, 0.0], [0.0, 32.0]]
+    assert e_step(u, counts, E, mask).tolist() == [1, 0]
+    # no class in common: +inf, never chosen
+    d2 = cluster_distances(u[1:], counts[1:], E, torch.tensor([[True, True, False], [False, False, True]]))
+    assert math.isinf(float(d2[0, 0])) and e_step(u[1:], counts[1:], E, torch.tensor(
+        [[True, True, False], [False, False, True]])).tolist() == [1]
+
+
+def test_pnicfl_m_step_by_hand():
+    from algorithms.pnicfl import m_step
+
+    E = torch.zeros(2, 2, 1)
+    E[1, 1] = 7.0
+    mask = torch.tensor([[False, False], [False, True]])
+    u = torch.tensor([[[1.0], [2.0]], [[3.0], [0.0]], [[8.0], [8.0]]])
+    counts = torch.tensor([[1, 2], [3, 0], [1, 1]])
+    newE, newm = m_step(E, mask, [0, 0, 0], u, counts)
+    # class 0: (1*1 + 3*3 + 1*8) / 5 = 3.6; class 1: (2*2 + 1*8) / 3 = 4
+    assert newE[0, :, 0].tolist() == pytest.approx([3.6, 4.0]) and newm[0].tolist() == [True, True]
+    assert newE[1, 1, 0] == 7.0 and newm[1].tolist() == [False, True]  # nobody joined cluster 1: unchanged
+
+
+def test_pnicfl_initial_centres():
+    from algorithms.pnicfl import initial_centres
+
+    u = torch.tensor([[[0.0]], [[0.1]], [[10.0]], [[10.1]]])
+    counts = torch.ones(4, 1, dtype=torch.int64)
+    assert len(set(initial_centres(u, counts, 3, np.random.default_rng(0)))) == 3
+    # k-means++ with two far-apart pairs almost surely takes one of each pair
+    for s in range(5):
+        picks = initial_centres(u, counts, 2, np.random.default_rng(s), "kmeans++")
+        assert {p // 2 for p in picks} == {0, 1}
+
+
+def pn_cfg(tiny, name="pnicfl", params=None, **over):
+    p = {"num_clusters": 2, "pretrain_episodes": 10, **(params or {})}
+    return rotated_tiny(tiny, name, p, data__public={"dataset": "synthetic", "size": 400}, **over)
+
+
+def test_pnicfl_finds_separable_domains_and_accounts_one_model(tiny):
+    from raysim.models import build_model
+    from raysim.config import ArchSpec
+
+    res = run_experiment(pn_cfg(tiny, rounds=3), write=False)
+    t = res.table
+    ari = rows(t, "ari", "server")
+    assert float(ari[ari["round"] == 2]["value"].iloc[0]) == 1.0  # rotations 0 / 90 of the synthetic clusters
+    m = build_model(ArchSpec("mlp", {"hidden": 32, "embed_dim": 16}), (1, 8, 8), 10)
+    theta = sum(p.numel() for p in m.body.parameters())
+    c, d = 10, 16
+    down = rows(t, "down_floats")
+    up = rows(t, "up_floats")
+    # every participant, every round: theta once (embed) + its own cluster's prototypes (update), never K models
+    assert set(down["value"]) == {theta + c * d}
+    assert set(rows(t, "down_floats@embed")["value"]) == {theta}
+    assert set(rows(t, "down_floats@update")["value"]) == {c * d}
+    assert set(up["value"]) == {2 * c * d + theta}  # u and u' (C x d) and theta
+    assert set(rows(t, "down_bytes:cluster_id")["value"]) == {8}
+    assert (rows(t, "pretrain_loss", "server")["round"] == -1).all()
+
+
+def test_pnicfl_plus_uses_lg_and_new_users_get_a_cluster(tiny):
+    res = run_experiment(pn_cfg(tiny, "pnicfl_plus", {"lam": 0.5, "init": "kmeans++"}, rounds=1,
+                                clients_per_round=3), write=False)
+    t = res.table
+    assert (rows(t, "train_g")["value"] > 0).all()
+    cl = rows(t, "cluster")
+    assert len(cl) == 8 and set(cl["value"]) <= {0.0, 1.0}  # 5 never-sampled users assigned as new users
+    with pytest.raises(ConfigError, match="lam"):
+        run_experiment(pn_cfg(tiny, "pnicfl_plus", {"lam": 0.0}), write=False)
+    with pytest.raises(ConfigError, match="data.public"):
+        run_experiment(rotated_tiny(tiny, "pnicfl", {"num_clusters": 2}), write=False)
+
+
+# -- IFCA --------------------------------------------------------------------------------------------------------------
+
+def test_ifca_assignment_and_averaging_by_hand():
+    from algorithms.ifca import choose_cluster, cluster_average, model_losses
+    from raysim.config import ArchSpec
+    from raysim.models import build_model
+
+    # a linear model (mlp1 with 1 hidden unit is not linear; take the head of a tiny mlp1 with identity-ish body)
+    m = build_model(ArchSpec("mlp1", {"hidden": 2}), (1, 1, 2), 2)
+    base = {k: torch.zeros_like(v) for k, v in m.state_dict().items()}
+    base["body.1.weight"] = torch.eye(2)  # hidden = relu(x)
+    good, bad = dict(base), dict(base)
+    good["head.weight"] = torch.eye(2) * 5  # predicts argmax(x)
+    bad["head.weight"] = torch.tensor([[0.0, 5.0], [5.0, 0.0]])  # predicts the other class
+    x = torch.tensor([[[[1.0, 0.0]]], [[[0.0, 1.0]]]])
+    y = torch.tensor([0, 1])
+    losses = model_losses(m, [bad, good], x, y)
+    # CE of the good model: -log softmax([5, 0])[0] = log(1 + e^-5); the bad one: log(1 + e^5)
+    assert losses.tolist() == pytest.approx([math.log(1 + math.exp(5)), math.log(1 + math.exp(-5))], rel=1e-6)
+    assert choose_cluster(losses) == 1
+    assert choose_cluster(torch.tensor([0.3, 0.1, 0.1])) == 1  # ties: the lower k
+    a, b, c = ({"w": torch.tensor([v])} for v in (1.0, 3.0, 10.0))
+    out = cluster_average([a, b, c], [0, 0, 2], [{"w": torch.tensor([0.0])}] * 3)
+    assert [float(s["w"]) for s in out] == [2.0, 0.0, 10.0]  # plain mean; cluster 1 unchanged
+
+
+def test_ifca_downloads_k_models_and_finds_separable_domains(tiny):
+    from raysim.config import ArchSpec
+    from raysim.models import build_model
+
+    res = run_experiment(rotated_tiny(tiny, "ifca", {"num_clusters": 2}, rounds=3), write=False)
+    t = res.table
+    m = build_model(ArchSpec("mlp", {"hidden": 32, "embed_dim": 16}), (1, 8, 8), 10)
+    size = sum(p.numel() for p in m.parameters())
+    assert set(rows(t, "down_floats")["value"]) == {2 * size}  # K models down, every round
+    assert set(rows(t, "up_floats")["value"]) == {size}
+    ari = rows(t, "ari", "server")
+    assert float(ari[ari["round"] == 2]["value"].iloc[0]) == 1.0
+
+
+# -- FedFomo -----------------------------------------------------------------------------------------------------------
+
+def test_fedfomo_weights_and_peers_by_hand():
+    from algorithms.fedfomo import fomo_weights, top_peers
+
+    raw, used = fomo_weights(1.0, [0.5, 1.5, 0.0], [0.5, 1.0, 2.0])
+    # w = (1 - 0.5)/0.50001, (1 - 1.5)/1.00001, (1 - 0)/2.00001
+    assert raw.tolist() == pytest.approx([0.5 / 0.50001, -0.5 / 1.00001, 1.0 / 2.00001])
+    s = 0.5 / 0.50001 + 1.0 / 2.00001
+    assert used.tolist() == pytest.approx([0.5 / 0.50001 / s, 0.0, 1.0 / 2.00001 / s])
+    raw, used = fomo_weights(0.1, [0.5, 0.7], [1.0, 1.0])
+    assert used.tolist() == [0.0, 0.0]  # none helps: the client keeps its old model
+    P = torch.tensor([0.0, 2.0, 1.0, 2.0, 5.0])
+    assert top_peers(P, [1, 2, 3], 2) == [1, 3] and top_peers(P, [1, 2], 5) == [1, 2]
+
+
+def test_fedfomo_accounting_and_affinity(tiny):
+    from raysim.config import ArchSpec
+    from raysim.models import build_model
+
+    res = run_experiment(tiny(rounds=3, clients_per_round=6, data__val_fraction=0.2,
+                              algorithm={"name": "fedfomo", "params": {"num_peers": 2}}), write=False)
+    t = res.table
+    m = build_model(ArchSpec("mlp", {"hidden": 32, "embed_dim": 16}), (1, 8, 8), 10)
+    size = sum(p.numel() for p in m.parameters())
+    down = rows(t, "down_floats")
+    assert set(down[down["round"] == 0]["value"]) == {0}  # nothing held yet
+    assert set(down[down["round"] > 0]["value"]) == {2 * size}  # M = 2 peers
+    up = rows(t, "up_floats")
+    assert set(up[up["round"] == 0]["value"]) == {size}
+    assert set(up[up["round"] > 0]["value"]) == {size + 2}  # + the two raw weights
+    with pytest.raises(ConfigError, match="data.val_fraction"):
+        run_experiment(tiny(rounds=1, algorithm={"name": "fedfomo", "params": {}}), write=False)
+
+
+@pytest.mark.ray
+@pytest.mark.parametrize("name", ["pnicfl_plus", "ifca"])
+def test_clustered_sequential_equals_ray_with_ari(ray_session, tiny, name):
+    import pandas as pd
+
+    def cfg(**over):
+        if name == "ifca":
+            return rotated_tiny(tiny, name, {"num_clusters": 2}, **over)
+        return pn_cfg(tiny, name, **over)
+
+    seq = run_experiment(cfg(), write=False).table
+    ray = run_experiment(cfg(backend={"name": "ray", "num_actors": 2, "num_cpus": 1, "state_memory_mb": 0}),
+                         write=False).table
+    assert not rows(seq, "ari", "server").empty
+    pd.testing.assert_frame_equal(seq.reset_index(drop=True), ray.reset_index(drop=True))
