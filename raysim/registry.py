@@ -16,6 +16,9 @@ ALGORITHMS: dict[str, str] = {
     "lgfedavg": "algorithms.lgfedavg:LGFedAvg",
     "fesem": "algorithms.fesem:FeSEM",
     "feddistill": "algorithms.feddistill:FedDistill",
+    "mafml": "algorithms.mafml:MAFML",
+    "ind": "algorithms.mutual_baselines:Ind",
+    "agg": "algorithms.mutual_baselines:Agg",
 }
 
 

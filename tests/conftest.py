@@ -39,7 +39,17 @@ def method_overrides(name: str) -> dict:
     so it runs on the two-conv cnn_small."""
     if name == "fedper":
         return {"model": {"arch": "cnn_small", "params": {"channels": 4, "embed_dim": 16}}}
+    if name in MUTUAL:  # the mutual-learning family: 4 rotated domains with the four-way local split, Adam
+        return {"data": {"dataset": "synthetic", "num_clients": 4, "partition": "shared_base",
+                         "partition_params": {"per_class": 12}, "rotations": [0, 90, 180, 270],
+                         "local_split": {"public": 0.1, "val": 0.1, "test": 0.15}},
+                "train": {"optimizer": "adam", "lr": 0.01, "batch_size": 8, "persist_optimizer": True,
+                          "local_steps": 2},
+                "algorithm__params": MUTUAL[name]}
     return {}
+
+
+MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}}
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ class ArrayDataset:
     num_classes: int
     norm: Optional[tuple] = None  # (mean, std) when x came from uint8 pixels: x = (pixel / 255 - mean) / std
     provenance: str = "pool"  # pool (split into private client data), public (may reach the server), test
+    owner: Optional[torch.Tensor] = None  # public shares (data.local_split): the client each sample came from
 
     def __len__(self) -> int:
         return int(self.y.shape[0])

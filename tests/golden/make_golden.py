@@ -39,7 +39,18 @@ def golden_config(name: str) -> dict:
             {"arch": "cnn4", "params": {"embed_dim": 16}}]}
     if name == "fedtgp":
         cfg["algorithm"]["params"] = {"server_epochs": 5, "margin_threshold": 1.0}
+    if name in MUTUAL:  # the mutual-learning family: Rotated MNIST domains with the four-way local split, LeNet, Adam
+        cfg["data"] = {"dataset": "mnist5k", "num_clients": 4, "partition": "shared_base",
+                       "partition_params": {"per_class": 10}, "rotations": [0, 20, 40, 60],
+                       "local_split": {"public": 0.1, "val": 0.1, "test": 0.15}}
+        cfg["model"] = {"arch": "lenet"}
+        cfg["train"] = {"optimizer": "adam", "lr": 1e-3, "weight_decay": 1e-4, "batch_size": 8,
+                        "persist_optimizer": True, "local_steps": 3}
+        cfg["algorithm"]["params"] = dict(MUTUAL[name])
     return cfg
+
+
+MUTUAL = {"mafml": {"iterations": 3}, "ind": {}, "agg": {}}
 
 
 def names() -> list[str]:
