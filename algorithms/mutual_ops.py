@@ -72,3 +72,29 @@ def domain_metrics(model, data) -> dict:
         own = owner == data.client_id
         out.update({"test_bwt": _acc(pred, y, own), "test_fwt": _acc(pred, y, ~own), "test_acc_all": _acc(pred, y)})
     return out
+
+
+def step_batches(n: int, cfg, generator: torch.Generator):
+    """Index batches of one round in the order of the reference loop (raysim.training): shuffled epochs of
+    ``cfg.batch_size``; exactly ``cfg.local_steps`` batches when set, else ``cfg.local_epochs`` epochs."""
+    from raysim.training import minibatches
+
+    limit = cfg.local_steps
+    epochs = cfg.local_epochs if limit is None else -(-int(limit) * cfg.batch_size // max(n, 1)) + 1
+    steps = 0
+    for _ in range(epochs):
+        for idx in minibatches(n, cfg.batch_size, generator):
+            if limit is not None and steps >= limit:
+                return
+            steps += 1
+            yield idx
+
+
+def adam_or_sgd(params, cfg, lr=None, state=None, model=None):
+    """The run's optimiser (train.optimizer) over ``params``, with a saved state loaded (by ``model``'s names)."""
+    from raysim.training import load_optimizer_state, make_optimizer
+
+    opt = make_optimizer(params, cfg, lr)
+    if state and model is not None:
+        load_optimizer_state(opt, model, state)
+    return opt

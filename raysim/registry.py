@@ -19,6 +19,9 @@ ALGORITHMS: dict[str, str] = {
     "mafml": "algorithms.mafml:MAFML",
     "ind": "algorithms.mutual_baselines:Ind",
     "agg": "algorithms.mutual_baselines:Agg",
+    "fml": "algorithms.fml:FML",
+    "fedkd": "algorithms.fedkd:FedKD",
+    "fedmd": "algorithms.fedmd:FedMD",
 }
 
 

@@ -49,7 +49,8 @@ def method_overrides(name: str) -> dict:
     return {}
 
 
-MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}}
+MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}, "fml": {}, "fedkd": {"ramp_rounds": 3},
+          "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
 
 @pytest.fixture

@@ -279,3 +279,86 @@ def test_select_by_validation_picks_the_best_validation_round():
     assert sel["sel_round"] == 1 and sel["last_round"] == 3  # the first of the tied best rounds
     assert sel["sel_test_acc_all"] == 0.7 and sel["last_test_acc_all"] == 0.9
     assert abs(sel["sel_test_bwt"] - 0.71) < 1e-12
+
+
+# -- FML and FedKD -----------------------------------------------------------------------------------------------
+
+def test_fml_meme_is_the_equal_weight_mean_and_private_model_stays_local(tiny):
+    from raysim.runtime import ClientRunner, ServerRunner
+
+    cfg = mutual_cfg(tiny, "fml", {})
+    prep = prepare(cfg)
+    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    clients = ClientRunner(prep.spec, prep.fed_data.clients)
+    from raysim.steps import CLASSIC_ROUND
+
+    payload = server.initial_payload(0)
+    uploads, reports = clients.run_client_step(CLASSIC_ROUND[0], payload, 0, 0, [0, 1, 2, 3])
+    assert all(r.ok for r in reports)
+    assert set(uploads[0]) == {"meme"} and uploads[0]["meme"].kind == "weights"
+    new_payload, _ = server.run_server_step(CLASSIC_ROUND[1], 0, 0, [0, 1, 2, 3], uploads)
+    for k, v in new_payload["meme"].tensors.items():
+        want = sum(uploads[i]["meme"][k].double() for i in range(4)) / 4
+        assert torch.allclose(v.double(), want, atol=1e-6), k
+
+
+def test_fedkd_svd_compression_by_hand():
+    from algorithms.fedkd import compress, decompress, svd_keep
+
+    s = torch.tensor([3.0, 2.0, 1.0])  # energies 9, 4, 1 of 14: 9/14 = 0.64, 13/14 = 0.93
+    assert svd_keep(s, 0.5) == 1 and svd_keep(s, 0.9) == 2 and svd_keep(s, 0.95) == 3
+    u = torch.linalg.qr(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))[0]
+    v = torch.linalg.qr(torch.randn(5, 3, generator=torch.Generator().manual_seed(1)))[0].T
+    w = u @ torch.diag(s) @ v
+    msg = compress({"w": w, "b": torch.ones(4)}, 0.9)
+    assert msg["w|us"].shape == (4, 2) and msg["w|v"].shape == (2, 5) and torch.equal(msg["b"], torch.ones(4))
+    assert msg.num_floats == 4 * 2 + 2 * 5 + 4
+    rec = decompress(msg, {"w": w, "b": torch.ones(4)})["w"]
+    want = u[:, :2] @ torch.diag(s[:2]) @ v[:2]
+    assert torch.allclose(rec, want, atol=1e-5)
+    full = decompress(compress({"w": w}, 1.0), {"w": w})["w"]
+    assert torch.allclose(full, w, atol=1e-5)
+
+
+def test_fedkd_uploads_only_the_compressed_mentee(tiny):
+    df = run_experiment(mutual_cfg(tiny, "fedkd", {}), write=False).table
+    kinds = {m.split(":")[1] for m in df["metric"].unique() if m.startswith("up_floats:")}
+    assert kinds == {"compressed_weights", "num_samples"}
+    assert rows(df, "test_acc_all")["value"].notna().all()
+
+
+# -- FedMD -------------------------------------------------------------------------------------------------------
+
+FEDMD = {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}
+
+
+def test_fedmd_protocol_and_accounting(tiny):
+    df = run_experiment(mutual_cfg(tiny, "fedmd", dict(FEDMD)), write=False).table
+    # setup (round -1): transfer learning on every node, nothing sent
+    setup = df[df["round"] == -1]
+    assert rows(setup, "up_floats")["value"].eq(0).all() and len(rows(setup, "up_floats")) == 4
+    # each round: 30 alignment indices down (int64, 0 floats); 30 x 10 logits up; the 30 x 10 consensus down
+    for metric, value in [("up_floats", 300), ("up_floats:logits", 300), ("down_floats:consensus_logits", 300),
+                          ("down_floats", 300), ("down_bytes:alignment_indices", 30 * 8),
+                          ("up_bytes", 300 * 4 + 30 * 8)]:
+        r = rows(df, metric)
+        r = r[r["round"] >= 0]
+        assert len(r) == 2 * 4 and r["value"].eq(value).all(), (metric, r)
+    assert rows(df, "train_digest_mae")["value"].gt(0).all()
+
+
+def test_fedmd_consensus_is_the_mean_of_the_nodes_logits(tiny):
+    from raysim.runtime import ClientRunner, ServerRunner
+
+    prep = prepare(mutual_cfg(tiny, "fedmd", dict(FEDMD)))
+    alg = prep.algorithm
+    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    clients = ClientRunner(prep.spec, prep.fed_data.clients)
+    payload = server.initial_payload(0)
+    assert len(payload["align"]["idx"]) == 30 and len(set(payload["align"]["idx"].tolist())) == 30
+    sched = alg.schedule()
+    uploads, reports = clients.run_client_step(sched[0], payload, 0, 0, [0, 1, 2, 3])
+    assert all(r.ok for r in reports)
+    cons, _ = server.run_server_step(sched[1], 0, 0, [0, 1, 2, 3], uploads)
+    want = sum(uploads[i]["logits"]["logits"].double() for i in range(4)) / 4
+    assert torch.allclose(cons["consensus"]["logits"].double(), want, atol=1e-6)

@@ -50,7 +50,8 @@ def golden_config(name: str) -> dict:
     return cfg
 
 
-MUTUAL = {"mafml": {"iterations": 3}, "ind": {}, "agg": {}}
+MUTUAL = {"mafml": {"iterations": 3}, "ind": {}, "agg": {}, "fml": {}, "fedkd": {"ramp_rounds": 3},
+          "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
 
 def names() -> list[str]:
