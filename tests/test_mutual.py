@@ -362,3 +362,34 @@ def test_fedmd_consensus_is_the_mean_of_the_nodes_logits(tiny):
     cons, _ = server.run_server_step(sched[1], 0, 0, [0, 1, 2, 3], uploads)
     want = sum(uploads[i]["logits"]["logits"].double() for i in range(4)) / 4
     assert torch.allclose(cons["consensus"]["logits"].double(), want, atol=1e-6)
+
+
+# -- bad input: one ConfigError naming the field -------------------------------------------------------------------
+
+@pytest.mark.parametrize("over, field", [
+    ({"train": {"optimizer": "sgd", "batch_size": 8}}, "train.optimizer"),  # MAFML updates with Adam
+    ({"train": {"optimizer": "adam", "local_steps": 0}}, "train.local_steps"),
+    ({"train": {"optimizer": "adam", "local_steps": True}}, "train.local_steps"),
+    ({"algorithm": {"name": "mafml", "params": {"iterations": 0}}}, "algorithm.params.iterations"),
+    ({"data": mutual_data(local_split={"public": 0.0, "val": 0.1, "test": 0.15})}, "data.local_split.public"),
+    ({"data": mutual_data(public={"dataset": "synthetic"})}, "data.public"),
+])
+def test_mafml_bad_input(tiny, over, field):
+    with pytest.raises(ConfigError) as e:
+        prepare(mutual_cfg(tiny, "mafml", **over))
+    assert e.value.field == field
+
+
+def test_local_steps_refused_with_vectorize(tiny):
+    with pytest.raises(ConfigError) as e:
+        prepare(mutual_cfg(tiny, "ind", {}, backend={"name": "sequential", "vectorize": True}))
+    assert e.value.field == "train.local_steps"
+
+
+def test_lenet_is_lenet5():
+    from raysim.config import ArchSpec
+    from raysim.models import build_model, num_parameters
+
+    m = build_model(ArchSpec("lenet"), (1, 28, 28), 10)
+    assert num_parameters(m) == 61706  # 156 + 2,416 + 48,120 + 10,164 + 850
+    assert m(torch.zeros(3, 1, 28, 28)).shape == (3, 10) and m.embed_dim == 84
