@@ -10,6 +10,7 @@ import torch
 
 from algorithms import fedpu
 from algorithms.local import ce_loss
+from algorithms.mutual_ops import domain_metrics
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
@@ -77,8 +78,8 @@ class FedAvg(LocalTraining):
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()
         model.load_state_dict(payload["model"].tensors)
-        logits, _ = forward_all(model, data.x_test)
-        return {"test_acc": accuracy(logits.argmax(1), data.y_test)}
+        # test_acc on the client's test split; with data.local_split also the seed-003 metrics bwt / fwt / acc_all
+        return domain_metrics(model, data)
 
     def evaluate_server(self, server_state, test, ctx: Context) -> dict:
         model = ctx.model(0)

@@ -159,6 +159,9 @@ class DataConfig:
     public: Optional[dict] = None  # an explicitly public dataset: {dataset: ..., size: ..., root: ...}
     rotations: Optional[list[float]] = None  # domain shift: client i's images rotated by rotations[i % len] degrees
     val_fraction: float = 0.0  # per-client validation split carved from each client's training data (0: none)
+    # MAFML's per-node four-way split {public: a, val: v, test: t} of each client's samples (private = the rest):
+    # the test split comes from the client's own samples, the public shares of all clients form the public dataset
+    local_split: Optional[dict] = None
 
     def check(self, path: str) -> None:
         positive(_p(path, "num_clients"), self.num_clients)
@@ -168,6 +171,23 @@ class DataConfig:
             raise ConfigError(_p(path, "rotations"), "must list at least one angle (degrees)")
         if not 0.0 < self.test_fraction < 1.0:
             raise ConfigError(_p(path, "test_fraction"), f"must be in (0, 1), got {self.test_fraction}")
+        if self.local_split is not None:
+            if not isinstance(self.local_split, dict):
+                raise ConfigError(_p(path, "local_split"), "must be a mapping {public: a, val: v, test: t}")
+            for k, v in self.local_split.items():
+                if k not in ("public", "val", "test"):
+                    raise ConfigError(_p(path, f"local_split.{k}"), "unknown key; allowed: public, val, test")
+                if not isinstance(v, (int, float)) or not 0.0 <= float(v) < 1.0:
+                    raise ConfigError(_p(path, f"local_split.{k}"), f"must be a fraction in [0, 1), got {v!r}")
+            if sum(float(v) for v in self.local_split.values()) >= 1.0:
+                raise ConfigError(_p(path, "local_split"), "public + val + test must leave a private share (< 1)")
+            if self.val_fraction > 0:
+                raise ConfigError(_p(path, "val_fraction"), "use local_split.val with local_split (not both)")
+            if self.public is not None:
+                raise ConfigError(_p(path, "public"), "local_split makes the clients' public shares the public "
+                                                      "dataset; remove data.public")
+            if self.partition == "files":
+                raise ConfigError(_p(path, "local_split"), "is not supported with partition: files")
 
 
 @dataclass(frozen=True)
@@ -216,6 +236,8 @@ class TrainConfig:
     momentum: float = 0.5
     weight_decay: float = 0.0
     persist_optimizer: bool = False  # keep each client's optimizer state (momentum) across rounds
+    local_steps: Optional[int] = None  # exactly this many minibatch steps per round (epochs of shuffled batches
+    #                                    continued as needed) instead of local_epochs; None: local_epochs
 
     def check(self, path: str) -> None:
         positive(_p(path, "local_epochs"), self.local_epochs)
@@ -224,6 +246,10 @@ class TrainConfig:
         positive(_p(path, "momentum"), self.momentum, allow_zero=True)
         positive(_p(path, "weight_decay"), self.weight_decay, allow_zero=True)
         choice(_p(path, "optimizer"), self.optimizer, ["sgd", "adam"])
+        if self.local_steps is not None:
+            if isinstance(self.local_steps, bool) or not isinstance(self.local_steps, int):
+                raise ConfigError(_p(path, "local_steps"), f"must be a positive integer, got {self.local_steps!r}")
+            positive(_p(path, "local_steps"), self.local_steps)
 
 
 @dataclass(frozen=True)

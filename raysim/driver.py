@@ -102,6 +102,9 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                 if isinstance(e, ConfigError):
                     raise
                 raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
+            if cfg.backend.vectorize and cfg.train.local_steps is not None:
+                raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
+                                                       "executor runs whole epochs); use local_epochs")
             if cfg.backend.vectorize:
                 from raysim.vectorized import check_model
 

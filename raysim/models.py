@@ -256,10 +256,26 @@ def protonet(input_shape, num_classes, channels: int = 32, hidden: int = 128, em
     return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
 
 
+def lenet(input_shape, num_classes, embed_dim: int = 84) -> SplitModel:
+    """LeNet-5 (LeCun et al. 1998), as MAFML's seed deploys it on Rotated MNIST: conv 1->6 k5 (padding 2 for 28x28,
+    so the classic 32x32 geometry), relu, max-pool 2; conv 6->16 k5, relu, max-pool 2; fc 400->120, relu;
+    fc 120->embed_dim (84), relu (the embedding); head fc embed_dim->classes. 61,706 parameters at 28x28, 10 classes."""
+    if input_shape[-1] < 12:
+        raise ConfigError("model.arch", f"lenet needs images of at least 12x12, got {tuple(input_shape)}")
+    pad = 2 if input_shape[-1] == 28 else 0
+    h, w = input_shape[-2] + 2 * pad, input_shape[-1] + 2 * pad
+    oh, ow = ((h - 4) // 2 - 4) // 2, ((w - 4) // 2 - 4) // 2
+    body = nn.Sequential(
+        nn.Conv2d(input_shape[0], 6, 5, padding=pad), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(6, 16, 5), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(16 * oh * ow, 120), nn.ReLU(), nn.Linear(120, embed_dim), nn.ReLU())
+    return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
+
+
 ARCHS: dict[str, Callable[..., SplitModel]] = {"cnn_mnist": cnn_mnist, "mlp": mlp, "cnn_small": cnn_small,
                                                "cnn4": cnn4, "resnet_small": resnet_small,
                                                "mobilenet_small": mobilenet_small, "fedavg_cnn": fedavg_cnn,
-                                               "mlp1": mlp1, "protonet": protonet}
+                                               "mlp1": mlp1, "protonet": protonet, "lenet": lenet}
 
 # The heterogeneous zoo for 1x28x28 inputs (assign with model.per_client + assign: cycle | blocks | list | tier).
 ZOO_28 = ("cnn_mnist", "cnn4", "resnet_small", "mobilenet_small")

@@ -25,6 +25,12 @@ ALGORITHMS: dict[str, str] = {
     "pnicfl_plus": "algorithms.pnicfl:PNICFLPlus",
     "ifca": "algorithms.ifca:IFCA",
     "fedfomo": "algorithms.fedfomo:FedFomo",
+    "mafml": "algorithms.mafml:MAFML",
+    "ind": "algorithms.mutual_baselines:Ind",
+    "agg": "algorithms.mutual_baselines:Agg",
+    "fml": "algorithms.fml:FML",
+    "fedkd": "algorithms.fedkd:FedKD",
+    "fedmd": "algorithms.fedmd:FedMD",
 }
 
 

@@ -335,3 +335,27 @@ def markdown_table(frame: pd.DataFrame, digits: int = 4) -> str:
     for _, row in frame.iterrows():
         lines.append("| " + " | ".join(cell(row[c]) for c in cols) + " |")
     return "\n".join(lines) + "\n"
+
+
+def select_by_validation(df: pd.DataFrame, val: str = "val_acc_all",
+                         metrics=("test_acc_all", "test_bwt", "test_fwt")) -> pd.DataFrame:
+    """Model selection as MAFML's seed does it (§4.1.2): per client, the evaluated round with the highest ``val``
+    (the first such round on ties) and the test ``metrics`` of that round (``sel_<metric>``), next to the last
+    evaluated round's (``last_<metric>``). One row per client: client_id, sel_round, last_round, the values."""
+    c = df[df["scope"] == "client"]
+    wide = c[c["metric"].isin([val, *metrics])].pivot_table(index=["client_id", "round"], columns="metric",
+                                                             values="value", aggfunc="first")
+    out = []
+    for cid, g in wide.groupby(level=0):
+        g = g.droplevel(0).sort_index()
+        g = g[g[val].notna()]
+        if g.empty:
+            continue
+        sel = g[val].idxmax()
+        last = g.index.max()
+        row = {"client_id": int(cid), "sel_round": int(sel), "last_round": int(last)}
+        for m in metrics:
+            row[f"sel_{m}"] = float(g.loc[sel, m])
+            row[f"last_{m}"] = float(g.loc[last, m])
+        out.append(row)
+    return pd.DataFrame(out)

@@ -89,10 +89,17 @@ def _train_loop(model, x, y, cfg, generator, loss_fn, opt, epochs: int, on_epoch
     totals: dict[str, float] = {}
     steps = 0
     idx_device = x.device
+    limit = getattr(cfg, "local_steps", None)  # exactly this many steps: epochs continued as needed
+    if limit is not None:
+        epochs = -(-int(limit) * cfg.batch_size // max(int(y.shape[0]), 1)) + 1
     for epoch in range(epochs):
+        if limit is not None and steps >= limit:
+            break
         if on_epoch is not None:
             on_epoch(epoch, epochs)
         for idx in minibatches(int(y.shape[0]), cfg.batch_size, generator):
+            if limit is not None and steps >= limit:
+                break
             idx = idx.to(idx_device)
             xb, yb = x[idx], y[idx]
             opt.zero_grad(set_to_none=True)

@@ -44,7 +44,18 @@ def method_overrides(name: str) -> dict:
                 "algorithm__params": {"num_clusters": 2, "pretrain_episodes": 5}}
     if name == "fedfomo":  # weighs the received models on a validation split
         return {"data__val_fraction": 0.2}
+    if name in MUTUAL:  # the mutual-learning family: 4 rotated domains with the four-way local split, Adam
+        return {"data": {"dataset": "synthetic", "num_clients": 4, "partition": "shared_base",
+                         "partition_params": {"per_class": 12}, "rotations": [0, 90, 180, 270],
+                         "local_split": {"public": 0.1, "val": 0.1, "test": 0.15}},
+                "train": {"optimizer": "adam", "lr": 0.01, "batch_size": 8, "persist_optimizer": True,
+                          "local_steps": 2},
+                "algorithm__params": MUTUAL[name]}
     return {}
+
+
+MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}, "fml": {}, "fedkd": {"ramp_rounds": 3},
+          "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
 
 @pytest.fixture

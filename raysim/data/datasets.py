@@ -35,6 +35,7 @@ class ArrayDataset:
     norm: Optional[tuple] = None  # (mean, std) when x came from uint8 pixels: x = (pixel / 255 - mean) / std
     provenance: str = "pool"  # pool (split into private client data), public (may reach the server), test
     domain: Optional[torch.Tensor] = None  # int64 (N,): the source of each sample (multi-source datasets), or None
+    owner: Optional[torch.Tensor] = None  # public shares (data.local_split): the client each sample came from
 
     def __len__(self) -> int:
         return int(self.y.shape[0])

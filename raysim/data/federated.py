@@ -28,6 +28,10 @@ class ClientData:
     provenance: str = "private"  # a client's data never leaves its runner (tests/test_privacy.py)
     x_val: Optional[torch.Tensor] = None  # validation split (data.val_fraction), carved from the training data;
     y_val: Optional[torch.Tensor] = None  # empty when there is none
+    # data.local_split: every client's test (and validation) split, with the owning client of each sample, for the
+    # cross-domain metrics bwt / fwt / acc (evaluation only; never trained on): (x, y, owner)
+    cross_test: Optional[tuple] = None
+    cross_val: Optional[tuple] = None
 
     def __post_init__(self):
         if self.x_val is None:
@@ -42,7 +46,7 @@ class ClientData:
     def validation_view(self) -> "ClientData":
         """The same client with its validation split in the test fields (what an evaluate function reads)."""
         return ClientData(self.client_id, self.x_train, self.y_train, self.x_val, self.y_val, self.classes,
-                          self.num_classes, self.norm, self.provenance)
+                          self.num_classes, self.norm, self.provenance, cross_test=self.cross_val)
 
     @property
     def num_train(self) -> int:
@@ -53,7 +57,12 @@ class ClientData:
 
     def _replace(self, x_train, y_train, x_test, y_test, x_val, y_val) -> "ClientData":
         return ClientData(self.client_id, x_train, y_train, x_test, y_test, self.classes, self.num_classes,
-                          self.norm, self.provenance, x_val, y_val)
+                          self.norm, self.provenance, x_val, y_val, self._cross_to(self.cross_test, x_test.device),
+                          self._cross_to(self.cross_val, x_test.device))
+
+    @staticmethod
+    def _cross_to(cross, device):
+        return None if cross is None else tuple(t.to(device) for t in cross)
 
     @property
     def is_compact(self) -> bool:
@@ -81,7 +90,7 @@ class ClientData:
             return self._replace(self._decode(self.x_train, device), self.y_train.to(device),
                                  self._decode(self.x_test, device), self.y_test.to(device),
                                  self._decode(self.x_val, device), self.y_val.to(device))
-        if str(device) == "cpu":
+        if str(device) == "cpu" and (self.cross_test is None or self.cross_test[0].device.type == "cpu"):
             return self
         return self._replace(self.x_train.to(device), self.y_train.to(device), self.x_test.to(device),
                              self.y_test.to(device), self.x_val.to(device), self.y_val.to(device))
@@ -111,6 +120,8 @@ class FederatedData:
         }
         if any(c.has_val for c in self.clients):
             out["val_sizes"] = [int(c.y_val.shape[0]) for c in self.clients]
+        if self.public is not None and self.public.owner is not None:
+            out["public_sizes"] = torch.bincount(self.public.owner, minlength=len(self.clients)).tolist()
         return out
 
 
@@ -201,6 +212,8 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     part = run_partitioner(cfg.partition, dict(cfg.partition_params), train_pool.y.numpy(), test_pool.y.numpy(),
                            cfg.num_clients, r, ds.num_classes, domains=part_domains)
     notes += part.notes
+    if cfg.local_split is not None:
+        return _local_split_data(cfg, seed, ds, train_pool, part, notes)
     clients = []
     for i in range(cfg.num_clients):
         va = None
@@ -260,6 +273,69 @@ def _domain_structure(cfg: DataConfig, train_pool: ArrayDataset, test_pool: Arra
                                                              f"({'sources' if tr_dom is not None else 'rotations'}); "
                                                              f"got {params['num_domains']}")
     return k, (k, tr_dom, te_dom)
+
+
+def local_split_sizes(n: int, split: dict) -> tuple[int, int, int, int]:
+    """(private, public, val, test) sample counts of a client with ``n`` samples: ``round(f * n)`` for each named
+    share, the private share the rest (at least one sample)."""
+    pub, val, test = (int(round(float(split.get(k, 0.0)) * n)) for k in ("public", "val", "test"))
+    pri = n - pub - val - test
+    if pri <= 0:
+        raise DataError("data.local_split", f"a client with {n} samples has no private share left "
+                                            f"(public {pub}, val {val}, test {test})")
+    return pri, pub, val, test
+
+
+def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool: ArrayDataset, part,
+                      notes: list) -> FederatedData:
+    """``data.local_split``: each client's samples (after the partitioner and its rotation) split at random (stream
+    (seed, -, client, "local-split")) into private / public / val / test shares, MAFML's D_pri / D_pub / D_val /
+    D_test. The client trains on private + its own public share (``x_train``, in sample order); every client's
+    public share, in client order, forms the public dataset (``owner`` = the client it came from), which every node
+    may read (MAFML's soft labels refer to it by index). Each client also holds all clients' test and validation
+    splits with their owners (``cross_test`` / ``cross_val``), for the cross-domain metrics only."""
+    split = dict(cfg.local_split)
+    per = []
+    for i in range(cfg.num_clients):
+        idx = np.asarray(part.train[i])
+        if len(idx) == 0:
+            raise DataError("data.partition_params", f"client {i} received no samples")
+        smp = train_pool.subset(idx)
+        group = i % len(cfg.rotations) if cfg.rotations else 0
+        x = rotate(smp.x, cfg.rotations[group]) if cfg.rotations else smp.x
+        pri, pub, val, test = local_split_sizes(len(idx), split)
+        perm = rngmod.numpy_rng(seed, rngmod.NO_ROUND, i, "local-split").permutation(len(idx))
+        te, va, pu = (np.sort(perm[a:b]) for a, b in ((0, test), (test, test + val), (test + val, test + val + pub)))
+        pr = np.sort(perm[test + val + pub:])
+        tr = np.sort(np.concatenate([pr, pu]))
+        t = lambda k: torch.as_tensor(k, dtype=torch.int64)  # noqa: E731
+        per.append({"group": group, "x_tr": x[t(tr)], "y_tr": smp.y[t(tr)], "x_te": x[t(te)], "y_te": smp.y[t(te)],
+                    "x_va": x[t(va)], "y_va": smp.y[t(va)], "x_pu": x[t(pu)], "y_pu": smp.y[t(pu)],
+                    "sizes": (pri, pub, val, test)})
+
+    def cross(kx, ky):
+        return (torch.cat([p[kx] for p in per]), torch.cat([p[ky] for p in per]),
+                torch.cat([torch.full((len(p[ky]),), i, dtype=torch.int64) for i, p in enumerate(per)]))
+
+    cross_test, cross_val = cross("x_te", "y_te"), cross("x_va", "y_va")
+    clients = []
+    for i, p in enumerate(per):
+        clients.append(ClientData(i, p["x_tr"], p["y_tr"], p["x_te"], p["y_te"], sorted(set(p["y_tr"].tolist())),
+                                  ds.num_classes, train_pool.norm, x_val=p["x_va"], y_val=p["y_va"],
+                                  cross_test=cross_test, cross_val=cross_val))
+    public = ArrayDataset(torch.cat([p["x_pu"] for p in per]), torch.cat([p["y_pu"] for p in per]), ds.num_classes,
+                          provenance="public", owner=torch.cat([torch.full((len(p["y_pu"]),), i, dtype=torch.int64)
+                                                                for i, p in enumerate(per)]))
+    test = ArrayDataset(cross_test[0], cross_test[1], ds.num_classes, provenance="test")
+    sizes = sorted({p["sizes"] for p in per})
+    notes.append(f"local split {split} of each client's samples (stream (seed, -, client, 'local-split')): "
+                 f"private/public/val/test sizes {sizes}; clients train on private + own public; the public shares "
+                 f"of all clients form the public dataset ({len(public)} samples, owner per sample); the pool's test "
+                 f"split is not used")
+    if cfg.rotations:
+        notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
+    domains = [p["group"] for p in per] if cfg.rotations else None  # ground truth: the driver's, never a client's
+    return FederatedData(clients, ds.num_classes, ds.input_shape, test, public, notes, domains)
 
 
 def _load_public(spec: dict, seed: int) -> ArrayDataset:

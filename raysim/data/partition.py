@@ -64,6 +64,35 @@ def iid(train_y, test_y, num_clients, rng, num_classes, samples_per_client: int 
     return Partition(train, test, classes)
 
 
+def shared_base(train_y, test_y, num_clients, rng, num_classes, per_class: int = 100,
+                test_per_class: int = 0) -> Partition:
+    """Every client holds the same ``per_class`` samples of each class (drawn once from the train pool): the base
+    set of domain-shift benchmarks whose domains differ only by a transform (Rotated MNIST M0/M20/M40/M60 in MAFML's
+    seed: 10 x 100 MNIST images, each domain rotated; use with ``data.rotations`` and ``data.local_split``).
+    ``test_per_class`` samples of each class from the test pool go to every client too (0: no pool test; the
+    ``local_split`` carves each client's test split from its own samples)."""
+    if per_class <= 0 or test_per_class < 0:
+        raise DataError(_field("per_class"), f"must be > 0 (test_per_class >= 0), got {per_class} / {test_per_class}")
+    base, tbase = [], []
+    for c in range(num_classes):
+        idx = np.flatnonzero(train_y == c)
+        if len(idx) < per_class:
+            raise DataError(_field("per_class"), f"class {c} has {len(idx)} training samples; at most "
+                                                 f"{min(int((train_y == k).sum()) for k in range(num_classes))} fit")
+        base.append(rng.choice(idx, size=per_class, replace=False))
+        tidx = np.flatnonzero(test_y == c)
+        if len(tidx) < test_per_class:
+            raise DataError(_field("test_per_class"), f"class {c} has {len(tidx)} test samples")
+        tbase.append(rng.choice(tidx, size=test_per_class, replace=False) if test_per_class else tidx[:0])
+    train = np.sort(np.concatenate(base))
+    test = np.sort(np.concatenate(tbase)).astype(np.int64)
+    classes = sorted(set(train_y[train].tolist()))
+    return Partition([train.copy() for _ in range(num_clients)], [test.copy() for _ in range(num_clients)],
+                     [list(classes) for _ in range(num_clients)],
+                     [f"shared_base: every client holds the same {per_class} samples per class "
+                      f"({len(train)} in all; domains differ by data.rotations)"])
+
+
 def _proportional_test(train_counts: np.ndarray, test_y, rng, num_classes, test_ratio: float) -> list[np.ndarray]:
     """Disjoint local test sets with each client's train class proportions, ``test_ratio`` x its train size."""
     pools = _by_class(test_y, num_classes, rng)
@@ -272,6 +301,7 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "pathological": pathological,
     "nway_kshot": nway_kshot,
     "domain_dirichlet": domain_dirichlet,
+    "shared_base": shared_base,
 }
 
 

@@ -49,7 +49,19 @@ def golden_config(name: str) -> dict:
         cfg["algorithm"]["params"] = {"num_clusters": 2}
     if name == "fedfomo":
         cfg["data"]["val_fraction"] = 0.2
+    if name in MUTUAL:  # the mutual-learning family: Rotated MNIST domains with the four-way local split, LeNet, Adam
+        cfg["data"] = {"dataset": "mnist5k", "num_clients": 4, "partition": "shared_base",
+                       "partition_params": {"per_class": 10}, "rotations": [0, 20, 40, 60],
+                       "local_split": {"public": 0.1, "val": 0.1, "test": 0.15}}
+        cfg["model"] = {"arch": "lenet"}
+        cfg["train"] = {"optimizer": "adam", "lr": 1e-3, "weight_decay": 1e-4, "batch_size": 8,
+                        "persist_optimizer": True, "local_steps": 3}
+        cfg["algorithm"]["params"] = dict(MUTUAL[name])
     return cfg
+
+
+MUTUAL = {"mafml": {"iterations": 3}, "ind": {}, "agg": {}, "fml": {}, "fedkd": {"ramp_rounds": 3},
+          "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
 
 def names() -> list[str]:

@@ -1,0 +1,170 @@
+"""FedMD — heterogeneous federated learning via model distillation (Li & Wang, arXiv 1910.03581), reference §4.5
+[FMD:FedMD.py, conf/EMNIST_balance_conf.json], on MAFML's setting: the public dataset is every node's public share
+(``data.local_split``), the private data each node's private + own public samples (``x_train``).
+
+Setup (round -1, ``transfer``): transfer learning — each model trains on the public dataset, then on its private
+data (``transfer_public_epochs`` / ``transfer_private_epochs`` epochs, the run's optimiser and batch size; FedMD's
+25 epochs with early stopping are scaled down by these parameters and early stopping is not used).
+Round t: (1) the server draws an alignment set of ``n_alignment`` public samples (stream (seed, t, server, "align");
+all of them when the public dataset is smaller) and sends its indices; (2) ``logits``: each node uploads its logits on
+it; the server averages them over the nodes (the consensus) and sends them back; (3) ``digest``: each node regresses
+its logits to the consensus with the mean absolute error, ``digest_epochs`` epochs at batch ``digest_batch``
+(FedMD: 1 epoch, 256); (4) revisit: training on its private data for ``train.local_steps`` steps (or
+``local_epochs``; FedMD: 2 epochs at batch 5). The digest and revisit optimiser states persist in the client state.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from algorithms.mafml import PublicShares, require_public_shares
+from algorithms.mutual_ops import adam_or_sgd, domain_metrics, step_batches
+from raysim import rng as rngmod
+from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
+from raysim.config import positive
+from raysim.messages import Message
+from raysim.steps import ALL, ClientStep, ServerStep
+from raysim.training import clone_state, minibatches, optimizer_state
+
+
+class FedMD(Algorithm):
+    name = "fedmd"
+    paper = "Li & Wang, FedMD: Heterogenous Federated Learning via Model Distillation, arXiv:1910.03581, 2019"
+
+    def declared_uploads(self):
+        return {"logits"}
+
+    @dataclass(frozen=True)
+    class Params:
+        n_alignment: int = 5000
+        digest_epochs: int = 1
+        digest_batch: int = 256
+        transfer_public_epochs: int = 5
+        transfer_private_epochs: int = 5
+
+        def check(self, path):
+            for k in ("n_alignment", "digest_epochs", "digest_batch"):
+                positive(f"{path}.{k}", getattr(self, k))
+            for k in ("transfer_public_epochs", "transfer_private_epochs"):
+                positive(f"{path}.{k}", getattr(self, k), allow_zero=True)
+
+    def __init__(self, params, task):
+        super().__init__(params, task)
+        self.shares = PublicShares(task) if task.public is not None and task.public.owner is not None else None
+
+    def validate(self):
+        require_public_shares(self, self.name)
+
+    def setup_schedule(self):
+        return (ServerStep("setup_start"), ClientStep("transfer", clients=ALL), ServerStep("setup_done"))
+
+    def schedule(self):
+        return (ClientStep("logits", clients=ALL), ServerStep("consensus"),
+                ClientStep("digest", clients=ALL), ServerStep("next_round"))
+
+    # -- server -------------------------------------------------------------------------------------------------
+    def broadcast(self, server_state, ctx: Context):
+        n = len(self.task.public)
+        k = min(self.params.n_alignment, n)
+        r = rngmod.numpy_rng(self.task.seed, ctx.round_idx, rngmod.SERVER, "align")
+        idx = np.sort(r.choice(n, size=k, replace=False)) if k < n else np.arange(n)
+        return {"align": Message("alignment_indices", {"idx": torch.as_tensor(idx, dtype=torch.int64)})}
+
+    def setup_start(self, server_state, uploads, ctx: Context) -> ServerUpdate:
+        return ServerUpdate(server_state, {})  # transfer learning needs nothing from the server
+
+    def setup_done(self, server_state, uploads, ctx: Context) -> ServerUpdate:
+        return ServerUpdate(server_state, None)
+
+    def consensus(self, server_state, uploads, ctx: Context) -> ServerUpdate:
+        ids = sorted(uploads)
+        if not ids:
+            return ServerUpdate(server_state, {})
+        mean = torch.stack([uploads[i]["logits"]["logits"].double() for i in ids]).mean(0).float()
+        idx = uploads[ids[0]]["logits"]["idx"]
+        return ServerUpdate(server_state, {"consensus": Message("consensus_logits", {"idx": idx, "logits": mean})})
+
+    def next_round(self, server_state, uploads, ctx: Context) -> ServerUpdate:
+        nxt = dataclasses.replace(ctx, round_idx=ctx.round_idx + 1, failures=[], step="broadcast", keep=None)
+        return ServerUpdate(server_state, self.broadcast(server_state, nxt))
+
+    # -- client -------------------------------------------------------------------------------------------------
+    def init_client_state(self, ctx: Context):
+        return {"model": clone_state(self.task.build_model(ctx.client_id)), "opt": {}, "opt_digest": {}}
+
+    def _ce_epochs(self, model, opt, x, y, epochs, gen):
+        cfg = self.task.train
+        for _ in range(epochs):
+            for idx in minibatches(int(y.shape[0]), cfg.batch_size, gen):
+                idx = idx.to(y.device)
+                opt.zero_grad(set_to_none=True)
+                F.cross_entropy(model(x[idx]), y[idx]).backward()
+                opt.step()
+
+    def transfer(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        cfg, p = self.task.train, self.params
+        model = ctx.model()
+        model.load_state_dict(state["model"])
+        opt = adam_or_sgd(model.parameters(), cfg)
+        px, py, _ = self.shares.get(ctx.device)
+        model.train()
+        gen = ctx.generator("batches")
+        self._ce_epochs(model, opt, px, py, p.transfer_public_epochs, gen)
+        self._ce_epochs(model, opt, data.x_train, data.y_train, p.transfer_private_epochs, gen)
+        return ClientUpdate({**state, "model": clone_state(model)}, {})
+
+    def logits(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        model = ctx.model()
+        model.load_state_dict(state["model"])
+        px, _, _ = self.shares.get(ctx.device)
+        idx = payload["align"]["idx"]
+        model.eval()
+        with torch.no_grad():
+            z = model(px[idx.to(px.device)])
+        return ClientUpdate(state, {"logits": Message("logits", {"idx": idx.clone(), "logits": z.detach().cpu()})})
+
+    def digest(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        cfg, p = self.task.train, self.params
+        model = ctx.model()
+        model.load_state_dict(state["model"])
+        keep = cfg.persist_optimizer
+        model.train()
+        metrics = {}
+        opt_d = adam_or_sgd(model.parameters(), cfg, state=state["opt_digest"] if keep else None, model=model)
+        if "consensus" in payload:
+            px, _, _ = self.shares.get(ctx.device)
+            x = px[payload["consensus"]["idx"].to(px.device)]
+            target = payload["consensus"]["logits"].to(ctx.device)
+            gen = ctx.generator("digest")
+            tot, n = 0.0, 0
+            for _ in range(p.digest_epochs):
+                for idx in minibatches(int(target.shape[0]), p.digest_batch, gen):
+                    idx = idx.to(target.device)
+                    opt_d.zero_grad(set_to_none=True)
+                    loss = F.l1_loss(model(x[idx]), target[idx])
+                    loss.backward()
+                    opt_d.step()
+                    tot, n = tot + float(loss.detach()), n + 1
+            metrics["train_digest_mae"] = tot / max(n, 1)
+        opt = adam_or_sgd(model.parameters(), cfg, state=state["opt"] if keep else None, model=model)
+        tot, n = 0.0, 0
+        for idx in step_batches(data.num_train, cfg, ctx.generator("batches")):
+            idx = idx.to(data.y_train.device)
+            opt.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+            loss.backward()
+            opt.step()
+            tot, n = tot + float(loss.detach()), n + 1
+        metrics["train_loss"] = tot / max(n, 1)
+        new = {"model": clone_state(model), "opt": optimizer_state(opt, model) if keep else {},
+               "opt_digest": optimizer_state(opt_d, model) if keep else {}}
+        return ClientUpdate(new, {}, metrics)
+
+    def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
+        model = ctx.model()
+        model.load_state_dict(state["model"])
+        return domain_metrics(model, data)

@@ -1,0 +1,207 @@
+"""MAFML — model-agnostic federated mutual learning (Zhou et al. 2023; the seed 003_dc806479afc0b3e0.txt,
+Algorithm 1 and equations (1)-(7); reference §4). No public code exists; this follows the seed.
+
+Cross-silo: N nodes (one domain each, any architectures), every node in every iteration, no global model. Each node's
+samples are split private / public / val / test (``data.local_split``; the public shares of all nodes form the public
+dataset, which every node may read, labels included). One round = ``iterations`` iterations (default 50, the seed's
+validation interval), each a schedule of two exchanges:
+
+1. ``local`` (every node i): a batch d_loc of ``train.batch_size`` drawn at random from D_pri ∪ D_pub^i (the client's
+   ``x_train``); g_loc = ∇ CE (eq. 1-2); Adam step with lr β = ``train.lr``. Then a batch d_pub^i of its own public
+   share: soft labels p^i = softmax(f_i(x)) and the batch accuracy A_i (eq. before 3), uploaded as
+   (public indices, soft labels, A_i) — never the samples;
+2. ``relay`` (server): forwards every upload; node i downloads the other nodes' (``downlink``);
+3. ``global`` (every node i as student of every j ≠ i): KL term (1/(N-1)) Σ_j A_j KL(p^j ‖ softmax(f_i(x_pub^j)))
+   (eq. 3-4) + CE term (1/(N-1)) Σ_j CE(f_i(x_pub^j), y_pub^j) (eq. 5); g_pub = ∇(KL + CE) (eq. 6); if
+   cos(g_pub, g_loc) < 0 the projection g~ = g_pub − (g_loc·g_pub/‖g_loc‖²) g_loc (eq. 7), else g~ = g_pub; Adam step
+   with lr η = ``public_lr`` (default β). ``per_teacher: true``: Algorithm 1's loop form instead — for each teacher j
+   in id order, g_pub = ∇(A_j KL_j + CE_j), the same check and projection against g_loc, one Adam step each;
+4. ``sync`` (server): leaves the empty payload the next iteration starts from.
+
+Choices the seed leaves open [INFERRED]: one Adam state per node serves both updates (β and η are its step sizes;
+weight decay ``train.weight_decay`` in both) and persists across iterations and rounds in the client state; batches
+are drawn at random each iteration (``torch.randperm(n)[:B]``, stream (seed, round, client, "batches@local#k")); the
+public batch size is ``public_batch`` (default ``train.batch_size``); soft labels and A_i come from the model in eval
+mode right after the local step. Metric ``projected``: the share of the round's iterations (per teacher in the
+per-teacher form) in which the projection fired.
+
+Traffic per node and iteration (B = public batch, C = classes, N nodes): up B·C + 1 floats and B int64 indices;
+down (N−1)(B·C + 1) floats and (N−1)·B indices. LeNet on Rotated MNIST (B = 32, C = 10, N = 4): up 321 floats,
+down 963 floats per iteration.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from algorithms.mutual_ops import (domain_metrics, flat_grad, project_conflicting, random_batch, set_flat_grad,
+                                   weighted_kl)
+from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
+from raysim.config import ConfigError, positive
+from raysim.messages import Message
+from raysim.steps import ALL, ClientStep, Repeat, ServerStep
+from raysim.training import clone_state, load_optimizer_state, optimizer_state
+
+
+def require_public_shares(algo, what: str) -> None:
+    """Every node must hold a public share (``data.local_split.public`` > 0)."""
+    pub = algo.task.public
+    if pub is None or pub.owner is None:
+        raise ConfigError("data.local_split", f"{what} needs each node's public share: set data.local_split "
+                                              f"{{public: 0.1, val: 0.1, test: 0.15}}")
+    counts = torch.bincount(pub.owner, minlength=algo.task.num_clients)
+    if int(counts.min()) == 0:
+        raise ConfigError("data.local_split.public", f"{what}: node {int(counts.argmin())} has no public sample; "
+                                                     f"raise the public share")
+
+
+class PublicShares:
+    """The public dataset on a device (cached per runner): x, y and each node's global indices."""
+
+    def __init__(self, task):
+        self.task, self._cache = task, {}
+
+    def get(self, device):
+        key = str(device)
+        if key not in self._cache:
+            pub = self.task.public
+            own = [torch.nonzero(pub.owner == i).flatten() for i in range(self.task.num_clients)]
+            self._cache[key] = (pub.x.to(device), pub.y.to(device), own)
+        return self._cache[key]
+
+
+def adam(model, lr: float, cfg, state: Optional[dict]) -> torch.optim.Adam:
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+    if state:
+        load_optimizer_state(opt, model, state)
+    return opt
+
+
+class MAFML(Algorithm):
+    name = "mafml"
+    paper = ("Zhou et al., Model-agnostic federated mutual learning (MAFML), 2023 — seed 003, Algorithm 1, "
+             "eq. (1)-(7)")
+
+    def declared_uploads(self):
+        return {"soft_labels"}
+
+    @dataclass(frozen=True)
+    class Params:
+        iterations: int = 50  # iterations per round (the seed validates every 50)
+        public_lr: Optional[float] = None  # eta of the global step; None: train.lr (beta)
+        public_batch: Optional[int] = None  # B of d_pub; None: train.batch_size
+        per_teacher: bool = False  # Algorithm 1's per-teacher updates instead of the summed eq. (3)-(6)
+        project: bool = True  # the conflict projection (eq. 7); False: always g_pub (ablation)
+
+        def check(self, path):
+            positive(f"{path}.iterations", self.iterations)
+            if self.public_lr is not None:
+                positive(f"{path}.public_lr", self.public_lr)
+            if self.public_batch is not None:
+                positive(f"{path}.public_batch", self.public_batch)
+
+    def __init__(self, params, task):
+        super().__init__(params, task)
+        self.shares = PublicShares(task) if task.public is not None and task.public.owner is not None else None
+
+    def validate(self):
+        require_public_shares(self, self.name)
+        if self.task.train.optimizer != "adam":
+            raise ConfigError("train.optimizer", f"{self.name} updates with Adam (seed §4.1.1); set train.optimizer: "
+                                                 f"adam")
+
+    def schedule(self):
+        return (Repeat(self.params.iterations, (ClientStep("local", clients=ALL), ServerStep("relay"),
+                                                ClientStep("global", fn="step_global", clients=ALL), ServerStep("sync"))),)
+
+    # -- server: a relay ----------------------------------------------------------------------------------------
+    def relay(self, server_state, uploads, ctx: Context) -> ServerUpdate:
+        return ServerUpdate(server_state, {f"soft_{j}": uploads[j]["soft"] for j in sorted(uploads)})
+
+    def sync(self, server_state, uploads, ctx: Context) -> ServerUpdate:
+        return ServerUpdate(server_state, {})
+
+    def downlink(self, payload, client_id, ctx=None):
+        return {k: v for k, v in payload.items() if k != f"soft_{client_id}"}  # the other nodes' soft labels
+
+    # -- client -------------------------------------------------------------------------------------------------
+    def init_client_state(self, ctx: Context):
+        return {"model": clone_state(self.task.build_model(ctx.client_id)), "opt": {}, "g_loc": torch.zeros(0)}
+
+    def _load(self, state, ctx):
+        model = ctx.model()
+        model.load_state_dict(state["model"])
+        return model
+
+    def local(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        cfg = self.task.train
+        model = self._load(state, ctx)
+        opt = adam(model, cfg.lr, cfg, state["opt"])
+        gen = ctx.generator("batches")
+        idx = random_batch(data.num_train, cfg.batch_size, gen).to(data.y_train.device)
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+        loss.backward()
+        g_loc = flat_grad(model).detach().clone()
+        opt.step()
+        # soft labels and batch accuracy on a batch of the node's own public share
+        px, py, own = self.shares.get(ctx.device)
+        mine = own[ctx.client_id]
+        pick = mine[random_batch(len(mine), self.params.public_batch or cfg.batch_size, gen).to(mine.device)]
+        model.eval()
+        with torch.no_grad():
+            logits = model(px[pick])
+        p = F.softmax(logits, dim=1)
+        acc = (logits.argmax(1) == py[pick]).float().mean()
+        up = {"soft": Message("soft_labels", {"idx": pick.cpu(), "p": p.detach().cpu(), "acc": acc.reshape(1).cpu()})}
+        new = {"model": clone_state(model), "opt": optimizer_state(opt, model), "g_loc": g_loc}
+        return ClientUpdate(new, up, {"train_loss": float(loss.detach()), "public_batch_acc": float(acc)})
+
+    def _public_loss(self, model, teachers, px, py):
+        """(KL term, CE term) of eq. (3) and (5) over the given teachers [(A_j, idx_j, p_j)]."""
+        logits = [model(px[idx]) for _, idx, _ in teachers]
+        kl = weighted_kl(logits, [p for _, _, p in teachers], [a for a, _, _ in teachers])
+        ce = torch.stack([F.cross_entropy(s, py[idx]) for s, (_, idx, _) in zip(logits, teachers)]).mean()
+        return kl, ce
+
+    def teachers(self, payload, device):
+        out = []
+        for key in sorted(payload, key=lambda k: int(k.split("_")[1])):
+            m = payload[key]
+            out.append((float(m["acc"][0]), m["idx"].to(device), m["p"].to(device)))
+        return out
+
+    def step_global(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        cfg = self.task.train
+        teachers = self.teachers(payload, ctx.device)
+        if not teachers:
+            return ClientUpdate(state, {}, {})
+        model = self._load(state, ctx)
+        opt = adam(model, self.params.public_lr or cfg.lr, cfg, state["opt"])
+        px, py, _ = self.shares.get(ctx.device)
+        g_loc = state["g_loc"].to(ctx.device)
+        groups = [[t] for t in teachers] if self.params.per_teacher else [teachers]
+        fired, kls, ces = [], [], []
+        model.train()
+        for group in groups:
+            opt.zero_grad(set_to_none=True)
+            kl, ce = self._public_loss(model, group, px, py)
+            (kl + ce).backward()
+            g_pub = flat_grad(model)
+            g, hit = project_conflicting(g_pub, g_loc) if self.params.project else (g_pub, False)
+            set_flat_grad(model, g)
+            opt.step()
+            fired.append(float(hit))
+            kls.append(float(kl.detach()))
+            ces.append(float(ce.detach()))
+        new = {"model": clone_state(model), "opt": optimizer_state(opt, model), "g_loc": torch.zeros(0)}
+        n = len(groups)
+        return ClientUpdate(new, {}, {"projected": sum(fired) / n, "train_kl": sum(kls) / n,
+                                      "train_ce_public": sum(ces) / n})
+
+    def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
+        return domain_metrics(self._load(state, ctx), data)

@@ -1,0 +1,63 @@
+"""MAFML's own baselines (seed 003, §4.1.1): IND and AGG, on the four-way local split (``data.local_split``).
+
+* ``ind`` — each node alone: cross-entropy with Adam on its own private + public data (``x_train``), no communication
+  (the ``local`` method under its seed name; "IND's performance does not depend on alpha" holds because the node
+  trains on private + public, 75% of its samples, whatever the public share).
+* ``agg`` — each node trains with cross-entropy on its own private + public data *and every other node's public
+  share* (read from the public dataset, which every node may read); no model or label exchange, CE only.
+
+Both train ``train.local_steps`` minibatch steps per round (the seed validates every 50 iterations) with the optimiser
+state kept across rounds (``train.persist_optimizer``), and report the seed's bwt / fwt / acc_all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from algorithms.local import Local
+from algorithms.mafml import PublicShares, require_public_shares
+from raysim.algorithm import ClientUpdate, Context
+
+
+class Ind(Local):
+    name = "ind"
+    paper = "Baseline IND of MAFML's seed (Zhou et al. 2023, §4.1.1): each node alone on its private + public data"
+
+
+class Agg(Local):
+    name = "agg"
+    paper = ("Baseline AGG of MAFML's seed (Zhou et al. 2023, §4.1.1): own private + public data plus every other "
+             "node's public share, CE only")
+
+    @dataclass(frozen=True)
+    class Params:
+        pass
+
+    def __init__(self, params, task):
+        super().__init__(params, task)
+        self.shares = PublicShares(task) if task.public is not None and task.public.owner is not None else None
+
+    def validate(self):
+        require_public_shares(self, self.name)
+
+    def vectorizable(self, start) -> bool:
+        return False  # trains on more than its own x_train
+
+    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        from raysim.training import local_sgd
+
+        px, py, own = self.shares.get(ctx.device)
+        others = torch.cat([own[j] for j in range(self.task.num_clients) if j != ctx.client_id])
+        x = torch.cat([data.x_train, px[others]])
+        y = torch.cat([data.y_train, py[others]])
+        model = self.live_model(ctx)
+        start = self.client_init(model, payload, state, data, ctx)
+        cfg = self.task.train
+        opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
+        metrics, opt_state = local_sgd(model, self.objective(start), x, y, cfg, ctx.generator("batches"),
+                                       ctx.generator("dropout", device=ctx.device), opt_state)
+        new_state, upload = self.client_final(model, start, payload, state, data, ctx)
+        if cfg.persist_optimizer:
+            new_state = {**(new_state or {}), "opt": opt_state}
+        return ClientUpdate(new_state, upload, metrics)

@@ -1,0 +1,100 @@
+"""Shared maths of the mutual-learning family (MAFML, seed 003, and its baselines IND, AGG, FedMD, FML, FedKD).
+
+* :func:`project_conflicting` — MAFML's conflict check and projection (seed definition 2, eq. 7);
+* :func:`weighted_kl` — the accuracy-weighted KL term (eq. 3-4) of a student against its teachers' soft labels;
+* :func:`domain_metrics` — the seed's §3.2 metrics of a node's model: BWT (its own domain's test split), FWT (every
+  other domain's test split), ACC (all domains' test splits), read from ``ClientData.cross_test`` (built by
+  ``data.local_split``); the validation view swaps in the validation splits, so the same call gives ``val_*``;
+* small helpers over flat gradients and random batches.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from raysim.training import accuracy, forward_all
+
+
+def project_conflicting(g_pub: torch.Tensor, g_loc: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(g~, fired): when cos(g_pub, g_loc) < 0, g~ = g_pub - (g_loc . g_pub / ||g_loc||^2) g_loc (eq. 7: g_pub with
+    its component along g_loc removed); otherwise g~ = g_pub. A zero g_loc never conflicts."""
+    dot = torch.dot(g_pub, g_loc)
+    nn2 = torch.dot(g_loc, g_loc)
+    if float(dot) < 0.0 and float(nn2) > 0.0:  # cos < 0 <=> dot < 0 (both norms positive)
+        return g_pub - (dot / nn2) * g_loc, True
+    return g_pub, False
+
+
+def weighted_kl(student_logits: list, teacher_probs: list, accs: list) -> torch.Tensor:
+    """(1 / T) sum_j A_j KL(p_j || softmax(s_j)) over the T teachers j (eq. 3; T = N - 1 in the summed form), the KL
+    of each batch averaged over its samples (``batchmean``): KL(p || q) = sum_c p_c (log p_c - log q_c)."""
+    terms = [float(a) * F.kl_div(F.log_softmax(s, dim=1), p, reduction="batchmean")
+             for s, p, a in zip(student_logits, teacher_probs, accs)]
+    return torch.stack(terms).sum() / len(terms)
+
+
+def flat_grad(model) -> torch.Tensor:
+    """The model's parameter gradients as one vector (zeros for parameters without a gradient)."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                      for p in model.parameters()])
+
+
+def set_flat_grad(model, g: torch.Tensor) -> None:
+    off = 0
+    for p in model.parameters():
+        n = p.numel()
+        p.grad = g[off:off + n].view_as(p).clone()
+        off += n
+
+
+def random_batch(n: int, batch_size: int, generator: torch.Generator) -> torch.Tensor:
+    """``min(batch_size, n)`` distinct indices in [0, n), drawn at random (one iteration's batch)."""
+    return torch.randperm(n, generator=generator)[:batch_size]
+
+
+def _acc(pred: torch.Tensor, y: torch.Tensor, mask: Optional[torch.Tensor] = None):
+    if mask is not None:
+        pred, y = pred[mask], y[mask]
+    return accuracy(pred, y)
+
+
+def domain_metrics(model, data) -> dict:
+    """``test_acc`` on the client's own test split, and with ``data.local_split`` the seed's metrics of the model:
+    ``test_bwt`` (own domain's test split — the same samples as test_acc), ``test_fwt`` (the other domains'),
+    ``test_acc_all`` (all domains'). Each value carries its sample count as weight."""
+    logits, _ = forward_all(model, data.x_test)
+    out = {"test_acc": _acc(logits.argmax(1), data.y_test)}
+    if data.cross_test is not None:
+        x, y, owner = data.cross_test
+        pred = forward_all(model, x)[0].argmax(1)
+        own = owner == data.client_id
+        out.update({"test_bwt": _acc(pred, y, own), "test_fwt": _acc(pred, y, ~own), "test_acc_all": _acc(pred, y)})
+    return out
+
+
+def step_batches(n: int, cfg, generator: torch.Generator):
+    """Index batches of one round in the order of the reference loop (raysim.training): shuffled epochs of
+    ``cfg.batch_size``; exactly ``cfg.local_steps`` batches when set, else ``cfg.local_epochs`` epochs."""
+    from raysim.training import minibatches
+
+    limit = cfg.local_steps
+    epochs = cfg.local_epochs if limit is None else -(-int(limit) * cfg.batch_size // max(n, 1)) + 1
+    steps = 0
+    for _ in range(epochs):
+        for idx in minibatches(n, cfg.batch_size, generator):
+            if limit is not None and steps >= limit:
+                return
+            steps += 1
+            yield idx
+
+
+def adam_or_sgd(params, cfg, lr=None, state=None, model=None):
+    """The run's optimiser (train.optimizer) over ``params``, with a saved state loaded (by ``model``'s names)."""
+    from raysim.training import load_optimizer_state, make_optimizer
+
+    opt = make_optimizer(params, cfg, lr)
+    if state and model is not None:
+        load_optimizer_state(opt, model, state)
+    return opt

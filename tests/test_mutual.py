@@ -1,0 +1,395 @@
+"""The mutual-learning family (MAFML, seed 003; IND, AGG, FedMD, FML, FedKD): the four-way local split, the seed's
+BWT/FWT/ACC metrics, the projection (eq. 7) and the accuracy-weighted KL (eq. 3) by hand, MAFML's message sizes per
+iteration, and sequential == Ray with one actor per node."""
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn as nn
+
+from algorithms.mutual_ops import domain_metrics, project_conflicting, weighted_kl
+from raysim.config import ConfigError, DataConfig, make_config
+from raysim.data.federated import ClientData, build_federated_data, local_split_sizes
+from raysim.driver import prepare, run_experiment
+
+SPLIT = {"public": 0.1, "val": 0.1, "test": 0.15}
+
+
+def mutual_data(**over):
+    return {"dataset": "synthetic", "num_clients": 4, "partition": "shared_base", "partition_params": {"per_class": 20},
+            "rotations": [0, 90, 180, 270], "local_split": dict(SPLIT), **over}
+
+
+def mutual_cfg(tiny, name, params=None, **over):
+    base = {"rounds": 2, "clients_per_round": 4, "data": mutual_data(),
+            "train": {"optimizer": "adam", "lr": 0.01, "weight_decay": 1e-4, "batch_size": 8,
+                      "persist_optimizer": True, "local_steps": 3},
+            "algorithm": {"name": name, "params": params if params is not None else {"iterations": 3}}}
+    base.update(over)
+    return tiny(**base)
+
+
+def rows(df, metric, scope="client"):
+    return df[(df["scope"] == scope) & (df["metric"] == metric)]
+
+
+# -- data: the four-way split ------------------------------------------------------------------------------------
+
+def test_local_split_sizes_follow_the_seed():
+    assert local_split_sizes(1000, SPLIT) == (650, 100, 100, 150)
+    assert local_split_sizes(1000, {"public": 0.05, "val": 0.1, "test": 0.15}) == (700, 50, 100, 150)
+    with pytest.raises(Exception, match="local_split"):
+        local_split_sizes(3, {"public": 0.3, "val": 0.3, "test": 0.3})
+
+
+def test_local_split_data_is_disjoint_and_public_shares_are_indexed():
+    cfg = DataConfig(**mutual_data())
+    fed = build_federated_data(cfg, 3)
+    assert fed.summary()["train_sizes"] == [150] * 4  # 200 samples: 130 private + 20 public
+    assert fed.summary()["val_sizes"] == [20] * 4 and fed.summary()["test_sizes"] == [30] * 4
+    assert fed.summary()["public_sizes"] == [20] * 4
+    pub = fed.public
+    assert pub.provenance == "public" and pub.owner.tolist() == sum([[i] * 20 for i in range(4)], [])
+    base = DataConfig(**mutual_data(rotations=None))
+    fb = build_federated_data(base, 3)
+    for c, cb in zip(fed.clients, fb.clients):
+        # the rotation is applied to every split of the client (90-degree multiples are exact)
+        k = c.client_id
+        assert torch.equal(c.x_train, torch.rot90(cb.x_train, k=-k, dims=(-2, -1)))
+        rows_ = lambda x: {tuple(r.flatten().tolist()) for r in x}  # noqa: E731
+        tr, va, te = rows_(cb.x_train), rows_(cb.x_val), rows_(cb.x_test)
+        own_pub = rows_(fb.public.x[fb.public.owner == k])
+        assert not (tr & va) and not (tr & te) and not (va & te)
+        assert own_pub <= tr  # the client trains on private + its own public share
+        assert len(tr | va | te) == 200  # together: the client's 200 base samples
+        # every client holds all clients' test splits with their owners (for FWT / ACC)
+        x, y, owner = c.cross_test
+        assert torch.equal(x[owner == k], c.x_test) and torch.equal(y[owner == k], c.y_test)
+        assert len(y) == 4 * 30
+    # the base set is shared: the same 200 samples for every client (different splits per client)
+    assert all(set(map(tuple, fb.clients[0].x_train.flatten(1).tolist())) | set(
+        map(tuple, fb.clients[0].x_val.flatten(1).tolist())) | set(map(tuple, fb.clients[0].x_test.flatten(1).tolist()))
+               == set(map(tuple, c.x_train.flatten(1).tolist())) | set(map(tuple, c.x_val.flatten(1).tolist()))
+               | set(map(tuple, c.x_test.flatten(1).tolist())) for c in fb.clients)
+
+
+@pytest.mark.parametrize("bad, field", [({"public": 0.1, "bogus": 0.1}, "data.local_split.bogus"),
+                                        ({"public": 1.5}, "data.local_split.public"),
+                                        ({"public": 0.5, "val": 0.3, "test": 0.3}, "data.local_split")])
+def test_bad_local_split_names_the_field(tiny, bad, field):
+    with pytest.raises(ConfigError) as e:
+        mutual_cfg(tiny, "mafml", data=mutual_data(local_split=bad))
+    assert e.value.field == field
+
+
+def test_local_split_excludes_val_fraction(tiny):
+    with pytest.raises(ConfigError) as e:
+        mutual_cfg(tiny, "mafml", data=mutual_data(val_fraction=0.1))
+    assert e.value.field == "data.val_fraction"
+
+
+def test_mafml_without_public_shares_is_refused(tiny):
+    cfg = tiny(rounds=1, algorithm={"name": "mafml", "params": {}}, train={"optimizer": "adam"})
+    with pytest.raises(ConfigError) as e:
+        prepare(cfg)
+    assert e.value.field == "data.local_split"
+
+
+# -- metrics on a hand fixture -----------------------------------------------------------------------------------
+
+class Identity(nn.Module):
+    """logits = the input itself (2 classes): the prediction of a sample is argmax of its two numbers."""
+
+    def forward(self, x, return_embedding=False):
+        return (x, x) if return_embedding else x
+
+
+def test_bwt_fwt_acc_by_hand():
+    # 3 domains, 2 test samples each; client 1's model (identity) is right on: d0 1/2, d1 2/2, d2 0/2
+    x = torch.tensor([[1., 0], [0, 1], [1, 0], [0, 1], [1, 0], [1, 0]])
+    y = torch.tensor([0, 0, 0, 1, 1, 1])
+    owner = torch.tensor([0, 0, 1, 1, 2, 2])
+    c = ClientData(1, x[:0], y[:0], x[2:4], y[2:4], [0, 1], num_classes=2, cross_test=(x, y, owner))
+    m = domain_metrics(Identity(), c)
+    assert m["test_bwt"] == (1.0, 2.0) and m["test_acc"] == (1.0, 2.0)
+    assert m["test_fwt"] == (0.25, 4.0)  # 1 of 4 right on domains 0 and 2
+    assert m["test_acc_all"] == (0.5, 6.0)  # 3 of 6
+    # the validation view swaps in the validation splits for the same metrics
+    v = ClientData(1, x[:0], y[:0], x[:1], y[:1], [0, 1], num_classes=2, x_val=x[2:4], y_val=y[2:4],
+                   cross_test=(x[:1], y[:1], owner[:1]), cross_val=(x, y, owner)).validation_view()
+    assert domain_metrics(Identity(), v)["test_acc_all"] == (0.5, 6.0)
+
+
+# -- MAFML's maths by hand ---------------------------------------------------------------------------------------
+
+def test_projection_on_hand_vectors():
+    g_loc = torch.tensor([1.0, 0.0, 0.0])
+    # conflicting: cos < 0 -> the component along g_loc is removed: (-2, 3, 1) - (-2/1)(1, 0, 0) = (0, 3, 1)
+    g, fired = project_conflicting(torch.tensor([-2.0, 3.0, 1.0]), g_loc)
+    assert fired and torch.equal(g, torch.tensor([0.0, 3.0, 1.0]))
+    # a non-axis example: g_loc = (1, 1), g_pub = (-3, 1): dot -2, |g_loc|^2 2 -> (-3, 1) + (1, 1) = (-2, 2)
+    g, fired = project_conflicting(torch.tensor([-3.0, 1.0]), torch.tensor([1.0, 1.0]))
+    assert fired and torch.allclose(g, torch.tensor([-2.0, 2.0]))
+    assert abs(float(torch.dot(g, torch.tensor([1.0, 1.0])))) < 1e-6  # now orthogonal to g_loc
+    # not conflicting (cos > 0, and cos = 0): unchanged
+    for pub in (torch.tensor([2.0, 3.0, 1.0]), torch.tensor([0.0, 3.0, 1.0])):
+        g, fired = project_conflicting(pub, g_loc)
+        assert not fired and torch.equal(g, pub)
+
+
+def test_weighted_kl_on_a_hand_example():
+    # teacher 1: p = (0.5, 0.5), A = 0.8; student logits (0, ln 3) -> q = (0.25, 0.75)
+    #   KL = 0.5 ln(0.5/0.25) + 0.5 ln(0.5/0.75) = 0.5 ln 2 + 0.5 ln(2/3)
+    # teacher 2: p = (1, 0), A = 0.5; student logits (0, 0) -> q = (0.5, 0.5): KL = ln 2
+    s1 = torch.tensor([[0.0, math.log(3.0)]])
+    s2 = torch.tensor([[0.0, 0.0]])
+    p1 = torch.tensor([[0.5, 0.5]])
+    p2 = torch.tensor([[1.0, 0.0]])
+    kl1 = 0.5 * math.log(2) + 0.5 * math.log(2 / 3)
+    want = (0.8 * kl1 + 0.5 * math.log(2)) / 2  # (1 / (N - 1)) sum_j A_j KL_j with N - 1 = 2
+    got = weighted_kl([s1, s2], [p1, p2], [0.8, 0.5])
+    assert abs(float(got) - want) < 1e-6
+    # batchmean: a batch of two identical rows gives the same value
+    got2 = weighted_kl([s1.repeat(2, 1), s2.repeat(2, 1)], [p1.repeat(2, 1), p2.repeat(2, 1)], [0.8, 0.5])
+    assert abs(float(got2) - want) < 1e-6
+
+
+# -- MAFML end to end --------------------------------------------------------------------------------------------
+
+def test_mafml_accounting_per_iteration(tiny):
+    df = run_experiment(mutual_cfg(tiny, "mafml"), write=False).table
+    # B = 8 soft labels of C = 10 classes + A_i: 81 floats and 8 int64 indices up per iteration; 3 iterations/round
+    per_up_f, per_up_b = 8 * 10 + 1, (8 * 10 + 1) * 4 + 8 * 8
+    for metric, value in [("up_floats", 3 * per_up_f), ("up_bytes", 3 * per_up_b),
+                          ("down_floats", 3 * 3 * per_up_f), ("down_bytes", 3 * 3 * per_up_b),
+                          ("up_floats@local", 3 * per_up_f), ("up_floats@global", 0),
+                          ("down_floats@global", 3 * 3 * per_up_f), ("up_floats:soft_labels", 3 * per_up_f)]:
+        r = rows(df, metric)
+        assert len(r) == 2 * 4 and r["value"].eq(value).all(), (metric, r)
+    tot = rows(df, "up_floats", "total")
+    assert tot["value"].eq(4 * 3 * per_up_f).all()
+    for m in ("test_bwt", "test_fwt", "test_acc_all", "val_acc_all", "val_bwt", "val_fwt"):
+        assert len(rows(df, m)) == 2 * 4, m
+    proj = rows(df, "projected")["value"]
+    assert len(proj) == 8 and proj.between(0, 1).all()
+    # nothing but soft labels (and their indices and A_i) ever goes up
+    assert not any(m.startswith("up_floats:") and m != "up_floats:soft_labels" for m in df["metric"].unique())
+
+
+def test_mafml_projection_and_per_teacher_change_the_run(tiny):
+    base = run_experiment(mutual_cfg(tiny, "mafml"), write=False).table
+    noproj = run_experiment(mutual_cfg(tiny, "mafml", {"iterations": 3, "project": False}), write=False).table
+    per = run_experiment(mutual_cfg(tiny, "mafml", {"iterations": 3, "per_teacher": True}), write=False).table
+    fired = rows(base, "projected")["value"].sum()
+    if fired > 0:  # the projection fired at least once, so the weights (and losses) must differ
+        assert not rows(base, "train_kl")["value"].reset_index(drop=True).equals(
+            rows(noproj, "train_kl")["value"].reset_index(drop=True))
+    assert rows(noproj, "projected")["value"].eq(0).all()
+    assert not rows(base, "train_kl")["value"].reset_index(drop=True).equals(
+        rows(per, "train_kl")["value"].reset_index(drop=True))
+    # per iteration a share of 3 teachers, averaged over 3 iterations: multiples of 1/9
+    assert (rows(per, "projected")["value"] * 9).round(6).apply(float.is_integer).all()
+
+
+def test_mafml_heterogeneous_archs(tiny):
+    cfg = mutual_cfg(tiny, "mafml", model={"per_client": [{"arch": "mlp", "params": {"hidden": 32}},
+                                                          {"arch": "cnn_small", "params": {"channels": 4}}]})
+    df = run_experiment(cfg, write=False).table
+    assert rows(df, "test_acc_all")["value"].notna().all() and len(rows(df, "test_acc_all")) == 8
+
+
+@pytest.mark.ray
+def test_mafml_sequential_equals_ray_one_actor_per_node(ray_session, tiny):
+    seq = run_experiment(mutual_cfg(tiny, "mafml"), write=False).table
+    ray = run_experiment(mutual_cfg(tiny, "mafml", backend={"name": "ray", "num_actors": 4, "num_cpus": 0.5}), write=False).table
+    pd.testing.assert_frame_equal(seq.reset_index(drop=True), ray.reset_index(drop=True))
+
+
+# -- engine: train.local_steps -----------------------------------------------------------------------------------
+
+def test_local_steps_runs_exactly_that_many_steps():
+    from raysim.config import TrainConfig
+    from raysim.training import train_epochs
+
+    calls = []
+
+    def loss_fn(m, xb, yb):
+        calls.append(len(yb))
+        return m(xb).sum() * 0.0, {}
+
+    model = nn.Linear(2, 2)
+    x, y = torch.zeros(10, 2), torch.zeros(10, dtype=torch.long)
+    for steps, want in ((3, [4, 4, 2]), (7, [4, 4, 2, 4, 4, 2, 4]), (1, [4])):
+        calls.clear()
+        train_epochs(model, x, y, TrainConfig(batch_size=4, local_steps=steps), torch.Generator().manual_seed(0),
+                     loss_fn)
+        assert calls == want, (steps, calls)
+
+
+# -- baselines: IND, AGG, FedAvg on the local split ----------------------------------------------------------------
+
+def test_ind_is_local_training_on_private_plus_public(tiny):
+    ind = run_experiment(mutual_cfg(tiny, "ind", {}), write=False).table.drop(columns="run_id")
+    loc = run_experiment(mutual_cfg(tiny, "local", {}), write=False).table.drop(columns="run_id")
+    pd.testing.assert_frame_equal(ind, loc)
+    assert rows(ind, "up_floats")["value"].eq(0).all()
+
+
+def test_agg_trains_on_own_data_plus_the_other_nodes_public_shares(tiny, monkeypatch):
+    import raysim.training as training
+
+    seen = {}
+    real = training.local_sgd
+
+    def spy(model, objective, x, y, cfg, *a, **k):
+        seen.setdefault(len(seen), (x.clone(), y.clone()))
+        return real(model, objective, x, y, cfg, *a, **k)
+
+    monkeypatch.setattr(training, "local_sgd", spy)
+    cfg = mutual_cfg(tiny, "agg", {}, rounds=1)
+    prep = prepare(cfg)
+    run_experiment(cfg, write=False)
+    pub = prep.fed_data.public
+    for cid in range(4):  # clients run in id order
+        x, y = seen[cid]
+        c = prep.fed_data.clients[cid]
+        others = pub.owner != cid
+        assert torch.equal(x, torch.cat([c.x_train, pub.x[others]])) and torch.equal(y, torch.cat([c.y_train, pub.y[others]]))
+        assert len(y) == 150 + 3 * 20
+
+
+def test_fedavg_reports_domain_metrics_of_the_global_model(tiny):
+    df = run_experiment(mutual_cfg(tiny, "fedavg", {}), write=False).table
+    acc = rows(df, "test_acc_all").pivot_table(index="round", columns="client_id", values="value")
+    assert acc.shape == (2, 4) and (acc.nunique(axis=1) == 1).all()  # one global model: the same ACC everywhere
+    assert rows(df, "up_floats")["value"].gt(0).all()
+
+
+def test_select_by_validation_picks_the_best_validation_round():
+    from raysim.results import select_by_validation
+
+    recs = []
+    for r, (v, t) in enumerate([(0.5, 0.6), (0.9, 0.7), (0.9, 0.8), (0.7, 0.9)]):
+        recs += [(r, 0, "client", "val_acc_all", v), (r, 0, "client", "test_acc_all", t),
+                 (r, 0, "client", "test_bwt", t + 0.01), (r, 0, "client", "test_fwt", t - 0.01)]
+    df = pd.DataFrame(recs, columns=["round", "client_id", "scope", "metric", "value"])
+    sel = select_by_validation(df).iloc[0]
+    assert sel["sel_round"] == 1 and sel["last_round"] == 3  # the first of the tied best rounds
+    assert sel["sel_test_acc_all"] == 0.7 and sel["last_test_acc_all"] == 0.9
+    assert abs(sel["sel_test_bwt"] - 0.71) < 1e-12
+
+
+# -- FML and FedKD -----------------------------------------------------------------------------------------------
+
+def test_fml_meme_is_the_equal_weight_mean_and_private_model_stays_local(tiny):
+    from raysim.runtime import ClientRunner, ServerRunner
+
+    cfg = mutual_cfg(tiny, "fml", {})
+    prep = prepare(cfg)
+    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    clients = ClientRunner(prep.spec, prep.fed_data.clients)
+    from raysim.steps import CLASSIC_ROUND
+
+    payload = server.initial_payload(0)
+    uploads, reports = clients.run_client_step(CLASSIC_ROUND[0], payload, 0, 0, [0, 1, 2, 3])
+    assert all(r.ok for r in reports)
+    assert set(uploads[0]) == {"meme"} and uploads[0]["meme"].kind == "weights"
+    new_payload, _ = server.run_server_step(CLASSIC_ROUND[1], 0, 0, [0, 1, 2, 3], uploads)
+    for k, v in new_payload["meme"].tensors.items():
+        want = sum(uploads[i]["meme"][k].double() for i in range(4)) / 4
+        assert torch.allclose(v.double(), want, atol=1e-6), k
+
+
+def test_fedkd_svd_compression_by_hand():
+    from algorithms.fedkd import compress, decompress, svd_keep
+
+    s = torch.tensor([3.0, 2.0, 1.0])  # energies 9, 4, 1 of 14: 9/14 = 0.64, 13/14 = 0.93
+    assert svd_keep(s, 0.5) == 1 and svd_keep(s, 0.9) == 2 and svd_keep(s, 0.95) == 3
+    u = torch.linalg.qr(torch.randn(4, 3, generator=torch.Generator().manual_seed(0)))[0]
+    v = torch.linalg.qr(torch.randn(5, 3, generator=torch.Generator().manual_seed(1)))[0].T
+    w = u @ torch.diag(s) @ v
+    msg = compress({"w": w, "b": torch.ones(4)}, 0.9)
+    assert msg["w|us"].shape == (4, 2) and msg["w|v"].shape == (2, 5) and torch.equal(msg["b"], torch.ones(4))
+    assert msg.num_floats == 4 * 2 + 2 * 5 + 4
+    rec = decompress(msg, {"w": w, "b": torch.ones(4)})["w"]
+    want = u[:, :2] @ torch.diag(s[:2]) @ v[:2]
+    assert torch.allclose(rec, want, atol=1e-5)
+    full = decompress(compress({"w": w}, 1.0), {"w": w})["w"]
+    assert torch.allclose(full, w, atol=1e-5)
+
+
+def test_fedkd_uploads_only_the_compressed_mentee(tiny):
+    df = run_experiment(mutual_cfg(tiny, "fedkd", {}), write=False).table
+    kinds = {m.split(":")[1] for m in df["metric"].unique() if m.startswith("up_floats:")}
+    assert kinds == {"compressed_weights", "num_samples"}
+    assert rows(df, "test_acc_all")["value"].notna().all()
+
+
+# -- FedMD -------------------------------------------------------------------------------------------------------
+
+FEDMD = {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}
+
+
+def test_fedmd_protocol_and_accounting(tiny):
+    df = run_experiment(mutual_cfg(tiny, "fedmd", dict(FEDMD)), write=False).table
+    # setup (round -1): transfer learning on every node, nothing sent
+    setup = df[df["round"] == -1]
+    assert rows(setup, "up_floats")["value"].eq(0).all() and len(rows(setup, "up_floats")) == 4
+    # each round: 30 alignment indices down (int64, 0 floats); 30 x 10 logits up; the 30 x 10 consensus down
+    for metric, value in [("up_floats", 300), ("up_floats:logits", 300), ("down_floats:consensus_logits", 300),
+                          ("down_floats", 300), ("down_bytes:alignment_indices", 30 * 8),
+                          ("up_bytes", 300 * 4 + 30 * 8)]:
+        r = rows(df, metric)
+        r = r[r["round"] >= 0]
+        assert len(r) == 2 * 4 and r["value"].eq(value).all(), (metric, r)
+    assert rows(df, "train_digest_mae")["value"].gt(0).all()
+
+
+def test_fedmd_consensus_is_the_mean_of_the_nodes_logits(tiny):
+    from raysim.runtime import ClientRunner, ServerRunner
+
+    prep = prepare(mutual_cfg(tiny, "fedmd", dict(FEDMD)))
+    alg = prep.algorithm
+    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    clients = ClientRunner(prep.spec, prep.fed_data.clients)
+    payload = server.initial_payload(0)
+    assert len(payload["align"]["idx"]) == 30 and len(set(payload["align"]["idx"].tolist())) == 30
+    sched = alg.schedule()
+    uploads, reports = clients.run_client_step(sched[0], payload, 0, 0, [0, 1, 2, 3])
+    assert all(r.ok for r in reports)
+    cons, _ = server.run_server_step(sched[1], 0, 0, [0, 1, 2, 3], uploads)
+    want = sum(uploads[i]["logits"]["logits"].double() for i in range(4)) / 4
+    assert torch.allclose(cons["consensus"]["logits"].double(), want, atol=1e-6)
+
+
+# -- bad input: one ConfigError naming the field -------------------------------------------------------------------
+
+@pytest.mark.parametrize("over, field", [
+    ({"train": {"optimizer": "sgd", "batch_size": 8}}, "train.optimizer"),  # MAFML updates with Adam
+    ({"train": {"optimizer": "adam", "local_steps": 0}}, "train.local_steps"),
+    ({"train": {"optimizer": "adam", "local_steps": True}}, "train.local_steps"),
+    ({"algorithm": {"name": "mafml", "params": {"iterations": 0}}}, "algorithm.params.iterations"),
+    ({"data": mutual_data(local_split={"public": 0.0, "val": 0.1, "test": 0.15})}, "data.local_split.public"),
+    ({"data": mutual_data(public={"dataset": "synthetic"})}, "data.public"),
+])
+def test_mafml_bad_input(tiny, over, field):
+    with pytest.raises(ConfigError) as e:
+        prepare(mutual_cfg(tiny, "mafml", **over))
+    assert e.value.field == field
+
+
+def test_local_steps_refused_with_vectorize(tiny):
+    with pytest.raises(ConfigError) as e:
+        prepare(mutual_cfg(tiny, "ind", {}, backend={"name": "sequential", "vectorize": True}))
+    assert e.value.field == "train.local_steps"
+
+
+def test_lenet_is_lenet5():
+    from raysim.config import ArchSpec
+    from raysim.models import build_model, num_parameters
+
+    m = build_model(ArchSpec("lenet"), (1, 28, 28), 10)
+    assert num_parameters(m) == 61706  # 156 + 2,416 + 48,120 + 10,164 + 850
+    assert m(torch.zeros(3, 1, 28, 28)).shape == (3, 10) and m.embed_dim == 84
