@@ -6,6 +6,7 @@ in its message.
 """
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -64,6 +65,27 @@ MUTUAL = {"mafml": {"iterations": 3}, "ind": {}, "agg": {}, "fml": {}, "fedkd": 
           "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
 
+def platform() -> dict:
+    """The CPU the golden tables were made on: float reductions (a loss's mean, a matmul) take a different order on
+    a different vector unit, so the last bits of some values are the CPU's, not the engine's."""
+    import torch
+
+    model, flags = "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, val = line.partition(":")
+            if key.strip() == "model name" and model == "unknown":
+                model = val.strip()
+            if key.strip() == "flags" and not flags:
+                flags = set(val.split())
+    except OSError:
+        import platform as pf
+
+        model = pf.processor() or pf.machine()
+    isa = [f for f in ("avx512f", "avx2", "fma", "neon", "asimd") if f in flags]
+    return {"cpu": model, "isa": isa, "torch": torch.__version__.split("+")[0]}
+
+
 def names() -> list[str]:
     from raysim.registry import ALGORITHMS
 
@@ -80,6 +102,7 @@ def main() -> None:
         res = run_experiment(make_config(golden_config(name)), write=False)
         res.table.drop(columns=["run_id"]).to_parquet(HERE / f"{name}.parquet", index=False)
         print(name, len(res.table))
+    (HERE / "platform.json").write_text(json.dumps(platform(), indent=1) + "\n")
 
 
 if __name__ == "__main__":
