@@ -68,7 +68,7 @@ def ray_session():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
+        ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": root}})
     yield ray
     ray.shutdown()

@@ -107,7 +107,7 @@ class RayBackend(Backend):
             if b.address:
                 ray.init(address=b.address, **kwargs)
             else:
-                ray.init(dashboard_host="127.0.0.1", **kwargs)  # never exposed beyond loopback unless configured
+                ray.init(address="local", dashboard_host="127.0.0.1", **kwargs)  # never exposed beyond loopback unless configured
                 self._watchdog = ray_watchdog.start()  # the local cluster exits with this driver, even on kill -9
             self._own_session = True
         res = ray.cluster_resources()
@@ -437,7 +437,7 @@ class TaskPool:
         if not ray.is_initialized():
             root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
             env = {"PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}
-            ray.init(address=address, include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
+            ray.init(address=address or "local", include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
             self._own_session = True
         res = ray.cluster_resources()
         cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
