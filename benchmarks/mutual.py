@@ -176,8 +176,13 @@ def report(per: pd.DataFrame, traffic: pd.DataFrame) -> str:
                     "seed ACC/BWT/FWT": "/".join(f"{v:.2f}" for v in ref[int(r["node"])]) if ref else "-",
                     "sel. iteration": r["sel_iter"]})
     lines += ["### Per node, alpha = 10% (selected checkpoint, %)", "", md(pd.DataFrame(tab)), ""]
-    tr = traffic.groupby(["method", "alpha"]).mean(numeric_only=True).reset_index()
-    lines += ["### Traffic (floats, all nodes, up + down; mean over seeds)", "", md(tr, 1), ""]
+    tr = traffic.groupby(["method", "alpha"]).mean(numeric_only=True).reset_index().drop(columns="seed")
+    tr["alpha"] = tr["alpha"].map(lambda a: f"{a:.0%}")
+    ref = tr[tr["method"] == "mafml"]["floats_per_iteration"]
+    if len(ref):
+        tr["x MAFML"] = tr["floats_per_iteration"] / float(ref.iloc[0])
+    lines += ["### Traffic (floats, all nodes, up + down, over the run; mean over seeds; seconds = wall per run)", "",
+              md(tr, 1), ""]
     return "\n".join(lines)
 
 
@@ -220,7 +225,14 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/mutual_runs")
     ap.add_argument("--no-hetero", action="store_true")
     ap.add_argument("--only", nargs="*", help="methods to run (default: all)")
+    ap.add_argument("--report-only", action="store_true", help="summarise the runs already in --out (done.json)")
     a = ap.parse_args()
+    if a.report_only:
+        done = json.loads((Path(a.out) / "done.json").read_text())
+        per, traffic = summarise(done)
+        print(report(per, traffic))
+        figure(per, done, HERE / "figures" / "mutual_rotated_mnist.png")
+        return
     Path(a.out).mkdir(parents=True, exist_ok=True)
     js = jobs(a.iterations, a.seeds, a.out, not a.no_hetero)
     if a.only:
