@@ -67,9 +67,12 @@ def config(setting: str, method: str, seed: int, rounds: int, pretrain: int) -> 
     elif method == "fedfomo":
         data["val_fraction"] = 0.2  # the seed: 20% of local data as validation
     epochs = 1 if kind in ("ms", "gen") else 2  # the seed: E = 2 few-shot rotated, 1 multi-source / general
+    # the seed: lr 0.01 for PN-ICFL (B = 2 tasks), lr 0.1 and batch 50 for the other algorithms (IFCA: its own
+    # tau = 10 full-batch steps at lr 0.1); momentum is not given: the engine's default 0.5 for all
+    lr, batch = (0.01, 10) if method in ("pnicfl", "pnicfl_plus") else (0.1, 50)
     return {"name": f"{setting}-{method}", "seed": seed, "rounds": rounds,
             "clients_per_round": int(round(rate * n)), "data": data, "model": model,
-            "train": {"local_epochs": epochs, "batch_size": 10, "lr": 0.01, "momentum": 0.5},
+            "train": {"local_epochs": epochs, "batch_size": batch, "lr": lr, "momentum": 0.5},
             "algorithm": {"name": method, "params": params}, "eval": {"every": 5},
             "backend": {"name": "sequential", "torch_threads": 1}, "output": {"progress": False}}
 
@@ -180,6 +183,8 @@ def main() -> None:
     ap.add_argument("--general", action="store_true", help="also the general setting (|D_i| = 1000, rotated Fashion)")
     ap.add_argument("--only", default="", help="comma-separated settings to run")
     ap.add_argument("--report", action="store_true", help="only print the tables of the runs already logged")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods")
+    ap.add_argument("--log", default="runs.jsonl", help="run log under benchmarks/results/clustered/")
     args = ap.parse_args()
     seeds = list(range(1, args.seeds + 1))
     rot = ["rot-a3-r1.0", "rot-a3-r0.5", "rot-a100-r1.0", "rot-a100-r0.5"]
@@ -191,15 +196,16 @@ def main() -> None:
     rounds = {s: (args.general_rounds if s.startswith("gen") else args.rounds) for s in settings}
     # rotated MNIST first, then the other settings; seed-major within each, so a cut-off grid is complete per seed
     groups = [[s for s in settings if s.startswith("rot")], [s for s in settings if not s.startswith("rot")]]
-    cfgs = [config(s, m, seed, rounds[s], args.pretrain) for g in groups for seed in seeds for s in g for m in METHODS]
+    methods = [m for m in METHODS if m in args.methods.split(",")]
+    cfgs = [config(s, m, seed, rounds[s], args.pretrain) for g in groups for seed in seeds for s in g for m in methods]
     t0 = time.time()
     if args.report:  # tables from the runs already logged, nothing run
         done = {}
-        for line in (OUT / "runs.jsonl").read_text().splitlines():
+        for line in (OUT / args.log).read_text().splitlines():
             r = json.loads(line)
             done[(r["name"], r["seed"], r["rounds"])] = r
     else:
-        done = run_grid(cfgs, args.workers, OUT / "runs.jsonl", t0 + 60 * args.minutes)
+        done = run_grid(cfgs, args.workers, OUT / args.log, t0 + 60 * args.minutes)
     print(f"\nwall time {time.time() - t0:.0f}s\n")
     rot_s = [s for s in settings if s.startswith("rot")]
     other = [s for s in settings if not s.startswith("rot")]
