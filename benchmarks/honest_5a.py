@@ -73,12 +73,17 @@ def run_one(cfg: dict) -> dict:
     t0 = time.perf_counter()
     c = make_config(cfg)
     out = {"name": c.name, "seed": c.seed, "algorithm": c.algorithm.name, "curves": {}}
+    seen = {}  # the table as of the last evaluated round: a diverged run keeps its curves up to the divergence
     try:
-        df = run_experiment(c, write=False, progress=False).table
+        df = run_experiment(c, write=False, progress=False,
+                            callback=lambda rnd, table: seen.update(table=table) and False).table
     except NonFiniteError as e:  # on_nonfinite: stop (the default): the run diverged; recorded, not hidden
-        out.update(seconds=time.perf_counter() - t0, diverged_round=e.event.round_idx, diverged=str(e),
-                   up_floats_per_round=float("nan"), down_floats_per_round=float("nan"))
-        return out
+        out.update(diverged_round=e.event.round_idx, diverged=str(e))
+        if "table" not in seen:
+            out.update(seconds=time.perf_counter() - t0, up_floats_per_round=float("nan"),
+                       down_floats_per_round=float("nan"))
+            return out
+        df = seen["table"].frame()
     out["seconds"] = time.perf_counter() - t0
     for (scope, metric), g in df[df.scope.isin(["mean", "wmean"])].groupby(["scope", "metric"]):
         g = g.sort_values("round")
@@ -114,11 +119,20 @@ def at(curve: dict, rnd: int) -> float:
     return curve[max(ks)] if ks else float("nan")
 
 
+def at_run(run: dict, curve: dict, rnd: int) -> float:
+    """:func:`at`, NaN from the round a diverged run stopped in (its curves end at its last evaluation before)."""
+    d = run.get("diverged_round")
+    return float("nan") if d is not None and rnd >= d else at(curve, rnd)
+
+
 def grid(cfgs, workers, log):
     import protofam_common
 
     protofam_common.run_one = run_one  # the pool pickles run_one by reference: patch before it starts
-    return run_grid(cfgs, workers, log)
+    res = run_grid(cfgs, workers, log)
+    for r in res:  # rounds are int keys in memory, str keys once read back from the JSON log
+        r["curves"] = {m: {int(k): v for k, v in c.items()} for m, c in r["curves"].items()}
+    return res
 
 
 def fresh(args):
@@ -147,10 +161,10 @@ def fresh(args):
     for i, k in enumerate(uniq):
         rs = res[i::n]
         c = [r["curves"].get("wmean:test_acc_proto", {}) for r in rs]
-        r30 = [at(x, 29) for x in c]
-        rl = [at(x, last) for x in c]
+        r30 = [at_run(r, x, 29) for r, x in zip(rs, c)]
+        rl = [at_run(r, x, last) for r, x in zip(rs, c)]
         best = [max(x.values()) if x else None for x in c]
-        cl = [at(r["curves"].get("wmean:test_acc", {}), last) for r in rs]
+        cl = [at_run(r, r["curves"].get("wmean:test_acc", {}), last) for r in rs]
         bad = sum(1 for v in rl if not np.isfinite(v) or v < 0.5)
         marg = [max(r["curves"]["tgp_margin"].values()) for r in rs if "tgp_margin" in r["curves"]]
         mg = " / ".join(f"{m:.3g}" for m in marg) if marg else "—"
