@@ -129,10 +129,13 @@ def grid(cfgs, workers, log):
     import protofam_common
 
     protofam_common.run_one = run_one  # the pool pickles run_one by reference: patch before it starts
-    res = run_grid(cfgs, workers, log)
-    for r in res:  # rounds are int keys in memory, str keys once read back from the JSON log
-        r["curves"] = {m: {int(k): v for k, v in c.items()} for m, c in r["curves"].items()}
-    return res
+    return [_int_rounds(r) for r in run_grid(cfgs, workers, log)]
+
+
+def _int_rounds(run: dict) -> dict:
+    """Rounds are int keys in memory, str keys once read back from a JSON log."""
+    run["curves"] = {m: {int(k): v for k, v in c.items()} for m, c in run["curves"].items()}
+    return run
 
 
 def fresh(args):
@@ -208,7 +211,7 @@ def table(args):
     rows = []
     flog = Path(args.out) / "i10-fresh-r60.jsonl"
     if flog.exists():
-        runs = [json.loads(line) for line in flog.read_text().splitlines()]
+        runs = [_int_rounds(json.loads(line)) for line in flog.read_text().splitlines()]
         for tag, label in ((f"FedTGP_tuned-lam{args.tgp_lam:g}_tau{args.tgp_tau:g}", "FedTGP (tuned; 60-round runs at round 30)"),
                            (f"FedProto_mean_tuned-lam{args.proto_lam:g}_tau0", "FedProto (mean, tuned; 60-round runs at round 30)")):
             rs = [r for r in runs if r["name"] == f"i10-{tag}" and r["seed"] in args.seeds]

@@ -4,7 +4,10 @@
     python3 -m venv --system-site-packages /tmp/flwr-venv && /tmp/flwr-venv/bin/pip install "flwr[simulation]"
 
 (``--system-site-packages`` reuses this machine's torch; the venv's own Ray shadows the system one.)
-Usage: PY flower_fedavg.py '<workload json>' ROUNDS  -> prints ``ROUND_TIMES [s, ...]``.
+Usage: PY flower_fedavg.py '<workload json>' ROUNDS [run_simulation|start_simulation]  -> prints ``ROUND_TIMES [s, ...]``.
+
+Two of Flower's simulation entry points: ``run_simulation`` (ServerApp/ClientApp, the current API; default) and the
+legacy ``start_simulation`` (strategy + ``client_fn`` on Ray's virtual client engine), with the same client code.
 
 Same data, model, optimiser and epoch as the raysim and plain-loop variants: the clients' tensors and the model are
 built by raysim's own data layer and model zoo (imported read-only; raysim's Ray backend is not used here). FedAvg,
@@ -29,6 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 
 W = json.loads(sys.argv[1]) if len(sys.argv) > 1 else None
 ROUNDS = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+API = sys.argv[3] if len(sys.argv) > 3 else "run_simulation"
 _CACHE: dict = {}
 
 
@@ -97,9 +101,16 @@ def main():
     def server_fn(context):
         return ServerAppComponents(strategy=strategy, config=ServerConfig(num_rounds=ROUNDS))
 
-    run_simulation(server_app=ServerApp(server_fn=server_fn), client_app=ClientApp(client_fn=client_fn),
-                   num_supernodes=n, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
-                                                     "init_args": {"num_cpus": 2, "include_dashboard": False}})
+    if API == "start_simulation":
+        from flwr.simulation import start_simulation
+
+        start_simulation(client_fn=client_fn, num_clients=n, config=ServerConfig(num_rounds=ROUNDS), strategy=strategy,
+                         client_resources={"num_cpus": 1, "num_gpus": 0.0},
+                         ray_init_args={"num_cpus": 2, "include_dashboard": False})
+    else:
+        run_simulation(server_app=ServerApp(server_fn=server_fn), client_app=ClientApp(client_fn=client_fn),
+                       num_supernodes=n, backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0.0},
+                                                         "init_args": {"num_cpus": 2, "include_dashboard": False}})
     times = [b - a for a, b in zip(stamps, stamps[1:])]
     print("ROUND_TIMES " + json.dumps(times), flush=True)
 
