@@ -10,6 +10,8 @@ Workloads (every client every round, one local epoch, SGD lr 0.01 momentum 0.5, 
   (a) 10 clients x 400 MNIST-5k images, PFLlib's FedAvgCNN widened to 1.19M parameters (``fedavg_cnn`` with
       embed_dim 1100), batch 32;
   (b) 100 clients x 40 MNIST-5k images, FedProto's CNN (``cnn_mnist``, 21,840 parameters, dropout on), batch 4.
+Flower runs both of its simulation entry points (``run_simulation`` and the legacy ``start_simulation``); its rounds
+keep getting faster for a few rounds while Ray's worker pool warms up, so use ``--rounds 8`` for a steady figure.
 Reported: median seconds per round over the timed rounds (the first round warms up; evaluation only after the
 last, untimed), and every variant's ratio to the plain 2-process loop. All variants run one after another in one
 invocation, so the ratios are measured in one run on one machine state.
@@ -37,7 +39,7 @@ WORKLOADS = {
 }
 
 
-def config(w: dict, rounds: int, backend: str = "sequential", vectorize: bool = False) -> dict:
+def config(w: dict, rounds: int, backend: str = "sequential", vectorize: bool = False, threads: int = 1) -> dict:
     return {"name": "peers", "seed": 1, "rounds": rounds,
             "data": {"dataset": "mnist5k", "num_clients": w["clients"], "partition": "iid",
                      "partition_params": {"samples_per_client": w["samples"], "test_per_client": 10}},
@@ -45,7 +47,7 @@ def config(w: dict, rounds: int, backend: str = "sequential", vectorize: bool = 
             "train": {"local_epochs": 1, "batch_size": w["batch"], "lr": 0.01, "momentum": 0.5},
             "algorithm": {"name": "fedavg", "params": {}},
             "eval": {"every": rounds},
-            "backend": {"name": backend, "num_actors": 2, "vectorize": vectorize},
+            "backend": {"name": backend, "num_actors": 2, "vectorize": vectorize, "torch_threads": threads},
             "output": {"progress": False}}
 
 
@@ -121,16 +123,16 @@ def plain(w, rounds, processes) -> list[float]:
 
 
 # -- raysim ---------------------------------------------------------------------------------------------------------
-def raysim_rounds(w, rounds, backend, vectorize) -> list[float]:
+def raysim_rounds(w, rounds, backend, vectorize, threads=1) -> list[float]:
     from raysim.config import make_config
     from raysim.driver import run_experiment
 
-    res = run_experiment(make_config(config(w, rounds, backend, vectorize)), write=False, progress=False)
+    res = run_experiment(make_config(config(w, rounds, backend, vectorize, threads)), write=False, progress=False)
     return res.timing["round_s"][:-1]  # the last round also evaluates
 
 
-def flower(python: str, w, rounds) -> list[float]:
-    out = subprocess.run([python, str(Path(__file__).with_name("flower_fedavg.py")), json.dumps(w), str(rounds)],
+def flower(python: str, w, rounds, api: str = "run_simulation") -> list[float]:
+    out = subprocess.run([python, str(Path(__file__).with_name("flower_fedavg.py")), json.dumps(w), str(rounds), api],
                          capture_output=True, text=True, cwd=ROOT, timeout=3600)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("ROUND_TIMES ")]
     if out.returncode or not lines:
@@ -153,9 +155,14 @@ def main(argv=None):
         "raysim ray, 2 actors": lambda: raysim_rounds(w, args.rounds, "ray", False),
         "raysim sequential, vectorised": lambda: raysim_rounds(w, args.rounds, "sequential", True),
         "raysim ray, 2 actors, vectorised": lambda: raysim_rounds(w, args.rounds, "ray", True),
+        # one process using both cores through intra-op threads (backend.torch_threads: 2; numbers within float
+        # tolerance of 1 thread, not bit-identical)
+        "raysim sequential, vectorised, 2 torch threads": lambda: raysim_rounds(w, args.rounds, "sequential", True, 2),
     }
     if args.flower_python:
         variants["Flower run_simulation, 2 CPUs"] = lambda: flower(args.flower_python, w, args.rounds)
+        variants["Flower start_simulation (legacy), 2 CPUs"] = lambda: flower(args.flower_python, w, args.rounds,
+                                                                              "start_simulation")
     res = {}
     for name, fn in variants.items():
         times = fn()
@@ -168,6 +175,10 @@ def main(argv=None):
     print("|---|---|---|")
     for name, s in res.items():
         print(f"| {name} | {s:.3f} | {s / ref:.2f} |")
+    best = min(v for k, v in res.items() if k.startswith("raysim"))
+    flw = {k: v for k, v in res.items() if k.startswith("Flower")}
+    if flw:
+        print(f"fastest raysim variant vs the faster Flower entry point: {min(flw.values()) / best:.2f}x faster")
 
 
 if __name__ == "__main__":
