@@ -3,12 +3,17 @@
 backend, one process per population size. Client states are created lazily (on first selection), kept under
 backend.state_memory_mb, and client data stays uint8; evaluation samples eval.fraction of the clients.
 
-    python benchmarks/population.py [--sizes 1000,10000,100000] [--rounds 12]
+    python benchmarks/population.py [--sizes 1000,10000,100000] [--rounds 40] [--malloc-mmap-threshold 1000000000]
+
+With glibc's default (dynamic) mmap threshold the 100k process rounds are ~7 ms slower than the 1k ones (17 vs 24 ms:
+short-lived activation buffers are mmapped and page-faulted afresh in the 3 GB process); with a fixed high threshold
+(``MALLOC_MMAP_THRESHOLD_``, set before the process starts) the gap shrinks to ~2 ms (benchmarks/PERFORMANCE.md).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -42,14 +47,19 @@ def main():
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--one", type=int, default=None)
+    ap.add_argument("--malloc-mmap-threshold", type=int, default=None,
+                    help="run each size with glibc's MALLOC_MMAP_THRESHOLD_ set (bytes; e.g. 1000000000)")
     args = ap.parse_args()
     if args.one:
         print(json.dumps(one(args.one, args.rounds)))
         return
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
+        env = dict(os.environ)
+        if args.malloc_mmap_threshold:
+            env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
         p = subprocess.run([sys.executable, __file__, "--one", str(n), "--rounds", str(args.rounds)],
-                           capture_output=True, text=True, check=True)
+                           capture_output=True, text=True, check=True, env=env)
         rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     base = rows[0]["median_round_s"]

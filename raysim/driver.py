@@ -338,7 +338,7 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
     env_seen = False
     t_env = 0.0
     compute = 0.0
-    all_clients = list(range(cfg.data.num_clients))
+    all_clients = range(cfg.data.num_clients)  # not a list: O(1) per round however large the population
     for step, it in flatten(schedule):
         if isinstance(step, ClientStep):
             ids = [c for c in (all_clients if step.clients == ALL else selected) if c not in out_of_round]
