@@ -17,6 +17,16 @@ from raysim.ops import weighted_average_states
 from raysim.training import accuracy, clone_state, forward_all
 
 
+def sample_counts(uploads, ids) -> list[int]:
+    """n_i of each upload's ``num_samples`` message (FedAvg's weights), in ``ids`` order."""
+    return [int(uploads[i]["num_samples"]["n"][0]) for i in ids]
+
+
+def sample_weighted_average(uploads, ids, key: str = "model") -> dict:
+    """FedAvg's rule over the state messages ``uploads[i][key]``: sum_i (n_i / sum n) w_i."""
+    return weighted_average_states([uploads[i][key].tensors for i in ids], sample_counts(uploads, ids))
+
+
 class FedAvg(LocalTraining):
     def declared_uploads(self):
         return {"weights", "num_samples"}
@@ -71,9 +81,7 @@ class FedAvg(LocalTraining):
         ids = sorted(uploads)
         if not ids:
             return server_state, {}
-        states = [uploads[i]["model"].tensors for i in ids]
-        weights = [int(uploads[i]["num_samples"]["n"][0]) for i in ids]
-        return {"model": weighted_average_states(states, weights)}, {}
+        return {"model": sample_weighted_average(uploads, ids)}, {}
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms.fedavg import FedAvg
+from algorithms import gen_ops
+from algorithms.fedavg import FedAvg, sample_weighted_average
 from algorithms.generators import FeatureGenerator
 from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalStart
 from raysim.config import positive
 from raysim.messages import Message, state_message
-from raysim.ops import weighted_average_states
 from raysim.training import clone_state
 
 
@@ -88,11 +88,7 @@ class FedGen(FedAvg):
         return FeatureGenerator(self.task.num_classes, self.task.build_model(0).embed_dim, p.hidden, p.noise_dim)
 
     def _module(self, key, make, device):
-        key = (key, str(device))
-        if key not in self._mods:
-            with torch.random.fork_rng(devices=[]):
-                self._mods[key] = make().to(device)
-        return self._mods[key]
+        return gen_ops.cached_module(self._mods, key, make, device)
 
     def init_server_state(self, ctx: Context):
         with torch.random.fork_rng(devices=[]):
@@ -156,8 +152,7 @@ class FedGen(FedAvg):
         ids = sorted(uploads)
         if not ids:
             return server_state, {}
-        states = [uploads[i]["model"].tensors for i in ids]
-        model = weighted_average_states(states, [int(uploads[i]["num_samples"]["n"][0]) for i in ids])
+        model = sample_weighted_average(uploads, ids)
         counts = torch.stack([uploads[i]["label_counts"]["counts"] for i in ids]).to(torch.float64)
         held = counts.sum(0)
         weights = (counts / held.clamp(min=1)).to(torch.float32).to(ctx.device)
@@ -165,7 +160,7 @@ class FedGen(FedAvg):
         heads = []
         for j, i in enumerate(ids):
             m = self._module(("client", j), lambda: self.task.build_model(0), ctx.device)
-            m.load_state_dict(states[j])
+            m.load_state_dict(uploads[i]["model"].tensors)
             m.eval()
             m.requires_grad_(False)
             heads.append(m.head)

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from algorithms.fedavg import sample_counts
 from algorithms.fml import SharedModel
 from algorithms.mutual_ops import adam_or_sgd, domain_metrics, step_batches
 from raysim.algorithm import Algorithm, ClientUpdate, Context
@@ -121,8 +122,7 @@ class FedKD(Algorithm):
             return server_state, {}
         like = server_state["mentee"]
         states = [decompress(uploads[i]["mentee"], like) for i in ids]
-        weights = [int(uploads[i]["num_samples"]["n"][0]) for i in ids]
-        return {"mentee": weighted_average_states(states, weights)}, {"energy": self.energy(ctx.round_idx)}
+        return {"mentee": weighted_average_states(states, sample_counts(uploads, ids))}, {"energy": self.energy(ctx.round_idx)}
 
     def init_client_state(self, ctx: Context):
         model = self.task.build_model(ctx.client_id)

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from algorithms.fedavg import sample_weighted_average
 from algorithms.local import ce_loss
 from algorithms.proto_ops import select_prefix
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import ConfigError, choice
 from raysim.messages import Message, state_message
-from raysim.ops import weighted_average_states
 from raysim.training import accuracy, clone_state, forward_all
 
 
@@ -85,9 +85,7 @@ class SharedPartAverage(LocalTraining):
         ids = sorted(uploads)
         if not ids:
             return server_state, {}
-        states = [uploads[i]["shared"].tensors for i in ids]
-        weights = [int(uploads[i]["num_samples"]["n"][0]) for i in ids]
-        return {"shared": weighted_average_states(states, weights)}, {}
+        return {"shared": sample_weighted_average(uploads, ids, "shared")}, {}
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

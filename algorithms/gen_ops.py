@@ -16,6 +16,15 @@ import torch
 import torch.nn.functional as F
 
 
+def cached_module(cache: dict, key, make, device) -> torch.nn.Module:
+    """``cache[(key, device)]``, built by ``make()`` on first use without moving the caller's random stream."""
+    key = (key, str(device))
+    if key not in cache:
+        with torch.random.fork_rng(devices=[]):
+            cache[key] = make().to(device)
+    return cache[key]
+
+
 def to_input_space(t: torch.Tensor, norm: Optional[tuple]) -> torch.Tensor:
     """tanh output t in [-1, 1] read as pixels p = (t + 1) / 2, normalised as the task's data: (p - mean) / std.
     Without a normalisation (data not from uint8 pixels) the output is used as it is."""

@@ -37,12 +37,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from raysim import rng as rngmod
+from algorithms.fedavg import sample_weighted_average
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import ConfigError, choice, positive
 from raysim.messages import Message
 from raysim.models import set_dropout_generator
-from raysim.ops import weighted_average_states
 from raysim.steps import ClientStep, ServerStep
 from raysim.training import accuracy, make_optimizer
 
@@ -322,8 +321,7 @@ class PNICFL(Algorithm):
             counts = torch.stack([uploads[i]["embedding"]["counts"] for i in ids])
             a = [int(state["assign"][i]) for i in ids]
             E, mask = m_step(state["E"], state["mask"], a, u, counts)
-            theta = weighted_average_states([uploads[i]["model"].tensors for i in ids],
-                                            [int(uploads[i]["num_samples"]["n"][0]) for i in ids])
+            theta = sample_weighted_average(uploads, ids)
             state = {**state, "theta": theta, "E": E, "mask": mask}
             sizes = torch.bincount(torch.as_tensor(a), minlength=self.params.num_clusters)
             metrics = {"largest_cluster": float(sizes.max()), "clusters_used": float((sizes > 0).sum())}

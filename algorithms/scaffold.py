@@ -26,7 +26,7 @@ from algorithms.fedavg import FedAvg
 from algorithms.local import ce_loss
 from raysim.algorithm import Context, LocalStart
 from raysim.config import positive
-from raysim.messages import Message, state_message
+from raysim.messages import state_message
 from raysim.training import clone_state
 
 

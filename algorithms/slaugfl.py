@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from algorithms import gen_ops
+from algorithms.fedavg import sample_weighted_average
 from algorithms.generators import ACGANDiscriminator, ACGANGenerator, ProtoGenerator
 from algorithms.local import ce_loss
 from raysim import rng as rngmod
@@ -56,7 +57,7 @@ from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, S
 from raysim.config import ConfigError, choice, positive
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
-from raysim.ops import aggregate_prototypes, class_prototypes, weighted_average_states
+from raysim.ops import aggregate_prototypes, class_prototypes
 from raysim.steps import ALL, ClientStep, ServerStep
 from raysim.training import accuracy, clone_state, forward_all, make_optimizer, train_epochs
 
@@ -128,11 +129,7 @@ class SlaugFL(LocalTraining):
 
     # -- modules ------------------------------------------------------------------------------------------------------
     def _module(self, key, make, device):
-        key = (key, str(device))
-        if key not in self._models:
-            with torch.random.fork_rng(devices=[]):  # building never moves the caller's random stream
-                self._models[key] = make().to(device)
-        return self._models[key]
+        return gen_ops.cached_module(self._models, key, make, device)
 
     def _model2c(self, client_id: int, device):
         spec = self.task.archs[client_id]
@@ -464,8 +461,7 @@ class SlaugFL(LocalTraining):
         ids = sorted(uploads)
         if not ids:
             return server_state, {}
-        model = weighted_average_states([uploads[i]["model"].tensors for i in ids],
-                                        [int(uploads[i]["num_samples"]["n"][0]) for i in ids])
+        model = sample_weighted_average(uploads, ids)
         pf = [(u["classes"], u["protos"], u["counts"]) for u in (uploads[i].get("pf_protos") for i in ids) if u is not None]
         new = {**server_state, "model": model}
         if pf:

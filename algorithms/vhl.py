@@ -21,13 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from algorithms import gen_ops
+from algorithms.fedavg import sample_weighted_average
 from algorithms.generators import VirtualGenerator
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
 from raysim.config import ConfigError, positive
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
-from raysim.ops import weighted_average_states
 from raysim.steps import ALL, ClientStep, ServerStep
 from raysim.training import accuracy, clone_state, forward_all
 
@@ -90,11 +91,7 @@ class VHL(LocalTraining):
                                               f"{self.task.input_shape}")
 
     def _module(self, key, make, device):
-        key = (key, str(device))
-        if key not in self._mods:
-            with torch.random.fork_rng(devices=[]):
-                self._mods[key] = make().to(device)
-        return self._mods[key]
+        return gen_ops.cached_module(self._mods, key, make, device)
 
     def outputs(self) -> int:
         return 2 * self.task.num_classes
@@ -141,8 +138,7 @@ class VHL(LocalTraining):
         ids = sorted(uploads)
         if not ids:
             return server_state, {}
-        model = weighted_average_states([uploads[i]["model"].tensors for i in ids],
-                                        [int(uploads[i]["num_samples"]["n"][0]) for i in ids])
+        model = sample_weighted_average(uploads, ids)
         return {**server_state, "model": model}, {}
 
     # -- client -----------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from raysim.registry import algorithm_class, algorithm_target, make_environment
 from raysim.results import RESULTS_FILE, ResultTable, write_parquet
 from raysim.runtime import ClientReport, RunSpec, SimulationError, step_token
 from raysim.state import find_checkpoint, read_checkpoint_meta, write_checkpoint
-from raysim.steps import ALL, ClientStep, ServerStep, check_schedule, flatten
+from raysim.steps import ALL, ClientStep, check_schedule, flatten
 
 COMM_METRICS = ("up_floats", "up_bytes", "down_floats", "down_bytes")
 SETUP_ROUND = rngmod.NO_ROUND  # the setup phase's rows carry round -1
