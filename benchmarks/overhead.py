@@ -54,7 +54,7 @@ def _worker(conn, prep, client_ids, lam):
     for cid in client_ids:
         torch.manual_seed(cid)
         states[cid] = {k: v.clone() for k, v in task.build_model(cid).state_dict().items()}
-    data = {c.client_id: c for c in prep.fed_data.clients if c.client_id in client_ids}
+    data = {c.client_id: c.to("cpu") for c in prep.fed_data.clients if c.client_id in client_ids}  # decoded floats
     while True:
         msg = conn.recv()
         if msg is None:
@@ -80,7 +80,7 @@ def plain_loop(prep, rounds, lam, processes: int) -> list[float]:
         torch.set_num_threads(1)
         model = task.build_model(0)
         states = {cid: {k: v.clone() for k, v in task.build_model(cid).state_dict().items()} for cid in ids}
-        data = {c.client_id: c for c in prep.fed_data.clients}
+        data = {c.client_id: c.to("cpu") for c in prep.fed_data.clients}  # decoded floats
         for r in range(rounds):
             t0 = time.perf_counter()
             ups = []

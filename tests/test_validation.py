@@ -41,8 +41,23 @@ def test_val_split_carved_from_train_and_disjoint():
     assert any("validation split" in n for n in s["notes"])
 
 
+def test_clients_are_built_compact_from_the_encoded_pool(monkeypatch):
+    """Clients hold uint8 pixels from the start (the pool encoded once); the same tensors as building each client's
+    float images and compacting them one by one."""
+    import raysim.data.federated as fdmod
+
+    fast = _data(0.25)
+    monkeypatch.setattr(fdmod, "_subset", lambda pool, idx, encoded: pool.subset(idx))
+    slow = _data(0.25)
+    for a, b in zip(fast.clients, slow.clients):
+        assert a.is_compact and b.is_compact
+        for f in ("x_train", "y_train", "x_test", "y_test", "x_val", "y_val"):
+            assert torch.equal(getattr(a, f), getattr(b, f)), f
+
+
 def test_compact_and_to_keep_the_val_split():
-    c = _data(0.25).clients[0]
+    c = _data(0.25).clients[0].to("cpu")  # decoded float images
+    assert not c.is_compact
     small = c.compact()
     assert small.is_compact and small.x_val.dtype == torch.uint8
     back = small.to("cpu")
