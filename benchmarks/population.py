@@ -5,9 +5,8 @@ backend.state_memory_mb, and client data stays uint8; evaluation samples eval.fr
 
     python benchmarks/population.py [--sizes 1000,10000,100000] [--rounds 40] [--malloc-mmap-threshold 1000000000]
 
-With glibc's default (dynamic) mmap threshold the 100k process rounds are ~7 ms slower than the 1k ones (17 vs 24 ms:
-short-lived activation buffers are mmapped and page-faulted afresh in the 3 GB process); with a fixed high threshold
-(``MALLOC_MMAP_THRESHOLD_``, set before the process starts) the gap shrinks to ~2 ms (benchmarks/PERFORMANCE.md).
+``--malloc-mmap-threshold`` sets glibc's ``MALLOC_MMAP_THRESHOLD_`` for each size's process (a diagnostic: before
+clients were built compact it hid the heap fragmentation that slowed 100k-client rounds; benchmarks/PERFORMANCE.md).
 """
 from __future__ import annotations
 
@@ -45,7 +44,7 @@ def one(n: int, rounds: int) -> dict:
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1000,10000,100000")
-    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--one", type=int, default=None)
     ap.add_argument("--malloc-mmap-threshold", type=int, default=None,
                     help="run each size with glibc's MALLOC_MMAP_THRESHOLD_ set (bytes; e.g. 1000000000)")
