@@ -171,9 +171,12 @@ def test_client_data_stays_uint8_in_runners_and_decodes_exactly():
     from raysim.data.federated import build_federated_data
 
     fd = build_federated_data(DataConfig(dataset="mnist5k", num_clients=4, rotations=[0, 90]), 1)
-    for c in fd.clients:
+    for built in fd.clients:
+        assert built.is_compact  # built as uint8 pixels (right-angle rotations are exact)
+        c = built.to("cpu")  # decoded float images
         k = c.compact()
         assert k.x_train.dtype == torch.uint8 and k.x_train.element_size() * 4 == c.x_train.element_size()
+        assert torch.equal(k.x_train, built.x_train) and torch.equal(k.x_test, built.x_test)
         d = k.to("cpu")
         assert torch.equal(d.x_train, c.x_train) and torch.equal(d.x_test, c.x_test)
     syn = build_federated_data(DataConfig(dataset="synthetic", num_clients=2, partition="iid"), 1)
