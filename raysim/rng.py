@@ -5,6 +5,7 @@ same numbers whichever backend, actor or process executes a client, and a resume
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 
 import numpy as np
@@ -44,13 +45,9 @@ def seed_torch_global(seed: int, round_idx: int, client_id: int, purpose: str) -
         torch.default_generator.manual_seed(s)
 
 
-_ACCEL: list = []
-
-
+@functools.cache
 def _accelerator_present() -> bool:
-    if not _ACCEL:
-        mps = getattr(torch.backends, "mps", None)
-        xpu = getattr(torch, "xpu", None)
-        _ACCEL.append(bool(torch.cuda.is_available() or (mps is not None and mps.is_available())
-                           or (xpu is not None and xpu.is_available())))
-    return _ACCEL[0]
+    mps = getattr(torch.backends, "mps", None)
+    xpu = getattr(torch, "xpu", None)
+    return bool(torch.cuda.is_available() or (mps is not None and mps.is_available())
+                or (xpu is not None and xpu.is_available()))

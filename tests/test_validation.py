@@ -47,7 +47,13 @@ def test_clients_are_built_compact_from_the_encoded_pool(monkeypatch):
     import raysim.data.federated as fdmod
 
     fast = _data(0.25)
-    monkeypatch.setattr(fdmod, "_subset", lambda pool, idx, encoded: pool.subset(idx))
+    orig, calls = fdmod.encode_exact, []
+
+    def no_pool(x, norm):  # the first two calls encode the train and test pools: refuse them -> client by client
+        calls.append(1)
+        return None if len(calls) <= 2 else orig(x, norm)
+
+    monkeypatch.setattr(fdmod, "encode_exact", no_pool)
     slow = _data(0.25)
     for a, b in zip(fast.clients, slow.clients):
         assert a.is_compact and b.is_compact

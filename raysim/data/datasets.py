@@ -40,9 +40,10 @@ class ArrayDataset:
     def __len__(self) -> int:
         return int(self.y.shape[0])
 
-    def subset(self, idx) -> "ArrayDataset":
+    def subset(self, idx, images: Optional[torch.Tensor] = None) -> "ArrayDataset":
+        """The samples ``idx``; their images from ``images`` (another encoding of ``x``, e.g. uint8 pixels) if given."""
         idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-        return ArrayDataset(self.x[idx], self.y[idx], self.num_classes, self.norm,
+        return ArrayDataset((self.x if images is None else images)[idx], self.y[idx], self.num_classes, self.norm,
                             domain=None if self.domain is None else self.domain[idx])
 
 

@@ -203,15 +203,6 @@ def _files_data(cfg: DataConfig, seed: int) -> FederatedData:
                          domains)
 
 
-def _subset(pool: ArrayDataset, idx, encoded: Optional[torch.Tensor]) -> ArrayDataset:
-    """``pool.subset(idx)``, its images taken from ``encoded`` (the pool as uint8 pixels) when given."""
-    if encoded is None:
-        return pool.subset(idx)
-    idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-    return ArrayDataset(encoded[idx], pool.y[idx], pool.num_classes, pool.norm,
-                        domain=None if pool.domain is None else pool.domain[idx])
-
-
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     if cfg.partition == "files":
         return _files_data(cfg, seed)
@@ -244,8 +235,8 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
         if cfg.val_fraction > 0:
             tr_idx, va_idx = split_validation(tr_idx, cfg.val_fraction,
                                               rngmod.numpy_rng(seed, rngmod.NO_ROUND, i, "val-split"))
-            va = _subset(train_pool, va_idx, u8 and u8[0])
-        tr, te = _subset(train_pool, tr_idx, u8 and u8[0]), _subset(test_pool, part.test[i], u8 and u8[1])
+            va = train_pool.subset(va_idx, u8 and u8[0])
+        tr, te = train_pool.subset(tr_idx, u8 and u8[0]), test_pool.subset(part.test[i], u8 and u8[1])
         if len(tr) == 0:
             raise DataError("data.partition_params", f"client {i} received no training samples")
         x_tr, x_te = tr.x, te.x
