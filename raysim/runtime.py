@@ -92,7 +92,14 @@ class ClientRunner:
         self.device = _setup_process(spec.cfg)
         self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
-        self.data = {c.client_id: c.compact() for c in clients}  # compact, on CPU; decoded onto the device per step
+        from raysim.data.federated import ClientSet, LazyClients
+
+        if isinstance(clients, LazyClients):  # index ranges into shared pools; a client is built when used
+            self.data = clients.view()
+        elif isinstance(clients, ClientSet):
+            self.data = clients
+        else:  # compact, on CPU; decoded onto the device per step
+            self.data = {c.client_id: c.compact() for c in clients}
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
