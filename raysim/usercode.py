@@ -4,8 +4,9 @@
 ``data.dataset``, ``data.public.dataset``, ``algorithm.name``) and the run-time registrations (``register_model``,
 ``register_dataset``, ``register_algorithm``) were loaded from, when they are neither installed (site-packages,
 the standard library) nor raysim's own packages, plus every other module the driver loaded from the same
-directories (helpers they import: the user's modules in the working directory). On a local cluster, modules under a
-directory the workers already have on their path (raysim's checkout, the driver's PYTHONPATH) are not shipped.
+directories (helpers they import: the user's modules in the working directory). On a local cluster, modules that sit
+directly in a directory the workers already have on their path (raysim's checkout, the driver's PYTHONPATH) are not
+shipped.
 ``none``: nothing (the code is installed on every node). A list: those module files / package directories.
 ``working_dir``: the whole working directory, as Ray's ``working_dir`` (the actors then run inside its copy).
 
@@ -102,9 +103,9 @@ def code_to_ship(cfg) -> list[str]:
     reachable = [] if cfg.backend.address else [ROOT] + [Path(p).resolve() for p in
                                                        os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
-    def user(loc) -> bool:
-        p, _ = loc
-        return not _under(p, installed) and not _under(p, own) and not _under(p, reachable)
+    def user(loc) -> bool:  # not installed, not raysim's, and not importable by the workers already
+        p, parent = loc
+        return not _under(p, installed) and not _under(p, own) and parent not in reachable
 
     found = {}
     for name in sorted(config_modules(cfg)):

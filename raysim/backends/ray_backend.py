@@ -69,8 +69,26 @@ def actor_runtime_env(spec, address) -> dict | None:
         env = {"working_dir": os.getcwd()}
         if own:
             env["py_modules"] = own
-        return env
-    return {"py_modules": own + list(spec.code)}
+    else:
+        env = {"py_modules": own + list(spec.code)}
+    return _upload(env)
+
+
+def _upload(env: dict) -> dict:
+    """Local paths -> package URIs in the cluster's storage. An actor's runtime_env takes URIs only (local paths
+    are for ``ray.init``), so the driver uploads them with the function ``ray.init`` itself uses for a job's
+    runtime_env (content-hashed: an unchanged module is uploaded once per cluster)."""
+    import tempfile
+
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    scratch = tempfile.mkdtemp(prefix="raysim-code-")
+    try:
+        env = upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch)
+        return upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def check_resources(cfg, cpus: float, gpus: float, where: str) -> None:
@@ -152,7 +170,7 @@ class RayBackend(Backend):
         here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(), soft=False)
         renv = actor_runtime_env(self.spec, b.address)
         extra = {"runtime_env": renv} if renv else {}
-        self.shipped = list((renv or {}).get("py_modules", [])) + ([renv["working_dir"]] if renv and "working_dir" in renv else [])
+        self.shipped = list(self.spec.code) + ([os.getcwd()] if b.code == "working_dir" else [])
         Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
                                                   max_concurrency=1, scheduling_strategy=here, **extra)
         self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,

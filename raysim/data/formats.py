@@ -132,10 +132,13 @@ def dataset_from_mapping(m: Any, name: str, key: str, notes: str = "") -> Loaded
         groups = (np.searchsorted(ids, gtr).astype(np.int64), code_te.astype(np.int64), [str(i) for i in ids])
 
     def make(x, y):
+        # a fresh C-order copy: canonical strides (an N x 1 x H x W view may carry strides that make torch pick a
+        # channels-last kernel, whose sums differ in the last bits)
         if x.dtype == np.uint8:
             xf = (x.astype(np.float32) / 255.0 - PIXEL_NORM[0]) / PIXEL_NORM[1]
-            return ArrayDataset(torch.from_numpy(np.ascontiguousarray(xf)), torch.from_numpy(y), num_classes, PIXEL_NORM)
-        return ArrayDataset(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float32)), torch.from_numpy(y), num_classes)
+            return ArrayDataset(torch.from_numpy(np.array(xf, order="C")), torch.from_numpy(y), num_classes, PIXEL_NORM)
+        return ArrayDataset(torch.from_numpy(np.array(x, dtype=np.float32, order="C")), torch.from_numpy(y.copy()),
+                            num_classes)
 
     train, test = make(xtr, ytr), make(xte, yte)
     test.provenance = "test"
