@@ -213,7 +213,11 @@ def suggest_embedding(model: nn.Module) -> Optional[str]:
     last = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear)]
     if not last or not last[-1].all_input_nodes:
         return None
+    from raysim.models import Dropout
+
     src = last[-1].all_input_nodes[0]
+    while src.op == "call_module" and isinstance(gm.get_submodule(src.target), Dropout) and src.all_input_nodes:
+        src = src.all_input_nodes[0]  # the embedding is taken before dropout
     return src.target if src.op == "call_module" else src.name
 
 
