@@ -87,9 +87,14 @@ def enter_run(spec: RunSpec) -> None:
     """Make a runner's process see what the driver saw: the user registrations, and the driver's working directory
     when it exists here (relative data paths; on another node of a cluster it usually does not)."""
     import os
+    import sys
 
     from raysim import registry
 
+    if spec.code:  # the user code shipped to this actor (Ray py_modules) comes first: every node runs the driver's
+        # copy, even where Ray also put the driver's working directory on the path (a one-machine cluster)
+        shipped = [p for p in sys.path if "py_modules_files" in p]
+        sys.path[:] = shipped + [p for p in sys.path if p not in shipped]
     registry.install(spec.registry)
     if spec.cwd and os.path.isdir(spec.cwd) and os.getcwd() != spec.cwd:
         os.chdir(spec.cwd)
