@@ -193,6 +193,8 @@ PARTITIONS = {
     "dirichlet": {"alpha": 1.0, "samples_per_client": 10, "min_samples": 2, "test_ratio": 0.2},
     "pathological": {"classes_per_client": 2},
     "nway_kshot": {"ways": 2, "shots": 4, "stdev": 1, "test_shots": 1},
+    "shared_base": {"per_class": 2, "test_per_class": 1},
+    "domain_dirichlet": {"alpha": 1.0, "samples_per_client": 6, "test_ratio": 0.2},  # with data.rotations
     "natural": {},
 }
 
@@ -218,7 +220,8 @@ def test_every_loader_with_every_partitioner_that_fits(workdir, fmt):
         if name == "natural" and fmt == "imagefolder":
             continue  # no natural clients in a class-per-folder layout
         n = 5 if name == "natural" and fmt == "leaf" else 3
-        cfg = make_config({"data": {**data, "num_clients": n, "partition": name, "partition_params": params}})
+        extra = {"rotations": [0, 90]} if name == "domain_dirichlet" else {}
+        cfg = make_config({"data": {**data, **extra, "num_clients": n, "partition": name, "partition_params": params}})
         fd = build_federated_data(cfg.data, 1)
         assert len(fd.clients) == n and all(c.num_train > 0 for c in fd.clients), (fmt, name)
         assert fd.input_shape == (1, 8, 8), (fmt, fd.input_shape)
@@ -267,6 +270,13 @@ def test_dry_run_prints_model_and_data_per_client(workdir, capsys):
     line = next(l for l in out.splitlines() if l.strip().startswith("client   0:"))
     assert "x_train 60x1x8x8" in line and "arch mycnn:small_cnn" in line and "params 1," in line
     assert "embedding 16" in line
+    cfg = byo_config(model={"per_client": [{"arch": "mycnn:small_cnn", "params": {"embed_dim": 16}},
+                                           {"arch": "mycnn:net", "params": {"hidden": 16}, "embedding": "fc1"},
+                                           {"arch": "mlp", "params": {"embed_dim": 16}}]})
+    (workdir / "c.yaml").write_text(yaml.safe_dump(cfg))  # heterogeneous: user factories beside the zoo
+    assert main(["run", "c.yaml", "--dry-run"]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("client ")]
+    assert "arch mycnn:net" in lines[1] and "embedding 16" in lines[1] and "arch mlp" in lines[2]
 
 
 BAD = [  # (config overrides as dotted=value, the key the one-line message names, a fragment of it)
