@@ -199,6 +199,7 @@ def _cmd_list() -> int:
     print("datasets:")
     for name in LOADERS:
         print(f"  {name}")
+    print("  npz, imagefolder, leaf (formats: data.root and data.dataset_params), or package.module:loader")
     print("partitioners:")
     for name in PARTITIONERS:
         print(f"  {name:<12} {', '.join(partition_params(name))}")
@@ -206,6 +207,8 @@ def _cmd_list() -> int:
     print("model architectures:")
     for name in ARCHS:
         print(f"  {name:<12} {', '.join(arch_params(name))}")
+    print("  or package.module:factory (factory(input_shape, num_classes, **model.params) -> nn.Module), e.g. "
+          "torchvision.models:resnet18")
     return 0
 
 
@@ -253,12 +256,20 @@ def _cmd_dry_run(cfg, args) -> int:
     s = prep.fed_data.summary()
     tr, te = np.array(s["train_sizes"]), np.array(s["test_sizes"])
     ncls = np.array([len(c) for c in s["classes"]])
+    from raysim.models import arch_key
+
+    fd = prep.fed_data
+    shape = "x".join(map(str, fd.input_shape))
     print(f"# data split: {s['num_clients']} clients of {cfg.data.dataset} ({cfg.data.partition}), "
-          f"{prep.fed_data.num_classes} classes")
+          f"{fd.num_classes} classes, images {shape}")
     for label, v in (("train samples", tr), ("test samples", te), ("classes", ncls)):
         print(f"  {label:<14} per client: min {v.min()}, median {np.median(v):g}, max {v.max()}, total {v.sum()}")
     for cid, (a, b, c) in enumerate(zip(tr, te, s["classes"])):
-        print(f"  client {cid:>3}: train {a:>5}  test {b:>5}  classes {list(c)}  arch {prep.task.archs[cid].arch}")
+        spec = prep.task.archs[cid]
+        m = prep.models.get(arch_key(spec), {})
+        emb = m.get("embed_dim")
+        print(f"  client {cid:>3}: x_train {a}x{shape}  x_test {b}x{shape}  classes {list(c)}  arch {spec.arch}  "
+              f"params {m.get('params', 0):,}  embedding {emb if emb is not None else 'none (no body/head split)'}")
     for note in s["notes"] or []:
         print(f"  note: {note}")
     print("dry run: config and data are valid; nothing was trained or written")

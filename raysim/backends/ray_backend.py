@@ -59,6 +59,41 @@ def code_runtime_env(address) -> dict:
     return env
 
 
+def actor_runtime_env(spec, address) -> dict | None:
+    """The client and server actors' runtime environment when the user's code must reach them (``backend.code``,
+    paths from :mod:`raysim.usercode`): Ray ``py_modules`` (or ``working_dir``), uploaded once per content hash
+    and unpacked on every node. An actor's ``py_modules`` replace the job's, so raysim's own packages are listed
+    again on a ``backend.address`` cluster."""
+    code = spec.cfg.backend.code
+    if code != "working_dir" and not spec.code:
+        return None
+    own = code_runtime_env(address).get("py_modules", [])
+    if code == "working_dir":
+        env = {"working_dir": os.getcwd()}
+        if own:
+            env["py_modules"] = own
+    else:
+        env = {"py_modules": own + list(spec.code)}
+    return _upload(env)
+
+
+def _upload(env: dict) -> dict:
+    """Local paths -> package URIs in the cluster's storage. An actor's runtime_env takes URIs only (local paths
+    are for ``ray.init``), so the driver uploads them with the function ``ray.init`` itself uses for a job's
+    runtime_env (content-hashed: an unchanged module is uploaded once per cluster)."""
+    import tempfile
+
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    scratch = tempfile.mkdtemp(prefix="raysim-code-")
+    try:
+        env = upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch)
+        return upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def check_resources(cfg, cpus: float, gpus: float, where: str) -> None:
     """Fail fast where Ray would leave actors pending forever."""
     b = cfg.backend
@@ -137,10 +172,14 @@ class RayBackend(Backend):
         # node to go), else the driver's (soft: elsewhere if it must)
         heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})]
         here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(), soft=False)
+        renv = actor_runtime_env(self.spec, b.address)
+        extra = {"runtime_env": renv} if renv else {}
+        self.shipped = list(self.spec.code) + ([os.getcwd()] if b.code == "working_dir" else [])
         Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
-                                                  max_concurrency=1, scheduling_strategy=here)
+                                                  max_concurrency=1, scheduling_strategy=here, **extra)
         self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
-                                                        scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT")
+                                                        scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT",
+                                                        **extra)
         self.server = Server.remote(self._spec_ref, ray.put(self.fed_data.global_test))
         self.actors = [self._Client.remote(self._spec_ref, g, f"actor{k}", self._source_ref)
                        for k, g in enumerate(self._group_refs)]
@@ -407,6 +446,9 @@ class _ClientActor(ClientRunner):
             clients = ClientSet(source, clients)
         elif len(clients) and isinstance(clients[0], int):  # client ids: build their data here, from the config
             from raysim.data.federated import build_federated_data
+            from raysim.runtime import enter_run
+
+            enter_run(spec)  # the user's registered loaders, the driver's working directory
 
             fed = build_federated_data(spec.cfg.data, spec.cfg.seed)
             clients = (fed.clients.view(clients) if isinstance(fed.clients, LazyClients)
@@ -415,6 +457,12 @@ class _ClientActor(ClientRunner):
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def module_files(self, names) -> dict:
+        """Where this actor imported the named modules from (diagnostics: was the user's code shipped?)."""
+        import sys
+
+        return {n: getattr(sys.modules.get(n), "__file__", None) for n in names}
 
     def commit_and_discard(self, client_ids, token=None):
         self.commit(client_ids, token)

@@ -354,7 +354,7 @@ def _files_data(cfg: DataConfig, seed: int) -> FederatedData:
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     if cfg.partition == "files":
         return _files_data(cfg, seed)
-    ds = load_dataset(cfg.dataset, cfg.root)
+    ds = load_dataset(cfg.dataset, cfg.root, cfg.dataset_params)
     notes = [ds.notes]
     if ds.test is None:
         train_pool, test_pool = _split_test_pool(ds, cfg.test_fraction, seed)
@@ -365,7 +365,8 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "partition")
     num_domains, part_domains = _domain_structure(cfg, train_pool, test_pool)
     part = run_partitioner(cfg.partition, dict(cfg.partition_params), train_pool.y.numpy(), test_pool.y.numpy(),
-                           cfg.num_clients, r, ds.num_classes, domains=part_domains)
+                           cfg.num_clients, r, ds.num_classes, domains=part_domains,
+                           groups=ds.groups if ds.test is not None else None)
     notes += part.notes
     if cfg.local_split is not None:
         return _local_split_data(cfg, seed, ds, train_pool, part, notes)
@@ -553,13 +554,13 @@ def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool:
 
 
 def _load_public(spec: dict, seed: int) -> ArrayDataset:
-    allowed = {"dataset", "size", "root"}
+    allowed = {"dataset", "size", "root", "params"}
     for k in spec:
         if k not in allowed:
             raise DataError(f"data.public.{k}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
     if "dataset" not in spec:
         raise DataError("data.public.dataset", "is required")
-    ds = load_dataset(spec["dataset"], spec.get("root"))
+    ds = load_dataset(spec["dataset"], spec.get("root"), spec.get("params"), key="data.public.dataset")
     size = spec.get("size")
     if size is None:
         ds.train.provenance = "public"
