@@ -395,62 +395,6 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
         _csr(va_parts) if cfg.val_fraction > 0 else None, ds.num_classes, train_pool.norm, tuple(cfg.rotations or ()))
     clients = LazyClients(source)
     if cfg.val_fraction > 0:
-        notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out")
-    test = ArrayDataset(torch.cat([c.x_test for c in clients]), torch.cat([c.y_test for c in clients]),
-                        split.num_classes, provenance="test")
-    public = _load_public(cfg.public, seed) if cfg.public else None
-    domains = [i % len(cfg.rotations) for i in range(cfg.num_clients)] if cfg.rotations else None
-    return FederatedData(clients, split.num_classes, tuple(clients[0].x_train.shape[1:]), test, public, notes,
-                         domains)
-
-
-def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
-    if cfg.partition == "files":
-        return _files_data(cfg, seed)
-    ds = load_dataset(cfg.dataset, cfg.root)
-    notes = [ds.notes]
-    if ds.test is None:
-        train_pool, test_pool = _split_test_pool(ds, cfg.test_fraction, seed)
-        notes.append(f"test pool: {cfg.test_fraction:.0%} of each class held out ({len(test_pool)} samples), "
-                     f"train pool {len(train_pool)} samples")
-    else:
-        train_pool, test_pool = ds.train, ds.test
-    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "partition")
-    num_domains, part_domains = _domain_structure(cfg, train_pool, test_pool)
-    part = run_partitioner(cfg.partition, dict(cfg.partition_params), train_pool.y.numpy(), test_pool.y.numpy(),
-                           cfg.num_clients, r, ds.num_classes, domains=part_domains)
-    notes += part.notes
-    if cfg.local_split is not None:
-        return _local_split_data(cfg, seed, ds, train_pool, part, notes)
-    clients = []
-    # clients hold uint8 pixels (ClientData.compact) from the start: encode each pool once (when that is exact) and
-    # index the encoded pool, instead of building every client's float images and encoding them client by client
-    # (at 100k clients that left a 1.3 GB float copy and a heap fragmented by the per-client temporaries)
-    u8 = None
-    if train_pool.norm is not None and test_pool.norm == train_pool.norm and not cfg.rotations:
-        u8 = (encode_exact(train_pool.x, train_pool.norm), encode_exact(test_pool.x, test_pool.norm))
-        u8 = None if any(u is None for u in u8) else u8
-    for i in range(cfg.num_clients):
-        va = None
-        tr_idx = np.asarray(part.train[i])
-        if cfg.val_fraction > 0:
-            tr_idx, va_idx = split_validation(tr_idx, cfg.val_fraction,
-                                              rngmod.numpy_rng(seed, rngmod.NO_ROUND, i, "val-split"))
-            va = train_pool.subset(va_idx, u8 and u8[0])
-        tr, te = train_pool.subset(tr_idx, u8 and u8[0]), test_pool.subset(part.test[i], u8 and u8[1])
-        if len(tr) == 0:
-            raise DataError("data.partition_params", f"client {i} received no training samples")
-        x_tr, x_te = tr.x, te.x
-        x_va = va.x if va is not None else None
-        if cfg.rotations:
-            angle = cfg.rotations[i % len(cfg.rotations)]
-            x_tr, x_te = rotate(x_tr, angle), rotate(x_te, angle)
-            if x_va is not None:
-                x_va = rotate(x_va, angle)
-        classes = sorted(set(tr.y.tolist()))
-        clients.append(ClientData(i, x_tr, tr.y, x_te, te.y, classes, ds.num_classes, train_pool.norm,
-                                  x_val=x_va, y_val=va.y if va is not None else None).compact())
-    if cfg.val_fraction > 0:
         notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out "
                      f"(stream (seed, -, client, 'val-split')), disjoint from its train and test data")
     if cfg.rotations:
