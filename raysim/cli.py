@@ -169,7 +169,7 @@ def _cmd_run(args) -> int:
         return _cmd_dry_run(cfg, args)
     if args.seeds:
         return _cmd_run_seeds(cfg, args)
-    result = run_experiment(cfg, out_dir=args.out, progress=not args.no_progress, resume=args.resume)
+    result = run_experiment(cfg, out_dir=args.out, progress=False if args.no_progress else None, resume=args.resume)
     mean, std = result.final("test_acc")
     print(f"run {result.run_id}: final mean local test accuracy {mean:.4f} ± {std:.4f} (sample std over "
           f"{cfg.data.num_clients} clients)")
@@ -233,7 +233,7 @@ def _cmd_run_seeds(cfg, args) -> int:
 
     from raysim.sweep import parse_seeds, run_seeds
 
-    runs = run_seeds(cfg, parse_seeds(args.seeds), out_dir=args.out, progress=not args.no_progress)
+    runs = run_seeds(cfg, parse_seeds(args.seeds), out_dir=args.out, progress=False if args.no_progress else None)
     finals = [r.final("test_acc")[0] for r in runs]
     sd = float(np.std(finals, ddof=1)) if len(finals) > 1 else float("nan")
     print(f"{len(runs)} seeds: final mean local test accuracy {np.mean(finals):.4f} ± {sd:.4f} (std over seeds)")

@@ -34,7 +34,7 @@ from raysim import rng as rngmod
 from raysim import rundir, safety
 from raysim.algorithm import Task
 from raysim.backends import make_backend, preflight
-from raysim.config import ConfigError, ExperimentConfig, from_dict, to_dict
+from raysim.config import ConfigError, ExperimentConfig, check_path_component, from_dict, to_dict
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
@@ -600,6 +600,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
     ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
     """
+    check_path_component("name", cfg.name)  # also for configs built without validation (it names directories)
     run_id = cfg.run_id()
     target, where = (Path(out_dir), "--out") if out_dir else (Path(cfg.output.dir) / run_id, "output.dir")
     if write and resume is None:  # a bad or busy output directory fails before any data is loaded

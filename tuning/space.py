@@ -252,7 +252,7 @@ def parse_space(data: dict | None, path: str = "space") -> SearchSpace:
 
 
 def load_space(path: str | Path) -> SearchSpace:
-    return parse_space(load_yaml_mapping(path, "--space"))
+    return parse_space(load_yaml_mapping(path, "--space", what="search space"))
 
 
 def resolve_objective(space: SearchSpace, cfg, log=print) -> SearchSpace:

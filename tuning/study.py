@@ -30,7 +30,7 @@ import pandas as pd
 import yaml
 
 from raysim import results
-from raysim.config import ConfigError, apply_overrides, load_config_dict, make_config, to_dict
+from raysim.config import ConfigError, apply_overrides, check_path_component, load_config_dict, make_config, to_dict
 from raysim.data.datasets import DataError
 from tuning.space import SearchSpace, apply_params, check_against_config, parse_space, resolve_objective
 
@@ -371,6 +371,8 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
     unknown = sorted(set(first_params or {}) - set(space.params))
     if unknown:
         raise ConfigError("--first", f"{', '.join(unknown)} is not a tuned key; tuned: {', '.join(space.params)}")
+    if study_name is not None:
+        check_path_component("--study-name", study_name)  # it names the output directory tune-<study name>
     study_name = study_name or f"{cfg.name}-tune"
     out_dir = Path(out_dir) if out_dir else Path(cfg.output.dir) / f"tune-{study_name}"
     storage_url = storage or f"journal:{out_dir / 'study.journal'}"
