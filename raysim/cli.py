@@ -263,7 +263,8 @@ def main(argv=None) -> int:
             return _cmd_report(args)
         return _cmd_run(args)
     except (ConfigError, DataError) as e:
-        print(f"raysim: {e}", file=sys.stderr)
+        cause = getattr(e, "cause", None)  # raised in a Ray actor: the original error, without Ray's traceback
+        print(f"raysim: {cause if isinstance(cause, (ConfigError, DataError)) else e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         notes = _notes(e, args)

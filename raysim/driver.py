@@ -443,7 +443,7 @@ class RunDirectory(Callback):
 
     def on_run_end(self, run: Run, result: RunResult) -> None:
         cfg, d = run.cfg, self.rd.work
-        write_parquet(result.table, d / RESULTS_FILE, result.metadata)
+        digest = write_parquet(result.table, d / RESULTS_FILE, result.metadata)
         (d / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         summary = {"status": "finished", **{k: v for k, v in result.metadata.items() if k != "config"}}
         t = run.timing
@@ -453,6 +453,7 @@ class RunDirectory(Callback):
                              "total_env_s": float(np.sum(t["env_s"])), "backend": cfg.backend.name}
         summary["store"] = getattr(run, "store_stats", [])
         summary["failures"] = run.failures
+        summary["results_sha256"] = digest  # verified whenever the table is read (results.check_table)
         (d / "run.json").write_text(json.dumps(summary, indent=1, default=str))
         result.out_dir = self.rd.finalise()
 
@@ -586,6 +587,11 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
     if ck is None:
         raise ConfigError("resume", f"no checkpoints under {path} (runs keep them with output.checkpoint_every > 0)")
     meta = read_checkpoint_meta(ck)
+    if not isinstance(meta, dict) or not isinstance(meta.get("extra"), dict):
+        from raysim.data.datasets import DamagedFileError
+
+        raise DamagedFileError(ck / "meta.pt", "it does not hold a raysim checkpoint's meta",
+                               f"remove {ck} to resume from the checkpoint before it, or start the run again")
     if (meta.get("extra") or {}).get("resume_hash") != resume_hash(cfg):
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
     return ck.parent.parent, ck, meta
@@ -659,6 +665,19 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
 
 
 def _restore(run: Run, ck_dir: Path, meta: dict) -> None:
+    from raysim.data.datasets import DamagedFileError
+
+    try:
+        _restore_from(run, ck_dir, meta)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        if isinstance(e, DamagedFileError):
+            raise
+        raise DamagedFileError(Path(ck_dir) / "meta.pt", f"it does not hold a raysim checkpoint ({type(e).__name__}: "
+                               f"{e})", f"remove {ck_dir} to resume from the checkpoint before it, or start the run "
+                               f"again") from None
+
+
+def _restore_from(run: Run, ck_dir: Path, meta: dict) -> None:
     extra = meta["extra"]
     run.backend.load_checkpoint(str(ck_dir), meta["manifest"])
     run.table.rows = [(run.run_id, *r[1:]) for r in extra["rows"]]  # run_id changes when rounds were extended

@@ -62,7 +62,23 @@ def atomic_save(obj, path: Path) -> None:
 
 
 def load_file(path: Path):
-    return torch.load(Path(path), map_location="cpu", weights_only=True)  # tensors and plain containers only
+    """A state file (checkpoint shard or meta, spilled client state): tensors and plain containers only. A damaged
+    or unreadable one is a DamagedFileError naming it and saying what to do."""
+    from raysim.data.datasets import DamagedFileError, read_problem
+
+    path = Path(path)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if "checkpoints" in path.parts:
+            i = len(path.parts) - 1 - path.parts[::-1].index("checkpoints")
+            ck = Path(*path.parts[: i + 2])
+            fix = (f"the checkpoint is damaged: remove {ck} to resume from the one before it, or start the run "
+                   f"again")
+        else:
+            fix = ("a client state spilled to disk (backend.state_dir) is damaged: the run cannot continue; resume it "
+                   "from its last checkpoint (--resume) or start it again")
+        raise DamagedFileError(path, read_problem(e), fix) from None
 
 
 class StateStore:

@@ -320,22 +320,65 @@ class FileSplit:
     notes: list[str] = field(default_factory=list)
 
 
+_NPZ_FIX = "regenerate the split with PFLlib/HtFLlib (or copy it again) and point data.partition_params.root at it"
+# what a PFLlib split file's pickled object array may name: numpy's own array reconstruction, nothing else (a split
+# shared between labs is read without running code from it)
+_NUMPY_GLOBALS = {("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"),
+                  ("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar"),
+                  ("numpy", "ndarray"), ("numpy", "dtype")}
+
+
+def _restricted_unpickle(fp):
+    import pickle
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in _NUMPY_GLOBALS:
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"refused to load {module}.{name} (a split file holds numpy arrays only)")
+
+    return Unpickler(fp).load()
+
+
+def _read_npz_data(path) -> dict:
+    """The ``data`` entry of a PFLlib ``.npz`` split file (``np.savez_compressed(f, data={'x': x, 'y': y})``), read
+    with numpy's own format reader; its pickled object array may only rebuild numpy arrays."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        with z.open("data.npy") as fp:
+            version = np.lib.format.read_magic(fp)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError(f"unsupported .npy format version {version}")
+            shape, fortran, dtype = read_header(fp, max_header_size=10000)
+            if dtype.hasobject:
+                arr = _restricted_unpickle(fp)
+            else:
+                raise ValueError("'data' is a plain array, not the dict {x, y} PFLlib writes")
+    return arr.tolist() if isinstance(arr, np.ndarray) else arr
+
+
 def _load_npz(path, what: str) -> tuple[np.ndarray, np.ndarray]:
     from pathlib import Path
+
+    from raysim.data.datasets import DamagedFileError, read_problem
 
     if not Path(path).exists():
         raise DataError(_field("root"), f"missing {what} file {path}")
     try:
-        with open(path, "rb") as f:
-            d = np.load(f, allow_pickle=True)["data"].tolist()
+        d = _read_npz_data(path)
+        if not isinstance(d, dict) or "x" not in d or "y" not in d:
+            raise ValueError("'data' must be a dict with keys x and y")
         x, y = np.asarray(d["x"]), np.asarray(d["y"])
-    except DataError:
-        raise
+        if x.dtype.hasobject or y.dtype.hasobject or y.ndim != 1 or x.ndim < 1:
+            raise ValueError(f"x must be a numeric array and y a 1-d label array (x {x.dtype} {x.shape}, "
+                             f"y {y.dtype} {y.shape})")
     except Exception as e:
-        raise DataError(_field("root"), f"cannot read {path} as a PFLlib split file (np.load(f, allow_pickle=True)"
-                                        f"['data'] with keys x and y): {type(e).__name__}: {e}") from None
+        raise DamagedFileError(path, read_problem(e), _NPZ_FIX, _field("root")) from None
     if x.shape[0] != y.shape[0]:
-        raise DataError(_field("root"), f"{path}: {x.shape[0]} samples in x but {y.shape[0]} labels in y")
+        raise DamagedFileError(path, f"{x.shape[0]} samples in x but {y.shape[0]} labels in y", _NPZ_FIX, _field("root"))
     return x, y
 
 
@@ -357,11 +400,19 @@ def load_split_files(params: dict, num_clients: int) -> FileSplit:
     cfg_path = root / "config.json"
     if not cfg_path.exists():
         raise DataError(_field("root"), f"missing {cfg_path} (PFLlib writes num_clients and num_classes there)")
+    from raysim.data.datasets import DamagedFileError, read_problem
+
     try:
         meta = json.loads(cfg_path.read_text())
-        n, num_classes = int(meta["num_clients"]), int(meta["num_classes"])
     except Exception as e:
-        raise DataError(_field("root"), f"{cfg_path} needs integer num_clients and num_classes: {e}") from None
+        raise DamagedFileError(cfg_path, read_problem(e), _NPZ_FIX, _field("root")) from None
+    try:
+        n, num_classes = int(meta["num_clients"]), int(meta["num_classes"])
+        if n <= 0 or num_classes <= 0:
+            raise ValueError("both must be > 0")
+    except Exception as e:
+        raise DamagedFileError(cfg_path, f"needs integer num_clients and num_classes > 0 ({type(e).__name__}: {e})",
+                               _NPZ_FIX, _field("root")) from None
     if n != num_clients:
         raise DataError("data.num_clients", f"the split in {root} has {n} clients (config.json), the config asks for "
                                             f"{num_clients}; set data.num_clients: {n}")
