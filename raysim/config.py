@@ -293,6 +293,7 @@ class BackendConfig:
     server_num_cpus: float = 0.0
     server_num_gpus: float = 0.0
     address: Optional[str] = None  # an existing Ray cluster; None starts a local one
+    connect_timeout_s: float = 10.0  # how long backend.address may take to answer before the run stops (one line)
     torch_threads: int = 1  # intra-op threads per worker (1 keeps results bit-identical across backends)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
     state_memory_mb: float = 1024.0  # client states kept in memory per actor; beyond it the least recently used spill
@@ -317,6 +318,10 @@ class BackendConfig:
         positive(_p(path, "server_num_cpus"), self.server_num_cpus, allow_zero=True)
         positive(_p(path, "server_num_gpus"), self.server_num_gpus, allow_zero=True)
         positive(_p(path, "torch_threads"), self.torch_threads)
+        positive(_p(path, "connect_timeout_s"), self.connect_timeout_s)
+        if self.address is not None and not str(self.address).strip():
+            raise ConfigError(_p(path, "address"), "is empty; give host:port of a running Ray head (or leave it out "
+                                                   "to start a local cluster)")
         choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
         for name in ("num_gpus", "server_num_gpus"):
             v = getattr(self, name)
