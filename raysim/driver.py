@@ -85,6 +85,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
             if k not in arch_params(spec.arch):
                 raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
                                                          f"{', '.join(arch_params(spec.arch))}")
+    _notice_dropped(cfg)
     fed = build_federated_data(cfg.data, cfg.seed)
     env = make_environment(cfg, fed)  # None without an env section
     env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
@@ -119,6 +120,36 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         env.bind(task)
     spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params)
     return Prepared(cfg, fed, task, spec, env, algorithm)
+
+
+_NOTICED: set = set()
+
+
+def _notice_once(message: str) -> None:
+    if message not in _NOTICED:  # prepare runs again per seed and per trial: say it once
+        _NOTICED.add(message)
+        rundir.notice(message)
+
+
+def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _notice_once) -> None:
+    """Values the run caps or leaves unused get one line each (never silently)."""
+    n = cfg.data.num_clients
+    per = cfg.model.per_client
+    if per is not None and cfg.model.assign in ("cycle", "blocks") and len(per) > n:
+        unused = [f"{i}: {s.arch}" for i, s in enumerate(per) if i >= n]
+        notify(f"note: model.per_client lists {len(per)} architectures but data.num_clients is {n}: entries "
+               f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''} are not used")
+    tiers = cfg.model.tiers
+    if cfg.model.assign == "tier" and tiers is not None and len(tiers) > n:
+        notify(f"note: model.tiers lists {len(tiers)} tiers but data.num_clients is {n}: the last {len(tiers) - n} "
+               f"are not used")
+    rot = cfg.data.rotations
+    if rot is not None and len(rot) > n:
+        notify(f"note: data.rotations lists {len(rot)} angles but data.num_clients is {n}: the last {len(rot) - n} "
+               f"are not used")
+    if cfg.backend.name == "ray" and cfg.backend.num_actors > n:
+        notify(f"note: backend.num_actors={cfg.backend.num_actors} exceeds data.num_clients={n}: {n} client actors "
+               f"are started (one client each)")
 
 
 def versions() -> dict:

@@ -69,12 +69,15 @@ def check_resources(cfg, cpus: float, gpus: float, where: str) -> None:
         # pack client actors, then the server, onto whole GPUs
         if need_gpu_actors > _gpu_capacity(b.num_gpus, gpus) or (
                 b.num_gpus * need_gpu_actors + b.server_num_gpus > gpus + 1e-9):
-            raise ConfigError("backend.num_gpus", f"{n} client actors x {b.num_gpus} GPU"
+            raise ConfigError("backend.num_gpus", f"{n} client actors"
+                                                  f"{' (backend.num_actors capped at data.num_clients)' if n < b.num_actors else ''}"
+                                                  f" x {b.num_gpus} GPU"
                                                   f"{' + server ' + str(b.server_num_gpus) if b.server_num_gpus else ''}"
                                                   f" do not fit on the {gpus:g} GPU(s) of {where}")
     need_cpu = n * b.num_cpus + b.server_num_cpus
     if need_cpu > cpus + 1e-9:
-        raise ConfigError("backend.num_actors", f"{n} actors x {b.num_cpus} CPU + server {b.server_num_cpus} CPU = "
+        capped = f" (backend.num_actors={b.num_actors} capped at data.num_clients)" if n < b.num_actors else ""
+        raise ConfigError("backend.num_actors", f"{n} actors{capped} x {b.num_cpus} CPU + server {b.server_num_cpus} CPU = "
                                                 f"{need_cpu:g} CPUs, but {where} has {cpus:g}; lower backend.num_actors "
                                                 f"or backend.num_cpus (fractions allowed)")
 
