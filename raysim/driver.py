@@ -625,6 +625,19 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
                                f"remove {ck} to resume from the checkpoint before it, or start the run again")
     if (meta.get("extra") or {}).get("resume_hash") != resume_hash(cfg):
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
+    manifest = meta.get("manifest") or {}
+    shards = [manifest.get("server")] + list(manifest.get("clients") or [])
+    if (ck / "server_clients.pt").exists():
+        shards.append("server_clients.pt")
+    from raysim.store import load_file
+
+    for name in shards:  # every shard must load before a run directory is claimed (a damaged one: one line)
+        if not isinstance(name, str) or not (ck / name).is_file():
+            from raysim.data.datasets import DamagedFileError
+
+            raise DamagedFileError(ck / str(name), "a shard the checkpoint's meta.pt lists is missing",
+                                   f"remove {ck} to resume from the checkpoint before it, or start the run again")
+        load_file(ck / name, (meta.get("sha256") or {}).get(name))
     return ck.parent.parent, ck, meta
 
 
