@@ -163,6 +163,9 @@ def _p(path: str, name: str) -> str:
 # the experiment configuration
 
 
+MAX_CLIENTS = 10_000_000  # per-client arrays of this length still fit in memory
+
+
 @dataclass(frozen=True)
 class DataConfig:
     dataset: str = "mnist5k"
@@ -180,6 +183,9 @@ class DataConfig:
 
     def check(self, path: str) -> None:
         positive(_p(path, "num_clients"), self.num_clients)
+        if self.num_clients > MAX_CLIENTS:
+            raise ConfigError(_p(path, "num_clients"), f"{self.num_clients:,} exceeds the {MAX_CLIENTS:,} clients a "
+                                                       f"simulation may hold")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(_p(path, "val_fraction"), f"must be in [0, 1), got {self.val_fraction}")
         if self.rotations is not None and len(self.rotations) == 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -97,6 +98,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         if arch_key(spec) not in seen:
             seen.add(arch_key(spec))
             path = "model" if cfg.model.per_client is None else f"model.per_client[{i % len(cfg.model.per_client)}]"
+            _check_model_size(spec, task, path)
             try:
                 built = build_model(spec, task.input_shape, task.num_classes, path)
             except (TypeError, ValueError, RuntimeError) as e:
@@ -120,6 +122,39 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         env.bind(task)
     spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params)
     return Prepared(cfg, fed, task, spec, env, algorithm)
+
+
+def _available_bytes() -> Optional[int]:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def _check_model_size(spec, task: Task, path: str) -> None:
+    """Count the architecture's parameters without allocating them (torch's meta device) and refuse a model whose
+    weights, gradients and optimiser state (4 copies of float32) would not fit in this machine's free memory."""
+    import torch
+
+    from raysim.models import build_model
+
+    try:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in build_model(spec, task.input_shape, task.num_classes, path).parameters())
+    except ConfigError:
+        raise
+    except Exception:  # an architecture that cannot be built on the meta device is built (and checked) for real
+        return
+    need, avail = 16 * n, _available_bytes()
+    if avail is not None and need > avail:
+        raise ConfigError(f"{path}.params", f"{spec.arch} with {spec.params} has {n:,} parameters: about "
+                                            f"{need / 2**30:,.1f} GiB for weights, gradients and optimiser state, "
+                                            f"more than the {avail / 2**30:,.1f} GiB free here; make it smaller")
 
 
 _NOTICED: set = set()
