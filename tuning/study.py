@@ -490,7 +490,7 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
         check_path_component("--study-name", study_name)  # it names the output directory tune-<study name>
     study_name = study_name or f"{cfg.name}-tune"
     out_dir = Path(out_dir) if out_dir else Path(cfg.output.dir) / f"tune-{study_name}"
-    storage_url = storage or f"journal:{out_dir / 'study.journal'}"
+    storage_url = storage if storage is not None else f"journal:{out_dir / 'study.journal'}"
     if parallel > 1:  # Ray workers may run in another directory
         storage_url = absolute_storage_url(storage_url)
     store = open_storage(storage_url)
