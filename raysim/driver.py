@@ -644,6 +644,9 @@ class EvalCallback(Callback):
 # ----------------------------------------------------------------------------------------------------------------
 # entry point
 
+META_NAME = "meta.pt"
+
+
 def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path, dict]:
     """The run directory to continue, its latest complete checkpoint and that checkpoint's meta."""
     path = Path(resume)
@@ -667,7 +670,12 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
     from raysim.store import load_file
 
     for name in shards:  # every shard must load before a run directory is claimed (a damaged one: one line)
-        if not isinstance(name, str) or not (ck / name).is_file():
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            from raysim.data.datasets import DamagedFileError
+
+            raise DamagedFileError(ck / META_NAME, f"it lists a shard {name!r} that is not a file name in {ck}",
+                                   f"remove {ck} to resume from the checkpoint before it, or start the run again")
+        if not (ck / name).is_file():
             from raysim.data.datasets import DamagedFileError
 
             raise DamagedFileError(ck / str(name), "a shard the checkpoint's meta.pt lists is missing",

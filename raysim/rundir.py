@@ -285,10 +285,16 @@ def describe(path: Path) -> dict:
            "path": str(path)}
     try:
         _describe(path, row)
-    except DamagedFileError as e:
-        row["status"] = f"damaged ({Path(e.path).name}: {e.problem})"
     except Exception as e:  # never let one run hide the others
-        row["status"] = f"damaged ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        row["status"] = (f"damaged ({Path(e.path).name}: {e.problem})" if isinstance(e, DamagedFileError) else
+                         f"damaged ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+        try:  # what the run's config.yaml still says
+            cfg = _config_of(path)
+            row["name"] = cfg.get("name", "?")
+            row["algorithm"] = (cfg.get("algorithm") or {}).get("name", "?")
+            row["dataset"] = (cfg.get("data") or {}).get("dataset", "?")
+        except Exception:
+            pass
     return row
 
 

@@ -393,3 +393,14 @@ def test_shared_base_and_domain_dirichlet_boundaries():
     refused("data.partition_params.test_per_class", "at most 5 fit", "shared_base", 3, per_class=1, test_per_class=6)
     refused("data.partition_params.samples_per_client", "must be > 0", "domain_dirichlet", 3, samples_per_client=0)
     assert len(part("domain_dirichlet", 3, samples_per_client=1, test_ratio=0).train[0]) == 1
+
+
+@pytest.mark.ray
+def test_a_real_ray_gcs_passes_the_address_check(ray_session):
+    """The HTTP/2 probe of backend.address accepts a real Ray head (the session's local cluster)."""
+    from raysim.backends.ray_backend import check_address
+
+    address = ray_session.get_runtime_context().gcs_address
+    t0 = time.perf_counter()
+    check_address(address, 5.0)
+    assert time.perf_counter() - t0 < 5
