@@ -87,6 +87,24 @@ def _check_file_target(path: Path, kind: str, header: Optional[bytes] = None) ->
                              f"--storage") from None
 
 
+def _sqlite_quick_check(db: Path) -> None:
+    """SQLite's own structural check of an existing database (read-only): a damaged file is refused up front."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+        try:
+            rows = con.execute("PRAGMA quick_check").fetchall()
+        finally:
+            con.close()
+        problem = None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:2])
+    except sqlite3.Error as e:
+        problem = f"{type(e).__name__}: {e}"
+    if problem:
+        raise _storage_error(f"{db} is a damaged SQLite database ({problem[:200]}); move it away or choose another "
+                             f"--storage")
+
+
 def check_storage(url: str, timeout_s: float = STORAGE_TIMEOUT_S) -> None:
     """Before the study starts: the scheme is supported, its driver installed, the server reachable within
     ``timeout_s``, the file (SQLite, journal) writable. Every problem is one ConfigError naming --storage."""
@@ -125,7 +143,10 @@ def check_storage(url: str, timeout_s: float = STORAGE_TIMEOUT_S) -> None:
                              f"use sqlite:///PATH.db or journal:PATH") from None
     if backend == "sqlite":
         if u.database and u.database != ":memory:":
-            _check_file_target(Path(u.database), "SQLite database", b"SQLite format 3\x00")
+            db = Path(u.database).expanduser()
+            _check_file_target(db, "SQLite database", b"SQLite format 3\x00")
+            if db.is_file() and db.stat().st_size:
+                _sqlite_quick_check(db)
         return
     if u.host:
         port = u.port or _DB_PORTS.get(backend)
