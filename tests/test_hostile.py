@@ -406,3 +406,35 @@ def test_a_real_ray_gcs_passes_the_address_check(ray_session):
     t0 = time.perf_counter()
     check_address(address, 5.0)
     assert time.perf_counter() - t0 < 5
+
+
+def test_address_answering_without_a_local_node_fails_fast(monkeypatch):
+    """A head that answers (a fake GCS replying with an HTTP/2 SETTINGS frame) while no Ray node runs on this
+    machine: ray.init could only time out, so the check says what to do at once."""
+    import ray._private.services as services
+
+    from raysim.backends.ray_backend import check_address
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(4)
+    port = s.getsockname()[1]
+
+    def serve():
+        try:
+            c, _ = s.accept()
+            c.recv(64)
+            c.sendall(b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")  # an empty SETTINGS frame
+            time.sleep(0.5)
+            c.close()
+        except OSError:
+            pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    monkeypatch.setattr(services, "find_node_ids", lambda: [])
+    try:
+        with pytest.raises(ConfigError, match="no Ray node runs on this machine") as e:
+            check_address(f"127.0.0.1:{port}", 2.0)
+    finally:
+        s.close()
+    assert e.value.field == "backend.address" and "ray start --address=127.0.0.1:" in str(e.value)

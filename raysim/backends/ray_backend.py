@@ -146,6 +146,17 @@ def check_address(address: str, timeout_s: float) -> None:
     if len(head) < 9 or head[3] != 0x04:
         raise _address_error(f"{host}:{port} accepts connections but is not a Ray cluster's GCS (no answer as one "
                              f"within {timeout_s:g} s, backend.connect_timeout_s); {_ADDRESS_FIX}")
+    try:  # a driver joins through a raylet on its own machine: with none here, ray.init could only time out
+        from ray._private.services import find_node_ids
+
+        local = find_node_ids()
+    except Exception:
+        local = None
+    if local is not None and not local:
+        raise _address_error(f"{host}:{port} answers as a Ray head, but no Ray node runs on this machine, and a driver "
+                             f"joins a cluster through a node of its own machine: join it first with 'ray start "
+                             f"--address={host}:{port}', or reach it through Ray Client (backend.address: "
+                             f"ray://{host}:10001)")
 
 
 def preflight_resources(cfg) -> None:
