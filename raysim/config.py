@@ -506,6 +506,16 @@ def yaml_load(text: str, source: str = "<string>"):
         raise YamlBoundsError(f"{source}: {len(text):,} characters, more than the {MAX_YAML_BYTES:,} a config may hold")
     stream = io.StringIO(text)
     stream.name = source  # PyYAML's marks name the stream's ``name``
+    depth = 0  # the parser is iterative (the composer recurses): refuse deep nesting before composing
+    for event in yaml.parse(stream, Loader=YamlLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise YamlBoundsError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep; raysim refuses it")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    stream = io.StringIO(text)
+    stream.name = source
     try:
         data = yaml.load(stream, Loader=YamlLoader)
     except RecursionError:

@@ -100,7 +100,7 @@ PROBES = [
     ("study-name", TUNE + ["--study-name", "../../x"], "'--study-name'", "not a safe name"),
     # 2. YAML with bounds
     ("billion-laughs", ["run", "laughs.yaml"], "laughs.yaml", "billion laughs"),
-    ("deep-nesting-parse", ["run", "deep.yaml"], "deep.yaml", "nested too deeply"),
+    ("deep-nesting-parse", ["run", "deep.yaml"], "deep.yaml", "nested more than"),
     ("deep-nesting", ["run", "deep2.yaml"], "deep2.yaml", "nested more than"),
     ("too-large", ["run", "big.yaml"], "big.yaml", "more than the"),
     ("set-deep", ["run", "c.yaml", "--set", "data.partition_params=" + "[" * 40 + "]" * 40], "data.partition_params",
@@ -286,10 +286,12 @@ def test_api_tune_storage_checked_before_the_study(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
-def test_storage_server_that_never_answers_is_one_line(work, capsys):
+def test_storage_server_that_never_answers_is_one_line(work, capsys, monkeypatch):
     """A server that accepts connections but never answers: the TCP check passes, the driver's own connect timeout
     ends it, and the error is one line naming --storage."""
     from tuning import study
+
+    monkeypatch.setattr(study, "STORAGE_TIMEOUT_S", 1.0)
 
     s, port = listener()
     try:
