@@ -641,6 +641,8 @@ def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG", what: str = 
     text = read_text_file(path, field_name, what=what)
     try:
         data = yaml_load(text, str(path))
+    except YamlBoundsError as e:
+        raise ConfigError(field_name, str(e)) from None
     except yaml.YAMLError as e:
         raise ConfigError(field_name, f"not valid YAML: {yaml_error_text(e, str(path))}") from None
     if data is None:
