@@ -51,14 +51,24 @@ def run(argv) -> tuple[int, str]:
 
 
 def main_() -> None:
+    import shutil
+
+    from raysim.config import make_config
+    from raysim.driver import run_experiment
+
     print("| # | probe | command (after `raysim`) | exit | lines | traceback | tree changed | the line |")
     print("|---|---|---|---|---|---|---|---|")
     cwd = os.getcwd()
-    for i, (pid, argv, _, _) in enumerate(th.PROBES, 1):
+    one = Path(tempfile.mkdtemp()) / "r"  # a finished run for the probes that need one (copied to runs/r)
+    run_experiment(make_config(tiny_config(rounds=1)), out_dir=one)
+    probes = [(p, False) for p in th.PROBES] + [(p, True) for p in th.REPORT_PROBES]
+    for i, ((pid, argv, _, _), with_run) in enumerate(probes, 1):
         with tempfile.TemporaryDirectory() as d:
             w = Path(d) / "work"
             w.mkdir()
             setup(w)
+            if with_run:
+                shutil.copytree(one, w / "runs" / "r")
             os.chdir(w)
             try:
                 before = th.tree(Path(d))
@@ -69,7 +79,7 @@ def main_() -> None:
         lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("raysim: note:")]
         shown = " ".join(a if len(a) < 60 else a[:57] + "..." for a in argv).replace("|", "\\|")
         line = (lines[-1] if lines else "").replace(d, "TMP").replace("|", "\\|")
-        print(f"| {i} | {pid} | `{shown}` | {code} | {len(lines)} | {'yes' if 'Traceback' in err else 'no'} | "
+        print(f"| {i} | {pid}{' (with a finished run in runs/r)' if with_run else ''} | `{shown}` | {code} | {len(lines)} | {'yes' if 'Traceback' in err else 'no'} | "
               f"{'yes' if changed else 'no'} | {line[:300]} |")
 
 

@@ -85,7 +85,9 @@ def _cmd_tune(args) -> int:
 
 def _cmd_report(args) -> int:
     from raysim.report import build_report
+    from raysim.rundir import check_writable
 
+    check_writable(args.out, "--out")  # a report directory that cannot be created fails before anything is read
     try:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
         files = build_report(args.runs, args.out, metrics, args.target, args.time_metric, plots=not args.no_plots,
@@ -272,6 +274,12 @@ def main(argv=None) -> int:
         for note in notes:
             print(f"raysim: {note}", file=sys.stderr)
         return 130
+    except OSError as e:  # the file system refused something raysim did not check beforehand (disk full, ...)
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"raysim: cannot access{where}: {e.strerror or e}", file=sys.stderr)
+        for note in _notes(e, args):
+            print(f"raysim: {note}", file=sys.stderr)
+        return 1
     except Exception as e:
         from raysim.runtime import SimulationError
 

@@ -242,9 +242,12 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
     notes = list(notes) + [f"skipped a damaged run: {e}" for e in damaged]
     labels = setting_labels(index)
     index = index.assign(setting=index["group"].map(labels))
+    tm = find_time_metric(df, time_metric)
+    tuned_seeds = set()
+    for d in tuned_on or []:  # read before anything is written: a bad --tuned-on leaves no report directory
+        tuned_seeds |= tuning_seeds(d)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tm = find_time_metric(df, time_metric)
     files: dict = {}
     md = [f"# raysim report\n\n{len(index)} run(s) in {index['group'].nunique()} setting(s) (runs whose configs "
           f"differ only in the seed form one setting; a setting is named by its algorithm and the config keys that "
@@ -253,10 +256,7 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
           f"over seeds.\n"]
     md += [f"\nNote: {n}.\n" for n in notes]
     if tuned_on:
-        seeds = set()
-        for d in tuned_on:
-            seeds |= tuning_seeds(d)
-        hit = index[index["seed"].isin(sorted(seeds))]
+        hit = index[index["seed"].isin(sorted(tuned_seeds))]
         if len(hit):
             msg = (f"run(s) {', '.join(hit['run_id'].astype(str))} use seed(s) "
                    f"{', '.join(str(int(x)) for x in sorted(set(hit['seed'])))} that the hyperparameters were tuned "

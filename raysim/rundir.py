@@ -347,6 +347,11 @@ def _describe(path: Path, row: dict) -> None:
 
 def list_runs(root: Path) -> list[dict]:
     root = Path(root)
-    if not root.is_dir():
-        raise ConfigError("DIR", f"{root} is not a directory")
+    try:
+        is_dir = root.is_dir() and os.access(root, os.R_OK | os.X_OK) and (os.listdir(root) is not None)
+    except OSError as e:
+        raise ConfigError("DIR", f"cannot read {root}: {e.strerror or e}") from None
+    if not is_dir:
+        raise ConfigError("DIR", f"{root} is not a directory" if not root.is_dir() else f"cannot read {root} "
+                                 f"(permissions)")
     return [describe(p) for p in find_run_dirs(root)]

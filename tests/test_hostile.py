@@ -440,3 +440,62 @@ def test_address_answering_without_a_local_node_fails_fast(monkeypatch):
     finally:
         s.close()
     assert e.value.field == "backend.address" and "ray start --address=127.0.0.1:" in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory):
+    from raysim.driver import run_experiment
+
+    root = tmp_path_factory.mktemp("one_run")
+    run_experiment(make_config(tiny_config(rounds=1)), out_dir=root / "r")
+    return root / "r"
+
+
+REPORT_PROBES = [
+    ("report-out-is-file", ["report", "runs", "--out", "c.yaml", "--no-plots"], "--out", "is a file"),
+    ("report-out-unwritable", ["report", "runs", "--out", "/proc/raysim-x", "--no-plots"], "--out", "cannot write"),
+    ("report-tuned-on-not-tune", ["report", "runs", "--tuned-on", "c.yaml", "--no-plots", "--out", "rep"],
+     "--tuned-on", "no trials.parquet"),
+    ("report-unknown-metric", ["report", "runs", "--metric", "nope", "--no-plots", "--out", "rep"], "'nope'",
+     "no client metric"),
+    ("report-unknown-time-metric", ["report", "runs", "--time-metric", "nope", "--no-plots", "--out", "rep"], "'nope'",
+     "no total"),
+    ("report-not-a-table", ["report", "runs/r/config.yaml", "--out", "rep"], "config.yaml", "cannot read"),
+    ("resume-a-file", ["run", "c.yaml", "--resume", "c.yaml"], "resume", "no checkpoints"),
+    ("resume-finished-without-checkpoints", ["run", "c.yaml", "--resume", "runs/r"], "resume", "no checkpoints"),
+    ("out-is-file", ["run", "c.yaml", "--out", "c.yaml"], "--out", "is a file"),
+    ("set-no-key", ["run", "c.yaml", "--set", "=5"], "=5", "needs a key"),
+]
+
+
+@pytest.mark.parametrize("argv,names,text", [p[1:] for p in REPORT_PROBES], ids=[p[0] for p in REPORT_PROBES])
+def test_probe_with_a_run(work, one_run, argv, names, text, capsys):
+    import shutil
+
+    shutil.copytree(one_run, work / "runs" / "r")
+    root = work.parent
+    before = tree(root)
+    code = main(list(argv))
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("raysim: note:")]
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert names in lines[0] and text in lines[0], lines[0]
+    assert tree(root) == before
+
+
+def test_disk_full_at_the_end_is_one_line_exit_1(work, monkeypatch, capsys):
+    """A run-time failure of the file system (disk full while writing the table): exit 1, one line naming the file,
+    no partial run directory."""
+    import errno
+
+    import raysim.driver
+
+    def full(df, path, metadata):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(raysim.driver, "write_parquet", full)
+    code = main(["run", "c.yaml", "--set", "rounds=1", "--out", "out/r"])
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == 1 and len(lines) == 1 and "results.parquet" in lines[0] and "No space left" in lines[0], err
+    assert not (work / "out" / "r").exists() and not (work / "out" / "r.incomplete").exists()
