@@ -503,7 +503,14 @@ def load_image_folder(root: str, input_shape, num_classes: int) -> tuple[torch.T
         for f in sorted(sub.iterdir()):
             if f.suffix.lower() not in IMAGE_EXTENSIONS:
                 continue
-            img = Image.open(f).convert("L" if ch == 1 else "RGB").resize((w, h))
+            try:
+                with Image.open(f) as im:
+                    img = im.convert("L" if ch == 1 else "RGB").resize((w, h))
+            except Exception as e:  # truncated, bytes changed, a directory named like an image, unreadable
+                from raysim.data.datasets import DamagedFileError, read_problem
+
+                raise DamagedFileError(f, read_problem(e), "replace or remove the image (candidate images are "
+                                       "read from algorithm.params.candidate_dir)", "algorithm.params.candidate_dir") from None
             arr = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)
             xs.append(arr.unsqueeze(0) if ch == 1 else arr.permute(2, 0, 1))
             ys.append(int(sub.name))

@@ -137,7 +137,9 @@ def _cmd_tune(args) -> int:
 
 def _cmd_report(args) -> int:
     from raysim.report import build_report
+    from raysim.rundir import check_writable
 
+    check_writable(args.out, "--out")  # a report directory that cannot be created fails before anything is read
     try:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
         files = build_report(args.runs, args.out, metrics, args.target, args.time_metric, plots=not args.no_plots,
@@ -224,7 +226,7 @@ def _cmd_run(args) -> int:
         return _cmd_dry_run(cfg, args)
     if args.seeds:
         return _cmd_run_seeds(cfg, args)
-    result = run_experiment(cfg, out_dir=args.out, progress=not args.no_progress, resume=args.resume)
+    result = run_experiment(cfg, out_dir=args.out, progress=False if args.no_progress else None, resume=args.resume)
     mean, std = result.final("test_acc")
     print(f"run {result.run_id}: final mean local test accuracy {mean:.4f} ± {std:.4f} (sample std over "
           f"{cfg.data.num_clients} clients)")
@@ -296,7 +298,7 @@ def _cmd_run_seeds(cfg, args) -> int:
 
     from raysim.sweep import parse_seeds, run_seeds
 
-    runs = run_seeds(cfg, parse_seeds(args.seeds), out_dir=args.out, progress=not args.no_progress)
+    runs = run_seeds(cfg, parse_seeds(args.seeds), out_dir=args.out, progress=False if args.no_progress else None)
     finals = [r.final("test_acc")[0] for r in runs]
     sd = float(np.std(finals, ddof=1)) if len(finals) > 1 else float("nan")
     print(f"{len(runs)} seeds: final mean local test accuracy {np.mean(finals):.4f} ± {sd:.4f} (std over seeds)")
@@ -328,7 +330,8 @@ def main(argv=None) -> int:
             return _cmd_reproduce(args)
         return _cmd_run(args)
     except (ConfigError, DataError) as e:
-        print(f"raysim: {e}", file=sys.stderr)
+        cause = getattr(e, "cause", None)  # raised in a Ray actor: the original error, without Ray's traceback
+        print(f"raysim: {cause if isinstance(cause, (ConfigError, DataError)) else e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as e:
         notes = _notes(e, args)
@@ -336,6 +339,12 @@ def main(argv=None) -> int:
         for note in notes:
             print(f"raysim: {note}", file=sys.stderr)
         return 130
+    except OSError as e:  # the file system refused something raysim did not check beforehand (disk full, ...)
+        where = f" {e.filename}" if getattr(e, "filename", None) else ""
+        print(f"raysim: cannot access{where}: {e.strerror or e}", file=sys.stderr)
+        for note in _notes(e, args):
+            print(f"raysim: {note}", file=sys.stderr)
+        return 1
     except Exception as e:
         from raysim.runtime import SimulationError
 

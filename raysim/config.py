@@ -140,12 +140,30 @@ def positive(path: str, value, allow_zero: bool = False) -> None:
         raise ConfigError(path, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+# a config value that becomes part of a file or directory name (the run name, a study name): letters, digits and
+# . _ + - : = only, starting with a letter or digit (no separators, no hidden names, no '..'), at most 100 characters
+_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+:=-]{0,99}$")
+
+
+def check_path_component(field_path: str, value) -> str:
+    """``value`` may become part of a path: refuse separators, ``..``, hidden names, control characters and anything
+    outside a portable character set (ConfigError naming ``field_path``)."""
+    if not isinstance(value, str) or not _SAFE_COMPONENT.match(value) or ".." in value:
+        raise ConfigError(field_path, f"{value!r} is not a safe name: it becomes part of a directory name, so use "
+                                      f"1-100 letters, digits and . _ + - : = (starting with a letter or digit; no path "
+                                      f"separators, no '..')")
+    return value
+
+
 def _p(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # the experiment configuration
+
+
+MAX_CLIENTS = 10_000_000  # per-client arrays of this length still fit in memory
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,9 @@ class DataConfig:
 
     def check(self, path: str) -> None:
         positive(_p(path, "num_clients"), self.num_clients)
+        if self.num_clients > MAX_CLIENTS:
+            raise ConfigError(_p(path, "num_clients"), f"{self.num_clients:,} exceeds the {MAX_CLIENTS:,} clients a "
+                                                       f"simulation may hold")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(_p(path, "val_fraction"), f"must be in [0, 1), got {self.val_fraction}")
         if self.rotations is not None and len(self.rotations) == 0:
@@ -284,6 +305,7 @@ class BackendConfig:
     server_num_cpus: float = 0.0
     server_num_gpus: float = 0.0
     address: Optional[str] = None  # an existing Ray cluster; None starts a local one
+    connect_timeout_s: float = 10.0  # how long backend.address may take to answer before the run stops (one line)
     torch_threads: int = 1  # intra-op threads per worker (1 keeps results bit-identical across backends)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
     state_memory_mb: float = 1024.0  # client states kept in memory per actor; beyond it the least recently used spill
@@ -312,6 +334,10 @@ class BackendConfig:
         positive(_p(path, "server_num_cpus"), self.server_num_cpus, allow_zero=True)
         positive(_p(path, "server_num_gpus"), self.server_num_gpus, allow_zero=True)
         positive(_p(path, "torch_threads"), self.torch_threads)
+        positive(_p(path, "connect_timeout_s"), self.connect_timeout_s)
+        if self.address is not None and not str(self.address).strip():
+            raise ConfigError(_p(path, "address"), "is empty; give host:port of a running Ray head (or leave it out "
+                                                   "to start a local cluster)")
         choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
         if isinstance(self.code, str):
             if self.code not in ("auto", "none", "working_dir"):
@@ -356,6 +382,7 @@ class ExperimentConfig:
     env: Optional[dict] = None  # simulated environment (envs/, validated there); None: no simulation
 
     def check(self, path: str) -> None:
+        check_path_component("name", self.name)
         positive("rounds", self.rounds)
         positive("clients_per_round", self.clients_per_round)
         if self.on_client_failure == "raise":  # the old name of stop, still accepted
@@ -458,17 +485,69 @@ class YamlLoader(yaml.SafeLoader):
 YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
 
 
+MAX_YAML_BYTES = 1 << 20  # config and search-space files (a config is a few KB)
+MAX_YAML_VALUES = 100_000  # values in the document once aliases are expanded (a 'billion laughs' stays far below)
+MAX_YAML_DEPTH = 32  # nesting of mappings and lists
+
+
+class YamlBoundsError(yaml.YAMLError):
+    """A YAML document that is too large once expanded, or nested too deeply."""
+
+
+def _check_bounds(data, source: str) -> None:
+    """Walk the loaded document as the tree it stands for (aliases expanded), giving up after MAX_YAML_VALUES values
+    or below MAX_YAML_DEPTH levels: a document of nested aliases is refused in O(limit) time and memory, before
+    anything copies or serialises it."""
+    count = 0
+    stack = [(data, 0)]
+    while stack:
+        node, depth = stack.pop()
+        count += 1
+        if count > MAX_YAML_VALUES:
+            raise YamlBoundsError(f"{source}: expands to more than {MAX_YAML_VALUES:,} values (nested YAML aliases, "
+                                  f"a 'billion laughs' document?); raysim refuses it — write the values out")
+        if isinstance(node, dict):
+            children = list(node.keys()) + list(node.values())
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth >= MAX_YAML_DEPTH:
+            raise YamlBoundsError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep; raysim refuses it")
+        stack.extend((c, depth + 1) for c in children)
+
+
 def yaml_load(text: str, source: str = "<string>"):
-    """Parse YAML text with :class:`YamlLoader`; ``source`` names the file in error messages."""
+    """Parse YAML text with :class:`YamlLoader`; ``source`` names the file in error messages. The document is
+    bounded: at most MAX_YAML_BYTES of text, MAX_YAML_VALUES values with aliases expanded, MAX_YAML_DEPTH levels."""
     import io
 
+    if len(text) > MAX_YAML_BYTES:
+        raise YamlBoundsError(f"{source}: {len(text):,} characters, more than the {MAX_YAML_BYTES:,} a config may hold")
     stream = io.StringIO(text)
     stream.name = source  # PyYAML's marks name the stream's ``name``
-    return yaml.load(stream, Loader=YamlLoader)
+    depth = 0  # the parser is iterative (the composer recurses): refuse deep nesting before composing
+    for event in yaml.parse(stream, Loader=YamlLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_YAML_DEPTH:
+                raise YamlBoundsError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep; raysim refuses it")
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            depth -= 1
+    stream = io.StringIO(text)
+    stream.name = source
+    try:
+        data = yaml.load(stream, Loader=YamlLoader)
+    except RecursionError:
+        raise YamlBoundsError(f"{source}: nested too deeply to parse; raysim refuses it") from None
+    _check_bounds(data, source)
+    return data
 
 
 def yaml_error_text(e: yaml.YAMLError, source: str) -> str:
     """A YAML error in one line: where (file, line, column) and what."""
+    if isinstance(e, YamlBoundsError):
+        return str(e)
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else source
     what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
@@ -484,6 +563,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(text, "an override needs a key before '='")
     try:
         value = yaml_load(raw, "--set") if raw.strip() else ""
+    except YamlBoundsError as e:
+        raise ConfigError(key, str(e)) from None
     except yaml.YAMLError:
         value = raw
     return key, value
@@ -541,19 +622,55 @@ def _stderr_notice(message: str) -> None:
     print(f"raysim: note: {message}", file=sys.stderr)
 
 
-def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG") -> dict:
-    """A YAML file holding a mapping; errors name ``field_name`` (the argument that gave the path)."""
+def read_text_file(path: str | Path, field_name: str, max_bytes: int = MAX_YAML_BYTES, what: str = "file") -> str:
+    """The text of a small file the user named (config, search space): one ConfigError naming ``field_name`` and the
+    file when it is missing, a directory or not a regular file, unreadable, too large, or not UTF-8 text."""
+    import os
+    import stat
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(field_name, f"file not found: {path}")
     try:
-        data = yaml_load(path.read_text(), str(path))
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(field_name, f"file not found: {path}") from None
+    except OSError as e:
+        raise ConfigError(field_name, f"cannot read {path}: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(field_name, f"{path} is a directory; give the {what} inside it")
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(field_name, f"{path} is not a regular file; give a YAML {what}")
+    if st.st_size > max_bytes:
+        raise ConfigError(field_name, f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} a {what} may "
+                                      f"hold; is it the right file?")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(max_bytes + 1)
+    except OSError as e:
+        raise ConfigError(field_name, f"cannot read {path}: {e.strerror or e}; check its permissions") from None
+    if b"\0" in raw:
+        raise ConfigError(field_name, f"{path} is a binary file, not a YAML {what} (damaged or the wrong file)")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(field_name, f"{path} is not UTF-8 text (byte {e.start}); damaged or the wrong file") from None
+
+
+def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG", what: str = "config") -> dict:
+    """A YAML file holding a mapping; errors name ``field_name`` (the argument that gave the path) and the file."""
+    path = Path(path)
+    text = read_text_file(path, field_name, what=what)
+    try:
+        data = yaml_load(text, str(path))
+    except YamlBoundsError as e:
+        raise ConfigError(field_name, str(e)) from None
     except yaml.YAMLError as e:
         raise ConfigError(field_name, f"not valid YAML: {yaml_error_text(e, str(path))}") from None
     if data is None:
-        data = {}
+        raise ConfigError(field_name, f"{path} is empty (no settings); write the {what} into it"
+                                      + (" (a config of defaults: name: experiment)" if what == "config" else ""))
     if not isinstance(data, dict):
-        raise ConfigError(field_name, f"{path} must hold a mapping at the top level")
+        raise ConfigError(field_name, f"{path} must hold a mapping at the top level, got {type(data).__name__} "
+                                      f"(damaged or the wrong file?)")
     return data
 
 

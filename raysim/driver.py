@@ -35,7 +35,7 @@ from raysim import rng as rngmod
 from raysim import rundir, safety
 from raysim.algorithm import Task
 from raysim.backends import make_backend, preflight
-from raysim.config import ConfigError, ExperimentConfig, from_dict, to_dict
+from raysim.config import ConfigError, ExperimentConfig, check_path_component, from_dict, to_dict
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
@@ -89,6 +89,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
             if k not in arch_params(spec.arch):
                 raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
                                                          f"{', '.join(arch_params(spec.arch))}")
+    _notice_dropped(cfg)
     fed = build_federated_data(cfg.data, cfg.seed)
     env = make_environment(cfg, fed)  # None without an env section
     env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
@@ -99,6 +100,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
         if arch_key(spec) not in models:
             path = "model" if cfg.model.per_client is None else _per_client_path(cfg.model, spec, i)
+            _check_model_size(spec, task, path)
             try:
                 built = build_model(spec, task.input_shape, task.num_classes, path)
             except (TypeError, ValueError, RuntimeError) as e:
@@ -143,6 +145,69 @@ def _per_client_path(model_cfg, spec, i: int) -> str:
         if s.arch == spec.arch and dict(s.params) == dict(spec.params):
             return f"model.per_client[{k}]"
     return f"model.per_client[{i % len(model_cfg.per_client)}]"
+
+
+def _available_bytes() -> Optional[int]:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
+def _check_model_size(spec, task: Task, path: str) -> None:
+    """Count the architecture's parameters without allocating them (torch's meta device) and refuse a model whose
+    weights, gradients and optimiser state (4 copies of float32) would not fit in this machine's free memory."""
+    import torch
+
+    from raysim.models import build_model
+
+    try:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in build_model(spec, task.input_shape, task.num_classes, path).parameters())
+    except ConfigError:
+        raise
+    except Exception:  # an architecture that cannot be built on the meta device is built (and checked) for real
+        return
+    need, avail = 16 * n, _available_bytes()
+    if avail is not None and need > avail:
+        raise ConfigError(f"{path}.params", f"{spec.arch} with {spec.params} has {n:,} parameters: about "
+                                            f"{need / 2**30:,.1f} GiB for weights, gradients and optimiser state, "
+                                            f"more than the {avail / 2**30:,.1f} GiB free here; make it smaller")
+
+
+_NOTICED: set = set()
+
+
+def _notice_once(message: str) -> None:
+    if message not in _NOTICED:  # prepare runs again per seed and per trial: say it once
+        _NOTICED.add(message)
+        rundir.notice(message)
+
+
+def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _notice_once) -> None:
+    """Values the run caps or leaves unused get one line each (never silently)."""
+    n = cfg.data.num_clients
+    per = cfg.model.per_client
+    if per is not None and cfg.model.assign in ("cycle", "blocks") and len(per) > n:
+        unused = [f"{i}: {s.arch}" for i, s in enumerate(per) if i >= n]
+        notify(f"note: model.per_client lists {len(per)} architectures but data.num_clients is {n}: entries "
+               f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''} are not used")
+    tiers = cfg.model.tiers
+    if cfg.model.assign == "tier" and tiers is not None and len(tiers) > n:
+        notify(f"note: model.tiers lists {len(tiers)} tiers but data.num_clients is {n}: the last {len(tiers) - n} "
+               f"are not used")
+    rot = cfg.data.rotations
+    if rot is not None and len(rot) > n:
+        notify(f"note: data.rotations lists {len(rot)} angles but data.num_clients is {n}: the last {len(rot) - n} "
+               f"are not used")
+    if cfg.backend.name == "ray" and cfg.backend.num_actors > n:
+        notify(f"note: backend.num_actors={cfg.backend.num_actors} exceeds data.num_clients={n}: {n} client actors "
+               f"are started (one client each)")
 
 
 def versions() -> dict:
@@ -467,7 +532,7 @@ class RunDirectory(Callback):
 
     def on_run_end(self, run: Run, result: RunResult) -> None:
         cfg, d = run.cfg, self.rd.work
-        write_parquet(result.table, d / RESULTS_FILE, result.metadata)
+        digest = write_parquet(result.table, d / RESULTS_FILE, result.metadata)
         (d / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         summary = {"status": "finished", **{k: v for k, v in result.metadata.items() if k != "config"}}
         t = run.timing
@@ -477,6 +542,7 @@ class RunDirectory(Callback):
                              "total_env_s": float(np.sum(t["env_s"])), "backend": cfg.backend.name}
         summary["store"] = getattr(run, "store_stats", [])
         summary["failures"] = run.failures
+        summary["results_sha256"] = digest  # verified whenever the table is read (results.check_table)
         (d / "run.json").write_text(json.dumps(summary, indent=1, default=str))
         result.out_dir = self.rd.finalise()
 
@@ -601,6 +667,9 @@ class EvalCallback(Callback):
 # ----------------------------------------------------------------------------------------------------------------
 # entry point
 
+META_NAME = "meta.pt"
+
+
 def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path, dict]:
     """The run directory to continue, its latest complete checkpoint and that checkpoint's meta."""
     path = Path(resume)
@@ -610,8 +679,31 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
     if ck is None:
         raise ConfigError("resume", f"no checkpoints under {path} (runs keep them with output.checkpoint_every > 0)")
     meta = read_checkpoint_meta(ck)
+    if not isinstance(meta, dict) or not isinstance(meta.get("extra"), dict):
+        from raysim.data.datasets import DamagedFileError
+
+        raise DamagedFileError(ck / "meta.pt", "it does not hold a raysim checkpoint's meta",
+                               f"remove {ck} to resume from the checkpoint before it, or start the run again")
     if (meta.get("extra") or {}).get("resume_hash") != resume_hash(cfg):
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
+    manifest = meta.get("manifest") or {}
+    shards = [manifest.get("server")] + list(manifest.get("clients") or [])
+    if (ck / "server_clients.pt").exists():
+        shards.append("server_clients.pt")
+    from raysim.store import load_file
+
+    for name in shards:  # every shard must load before a run directory is claimed (a damaged one: one line)
+        if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
+            from raysim.data.datasets import DamagedFileError
+
+            raise DamagedFileError(ck / META_NAME, f"it lists a shard {name!r} that is not a file name in {ck}",
+                                   f"remove {ck} to resume from the checkpoint before it, or start the run again")
+        if not (ck / name).is_file():
+            from raysim.data.datasets import DamagedFileError
+
+            raise DamagedFileError(ck / str(name), "a shard the checkpoint's meta.pt lists is missing",
+                                   f"remove {ck} to resume from the checkpoint before it, or start the run again")
+        load_file(ck / name, (meta.get("sha256") or {}).get(name))
     return ck.parent.parent, ck, meta
 
 
@@ -624,6 +716,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
     ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
     """
+    check_path_component("name", cfg.name)  # also for configs built without validation (it names directories)
     run_id = cfg.run_id()
     target, where = (Path(out_dir), "--out") if out_dir else (Path(cfg.output.dir) / run_id, "output.dir")
     if write and resume is None:  # a bad or busy output directory fails before any data is loaded
@@ -682,6 +775,19 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
 
 
 def _restore(run: Run, ck_dir: Path, meta: dict) -> None:
+    from raysim.data.datasets import DamagedFileError
+
+    try:
+        _restore_from(run, ck_dir, meta)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        if isinstance(e, DamagedFileError):
+            raise
+        raise DamagedFileError(Path(ck_dir) / "meta.pt", f"it does not hold a raysim checkpoint ({type(e).__name__}: "
+                               f"{e})", f"remove {ck_dir} to resume from the checkpoint before it, or start the run "
+                               f"again") from None
+
+
+def _restore_from(run: Run, ck_dir: Path, meta: dict) -> None:
     extra = meta["extra"]
     run.backend.load_checkpoint(str(ck_dir), meta["manifest"])
     run.table.rows = [(run.run_id, *r[1:]) for r in extra["rows"]]  # run_id changes when rounds were extended

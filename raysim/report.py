@@ -18,13 +18,17 @@ from raysim import results
 SIM_TIME_CANDIDATES = ("sim_round_s", "sim_round_time", "round_sim_time", "simulated_time", "sim_time")
 
 
-def load_runs(paths) -> tuple[pd.DataFrame, pd.DataFrame]:
+def load_runs(paths, on_damaged=None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(long table of all runs, run index). A run id seen twice (the same config run into two directories) gets a
-    ``#k`` suffix, so runs are never silently merged."""
-    index = results.run_index(paths)
+    ``#k`` suffix, so runs are never silently merged. ``on_damaged(error)``: damaged runs found in a directory are
+    skipped and passed to it (see :func:`results.run_index`)."""
+    index = results.run_index(paths, on_damaged)
+    if index.empty:
+        raise FileNotFoundError(f"no readable result table under {', '.join(map(str, paths))} (every run found is "
+                                f"damaged)")
     frames, seen = [], {}
     for i, row in index.iterrows():
-        df = pd.read_parquet(Path(row["path"]) / results.RESULTS_FILE)
+        df = results.read_table(Path(row["path"]) / results.RESULTS_FILE)
         rid = row["run_id"]
         seen[rid] = seen.get(rid, 0) + 1
         if seen[rid] > 1:
@@ -210,7 +214,13 @@ def tuning_seeds(directory) -> set[int]:
     path = Path(directory) / "trials.parquet"
     if not path.exists():
         raise FileNotFoundError(f"--tuned-on {directory}: no trials.parquet (give a raysim tune output directory)")
-    t = pd.read_parquet(path)
+    try:
+        t = pd.read_parquet(path)
+    except Exception as e:
+        from raysim.data.datasets import DamagedFileError, read_problem
+
+        raise DamagedFileError(path, read_problem(e), "run the study again (raysim tune exports it) or leave out "
+                                                      "--tuned-on", "--tuned-on") from None
     return {int(x) for x in t["seed"].dropna()} if "seed" in t else set()
 
 
@@ -219,13 +229,25 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
                  per_client: bool = False, tuned_on: Optional[list] = None) -> dict:
     """Write summary.md, summary.parquet (one row per setting and metric), runs.parquet and the PNG plots into
     ``out_dir``; returns {name: path}. A metric that a run lacks is an error naming the run."""
-    df, index = load_runs(paths)
+    damaged = []
+
+    def skip(e) -> None:
+        damaged.append(e)
+        import sys
+
+        print(f"raysim report: skipped a damaged run: {e}", file=sys.stderr)
+
+    df, index = load_runs(paths, skip)
     metrics, notes = check_metrics(df, index, metrics)
+    notes = list(notes) + [f"skipped a damaged run: {e}" for e in damaged]
     labels = setting_labels(index)
     index = index.assign(setting=index["group"].map(labels))
+    tm = find_time_metric(df, time_metric)
+    tuned_seeds = set()
+    for d in tuned_on or []:  # read before anything is written: a bad --tuned-on leaves no report directory
+        tuned_seeds |= tuning_seeds(d)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tm = find_time_metric(df, time_metric)
     files: dict = {}
     md = [f"# raysim report\n\n{len(index)} run(s) in {index['group'].nunique()} setting(s) (runs whose configs "
           f"differ only in the seed form one setting; a setting is named by its algorithm and the config keys that "
@@ -234,10 +256,7 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
           f"over seeds.\n"]
     md += [f"\nNote: {n}.\n" for n in notes]
     if tuned_on:
-        seeds = set()
-        for d in tuned_on:
-            seeds |= tuning_seeds(d)
-        hit = index[index["seed"].isin(sorted(seeds))]
+        hit = index[index["seed"].isin(sorted(tuned_seeds))]
         if len(hit):
             msg = (f"run(s) {', '.join(hit['run_id'].astype(str))} use seed(s) "
                    f"{', '.join(str(int(x)) for x in sorted(set(hit['seed'])))} that the hyperparameters were tuned "

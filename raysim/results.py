@@ -38,14 +38,116 @@ class ResultTable:
         return None
 
 
-def write_parquet(df: pd.DataFrame, path: Path, metadata: dict) -> None:
+def write_parquet(df: pd.DataFrame, path: Path, metadata: dict) -> str:
+    """Write the table with page checksums (verified on read); returns the file's sha256, which the run directory
+    records in run.json (``results_sha256``) so that a table damaged anywhere is never read as data."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     table = pa.Table.from_pandas(df, preserve_index=False)
     meta = dict(table.schema.metadata or {})
     meta[META_KEY] = json.dumps(metadata, default=str).encode()
-    pq.write_table(table.replace_schema_metadata(meta), path)
+    pq.write_table(table.replace_schema_metadata(meta), path, write_page_checksum=True)
+    return file_sha256(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# verified reading: a damaged table, run.json or metadata is one DamagedFileError naming the file
+
+RUN_INFO = "run.json"
+DIGEST_KEY = "results_sha256"
+_TABLE_FIX = ("the run's results cannot be trusted: run it again (or restore the directory from a backup), or move "
+              "the directory out of the way")
+_verified: dict = {}  # (path, size, mtime_ns) -> True: a table checked once is not hashed again
+
+
+def file_sha256(path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_run_info(run_dir) -> dict | None:
+    """A run directory's run.json (None when it has none, e.g. a result table copied on its own or an old run);
+    a damaged one is a DamagedFileError naming it."""
+    from raysim.data.datasets import DamagedFileError, read_problem
+
+    path = Path(run_dir) / RUN_INFO
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        info = json.loads(path.read_text())
+        if not isinstance(info, dict):
+            raise ValueError(f"expected a JSON object, got {type(info).__name__}")
+    except Exception as e:
+        raise DamagedFileError(path, read_problem(e), _TABLE_FIX) from None
+    return info
+
+
+def check_table(f) -> None:
+    """Raise DamagedFileError unless result file ``f`` is a readable file whose sha256 matches the one its run
+    recorded in run.json. Tables of old runs (no recorded digest) pass here; their page checksums, if any, are
+    still verified when they are read."""
+    import os
+    import stat
+
+    from raysim.data.datasets import DamagedFileError, read_problem
+
+    f = Path(f)
+    try:
+        st = os.stat(f)
+    except OSError as e:
+        raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DamagedFileError(f, "it is a directory, not a file" if stat.S_ISDIR(st.st_mode) else
+                               "not a regular file", _TABLE_FIX)
+    key = (str(f.absolute()), st.st_size, st.st_mtime_ns)
+    if key in _verified:
+        return
+    info = read_run_info(f.parent) if f.name == RESULTS_FILE else None
+    digest = (info or {}).get(DIGEST_KEY)
+    if digest:
+        try:
+            actual = file_sha256(f)
+        except OSError as e:
+            raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
+        if actual != digest:
+            what = "empty" if st.st_size == 0 else f"{st.st_size:,} bytes"
+            raise DamagedFileError(f, f"its contents changed since the run finished ({what}; sha256 differs from "
+                                      f"{DIGEST_KEY} in {f.parent / RUN_INFO})", _TABLE_FIX)
+    _verified[key] = True
+
+
+def read_table(f, columns=None) -> pd.DataFrame:
+    """One verified result table (see :func:`check_table`); page checksums are verified too."""
+    from raysim.data.datasets import DamagedFileError, read_problem
+
+    check_table(f)
+    try:
+        return pd.read_parquet(f, columns=columns, page_checksum_verification=True)
+    except Exception as e:
+        raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
+
+
+def read_table_metadata(f) -> dict:
+    """The ``raysim`` metadata of one verified result table ({} when it has none)."""
+    import pyarrow.parquet as pq
+
+    from raysim.data.datasets import DamagedFileError, read_problem
+
+    check_table(f)
+    try:
+        meta = pq.read_schema(f).metadata or {}
+        out = json.loads(meta[META_KEY]) if META_KEY in meta else {}
+        if not isinstance(out, dict):
+            raise ValueError("the raysim metadata is not a JSON object")
+        return out
+    except Exception as e:
+        raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
 
 
 def _result_files(paths) -> list[Path]:
@@ -75,16 +177,13 @@ def _result_files(paths) -> list[Path]:
 
 
 def load(paths) -> pd.DataFrame:
-    """Load one or many runs (run directories, result files, or a parent directory) into one long DataFrame."""
-    return pd.concat([pd.read_parquet(f) for f in _result_files(paths)], ignore_index=True)
+    """Load one or many runs (run directories, result files, or a parent directory) into one long DataFrame. Every
+    table is verified (:func:`check_table`): a damaged one is a DamagedFileError naming it, never data."""
+    return pd.concat([read_table(f) for f in _result_files(paths)], ignore_index=True)
 
 
 def load_metadata(path) -> dict:
-    import pyarrow.parquet as pq
-
-    f = _result_files(path)[0]
-    meta = pq.read_schema(f).metadata or {}
-    return json.loads(meta[META_KEY]) if META_KEY in meta else {}
+    return read_table_metadata(_result_files(path)[0])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -245,18 +344,31 @@ def time_to_target(df: pd.DataFrame, metric: str = "test_acc", target: float | N
     return pd.DataFrame(out, columns=["run_id", "round", "time"])
 
 
-def run_index(paths) -> pd.DataFrame:
+def run_index(paths, on_damaged=None) -> pd.DataFrame:
     """One row per finished run: run_id, name, seed, group, path, algorithm. Runs whose configs differ only in the seed share a group
-    (``<name>-<hash of the config without the seed>``), so seeds of one setting are aggregated together."""
+    (``<name>-<hash of the config without the seed>``), so seeds of one setting are aggregated together.
+    ``on_damaged(error)``: damaged runs found by searching a directory are skipped and passed to it (runs named
+    directly, and every damaged run when it is None, raise DamagedFileError)."""
     import hashlib
 
+    from raysim.data.datasets import DamagedFileError
+
     rows = []
+    named = {Path(p) / RESULTS_FILE if Path(p).is_dir() else Path(p)
+             for p in ([paths] if isinstance(paths, (str, Path)) else paths)}
     for f in _result_files(paths):
-        meta = load_metadata(f)
+        try:
+            meta = read_table_metadata(f)
+            check_table(f)
+        except DamagedFileError as e:
+            if on_damaged is None or f in named:
+                raise
+            on_damaged(e)
+            continue
         cfg = dict(meta.get("config") or {})
         science = {k: v for k, v in cfg.items() if k not in ("seed", "name", "backend", "output")}
         h = hashlib.sha256(json.dumps(science, sort_keys=True, default=str).encode()).hexdigest()[:8]
-        run_id = meta.get("run_id") or str(pd.read_parquet(f, columns=["run_id"])["run_id"].iloc[0])
+        run_id = meta.get("run_id") or str(read_table(f, columns=["run_id"])["run_id"].iloc[0])
         rows.append({"run_id": run_id, "name": cfg.get("name", run_id), "seed": meta.get("seed", cfg.get("seed")),
                      "group": f"{cfg.get('name', 'run')}-{h}", "path": str(f.parent),
                      "algorithm": (cfg.get("algorithm") or {}).get("name", "?")})

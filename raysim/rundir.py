@@ -264,49 +264,73 @@ def find_run_dirs(root: Path) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         here = Path(dirpath)
-        if here != root and (here.name.endswith(INCOMPLETE) or "results.parquet" in filenames):
+        if here != root and (here.name.endswith(INCOMPLETE) or "results.parquet" in filenames
+                             or "results.parquet" in dirnames):  # a table replaced by a directory: damaged
             found.append(here)
             dirnames[:] = []
             continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-    if "results.parquet" in os.listdir(root) if root.is_dir() else False:
+    if (root / "results.parquet").exists():
         found.insert(0, root)
     return found
 
 
 def describe(path: Path) -> dict:
-    """One row of ``raysim runs``: name, algorithm, dataset, rounds (done/planned), final acc, status, path."""
-    import json
-
-    import yaml
+    """One row of ``raysim runs``: name, algorithm, dataset, rounds (done/planned), final acc, status, path. A run
+    whose files are damaged gets the status ``damaged (<file>: <what>)`` and never stops the listing."""
+    from raysim.data.datasets import DamagedFileError
 
     path = Path(path)
     row = {"name": "?", "algorithm": "?", "dataset": "?", "rounds": "?", "final acc": "–", "status": "?",
            "path": str(path)}
-    cfg, info = {}, {}
-    if (path / "run.json").exists():
-        try:
-            info = json.loads((path / "run.json").read_text())
-        except (OSError, ValueError):
+    try:
+        _describe(path, row)
+    except Exception as e:  # never let one run hide the others
+        row["status"] = (f"damaged ({Path(e.path).name}: {e.problem})" if isinstance(e, DamagedFileError) else
+                         f"damaged ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+        try:  # what the run's config.yaml still says
+            cfg = _config_of(path)
+            row["name"] = cfg.get("name", "?")
+            row["algorithm"] = (cfg.get("algorithm") or {}).get("name", "?")
+            row["dataset"] = (cfg.get("data") or {}).get("dataset", "?")
+        except Exception:
             pass
+    return row
+
+
+def _config_of(path: Path) -> dict:
+    from raysim.config import YamlBoundsError, yaml_load
+    from raysim.data.datasets import DamagedFileError, read_problem
+
+    f = path / "config.yaml"
+    if not f.exists():
+        return {}
+    try:
+        cfg = yaml_load(f.read_text(), str(f)) or {}
+        if not isinstance(cfg, dict):
+            raise ValueError("not a mapping")
+    except (OSError, UnicodeDecodeError, ValueError, YamlBoundsError, Exception) as e:
+        raise DamagedFileError(f, read_problem(e), "the run's config is lost; rerun it") from None
+    return cfg
+
+
+def _describe(path: Path, row: dict) -> None:
+    from raysim import results
+
+    info = results.read_run_info(path) or {}
     if path.name.endswith(INCOMPLETE):
-        try:
-            cfg = yaml.safe_load((path / "config.yaml").read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            pass
+        cfg = _config_of(path)
         ckpts = sorted(d for d in path.glob("checkpoints/round_*") if (d / "meta.pt").exists() and d.suffix != ".tmp")
         done = int(ckpts[-1].name.split("_")[1]) + 1 if ckpts else 0
         who = holder(path)
         if who:
             row["status"] = f"running ({who})"
         elif info.get("status"):
-            row["status"] = info["status"] + (" (resumable)" if ckpts else "")
+            row["status"] = str(info["status"]) + (" (resumable)" if ckpts else "")
         else:
             row["status"] = "killed (resumable)" if ckpts else "killed"
         row["rounds"] = f"{done}/{cfg.get('rounds', '?')}"
     else:
-        from raysim import results
-
         meta = results.load_metadata(path)
         cfg = meta.get("config") or {}
         df = results.load(path)
@@ -319,11 +343,15 @@ def describe(path: Path) -> dict:
     row["name"] = cfg.get("name", "?")
     row["algorithm"] = (cfg.get("algorithm") or {}).get("name", "?")
     row["dataset"] = (cfg.get("data") or {}).get("dataset", "?")
-    return row
 
 
 def list_runs(root: Path) -> list[dict]:
     root = Path(root)
-    if not root.is_dir():
-        raise ConfigError("DIR", f"{root} is not a directory")
+    try:
+        is_dir = root.is_dir() and os.access(root, os.R_OK | os.X_OK) and (os.listdir(root) is not None)
+    except OSError as e:
+        raise ConfigError("DIR", f"cannot read {root}: {e.strerror or e}") from None
+    if not is_dir:
+        raise ConfigError("DIR", f"{root} is not a directory" if not root.is_dir() else f"cannot read {root} "
+                                 f"(permissions)")
     return [describe(p) for p in find_run_dirs(root)]

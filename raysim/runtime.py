@@ -101,6 +101,10 @@ def enter_run(spec: RunSpec) -> None:
 
 
 def _failure(rep: ClientReport, e: BaseException) -> None:
+    from raysim.data.datasets import DamagedFileError
+
+    if isinstance(e, DamagedFileError):  # a damaged state file is not the client's failure: the run stops, naming it
+        raise e
     rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
 
 

@@ -45,14 +45,33 @@ def state_nbytes(obj) -> int:
     return 0
 
 
-def atomic_save(obj, path: Path) -> None:
+class _HashingWriter:
+    """A write-only file wrapper that hashes what passes through (torch.save writes sequentially)."""
+
+    def __init__(self, f):
+        import hashlib
+
+        self.f, self.h = f, hashlib.sha256()
+
+    def write(self, b) -> int:
+        self.h.update(b)
+        return self.f.write(b)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_save(obj, path: Path) -> str:
+    """Write ``obj`` to ``path`` atomically; returns the sha256 of the bytes written (verified when read back)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            w = _HashingWriter(f)
+            torch.save(obj, w)
         os.replace(tmp, path)
+        return w.h.hexdigest()
     except BaseException:
         try:
             os.unlink(tmp)
@@ -61,8 +80,35 @@ def atomic_save(obj, path: Path) -> None:
         raise
 
 
-def load_file(path: Path):
-    return torch.load(Path(path), map_location="cpu", weights_only=True)  # tensors and plain containers only
+def load_file(path: Path, sha256: Optional[str] = None):
+    """A state file (checkpoint shard or meta, spilled client state): tensors and plain containers only. A damaged
+    or unreadable one (or one whose bytes differ from ``sha256``, when the writer recorded it) is a DamagedFileError
+    naming it and saying what to do."""
+    import hashlib
+    import io
+
+    from raysim.data.datasets import DamagedFileError, read_problem
+
+    path = Path(path)
+    try:
+        if sha256 is None:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        data = path.read_bytes()
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise ValueError(f"its contents changed since it was written ({len(data):,} bytes; sha256 differs from "
+                             f"the one recorded when it was written)")
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:
+        if "checkpoints" in path.parts:
+            i = len(path.parts) - 1 - path.parts[::-1].index("checkpoints")
+            ck = Path(*path.parts[: i + 2])
+            fix = (f"the checkpoint is damaged: remove {ck} to resume from the one before it, or start the run "
+                   f"again")
+        else:
+            fix = ("a client state spilled to disk (backend.state_dir) is damaged: the run cannot continue; resume it "
+                   "from its last checkpoint (--resume) or start it again")
+        raise DamagedFileError(path, str(e) if str(e).startswith("its contents changed") else read_problem(e),
+                               fix) from None
 
 
 class StateStore:
@@ -80,6 +126,7 @@ class StateStore:
         self._on_disk: set[int] = set()
         self._pending: dict[int, Any] = {}
         self.spills = 0  # how many states were written to disk (diagnostics)
+        self._digests: dict[int, str] = {}  # sha256 of each state this store spilled (verified when read back)
         self.loads = 0
 
     # -- paths ------------------------------------------------------------------------------------------------
@@ -112,7 +159,7 @@ class StateStore:
         if cid in self._on_disk or (self.durable and self._path(cid).exists()):
             self._on_disk.add(cid)
             self.loads += 1
-            state = load_file(self._path(cid))
+            state = load_file(self._path(cid), self._digests.get(cid))
             size = state_nbytes(state)
             if self._total + size <= self.memory_bytes:  # cache it again
                 self._mem[cid] = state
@@ -208,11 +255,12 @@ class StateStore:
             cid, state = self._mem.popitem(last=False)
             self._total -= self._sizes.pop(cid)
             if not self.durable:  # a durable store has the file already
-                atomic_save(state, self._path(cid))
+                self._digests[cid] = atomic_save(state, self._path(cid))
             self._on_disk.add(cid)
             self.spills += 1
 
     def _delete_file(self, cid: int) -> None:
+        self._digests.pop(cid, None)
         try:
             os.unlink(self._path(cid))
         except FileNotFoundError:
@@ -226,7 +274,7 @@ class StateStore:
         """Write every committed state into one file (client id -> state); returns the client ids written."""
         states = {}
         for cid in self.client_ids():
-            states[cid] = self._mem[cid] if cid in self._mem else load_file(self._path(cid))
+            states[cid] = self._mem[cid] if cid in self._mem else load_file(self._path(cid), self._digests.get(cid))
         atomic_save(states, path)
         return sorted(states)
 

@@ -8,6 +8,9 @@ from typing import Callable, Optional
 from raysim.config import ConfigError, ExperimentConfig
 
 
+MAX_SEEDS = 10_000
+
+
 def parse_seeds(text: str, field: str = "--seeds") -> list[int]:
     """``"1,2,3"`` or ``"1-5"`` or a mix (``"1-3,10"``) -> distinct seeds in the given order."""
     seeds: list[int] = []
@@ -19,11 +22,17 @@ def parse_seeds(text: str, field: str = "--seeds") -> list[int]:
                 lo, hi = int(a), int(b)
                 if hi < lo:
                     raise ValueError
+                if hi - lo + 1 + len(seeds) > MAX_SEEDS:
+                    raise ConfigError(field, f"{text!r} asks for more than {MAX_SEEDS} seeds")
                 seeds += range(lo, hi + 1)
             else:
                 seeds.append(int(part))
+        except ConfigError:
+            raise
         except ValueError:
             raise ConfigError(field, f"{text!r} is not a seed list; write e.g. 1,2,3 or 1-5") from None
+    if len(seeds) > MAX_SEEDS:
+        raise ConfigError(field, f"{text!r} asks for more than {MAX_SEEDS} seeds")
     if len(set(seeds)) != len(seeds):
         raise ConfigError(field, f"{text!r} repeats a seed")
     return seeds

@@ -252,7 +252,12 @@ def parse_space(data: dict | None, path: str = "space") -> SearchSpace:
 
 
 def load_space(path: str | Path) -> SearchSpace:
-    return parse_space(load_yaml_mapping(path, "--space"))
+    data = load_yaml_mapping(path, "--space", what="search space")
+    try:
+        return parse_space(data)
+    except ConfigError as e:  # name the file too: the space file is the only source of these keys
+        msg = str(e).split(": ", 1)[1] if ": " in str(e) else str(e)
+        raise ConfigError(e.field, f"{msg} (in --space {path})") from None
 
 
 def resolve_objective(space: SearchSpace, cfg, log=print) -> SearchSpace:

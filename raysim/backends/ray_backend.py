@@ -107,18 +107,101 @@ def check_resources(cfg, cpus: float, gpus: float, where: str) -> None:
         # pack client actors, then the server, onto whole GPUs
         if need_gpu_actors > _gpu_capacity(b.num_gpus, gpus) or (
                 b.num_gpus * need_gpu_actors + b.server_num_gpus > gpus + 1e-9):
-            raise ConfigError("backend.num_gpus", f"{n} client actors x {b.num_gpus} GPU"
+            raise ConfigError("backend.num_gpus", f"{n} client actors"
+                                                  f"{' (backend.num_actors capped at data.num_clients)' if n < b.num_actors else ''}"
+                                                  f" x {b.num_gpus} GPU"
                                                   f"{' + server ' + str(b.server_num_gpus) if b.server_num_gpus else ''}"
                                                   f" do not fit on the {gpus:g} GPU(s) of {where}")
     need_cpu = n * b.num_cpus + b.server_num_cpus
     if need_cpu > cpus + 1e-9:
-        raise ConfigError("backend.num_actors", f"{n} actors x {b.num_cpus} CPU + server {b.server_num_cpus} CPU = "
+        capped = f" (backend.num_actors={b.num_actors} capped at data.num_clients)" if n < b.num_actors else ""
+        raise ConfigError("backend.num_actors", f"{n} actors{capped} x {b.num_cpus} CPU + server {b.server_num_cpus} CPU = "
                                                 f"{need_cpu:g} CPUs, but {where} has {cpus:g}; lower backend.num_actors "
                                                 f"or backend.num_cpus (fractions allowed)")
 
 
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+_ADDRESS_FIX = ("use the address that 'ray start --head' printed on the head node (the --address=HOST:PORT of its "
+                "'ray start' line), or leave backend.address out to start a local cluster")
+
+
+def _address_error(message: str) -> ConfigError:
+    return ConfigError("backend.address", message)
+
+
+def check_address(address: str, timeout_s: float) -> None:
+    """Fail within ``timeout_s`` (one ConfigError naming backend.address) unless ``address`` reaches a running Ray
+    cluster: the host resolves, the port accepts a connection, and what listens there answers as Ray's GCS does
+    (gRPC over HTTP/2). ``auto`` must find a cluster started on this machine; ``ray://`` (Ray Client) is checked up
+    to the connection."""
+    import socket
+
+    addr = str(address).strip()
+    if addr == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            found = canonicalize_bootstrap_address("auto")
+        except Exception:
+            found = None
+        if not found:
+            raise _address_error(f"'auto' found no Ray cluster started on this machine; start one with 'ray start "
+                                 f"--head' or {_ADDRESS_FIX}")
+        addr = found
+    client = addr.startswith("ray://")
+    hostport = addr[len("ray://"):] if client else addr
+    if "://" in hostport or "/" in hostport:
+        raise _address_error(f"{address!r} is not HOST:PORT (or ray://HOST:PORT); {_ADDRESS_FIX}")
+    host, sep, port = hostport.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise _address_error(f"{address!r} is not HOST:PORT (e.g. 10.0.0.5:6379); {_ADDRESS_FIX}")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except socket.gaierror as e:
+        raise _address_error(f"unknown host {host!r} in {address!r} ({e.strerror or e}); {_ADDRESS_FIX}") from None
+    except (socket.timeout, TimeoutError):
+        raise _address_error(f"{host}:{port} did not answer within {timeout_s:g} s (backend.connect_timeout_s); is "
+                             f"the head node up and reachable from here? {_ADDRESS_FIX}") from None
+    except OSError as e:
+        raise _address_error(f"no Ray cluster at {host}:{port} ({e.strerror or e}); {_ADDRESS_FIX}") from None
+    if client:
+        sock.close()
+        return
+    try:  # Ray's GCS is a gRPC server: it answers an HTTP/2 client preface with a SETTINGS frame
+        sock.settimeout(timeout_s)
+        sock.sendall(_HTTP2_PREFACE)
+        head = b""
+        while len(head) < 9:
+            chunk = sock.recv(9 - len(head))
+            if not chunk:
+                break
+            head += chunk
+    except OSError:
+        head = b""
+    finally:
+        sock.close()
+    if len(head) < 9 or head[3] != 0x04:
+        raise _address_error(f"{host}:{port} accepts connections but is not a Ray cluster's GCS (no answer as one "
+                             f"within {timeout_s:g} s, backend.connect_timeout_s); {_ADDRESS_FIX}")
+    try:  # a driver joins through a raylet on its own machine: with none here, ray.init could only time out
+        from ray._private.services import find_node_ids
+
+        local = find_node_ids()
+    except Exception:
+        local = None
+    if local is not None and not local:
+        raise _address_error(f"{host}:{port} answers as a Ray head, but no Ray node runs on this machine, and a driver "
+                             f"joins a cluster through a node of its own machine: join it first with 'ray start "
+                             f"--address={host}:{port}', or reach it through Ray Client (backend.address: "
+                             f"ray://{host}:10001)")
+
+
 def preflight_resources(cfg) -> None:
-    """Before starting anything: for a local cluster Ray would start with, check what this machine has."""
+    """Before starting anything: for a local cluster Ray would start with, check what this machine has; for an
+    existing cluster (backend.address), that it answers."""
+    if cfg.backend.address and not ray.is_initialized():
+        check_address(cfg.backend.address, cfg.backend.connect_timeout_s)
     if ray.is_initialized() or cfg.backend.address:
         return  # checked against the live cluster in RayBackend.start
     import torch
@@ -144,7 +227,13 @@ class RayBackend(Backend):
             kwargs = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=True,
                           runtime_env=code_runtime_env(b.address))
             if b.address:
-                ray.init(address=b.address, **kwargs)
+                check_address(b.address, b.connect_timeout_s)
+                try:
+                    ray.init(address=b.address, **kwargs)
+                except Exception as e:  # reached, but the driver cannot join (e.g. the head announces another address)
+                    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                    raise _address_error(f"reached {b.address} but could not join the Ray cluster there "
+                                         f"({type(e).__name__}: {first}); {_ADDRESS_FIX}") from None
             else:
                 ray.init(address="local", dashboard_host="127.0.0.1", **kwargs)  # never exposed beyond loopback unless configured
                 self._watchdog = ray_watchdog.start()  # the local cluster exits with this driver, even on kill -9

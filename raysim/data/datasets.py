@@ -26,6 +26,43 @@ class DataError(ValueError):
         self.field = field_path
         super().__init__(f"data error at '{field_path}': {message}")
 
+    def __reduce__(self):  # crosses process boundaries (Ray actors) intact
+        return (_rebuild_error, (type(self), dict(self.__dict__), self.args))
+
+
+def _rebuild_error(cls, state: dict, args: tuple):
+    e = cls.__new__(cls)
+    Exception.__init__(e, *args)
+    e.__dict__.update(state)
+    return e
+
+
+class DamagedFileError(DataError):
+    """A file raysim reads is damaged (truncated, bytes changed, empty), unreadable, or not a file. The message names
+    the file, what is wrong and what to do: ``cannot read PATH [(field)]: problem; fix``."""
+
+    def __init__(self, path, problem: str, fix: str, field_path: Optional[str] = None):
+        self.path, self.problem, self.fix = str(path), problem, fix
+        self.field = field_path or str(path)
+        where = f"{path} ({field_path})" if field_path else str(path)
+        ValueError.__init__(self, f"cannot read {where}: {problem}; {fix}")
+
+
+def read_problem(e: BaseException) -> str:
+    """What went wrong reading a file, in a few words (for :class:`DamagedFileError`)."""
+    import zlib
+
+    if isinstance(e, IsADirectoryError):
+        return "it is a directory, not a file"
+    if isinstance(e, PermissionError):
+        return "permission denied (check its permissions)"
+    if isinstance(e, FileNotFoundError):
+        return "it does not exist"
+    if isinstance(e, (EOFError, gzip.BadGzipFile, zlib.error)):
+        return f"truncated or damaged compressed data ({type(e).__name__}: {str(e)[:120]})"
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"damaged or not the expected format ({type(e).__name__}{': ' + text if text else ''})"
+
 
 @dataclass
 class ArrayDataset:
@@ -87,16 +124,23 @@ _IDX_FILES = {
 
 
 def _read_idx(path: Path) -> np.ndarray:
+    fix = "replace it with an intact copy (e.g. reinstall dataset-fashion-mnist) or point data.root elsewhere"
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except Exception as e:  # truncated gzip stream, a directory, no permission ...
+        raise DamagedFileError(path, read_problem(e), fix, "data.root") from None
+    if len(data) < 4:
+        raise DamagedFileError(path, f"{len(data)} bytes, too short for an idx file (empty or truncated)", fix, "data.root")
     zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
-    if zero != 0 or dtype_code != 0x08:
-        raise DataError("data.root", f"{path} is not an unsigned-byte idx file")
+    if zero != 0 or dtype_code != 0x08 or not 1 <= ndim <= 4 or len(data) < 4 + 4 * ndim:
+        raise DamagedFileError(path, "not an unsigned-byte idx file (bad header)", fix, "data.root")
     dims = struct.unpack(">" + "I" * ndim, data[4 : 4 + 4 * ndim])
     arr = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if arr.size != int(np.prod(dims)):
-        raise DataError("data.root", f"{path} is truncated ({arr.size} values, header says {int(np.prod(dims))})")
+        raise DamagedFileError(path, f"truncated or padded ({arr.size} values, the header says {int(np.prod(dims))})",
+                               fix, "data.root")
     return arr.reshape(dims)
 
 
@@ -106,6 +150,8 @@ def find_idx_dir(root: Optional[str]) -> Path:
         d = Path(cand).expanduser()
         if all((d / n).exists() or (d / (n + ".gz")).exists() for n in _IDX_FILES.values()):
             return d
+    if root and not Path(root).expanduser().is_dir():
+        raise DataError("data.root", f"{root} is not a directory (it should hold the four Fashion-MNIST idx files)")
     if root:
         raise DataError("data.root", f"{root} does not hold the four Fashion-MNIST idx files ({', '.join(_IDX_FILES.values())}, optionally .gz)")
     raise DataError("data.root", "Fashion-MNIST idx files not found in " + ", ".join(FASHION_DEFAULT_DIRS)
@@ -168,6 +214,10 @@ def _torchvision_loader(kind: str) -> Callable:
         except RuntimeError as e:
             raise DataError("data.root", f"{kind} not found under {root} ({e}); download it once with torchvision "
                                          f"where there is internet, then point data.root at it") from None
+        except Exception as e:  # files present but damaged: truncated, bytes changed, a directory, unreadable
+            where = getattr(e, "filename", None) or f"the {kind} files under {root}"
+            raise DamagedFileError(where, read_problem(e), "download the dataset again with torchvision where there "
+                                   "is internet and point data.root at the fresh copy", "data.root") from None
 
         def arr(ds):
             x = np.asarray(ds.data)

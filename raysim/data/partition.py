@@ -32,32 +32,67 @@ def _field(name: str) -> str:
     return f"data.partition_params.{name}"
 
 
+def _need_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) and not (
+            isinstance(value, float) and value.is_integer()):
+        raise DataError(_field(name), f"must be a whole number, got {value!r}")
+    if value < minimum:
+        raise DataError(_field(name), f"must be {'> 0' if minimum == 1 else f'>= {minimum}'}, got {value}")
+    return int(value)
+
+
 def iid(train_y, test_y, num_clients, rng, num_classes, samples_per_client: int | None = None,
         test_per_client: int | None = None, replace: bool = False) -> Partition:
     """Uniformly random, equal-sized shares of the train pool and of the test pool. ``replace``: every client draws
     its samples independently (clients may share samples), for populations larger than the pool; then
     ``test_per_client`` may be 0 (clients without local test data are not evaluated)."""
+    n_tr, n_te = len(train_y), len(test_y)
     if replace:
-        per = 1 if samples_per_client is None else samples_per_client
-        tper = 0 if test_per_client is None else test_per_client
-        if per <= 0 or tper < 0:
-            raise DataError(_field("samples_per_client"), f"must be > 0 (test_per_client >= 0), got {per} / {tper}")
-        train = [np.sort(rng.choice(len(train_y), size=per, replace=False)) for _ in range(num_clients)]
-        test = [np.sort(rng.choice(len(test_y), size=tper, replace=False)) if tper else np.zeros(0, dtype=np.int64)
+        per = 1 if samples_per_client is None else _need_int("samples_per_client", samples_per_client, 1)
+        tper = 0 if test_per_client is None else _need_int("test_per_client", test_per_client, 0)
+        if per > n_tr:
+            raise DataError(_field("samples_per_client"), f"{per} exceeds the {n_tr} training samples (with replace: "
+                                                          f"true each client draws distinct samples from the whole "
+                                                          f"pool); at most {n_tr}")
+        if tper > n_te:
+            raise DataError(_field("test_per_client"), f"{tper} exceeds the {n_te} test samples (with replace: true "
+                                                       f"each client draws distinct samples from the whole pool); at "
+                                                       f"most {n_te}")
+        train = [np.sort(rng.choice(n_tr, size=per, replace=False)) for _ in range(num_clients)]
+        test = [np.sort(rng.choice(n_te, size=tper, replace=False)) if tper else np.zeros(0, dtype=np.int64)
                 for _ in range(num_clients)]
         classes = [sorted(set(train_y[t].tolist())) for t in train]
         return Partition(train, test, classes, [f"iid with replacement: {per} train / {tper} test samples per client, "
                                                 f"drawn independently per client"])
-    tr = rng.permutation(len(train_y))
-    te = rng.permutation(len(test_y))
-    per = len(tr) // num_clients if samples_per_client is None else samples_per_client
-    if per * num_clients > len(tr) or per <= 0:
-        raise DataError(_field("samples_per_client"), f"{num_clients} clients x {per} samples exceed the {len(tr)} training "
-                                                      f"samples; at most {len(tr) // num_clients} fit")
-    tper = len(te) // num_clients if test_per_client is None else test_per_client
-    if tper * num_clients > len(te) or tper <= 0:
-        raise DataError(_field("test_per_client"), f"{num_clients} clients x {tper} test samples exceed the {len(te)} "
-                                                   f"test samples; at most {len(te) // num_clients} fit")
+    tr = rng.permutation(n_tr)
+    te = rng.permutation(n_te)
+    if samples_per_client is None:
+        per = n_tr // num_clients
+        if per == 0:
+            raise DataError("data.num_clients", f"{num_clients} clients exceed the {n_tr} training samples (each client "
+                                                f"needs at least one); use at most {n_tr} clients, or set "
+                                                f"data.partition_params.replace: true (clients may then share samples)")
+    else:
+        per = _need_int("samples_per_client", samples_per_client, 1)
+        if per * num_clients > n_tr:
+            raise DataError(_field("samples_per_client"), f"{num_clients} clients x {per} samples = {per * num_clients} "
+                                                          f"exceed the {n_tr} training samples; at most "
+                                                          f"{n_tr // num_clients} per client fit (or lower "
+                                                          f"data.num_clients, or set replace: true)")
+    if test_per_client is None:
+        tper = n_te // num_clients
+        if tper == 0:
+            raise DataError("data.num_clients", f"{num_clients} clients exceed the {n_te} test samples (each client "
+                                                f"needs at least one); use at most {n_te} clients, or set "
+                                                f"data.partition_params.replace: true with test_per_client: 0 (clients "
+                                                f"without test data are not evaluated)")
+    else:
+        tper = _need_int("test_per_client", test_per_client, 1)
+        if tper * num_clients > n_te:
+            raise DataError(_field("test_per_client"), f"{num_clients} clients x {tper} test samples = "
+                                                       f"{tper * num_clients} exceed the {n_te} test samples; at most "
+                                                       f"{n_te // num_clients} per client fit (or lower "
+                                                       f"data.num_clients, or set replace: true)")
     train = [np.sort(tr[i * per:(i + 1) * per]) for i in range(num_clients)]
     test = [np.sort(te[i * tper:(i + 1) * tper]) for i in range(num_clients)]
     classes = [sorted(set(train_y[t].tolist())) for t in train]
@@ -82,7 +117,8 @@ def shared_base(train_y, test_y, num_clients, rng, num_classes, per_class: int =
         base.append(rng.choice(idx, size=per_class, replace=False))
         tidx = np.flatnonzero(test_y == c)
         if len(tidx) < test_per_class:
-            raise DataError(_field("test_per_class"), f"class {c} has {len(tidx)} test samples")
+            raise DataError(_field("test_per_class"), f"class {c} has {len(tidx)} test samples; at most "
+                                                      f"{min(int((test_y == k).sum()) for k in range(num_classes))} fit")
         tbase.append(rng.choice(tidx, size=test_per_class, replace=False) if test_per_class else tidx[:0])
     train = np.sort(np.concatenate(base))
     test = np.sort(np.concatenate(tbase)).astype(np.int64)
@@ -118,6 +154,16 @@ def dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: float = 0.5
     each local test set has the client's class proportions and ``test_ratio`` x its train size (0.25/0.75 = PFLlib)."""
     if alpha <= 0:
         raise DataError(_field("alpha"), f"must be > 0, got {alpha}")
+    min_samples = _need_int("min_samples", min_samples, 0)
+    if samples_per_client is not None:
+        _need_int("samples_per_client", samples_per_client, 1)
+    if test_ratio < 0:
+        raise DataError(_field("test_ratio"), f"must be >= 0, got {test_ratio}")
+    if num_clients * max(min_samples, 1) > len(train_y):
+        raise DataError(_field("min_samples") if min_samples > 1 else "data.num_clients",
+                        f"{num_clients} clients x {max(min_samples, 1)} samples (min_samples) = "
+                        f"{num_clients * max(min_samples, 1)} exceed the {len(train_y)} training samples; lower "
+                        f"min_samples or data.num_clients")
     pools = _by_class(train_y, num_classes, rng)
     for _ in range(max_tries):
         parts = [[] for _ in range(num_clients)]
@@ -127,15 +173,13 @@ def dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: float = 0.5
             for i, chunk in enumerate(np.split(pools[c], cuts)):
                 parts[i].append(chunk)
         train = [np.concatenate(p) for p in parts]
-        if min(len(t) for t in train) >= min_samples:
+        if min(len(t) for t in train) >= max(min_samples, 1):
             break
     else:
         raise DataError(_field("min_samples"), f"no Dirichlet({alpha}) draw in {max_tries} tries gave every client "
                                                f">= {min_samples} samples; lower min_samples or raise alpha")
     notes = []
     if samples_per_client is not None:
-        if samples_per_client <= 0:
-            raise DataError(_field("samples_per_client"), f"must be > 0, got {samples_per_client}")
         train = [rng.permutation(t)[:samples_per_client] for t in train]
         notes.append(f"each client subsampled to at most {samples_per_client} training samples")
     train = [np.sort(t) for t in train]
@@ -151,6 +195,8 @@ def pathological(train_y, test_y, num_clients, rng, num_classes, classes_per_cli
     are shared equally among its holders; the test pool likewise."""
     if not 0 < classes_per_client <= num_classes:
         raise DataError(_field("classes_per_client"), f"must be in 1..{num_classes}, got {classes_per_client}")
+    if samples_per_client is not None:
+        _need_int("samples_per_client", samples_per_client, 1)
     classes = [sorted({(i * classes_per_client + j) % num_classes for j in range(classes_per_client)}) for i in range(num_clients)]
     holders = [[i for i in range(num_clients) if c in classes[i]] for c in range(num_classes)]
     tr_pools, te_pools = _by_class(train_y, num_classes, rng), _by_class(test_y, num_classes, rng)
@@ -162,6 +208,13 @@ def pathological(train_y, test_y, num_clients, rng, num_classes, classes_per_cli
                 for i, chunk in zip(holders[c], np.array_split(pools[c], len(holders[c]))):
                     out[i].append(chunk)
     train = [np.concatenate(t) for t in train]
+    empty = [i for i, t in enumerate(train) if len(t) == 0]
+    if empty:
+        c = classes[empty[0]][0]
+        raise DataError("data.num_clients", f"client {empty[0]} receives no training samples: class {c} has "
+                                            f"{len(tr_pools[c])} for its {len(holders[c])} holders ({num_clients} "
+                                            f"clients x {classes_per_client} classes each); lower data.num_clients or "
+                                            f"data.partition_params.classes_per_client")
     if samples_per_client is not None:
         train = [rng.permutation(t)[:samples_per_client] for t in train]
     return Partition([np.sort(t) for t in train], [np.sort(np.concatenate(t)) for t in test], classes)
@@ -181,16 +234,14 @@ def nway_kshot(train_y, test_y, num_clients, rng, num_classes, ways: int = 3, sh
         raise DataError(_field("shot_noise"), f"{shot_noise!r} is not allowed; choose one of: mnist, cifar")
     if not 1 <= ways <= num_classes:
         raise DataError(_field("ways"), f"must be in 1..{num_classes}, got {ways}")
-    lo_n, hi_n = max(2, ways - stdev), min(num_classes, ways + stdev)
-    lo_n = min(lo_n, hi_n)
-    n = rng.integers(lo_n, hi_n + 1, size=num_clients)
-    lo_k, hi_k = (shots - stdev + 1, shots + stdev - 2) if shot_noise == "mnist" else (shots - stdev + 1, shots + stdev)
-    if stdev == 0 or hi_k < lo_k:
-        lo_k = hi_k = shots
+    _need_int("shots", shots, 1)
+    _need_int("stdev", stdev, 0)
+    _need_int("test_shots", test_shots, 1)
+    start_state = rng.bit_generator.state
+    n, k, classes, lo_k, hi_k = _kshot_draws(rng, num_clients, num_classes, ways, shots, stdev, shot_noise)
     if lo_k <= 0:
-        raise DataError(_field("shots"), f"shots={shots} with stdev={stdev} gives non-positive shot counts")
-    k = rng.integers(lo_k, hi_k + 1, size=num_clients)
-    classes = [sorted(rng.choice(num_classes, size=int(n[i]), replace=False).tolist()) for i in range(num_clients)]
+        raise DataError(_field("shots"), f"shots={shots} with stdev={stdev} gives non-positive shot counts; raise "
+                                         f"shots above {stdev - 1} or lower stdev")
     tr_pools, te_pools = _by_class(train_y, num_classes, rng), _by_class(test_y, num_classes, rng)
 
     need = np.zeros(num_classes, dtype=np.int64)
@@ -201,11 +252,15 @@ def nway_kshot(train_y, test_y, num_clients, rng, num_classes, ways: int = 3, sh
             holders[c] += 1
     short = [c for c in range(num_classes) if need[c] > len(tr_pools[c])]
     if short:
-        fit = min(len(tr_pools[c]) // max(1, holders[c]) for c in range(num_classes)) - (hi_k - shots)
         c = short[0]
+        counts = np.bincount(np.asarray(train_y, dtype=np.int64), minlength=num_classes)
+        best = _largest_fitting_shots(rng, start_state, counts, num_clients, num_classes, ways, shots, stdev,
+                                      shot_noise)
+        hint = (f"with this seed at most shots={best} fits" if best else
+                "no shots value fits with this seed") if best is not None else "lower shots"
         raise DataError(_field("shots"), f"class {c} is held by {holders[c]} clients needing {need[c]} training samples "
-                                         f"but the train pool has {len(tr_pools[c])}; with this seed at most shots={max(fit, 0)} "
-                                         f"fits (or use fewer clients / ways)")
+                                         f"but the train pool has {len(tr_pools[c])}; {hint}, or use fewer clients "
+                                         f"(data.num_clients) or ways")
     if not test_overlap:
         tshort = [c for c in range(num_classes) if holders[c] * test_shots > len(te_pools[c])]
         if tshort:
@@ -235,6 +290,41 @@ def nway_kshot(train_y, test_y, num_clients, rng, num_classes, ways: int = 3, sh
     notes = [f"nway_kshot: ways={ways} stdev={stdev} shots={shots} (k_i in [{lo_k},{hi_k}]) test_shots={test_shots}"
              f"{' (test sets may overlap across clients)' if test_overlap else ''}"]
     return Partition(train, test, classes, notes)
+
+
+def _kshot_draws(rng, num_clients, num_classes, ways, shots, stdev, shot_noise):
+    """nway_kshot's per-client draws: class counts n_i, shots k_i, classes (in this order, from ``rng``)."""
+    lo_n, hi_n = max(2, ways - stdev), min(num_classes, ways + stdev)
+    lo_n = min(lo_n, hi_n)
+    n = rng.integers(lo_n, hi_n + 1, size=num_clients)
+    lo_k, hi_k = (shots - stdev + 1, shots + stdev - 2) if shot_noise == "mnist" else (shots - stdev + 1, shots + stdev)
+    if stdev == 0 or hi_k < lo_k:
+        lo_k = hi_k = shots
+    if lo_k <= 0:
+        return n, None, None, lo_k, hi_k
+    k = rng.integers(lo_k, hi_k + 1, size=num_clients)
+    classes = [sorted(rng.choice(num_classes, size=int(n[i]), replace=False).tolist()) for i in range(num_clients)]
+    return n, k, classes, lo_k, hi_k
+
+
+def _largest_fitting_shots(rng, state, counts, num_clients, num_classes, ways, shots, stdev, shot_noise,
+                           budget: int = 200_000):
+    """The largest shots < ``shots`` whose draws (replayed from the generator state ``state``) fit the class counts,
+    0 when none does, None when checking every value would cost more than ``budget`` client draws."""
+    if (shots - 1) * num_clients > budget:
+        return None
+    for s in range(shots - 1, 0, -1):
+        r = np.random.Generator(type(rng.bit_generator)())
+        r.bit_generator.state = state
+        _, k, classes, lo_k, _ = _kshot_draws(r, num_clients, num_classes, ways, s, stdev, shot_noise)
+        if lo_k <= 0:
+            continue
+        need = np.zeros(num_classes, dtype=np.int64)
+        for i in range(num_clients):
+            need[classes[i]] += k[i]
+        if (need <= counts).all():
+            return s
+    return 0
 
 
 def domain_dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: float = 100.0,
@@ -345,22 +435,74 @@ class FileSplit:
     notes: list[str] = field(default_factory=list)
 
 
+_NPZ_FIX = "regenerate the split with PFLlib/HtFLlib (or copy it again) and point data.partition_params.root at it"
+# what a PFLlib split file's pickled object array may name: numpy's own array reconstruction, nothing else (a split
+# shared between labs is read without running code from it)
+_NUMPY_GLOBALS = {("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"),
+                  ("numpy._core.multiarray", "scalar"), ("numpy.core.multiarray", "scalar"),
+                  ("numpy", "ndarray"), ("numpy", "dtype")}
+
+
+def _restricted_unpickle(fp):
+    import pickle
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module, name):
+            if (module, name) in _NUMPY_GLOBALS:
+                return super().find_class(module, name)
+            raise pickle.UnpicklingError(f"refused to load {module}.{name} (a split file holds numpy arrays only)")
+
+    return Unpickler(fp).load()
+
+
+def _read_npz_data(path) -> dict:
+    """The ``data`` entry of a PFLlib ``.npz`` split file (``np.savez_compressed(f, data={'x': x, 'y': y})``), read
+    with numpy's own format reader; its pickled object array may only rebuild numpy arrays."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        size = z.getinfo("data.npy").file_size
+        try:
+            import psutil
+
+            avail = psutil.virtual_memory().available
+        except Exception:
+            avail = None
+        if avail is not None and size > avail // 2:  # a zip bomb, or a split too large for this machine
+            raise ValueError(f"it unpacks to {size:,} bytes, more than half the {avail:,} bytes of free memory")
+        with z.open("data.npy") as fp:
+            version = np.lib.format.read_magic(fp)
+            read_header = {(1, 0): np.lib.format.read_array_header_1_0,
+                           (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if read_header is None:
+                raise ValueError(f"unsupported .npy format version {version}")
+            shape, fortran, dtype = read_header(fp, max_header_size=10000)
+            if dtype.hasobject:
+                arr = _restricted_unpickle(fp)
+            else:
+                raise ValueError("'data' is a plain array, not the dict {x, y} PFLlib writes")
+    return arr.tolist() if isinstance(arr, np.ndarray) else arr
+
+
 def _load_npz(path, what: str) -> tuple[np.ndarray, np.ndarray]:
     from pathlib import Path
+
+    from raysim.data.datasets import DamagedFileError, read_problem
 
     if not Path(path).exists():
         raise DataError(_field("root"), f"missing {what} file {path}")
     try:
-        with open(path, "rb") as f:
-            d = np.load(f, allow_pickle=True)["data"].tolist()
+        d = _read_npz_data(path)
+        if not isinstance(d, dict) or "x" not in d or "y" not in d:
+            raise ValueError("'data' must be a dict with keys x and y")
         x, y = np.asarray(d["x"]), np.asarray(d["y"])
-    except DataError:
-        raise
+        if x.dtype.hasobject or y.dtype.hasobject or y.ndim != 1 or x.ndim < 1:
+            raise ValueError(f"x must be a numeric array and y a 1-d label array (x {x.dtype} {x.shape}, "
+                             f"y {y.dtype} {y.shape})")
     except Exception as e:
-        raise DataError(_field("root"), f"cannot read {path} as a PFLlib split file (np.load(f, allow_pickle=True)"
-                                        f"['data'] with keys x and y): {type(e).__name__}: {e}") from None
+        raise DamagedFileError(path, read_problem(e), _NPZ_FIX, _field("root")) from None
     if x.shape[0] != y.shape[0]:
-        raise DataError(_field("root"), f"{path}: {x.shape[0]} samples in x but {y.shape[0]} labels in y")
+        raise DamagedFileError(path, f"{x.shape[0]} samples in x but {y.shape[0]} labels in y", _NPZ_FIX, _field("root"))
     return x, y
 
 
@@ -382,11 +524,19 @@ def load_split_files(params: dict, num_clients: int) -> FileSplit:
     cfg_path = root / "config.json"
     if not cfg_path.exists():
         raise DataError(_field("root"), f"missing {cfg_path} (PFLlib writes num_clients and num_classes there)")
+    from raysim.data.datasets import DamagedFileError, read_problem
+
     try:
         meta = json.loads(cfg_path.read_text())
-        n, num_classes = int(meta["num_clients"]), int(meta["num_classes"])
     except Exception as e:
-        raise DataError(_field("root"), f"{cfg_path} needs integer num_clients and num_classes: {e}") from None
+        raise DamagedFileError(cfg_path, read_problem(e), _NPZ_FIX, _field("root")) from None
+    try:
+        n, num_classes = int(meta["num_clients"]), int(meta["num_classes"])
+        if n <= 0 or num_classes <= 0:
+            raise ValueError("both must be > 0")
+    except Exception as e:
+        raise DamagedFileError(cfg_path, f"needs integer num_clients and num_classes > 0 ({type(e).__name__}: {e})",
+                               _NPZ_FIX, _field("root")) from None
     if n != num_clients:
         raise DataError("data.num_clients", f"the split in {root} has {n} clients (config.json), the config asks for "
                                             f"{num_clients}; set data.num_clients: {n}")
