@@ -127,7 +127,7 @@ class ClientSource:
     @staticmethod
     def _idx(csr, i: int) -> torch.Tensor:
         off, idx = csr
-        return torch.from_numpy(idx[off[i]:off[i + 1]])
+        return torch.from_numpy(idx[off[i]:off[i + 1]].copy())  # arrays from the object store are read-only
 
     def sizes(self, which: str = "train") -> np.ndarray:
         csr = {"train": self.train_csr, "test": self.test_csr, "val": self.val_csr}[which]
