@@ -148,15 +148,9 @@ def _per_client_path(model_cfg, spec, i: int) -> str:
 
 
 def _available_bytes() -> Optional[int]:
-    try:
-        import psutil
+    from raysim.data.datasets import available_memory
 
-        return int(psutil.virtual_memory().available)
-    except Exception:
-        try:
-            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            return None
+    return available_memory()
 
 
 def _check_model_size(spec, task: Task, path: str) -> None:

@@ -350,15 +350,11 @@ def test_damaged_candidate_image(tmp_path):
 
 def test_split_file_larger_than_memory_is_refused_before_unpacking(tmp_path, monkeypatch):
     """A split file that unpacks to more than half the free memory (a zip bomb) is refused from its zip header."""
-    import collections
-
-    import psutil
-
+    from raysim.data import datasets
     from raysim.data.federated import build_federated_data
 
     write_split(tmp_path / "split")
-    vm = collections.namedtuple("vm", "available")
-    monkeypatch.setattr(psutil, "virtual_memory", lambda: vm(1000))
+    monkeypatch.setattr(datasets, "available_memory", lambda: 1000)
     cfg = make_config(split_config(tmp_path / "split"))
     with pytest.raises(DamagedFileError, match="unpacks to") as e:
         build_federated_data(cfg.data, cfg.seed)

@@ -48,6 +48,21 @@ class DamagedFileError(DataError):
         ValueError.__init__(self, f"cannot read {where}: {problem}; {fix}")
 
 
+def available_memory() -> Optional[int]:
+    """Bytes of free memory on this machine (None when unknown)."""
+    import os
+
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None
+
+
 def read_problem(e: BaseException) -> str:
     """What went wrong reading a file, in a few words (for :class:`DamagedFileError`)."""
     import zlib

@@ -461,13 +461,10 @@ def _read_npz_data(path) -> dict:
     import zipfile
 
     with zipfile.ZipFile(path) as z:
-        size = z.getinfo("data.npy").file_size
-        try:
-            import psutil
+        from raysim.data import datasets
 
-            avail = psutil.virtual_memory().available
-        except Exception:
-            avail = None
+        size = z.getinfo("data.npy").file_size
+        avail = datasets.available_memory()
         if avail is not None and size > avail // 2:  # a zip bomb, or a split too large for this machine
             raise ValueError(f"it unpacks to {size:,} bytes, more than half the {avail:,} bytes of free memory")
         with z.open("data.npy") as fp:
