@@ -65,7 +65,7 @@ def main(argv=None):
     ideal = statistics.median(e["ideal_s"] for e in log[1:-1])
     work = statistics.median(sum(e["measured_loads"]) for e in log[1:-1])
     busiest = statistics.median(max(e["measured_loads"]) for e in log[1:-1])  # the placement's own makespan
-    print(f"| layout | s/round | x ideal |\n|---|---|---|")
+    print("| layout | s/round | x ideal |\n|---|---|---|")
     print(f"| static (i % {args.actors}) | {static:.3f} | {static / ideal:.2f} |")
     print(f"| cost-aware | {cost:.3f} | {cost / ideal:.2f} |")
     print(f"| ideal (max(work / {args.actors}, largest client)) | {ideal:.3f} | 1.00 |")

@@ -14,11 +14,10 @@ from envs.network import transfer_s
 from envs.participation import availability_prob
 from envs.config import AvailabilityConfig, parse_dist
 from raysim import results
-from raysim.config import ConfigError, make_config
+from raysim.config import ConfigError
 from raysim.runtime import ClientReport
 from raysim.driver import prepare, run_experiment
 
-from tests.conftest import tiny_config
 
 
 def report(cid, round_idx=0, up=0, down=0, ok=True):

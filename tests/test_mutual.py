@@ -3,14 +3,13 @@ BWT/FWT/ACC metrics, the projection (eq. 7) and the accuracy-weighted KL (eq. 3)
 iteration, and sequential == Ray with one actor per node."""
 import math
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
 
 from algorithms.mutual_ops import domain_metrics, project_conflicting, weighted_kl
-from raysim.config import ConfigError, DataConfig, make_config
+from raysim.config import ConfigError, DataConfig
 from raysim.data.federated import ClientData, build_federated_data, local_split_sizes
 from raysim.driver import prepare, run_experiment
 

@@ -115,7 +115,6 @@ def test_cnn_mnist_state_bytes(tiny):
     from raysim.store import state_nbytes
     from raysim.training import clone_state
 
-    cfg = make_config({"data": {"dataset": "synthetic", "num_clients": 2, "partition": "iid"}, "model": {"arch": "mlp"}})
     from raysim.models import build_model
     from raysim.config import ArchSpec
 
