@@ -17,6 +17,7 @@ from raysim import results
 from raysim.config import ConfigError
 from raysim.runtime import ClientReport
 from raysim.driver import prepare, run_experiment
+from raysim.results import without_timing
 
 
 
@@ -276,7 +277,7 @@ def test_device_draws_do_not_depend_on_population():
 
 
 def env_table(cfg):
-    return run_experiment(cfg, write=False, progress=False).table
+    return without_timing(run_experiment(cfg, write=False, progress=False).table)
 
 
 def test_run_records_env_rows_and_filters_uploads(tiny, monkeypatch):
