@@ -22,6 +22,15 @@ def same(a, b):
     pd.testing.assert_frame_equal(without_timing(a), without_timing(b))
 
 
+_SEQUENTIAL: dict = {}  # method -> its sequential table (the conformance test's run, reused by the Ray test)
+
+
+def sequential_table(tiny, name) -> pd.DataFrame:
+    if name not in _SEQUENTIAL:
+        _SEQUENTIAL[name] = run_experiment(cfg_for(tiny, name), write=False).table
+    return _SEQUENTIAL[name].copy()
+
+
 def cfg_for(tiny, name, **over):
     from tests.conftest import method_overrides
 
@@ -32,6 +41,7 @@ def cfg_for(tiny, name, **over):
 def test_algorithm_conformance(tiny, name, tmp_path):
     cfg = cfg_for(tiny, name)
     a = run_experiment(cfg, write=False)
+    _SEQUENTIAL[name] = a.table
     b = run_experiment(cfg, write=False)
     same(a.table, b.table)
     vals = a.table["value"]
@@ -65,7 +75,7 @@ def test_algorithm_conformance(tiny, name, tmp_path):
 @pytest.mark.ray
 @pytest.mark.parametrize("name", NAMES)
 def test_sequential_equals_ray_for_every_method(ray_session, tiny, name):
-    seq = run_experiment(cfg_for(tiny, name), write=False).table
+    seq = sequential_table(tiny, name)
     for actors in (1, 2):
         r = run_experiment(cfg_for(tiny, name, backend={"name": "ray", "num_actors": actors, "num_cpus": 1,
                                                         "state_memory_mb": 0 if actors == 2 else 1024}),

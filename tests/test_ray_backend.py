@@ -77,3 +77,39 @@ def test_resource_arithmetic(tiny):
     with pytest.raises(ConfigError, match="do not fit"):  # 0.4 packs 2 per GPU: 3 actors need 2 GPUs
         check_resources(cfg, cpus=2, gpus=1.0, where="x")
     check_resources(cfg, cpus=2, gpus=2.0, where="x")
+
+
+def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tiny):
+    """keep_actors_warm (on in the test session): a run reuses the previous run's actor processes when its actors ask
+    for the same resources (the same actors, reset), gives the table fresh actors give, and ends parked actors that
+    do not fit it before starting its own; release_warm_actors() returns their resources to the cluster."""
+    from raysim.backends.ray_backend import _WARM, release_warm_actors
+    from raysim.driver import Callback
+
+    class Ids(Callback):
+        def on_run_start(self, run):
+            self.ids = sorted(a._actor_id.hex() for a in [*run.backend.actors, run.backend.server])
+
+    def run(**backend):
+        ids = Ids()
+        t = run_experiment(tiny(rounds=2, backend={"name": "ray", **backend}), write=False, callbacks=[ids]).table
+        return ids.ids, without_timing(t)
+
+    seq = without_timing(run_experiment(tiny(rounds=2), write=False).table)
+    release_warm_actors()
+    cold, t_cold = run(num_actors=2, num_cpus=1)  # fresh processes
+    assert len(_WARM["client"]) == 2 and len(_WARM["server"]) == 1  # parked after the run
+    warm, t_warm = run(num_actors=2, num_cpus=1)
+    assert warm == cold  # the same actors served the second run
+    pd.testing.assert_frame_equal(t_cold, seq)
+    pd.testing.assert_frame_equal(t_warm, seq)
+    other, t_other = run(num_actors=2, num_cpus=0.5)  # other resources: the parked client actors are ended
+    assert len(set(other) & set(cold)) == 1  # the server (same resources) was reused; the client actors are new
+    pd.testing.assert_frame_equal(t_other, seq)
+    assert release_warm_actors() == 3
+    import ray
+
+    deadline = time.time() + 60
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:  # kills are asynchronous
+        time.sleep(0.05)
+    assert ray.available_resources().get("CPU", 0) == 2
