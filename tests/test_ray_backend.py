@@ -46,6 +46,43 @@ def test_failures_identical_on_ray(ray_session, tiny):
     assert [(f["round"], f["client_id"]) for f in r.metadata["failures"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
 
 
+def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tiny):
+    """keep_actors_warm (on in the test session): a run reuses parked actor processes when its actors ask for the
+    same resources (the same actors, reset), gives the table fresh actors give, leaves same-resource actors it does
+    not need parked, and ends parked actors that do not fit it before starting its own; release_warm_actors()
+    returns their resources to the cluster."""
+    import ray
+
+    from raysim.backends.ray_backend import _WARM, release_warm_actors
+    from raysim.driver import Callback
+
+    class Ids(Callback):
+        def on_run_start(self, run):
+            self.ids = sorted(a._actor_id.hex() for a in [*run.backend.actors, run.backend.server])
+
+    def run(**backend):
+        ids = Ids()
+        t = run_experiment(tiny(rounds=2, backend={"name": "ray", **backend}), write=False, callbacks=[ids]).table
+        return ids.ids, without_timing(t)
+
+    seq = without_timing(run_experiment(tiny(rounds=2), write=False).table)
+    first, t_first = run(num_actors=2, num_cpus=1)  # fresh or parked processes, whatever the session holds
+    assert len(_WARM["client"]) == 2 and len(_WARM["server"]) == 1  # parked after the run
+    again, t_again = run(num_actors=2, num_cpus=1)
+    assert again == first  # the same actors served the second run
+    one, t_one = run(num_actors=1, num_cpus=1)  # fewer actors of the same resources: nothing new started
+    assert set(one) < set(first) and len(_WARM["client"]) == 2
+    other, t_other = run(num_actors=1, num_cpus=0.5)  # other resources: the parked client actors are ended
+    assert len(set(other) & set(first)) == 1  # the server (same resources) was reused; the client actor is new
+    for t in (t_first, t_again, t_one, t_other):
+        pd.testing.assert_frame_equal(t, seq)
+    assert release_warm_actors() == 2
+    deadline = time.time() + 120
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:  # kills are asynchronous
+        time.sleep(0.05)
+    assert ray.available_resources().get("CPU", 0) == 2
+
+
 def test_fractional_gpus_pack_onto_declared_gpus(ray_session, tiny):
     # 2 actors x 0.5 GPU + server 0.5 GPU fit on the 2 fake GPUs; nothing calls CUDA (device stays cpu)
     cfg = tiny(rounds=1, backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5, "num_gpus": 0.5, "server_num_gpus": 0.5})
@@ -77,39 +114,3 @@ def test_resource_arithmetic(tiny):
     with pytest.raises(ConfigError, match="do not fit"):  # 0.4 packs 2 per GPU: 3 actors need 2 GPUs
         check_resources(cfg, cpus=2, gpus=1.0, where="x")
     check_resources(cfg, cpus=2, gpus=2.0, where="x")
-
-
-def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tiny):
-    """keep_actors_warm (on in the test session): a run reuses the previous run's actor processes when its actors ask
-    for the same resources (the same actors, reset), gives the table fresh actors give, and ends parked actors that
-    do not fit it before starting its own; release_warm_actors() returns their resources to the cluster."""
-    from raysim.backends.ray_backend import _WARM, release_warm_actors
-    from raysim.driver import Callback
-
-    class Ids(Callback):
-        def on_run_start(self, run):
-            self.ids = sorted(a._actor_id.hex() for a in [*run.backend.actors, run.backend.server])
-
-    def run(**backend):
-        ids = Ids()
-        t = run_experiment(tiny(rounds=2, backend={"name": "ray", **backend}), write=False, callbacks=[ids]).table
-        return ids.ids, without_timing(t)
-
-    seq = without_timing(run_experiment(tiny(rounds=2), write=False).table)
-    release_warm_actors()
-    cold, t_cold = run(num_actors=2, num_cpus=1)  # fresh processes
-    assert len(_WARM["client"]) == 2 and len(_WARM["server"]) == 1  # parked after the run
-    warm, t_warm = run(num_actors=2, num_cpus=1)
-    assert warm == cold  # the same actors served the second run
-    pd.testing.assert_frame_equal(t_cold, seq)
-    pd.testing.assert_frame_equal(t_warm, seq)
-    other, t_other = run(num_actors=2, num_cpus=0.5)  # other resources: the parked client actors are ended
-    assert len(set(other) & set(cold)) == 1  # the server (same resources) was reused; the client actors are new
-    pd.testing.assert_frame_equal(t_other, seq)
-    assert release_warm_actors() == 3
-    import ray
-
-    deadline = time.time() + 60
-    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:  # kills are asynchronous
-        time.sleep(0.05)
-    assert ray.available_resources().get("CPU", 0) == 2

@@ -61,10 +61,17 @@ def release_warm_actors() -> int:
 
 
 def _take_warm(kind: str, key, n: int) -> list:
-    """Up to n parked actors of ``kind`` with resource key ``key`` (removed from the park)."""
-    mine = [a for k, a in _WARM[kind] if k == key][:n]
-    _WARM[kind] = [(k, a) for k, a in _WARM[kind] if a not in mine]
-    return mine
+    """Up to n parked actors of ``kind`` with resource key ``key`` (removed from the park); parked actors of
+    ``kind`` with other keys are ended (they cannot serve this run), those with ``key`` stay parked."""
+    same = [a for k, a in _WARM[kind] if k == key]
+    for k, a in _WARM[kind]:
+        if k != key:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+    _WARM[kind] = [(key, a) for a in same[n:]]
+    return same[:n]
 
 
 def check_node_resources(cfg, nodes: list[dict]) -> None:
@@ -195,7 +202,8 @@ class RayBackend(Backend):
         if self._warm_keys is not None:
             ck, sk = self._warm_keys
             warm_clients, warm_server = _take_warm("client", ck, n), _take_warm("server", sk, 1)
-        release_warm_actors()
+        else:
+            release_warm_actors()
         server, reset = None, []
         for a in warm_server:
             reset.append(("server", a, a.reset.remote(self._spec_ref, global_test_ref)))
@@ -211,6 +219,8 @@ class RayBackend(Backend):
                 server = a
             else:
                 clients[k_or_server] = a
+        if server is None or any(c is None for c in clients):
+            release_warm_actors()  # same-resource actors left parked could hold up the new ones
         if server is None:
             server = Server.remote(self._spec_ref, global_test_ref)
         for k in range(n):
