@@ -499,6 +499,7 @@ class _ClientActor(ClientRunner):
         if self.store is not None:
             super().close()
         self.data, self.store = {}, None  # a parked actor holds no client data or states
+        self._forget_decoded(list(self._decoded))
         self.models = self.algorithm = None
 
     def node_id(self) -> str:
