@@ -43,7 +43,7 @@ from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import ConfigError, positive
 from raysim.messages import Message
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
-from raysim.training import clone_state, load_optimizer_state, optimizer_state
+from raysim.training import clone_state, optimizer_state
 
 
 def require_public_shares(algo, what: str) -> None:
@@ -71,13 +71,6 @@ class PublicShares:
             own = [torch.nonzero(pub.owner == i).flatten() for i in range(self.task.num_clients)]
             self._cache[key] = (pub.x.to(device), pub.y.to(device), own)
         return self._cache[key]
-
-
-def adam(model, lr: float, cfg, state: Optional[dict]) -> torch.optim.Adam:
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-    if state:
-        load_optimizer_state(opt, model, state)
-    return opt
 
 
 class MAFML(Algorithm):
