@@ -13,10 +13,11 @@ the other three nodes' public batches, projected against g_loc when they conflic
   seconds per iteration from the table's wall-time rows (``step_s@local + relay + global + sync``, the first round
   a warm-up and evaluation excluded).
 
-Prints seconds per iteration and the ratio to the plain loop; ``--profile FILE`` writes a cProfile of the sequential
-run's rounds (relative shares).
+Prints seconds per iteration and the ratio to the plain loop, the median over ``--repeat`` sittings that each time
+the plain loop right before each raysim run (on a loaded machine the ratio within a sitting is what means
+something); ``--profile FILE`` writes a cProfile of the (first) sequential run (relative shares).
 
-    PYTHONPATH=$PWD python benchmarks/multi_exchange.py [--rounds 3] [--backends sequential,ray] [--actors 2]
+    PYTHONPATH=$PWD python benchmarks/multi_exchange.py [--rounds 3] [--backends sequential,ray] [--actors 2] [--repeat 3]
 """
 from __future__ import annotations
 
@@ -103,6 +104,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3, help="rounds of 50 iterations; the first is a warm-up")
     ap.add_argument("--backends", default="sequential,ray")
     ap.add_argument("--actors", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=1, help="sittings (plain loop, then raysim); the median is printed")
     ap.add_argument("--profile", default=None, help="write a cProfile of the sequential run here")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -110,27 +112,34 @@ def main():
     from raysim.config import make_config
     from raysim.driver import prepare, run_experiment
 
-    prep = prepare(make_config(config(args.rounds, "sequential", 1)))
-    out = {"plain_s_per_iter": plain_loop(prep, ITER * (args.rounds - 1), ITER)}
-    for backend in [b for b in args.backends.split(",") if b]:
-        cfg = make_config(config(args.rounds, backend, args.actors))
-        if backend == "sequential" and args.profile:
-            import cProfile
+    import statistics
 
-            prof = cProfile.Profile()
-            prof.enable()
-            res = run_experiment(cfg, write=False)
-            prof.disable()
-            prof.dump_stats(args.profile)
-        else:
-            res = run_experiment(cfg, write=False)
-        out[f"{backend}_s_per_iter"] = raysim_per_iteration(res.table)
-        out[f"{backend}_ratio"] = out[f"{backend}_s_per_iter"] / out["plain_s_per_iter"]
-    print("| variant | ms / iteration | x plain loop |\n|---|---|---|")
-    print(f"| plain single-process loop | {1e3 * out['plain_s_per_iter']:.1f} | 1.00 |")
-    for backend in [b for b in args.backends.split(",") if b]:
+    prep = prepare(make_config(config(args.rounds, "sequential", 1)))
+    backends = [b for b in args.backends.split(",") if b]
+    runs: dict = {b: [] for b in backends}  # (plain s/iter, raysim s/iter) per sitting
+    for rep in range(args.repeat):
+        for backend in backends:
+            plain = plain_loop(prep, ITER * (args.rounds - 1), ITER)
+            cfg = make_config(config(args.rounds, backend, args.actors))
+            if backend == "sequential" and args.profile and rep == 0:
+                import cProfile
+
+                prof = cProfile.Profile()
+                prof.enable()
+                res = run_experiment(cfg, write=False)
+                prof.disable()
+                prof.dump_stats(args.profile)
+            else:
+                res = run_experiment(cfg, write=False)
+            runs[backend].append((plain, raysim_per_iteration(res.table)))
+    out = {b: {"sittings": v, "median_ratio": statistics.median(r / p for p, r in v)} for b, v in runs.items()}
+    print("| variant | plain loop ms / iteration | raysim ms / iteration | x plain loop (per sitting) | median |")
+    print("|---|---|---|---|---|")
+    for backend in backends:
         label = f"raysim {backend}" + (f" ({args.actors} actors)" if backend == "ray" else "")
-        print(f"| {label} | {1e3 * out[f'{backend}_s_per_iter']:.1f} | {out[f'{backend}_ratio']:.2f} |")
+        v = runs[backend]
+        print(f"| {label} | {', '.join(f'{1e3 * p:.1f}' for p, _ in v)} | {', '.join(f'{1e3 * r:.1f}' for _, r in v)} | "
+              f"{', '.join(f'{r / p:.2f}' for p, r in v)} | {out[backend]['median_ratio']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
