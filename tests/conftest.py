@@ -1,7 +1,8 @@
 """Shared fixtures. Ray tests use one Ray session per test session (``ray_session``), declared with 2 CPUs and 2
 fake GPUs so that GPU packing can be tested without CUDA (nothing in the tests calls CUDA), with warm actors
 (``keep_actors_warm``): a Ray run reuses the worker processes of the previous run whose actors asked for the same
-resources instead of starting new ones. A test that uses Ray directly calls ``release_warm_actors()`` first."""
+resources instead of starting new ones. Parked actors hold their CPUs: a test that runs its own Ray tasks or actors
+asks for no CPU (``num_cpus=0``) or calls ``release_warm_actors()`` first."""
 from __future__ import annotations
 
 import os
