@@ -139,9 +139,10 @@ class FedProto(LocalTraining):
             # for all epochs: momentum carries on into the collecting epoch)
             aux["collect"] = {"on": False, "z": [], "y": []}
 
-            def on_epoch(epoch, epochs):
+            def last_epoch_on(epoch, epochs):
                 aux["collect"]["on"] = epoch == epochs - 1
 
+            on_epoch = last_epoch_on
         # unlabelled samples carry UNLABELLED, not their label
         return LocalStart(y=None if pu is None else pu.y_obs, aux=aux, on_epoch=on_epoch)
 
@@ -151,11 +152,12 @@ class FedProto(LocalTraining):
         if a["collect"] is not None:
             box = a["collect"]
 
-            def collect(z, y):
+            def collect_on(z, y):
                 if box["on"]:
                     box["z"].append(z)
                     box["y"].append(y)
 
+            collect = collect_on
         return self.make_loss(a["protos"], a["mask"], collect, pu=a["pu"])
 
     def vectorizable(self, start: LocalStart) -> bool:

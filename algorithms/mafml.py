@@ -37,13 +37,13 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from algorithms.mutual_ops import (domain_metrics, flat_grad, project_conflicting, random_batch, set_flat_grad,
-                                   weighted_kl)
+from algorithms.mutual_ops import (WarmClients, domain_metrics, flat_grad, project_conflicting, random_batch,
+                                   set_flat_grad, weighted_kl)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import ConfigError, positive
 from raysim.messages import Message
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
-from raysim.training import clone_state, load_optimizer_state, optimizer_state
+from raysim.training import clone_state, optimizer_state
 
 
 def require_public_shares(algo, what: str) -> None:
@@ -73,13 +73,6 @@ class PublicShares:
         return self._cache[key]
 
 
-def adam(model, lr: float, cfg, state: Optional[dict]) -> torch.optim.Adam:
-    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-    if state:
-        load_optimizer_state(opt, model, state)
-    return opt
-
-
 class MAFML(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "mafml"
@@ -107,6 +100,7 @@ class MAFML(Algorithm):
     def __init__(self, params, task):
         super().__init__(params, task)
         self.shares = PublicShares(task) if task.public is not None and task.public.owner is not None else None
+        self.live = WarmClients(task)  # each node's model and Adam kept warm across its steps (same numbers)
 
     def validate(self):
         require_public_shares(self, self.name)
@@ -139,8 +133,7 @@ class MAFML(Algorithm):
 
     def local(self, payload, state, data, ctx: Context) -> ClientUpdate:
         cfg = self.task.train
-        model = self._load(state, ctx)
-        opt = adam(model, cfg.lr, cfg, state["opt"])
+        model, opt = self.live.get(state, ctx, cfg.lr)
         gen = ctx.generator("batches")
         idx = random_batch(data.num_train, cfg.batch_size, gen).to(data.y_train.device)
         model.train()
@@ -160,6 +153,7 @@ class MAFML(Algorithm):
         acc = (logits.argmax(1) == py[pick]).float().mean()
         up = {"soft": Message("soft_labels", {"idx": pick.cpu(), "p": p.detach().cpu(), "acc": acc.reshape(1).cpu()})}
         new = {"model": clone_state(model), "opt": optimizer_state(opt, model), "g_loc": g_loc}
+        self.live.done(ctx, new)
         return ClientUpdate(new, up, {"train_loss": float(loss.detach()), "public_batch_acc": float(acc)})
 
     def _public_loss(self, model, teachers, px, py):
@@ -181,8 +175,7 @@ class MAFML(Algorithm):
         teachers = self.teachers(payload, ctx.device)
         if not teachers:
             return ClientUpdate(state, {}, {})
-        model = self._load(state, ctx)
-        opt = adam(model, self.params.public_lr or cfg.lr, cfg, state["opt"])
+        model, opt = self.live.get(state, ctx, self.params.public_lr or cfg.lr)
         px, py, _ = self.shares.get(ctx.device)
         g_loc = state["g_loc"].to(ctx.device)
         groups = [[t] for t in teachers] if self.params.per_teacher else [teachers]
@@ -200,6 +193,7 @@ class MAFML(Algorithm):
             kls.append(float(kl.detach()))
             ces.append(float(ce.detach()))
         new = {"model": clone_state(model), "opt": optimizer_state(opt, model), "g_loc": torch.zeros(0)}
+        self.live.done(ctx, new)
         n = len(groups)
         return ClientUpdate(new, {}, {"projected": sum(fired) / n, "train_kl": sum(kls) / n,
                                       "train_ce_public": sum(ces) / n})

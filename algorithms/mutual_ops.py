@@ -98,3 +98,46 @@ def adam_or_sgd(params, cfg, lr=None, state=None, model=None):
     if state and model is not None:
         load_optimizer_state(opt, model, state)
     return opt
+
+
+class WarmClients:
+    """Live (model, Adam optimiser) pairs of the clients a runner used last, kept across the steps and iterations of
+    a round so that a step whose client state is the very one this cache produced last time skips loading it
+    (``load_state_dict`` and the optimiser state's copies). States stay the source of truth: any other state (spilled
+    and read back, restored from a checkpoint, the previous one after a failed step) is loaded as before, so the
+    numbers are those of a fresh load. At most ``size`` clients (least recently used dropped)."""
+
+    def __init__(self, task, size: int = 16):
+        from collections import OrderedDict
+
+        self.task, self.size, self._live = task, size, OrderedDict()
+
+    def get(self, state: dict, ctx, lr: float):
+        """(model, optimiser) holding ``state['model']`` / ``state['opt']`` (an Adam with learning rate ``lr``)."""
+        from raysim.training import load_optimizer_state
+
+        cid = ctx.client_id
+        entry = self._live.pop(cid, None)
+        if entry is None:
+            with torch.random.fork_rng(devices=[]):  # building draws from the global RNG: leave it alone
+                model = self.task.build_model(cid).to(ctx.device)
+            opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=self.task.train.weight_decay)
+            entry = [model, opt, None, None]
+        model, opt, weights, opt_state = entry
+        if state["model"] is not weights:
+            model.load_state_dict(state["model"])
+        if state["opt"] is not opt_state:
+            opt.state.clear()
+            load_optimizer_state(opt, model, state["opt"])
+        opt.param_groups[0]["lr"] = lr
+        entry[2] = entry[3] = None  # the live pair no longer matches any state until done() says so
+        self._live[cid] = entry
+        while len(self._live) > self.size:
+            self._live.popitem(last=False)
+        return model, opt
+
+    def done(self, ctx, new_state: dict) -> None:
+        """The live pair of ``ctx.client_id`` now equals ``new_state`` (its model and opt entries, copies)."""
+        entry = self._live.get(ctx.client_id)
+        if entry is not None:
+            entry[2], entry[3] = new_state["model"], new_state["opt"]

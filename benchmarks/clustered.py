@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
@@ -107,7 +106,6 @@ def run_one(cfg_dict: dict) -> dict:
 
     curve = t[(t.scope == "mean") & (t.metric == "test_acc")].sort_values("round")
     ari_curve = t[(t.scope == "server") & (t.metric == "ari")].sort_values("round")
-    tot = t[t.scope == "total"]
     return {"name": cfg_dict["name"], "seed": cfg_dict["seed"], "rounds": cfg_dict["rounds"], "last_round": last,
             "test_acc": at("mean", "test_acc"), "ari": at("server", "ari"),
             "test_acc_local": at("mean", "test_acc_local"),

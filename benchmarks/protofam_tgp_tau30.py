@@ -1,6 +1,6 @@
 """FedTGP with margin threshold TAU in the figure 5a setting (30 rounds) for one SEED:
     python benchmarks/protofam_tgp_tau30.py TAU SEED"""
-import sys, time, torch
+import sys, torch
 sys.path.insert(0, "benchmarks")
 torch.set_num_threads(1)
 import protofam_fig_a as fa

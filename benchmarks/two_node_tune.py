@@ -100,7 +100,6 @@ def main():
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         node2 = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        head_id = [n["NodeID"] for n in ray.nodes() if n["NodeID"] != node2.node_id][0] if ray.is_initialized() else None
         study_name = "two-node"
         stopped = {}
 
@@ -125,7 +124,7 @@ def main():
         over = [f"backend.address={cluster.address}"]
         out_dir = root / "study"
         t0 = time.perf_counter()
-        r1 = tune(BASE, parse_space(SPACE), args.trials, storage=url, study_name=study_name, out_dir=out_dir,
+        tune(BASE, parse_space(SPACE), args.trials, storage=url, study_name=study_name, out_dir=out_dir,
                   parallel=2, overrides=over, log=lambda m: print("tune:", m))
         wall1 = time.perf_counter() - t0
         stopped.setdefault("at", None)

@@ -39,7 +39,7 @@ from raysim.config import ConfigError, ExperimentConfig, check_path_component, f
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
-from raysim.results import RESULTS_FILE, ResultTable, write_parquet
+from raysim.results import RESULTS_FILE, ROUND_TIME, STEP_TIME, ResultTable, write_parquet
 from raysim.runtime import ClientReport, RunSpec, SimulationError, step_token
 from raysim.state import find_checkpoint, read_checkpoint_meta, write_checkpoint
 from raysim.steps import ALL, ClientStep, check_schedule, flatten
@@ -50,7 +50,8 @@ INCOMPLETE = rundir.INCOMPLETE
 
 EQUALITY_POLICY = {
     "bit_identical": "CPU, the per-client loop executor, backend.torch_threads = 1: the same table on every backend, "
-                     "actor count, state_memory_mb setting and after a resume",
+                     "actor count, state_memory_mb setting and after a resume, but for the wall-time rows (round_s, "
+                     "step_s@<step>; results.without_timing drops them)",
     "tolerance": "vectorised executors and GPU runs: metrics within 1e-4 absolute of the CPU reference (not "
                  "bit-identical: kernels reorder floating-point sums)",
 }
@@ -337,6 +338,12 @@ class _Recorder:
         self.t.add(round_idx, -1, "total", "participants", sum(not c["failed"] for c in log.clients.values()))
         self.t.add(round_idx, -1, "total", "failures", sum(c["failed"] for c in log.clients.values()))
 
+    def timing(self, round_idx: int, round_s: float, step_s: dict) -> None:
+        """Wall-time rows (scope total; they differ run to run: results.without_timing drops them)."""
+        self.t.add(round_idx, -1, "total", ROUND_TIME, round_s)
+        for name, s in step_s.items():
+            self.t.add(round_idx, -1, "total", STEP_TIME + name, s)
+
     def server(self, round_idx: int, metrics: dict) -> None:
         for name, v in sorted(metrics.items()):
             val, w = _value_weight(v)
@@ -409,8 +416,9 @@ class Callback:
     def on_run_error(self, run: Run, exc: BaseException) -> None: ...
 
 
-def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
-    """Walk one schedule (a round's or the setup's): client steps, server steps, repeats."""
+def _run_steps(run: Run, schedule, round_idx: int, selected: list[int], step_s: dict) -> None:
+    """Walk one schedule (a round's or the setup's): client steps, server steps, repeats. Adds each step's wall
+    seconds (summed over its iterations) to ``step_s``."""
     cfg, backend, env = run.cfg, run.backend, run.env
     log = _RoundLog()
     uploads = None
@@ -423,6 +431,7 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
     compute = 0.0
     all_clients = range(cfg.data.num_clients)  # not a list: O(1) per round however large the population
     for step, it in flatten(schedule):
+        t_step = time.perf_counter()
         if isinstance(step, ClientStep):
             ids = [c for c in (all_clients if step.clients == ALL else selected) if c not in out_of_round]
             if to_commit is not None:
@@ -460,6 +469,7 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
             if payload is not None:
                 run.payload = payload
             run.recorder.server(round_idx, metrics)
+        step_s[step.name] = step_s.get(step.name, 0.0) + time.perf_counter() - t_step
     if to_commit is not None:
         backend.commit(*to_commit)
     run.recorder.round(round_idx, log)
@@ -467,8 +477,9 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int]) -> None:
     run.timing["env_s"].append(t_env)
 
 
-def _evaluate(run: Run, round_idx: int) -> None:
+def _evaluate(run: Run, round_idx: int, step_s: dict) -> None:
     for step, it in flatten(run.algorithm.evaluation_schedule()):
+        t_step = time.perf_counter()
         if isinstance(step, ClientStep):
             _, reports = run.backend.client_step(step, run.payload, round_idx, it, eval_clients(run.cfg, round_idx))
             for r in reports:
@@ -479,15 +490,18 @@ def _evaluate(run: Run, round_idx: int) -> None:
             _, metrics = run.backend.server_step(step, round_idx, it, None, [])
             safety.check_metrics(round_idx, -1, step.name, metrics)
             run.recorder.server(round_idx, metrics)
+        step_s[step.name] = step_s.get(step.name, 0.0) + time.perf_counter() - t_step
 
 
 def run_loop(run: Run, callbacks: list[Callback]) -> None:
     cfg, backend, env = run.cfg, run.backend, run.env
     if not run.setup_done:
         t0 = time.perf_counter()
-        _run_steps(run, run.algorithm.setup_schedule(), SETUP_ROUND, list(range(cfg.data.num_clients)))
+        step_s: dict = {}
+        _run_steps(run, run.algorithm.setup_schedule(), SETUP_ROUND, list(range(cfg.data.num_clients)), step_s)
         run.setup_done = True
         run.timing["setup_phase_s"] = time.perf_counter() - t0
+        run.recorder.timing(SETUP_ROUND, run.timing["setup_phase_s"], step_s)
         for cb in callbacks:
             cb.on_setup_end(run)
     run.payload = backend.initial_payload(run.start_round)
@@ -495,12 +509,14 @@ def run_loop(run: Run, callbacks: list[Callback]) -> None:
     for round_idx in range(run.start_round, cfg.rounds):
         t0 = time.perf_counter()
         selected = sample_clients(cfg, round_idx) if env is None else env.select(round_idx, cfg.clients_per_round)
-        _run_steps(run, schedule, round_idx, selected)
+        step_s = {}
+        _run_steps(run, schedule, round_idx, selected, step_s)
         evaluated = (round_idx + 1) % cfg.eval.every == 0 or round_idx == cfg.rounds - 1
         if evaluated:
-            _evaluate(run, round_idx)
+            _evaluate(run, round_idx, step_s)
         run.round_idx = round_idx
         run.timing["round_s"].append(time.perf_counter() - t0)
+        run.recorder.timing(round_idx, run.timing["round_s"][-1], step_s)
         stop = False
         for cb in callbacks:
             stop = bool(cb.on_round_end(run, round_idx, evaluated)) or stop

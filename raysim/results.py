@@ -3,6 +3,11 @@
 Columns: run_id, round, client_id (-1 for server/summary rows), scope (client | server | mean | std | total),
 metric, value, weight. Config, seed, versions and data-scaling notes live in the Parquet file metadata under the key
 ``raysim``.
+
+Timing rows (scope ``total``, client -1): ``round_s``, the driver's wall time of each round (its steps and its
+evaluation; round -1: the setup phase), and ``step_s@<step>``, the wall time of each step of the round's schedule
+and of its evaluation (summed over a ``Repeat``'s iterations). They differ from run to run; every other row is
+deterministic. :func:`without_timing` drops them (for comparing tables), :func:`timing` pivots them.
 """
 from __future__ import annotations
 
@@ -16,6 +21,33 @@ import pandas as pd
 COLUMNS = ["run_id", "round", "client_id", "scope", "metric", "value", "weight"]
 META_KEY = b"raysim"
 RESULTS_FILE = "results.parquet"
+ROUND_TIME = "round_s"
+STEP_TIME = "step_s@"  # + the step's name
+
+
+def is_timing(metric: str) -> bool:
+    """Whether ``metric`` is a wall-time row (``round_s``, ``step_s@<step>``), which differs from run to run."""
+    return metric == ROUND_TIME or metric.startswith(STEP_TIME)
+
+
+def without_timing(df: pd.DataFrame) -> pd.DataFrame:
+    """The table without its wall-time rows (``round_s``, ``step_s@*``), index 0..n-1: what is identical between
+    runs of one config and seed (backends, actors, spilling, resume)."""
+    m = df["metric"].astype(str)
+    keep = ~((m == ROUND_TIME) | m.str.startswith(STEP_TIME))
+    return df[keep.to_numpy()].reset_index(drop=True)
+
+
+def timing(df: pd.DataFrame) -> pd.DataFrame:
+    """Per run and round: ``round_s`` and one ``step_s@<step>`` column per step (wall seconds on the driver)."""
+    d = df[df["metric"].astype(str).map(is_timing) & (df["scope"] == "total")]
+    if d.empty:
+        raise MetricError("no timing rows (round_s) in this table")
+    out = d.pivot_table(index=["run_id", "round"], columns="metric", values="value", aggfunc="sum")
+    cols = [ROUND_TIME] + sorted(c for c in out.columns if c != ROUND_TIME)
+    out = out[cols].reset_index()
+    out.columns.name = None
+    return out
 
 
 class ResultTable:

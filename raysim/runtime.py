@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 import traceback as tb
 from dataclasses import dataclass, field
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -108,6 +109,13 @@ def _failure(rep: ClientReport, e: BaseException) -> None:
     rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
 
 
+DECODED_CACHE_BYTES = 64 * 2**20  # per client runner: decoded (float) data of the clients used last
+
+
+def _data_nbytes(d: ClientData) -> int:
+    return sum(t.numel() * t.element_size() for t in (d.x_train, d.y_train, d.x_test, d.y_test, d.x_val, d.y_val))
+
+
 class ClientRunner:
     """Hosts a group of virtual clients: their data stays resident, their states live in the store."""
 
@@ -125,6 +133,10 @@ class ClientRunner:
             self.data = clients
         else:  # compact, on CPU; decoded onto the device per step
             self.data = {c.client_id: c.compact() for c in clients}
+        # the decoded data of the clients used last, up to DECODED_CACHE_BYTES (a multi-exchange round uses each
+        # client several times; decoding is exact, so a cached copy is the copy decoding would give)
+        self._decoded: "OrderedDict[int, ClientData]" = OrderedDict()
+        self._decoded_bytes = 0
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
@@ -148,7 +160,28 @@ class ClientRunner:
         return s
 
     def _data(self, cid: int) -> ClientData:
-        return self.data[cid].to(self.device)
+        c = self.data[cid]
+        if not c.is_compact:
+            return c.to(self.device)
+        hit = self._decoded.get(cid)
+        if hit is not None:
+            self._decoded.move_to_end(cid)
+            return hit
+        d = c.to(self.device)
+        size = _data_nbytes(d)
+        if size <= DECODED_CACHE_BYTES:
+            self._decoded[cid] = d
+            self._decoded_bytes += size
+            while self._decoded_bytes > DECODED_CACHE_BYTES:
+                _, old = self._decoded.popitem(last=False)
+                self._decoded_bytes -= _data_nbytes(old)
+        return d
+
+    def _forget_decoded(self, client_ids) -> None:
+        for cid in client_ids:
+            old = self._decoded.pop(cid, None)
+            if old is not None:
+                self._decoded_bytes -= _data_nbytes(old)
 
     def run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
                         client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
@@ -302,12 +335,14 @@ class ClientRunner:
         ids = []
         for ex in exports:
             for cid, (data, state) in ex.items():
+                self._forget_decoded([cid])
                 self.data[cid] = data
                 self.store.adopt(cid, state)
                 ids.append(cid)
         return sorted(ids)
 
     def forget_clients(self, client_ids: list[int]) -> None:
+        self._forget_decoded(client_ids)
         for cid in client_ids:
             self.data.pop(cid, None)
         self.store.forget(client_ids)

@@ -1,5 +1,8 @@
 """Shared fixtures. Ray tests use one Ray session per test session (``ray_session``), declared with 2 CPUs and 2
-fake GPUs so that GPU packing can be tested without CUDA (nothing in the tests calls CUDA)."""
+fake GPUs so that GPU packing can be tested without CUDA (nothing in the tests calls CUDA), with warm actors
+(``keep_actors_warm``): a Ray run reuses the worker processes of the previous run whose actors asked for the same
+resources instead of starting new ones. Parked actors hold their CPUs: a test that runs its own Ray tasks or actors
+asks for no CPU (``num_cpus=0``) or calls ``release_warm_actors()`` first."""
 from __future__ import annotations
 
 import os
@@ -44,6 +47,8 @@ def method_overrides(name: str) -> dict:
                 "algorithm__params": {"num_clusters": 2, "pretrain_episodes": 5}}
     if name == "fedfomo":  # weighs the received models on a validation split
         return {"data__val_fraction": 0.2}
+    if name == "slaugfl":  # a small generator (the production default trains 300 steps of a 128-channel one)
+        return {"algorithm__params": dict(SLAUGFL_SMALL)}
     if name in MUTUAL:  # the mutual-learning family: 4 rotated domains with the four-way local split, Adam
         return {"data": {"dataset": "synthetic", "num_clients": 4, "partition": "shared_base",
                          "partition_params": {"per_class": 12}, "rotations": [0, 90, 180, 270],
@@ -54,6 +59,7 @@ def method_overrides(name: str) -> dict:
     return {}
 
 
+SLAUGFL_SMALL = {"gen_steps": 20, "gen_channels": 8, "gen_noise": 8, "prep_epochs": 3}
 MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}, "fml": {}, "fedkd": {"ramp_rounds": 3},
           "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
@@ -70,5 +76,9 @@ def ray_session():
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": root}})
+    from raysim.backends.ray_backend import keep_actors_warm
+
+    keep_actors_warm(True)  # each run reuses the previous run's actor processes when their resources match
     yield ray
+    keep_actors_warm(False)
     ray.shutdown()

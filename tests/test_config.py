@@ -1,7 +1,7 @@
 """Bad configs: one clear error naming the field and the allowed values."""
 import pytest
 
-from raysim.config import ConfigError, apply_overrides, make_config
+from raysim.config import ConfigError, make_config
 from raysim.data import DataError
 from raysim.driver import prepare
 from tests.conftest import tiny_config

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from raysim.data import DataError, load_dataset
 from raysim.data.datasets import FASHION_DEFAULT_DIRS
@@ -65,3 +66,19 @@ def test_torchvision_datasets_need_a_local_root(tmp_path):
     assert e.value.field == "data.root"
     with pytest.raises(DataError, match="not found under"):
         load_dataset("mnist", str(tmp_path))
+
+
+def test_parsed_datasets_are_cached_read_only_and_callers_get_their_own_tensors():
+    """mnist5k's CSV and scikit-learn's digits are parsed once per process; a caller that changes its tensors in
+    place changes nobody else's."""
+    from raysim.data.datasets import _mnist5k_arrays
+
+    for name in ("mnist5k", "digits"):
+        a = load_dataset(name)
+        ref = a.train.x.clone()
+        a.train.x.add_(1.0)
+        a.train.y.zero_()
+        b = load_dataset(name)
+        assert torch.equal(b.train.x, ref) and int(b.train.y.max()) == 9
+    X, y = _mnist5k_arrays()
+    assert _mnist5k_arrays()[0] is X and not X.flags.writeable and not y.flags.writeable

@@ -14,11 +14,11 @@ from envs.network import transfer_s
 from envs.participation import availability_prob
 from envs.config import AvailabilityConfig, parse_dist
 from raysim import results
-from raysim.config import ConfigError, make_config
+from raysim.config import ConfigError
 from raysim.runtime import ClientReport
 from raysim.driver import prepare, run_experiment
+from raysim.results import without_timing
 
-from tests.conftest import tiny_config
 
 
 def report(cid, round_idx=0, up=0, down=0, ok=True):
@@ -277,7 +277,7 @@ def test_device_draws_do_not_depend_on_population():
 
 
 def env_table(cfg):
-    return run_experiment(cfg, write=False, progress=False).table
+    return without_timing(run_experiment(cfg, write=False, progress=False).table)
 
 
 def test_run_records_env_rows_and_filters_uploads(tiny, monkeypatch):

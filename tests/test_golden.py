@@ -1,6 +1,6 @@
 """Every registered method reproduces its golden table (tests/golden/*.parquet) exactly: the same value and weight
 for every (round, client, scope, metric) the golden run recorded. New metrics are allowed; a changed or missing
-value is not. A commit that moves numbers on purpose regenerates the affected files (tests/golden/make_golden.py).
+value is not. Wall-time rows (round_s, step_s@*) are never in a golden table. A commit that moves numbers on purpose regenerates the affected files (tests/golden/make_golden.py).
 
 Exactly means on the CPU the table was made on (tests/golden/<name>.platform.json, else platform.json for older
 tables: model, vector ISA, torch version). On
@@ -14,6 +14,7 @@ import pytest
 
 from raysim.config import make_config
 from raysim.driver import run_experiment
+from raysim.results import ROUND_TIME, is_timing
 from tests.golden.make_golden import HERE, golden_config, names, platform, recorded_platform
 
 KEY = ["round", "client_id", "scope", "metric"]
@@ -22,6 +23,8 @@ KEY = ["round", "client_id", "scope", "metric"]
 def compare_to_golden(name: str, table: pd.DataFrame) -> None:
     gold = pd.read_parquet(HERE / f"{name}.parquet")
     assert not gold.duplicated(KEY).any()
+    assert not gold["metric"].map(is_timing).any(), f"{name}: the golden table holds wall-time rows"
+    assert table["metric"].eq(ROUND_TIME).any(), f"{name}: the run recorded no round_s rows"
     got = table.drop(columns=["run_id"]).merge(gold, on=KEY, how="right", suffixes=("", "_gold"), indicator=True)
     missing = got[got["_merge"] != "both"]
     assert missing.empty, f"{name}: rows missing from the new table:\n{missing[KEY].head(20)}"

@@ -3,16 +3,16 @@ BWT/FWT/ACC metrics, the projection (eq. 7) and the accuracy-weighted KL (eq. 3)
 iteration, and sequential == Ray with one actor per node."""
 import math
 
-import numpy as np
 import pandas as pd
 import pytest
 import torch
 import torch.nn as nn
 
 from algorithms.mutual_ops import domain_metrics, project_conflicting, weighted_kl
-from raysim.config import ConfigError, DataConfig, make_config
+from raysim.config import ConfigError, DataConfig
 from raysim.data.federated import ClientData, build_federated_data, local_split_sizes
 from raysim.driver import prepare, run_experiment
+from raysim.results import without_timing
 
 SPLIT = {"public": 0.1, "val": 0.1, "test": 0.15}
 
@@ -204,7 +204,7 @@ def test_mafml_heterogeneous_archs(tiny):
 def test_mafml_sequential_equals_ray_one_actor_per_node(ray_session, tiny):
     seq = run_experiment(mutual_cfg(tiny, "mafml"), write=False).table
     ray = run_experiment(mutual_cfg(tiny, "mafml", backend={"name": "ray", "num_actors": 4, "num_cpus": 0.5}), write=False).table
-    pd.testing.assert_frame_equal(seq.reset_index(drop=True), ray.reset_index(drop=True))
+    pd.testing.assert_frame_equal(without_timing(seq), without_timing(ray))
 
 
 # -- engine: train.local_steps -----------------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_local_steps_runs_exactly_that_many_steps():
 def test_ind_is_local_training_on_private_plus_public(tiny):
     ind = run_experiment(mutual_cfg(tiny, "ind", {}), write=False).table.drop(columns="run_id")
     loc = run_experiment(mutual_cfg(tiny, "local", {}), write=False).table.drop(columns="run_id")
-    pd.testing.assert_frame_equal(ind, loc)
+    pd.testing.assert_frame_equal(without_timing(ind), without_timing(loc))
     assert rows(ind, "up_floats")["value"].eq(0).all()
 
 

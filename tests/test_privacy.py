@@ -1,7 +1,6 @@
 """The privacy boundary: for every registered method, what reaches the server is only the message kinds the method
 declares, never a client's data, and its size is exactly what the table accounts."""
 import pytest
-import torch
 
 from raysim.driver import prepare, run_experiment
 from raysim.registry import ALGORITHMS

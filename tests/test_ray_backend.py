@@ -9,6 +9,7 @@ from raysim.backends.ray_backend import check_resources
 from raysim.config import ConfigError
 from raysim.registry import register_algorithm
 from raysim.driver import run_experiment
+from raysim.results import without_timing
 
 register_algorithm("failing_fedavg", "tests.failing_algo:FailingFedAvg")
 
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.ray
 
 
 def table(cfg):
-    return run_experiment(cfg, write=False).table
+    return without_timing(run_experiment(cfg, write=False).table)
 
 
 @pytest.mark.parametrize("algo", ["fedproto", "fedavg", "local"])
@@ -41,8 +42,45 @@ def test_failures_identical_on_ray(ray_session, tiny):
     params = {"algorithm": {"name": "failing_fedavg", "params": {"fail_clients": [1, 4]}}}
     seq = run_experiment(tiny(**params), write=False)
     r = run_experiment(tiny(**params, backend={"name": "ray", "num_actors": 2}), write=False)
-    pd.testing.assert_frame_equal(seq.table, r.table)
+    pd.testing.assert_frame_equal(without_timing(seq.table), without_timing(r.table))
     assert [(f["round"], f["client_id"]) for f in r.metadata["failures"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+
+
+def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tiny):
+    """keep_actors_warm (on in the test session): a run reuses parked actor processes when its actors ask for the
+    same resources (the same actors, reset), gives the table fresh actors give, leaves same-resource actors it does
+    not need parked, and ends parked actors that do not fit it before starting its own; release_warm_actors()
+    returns their resources to the cluster."""
+    import ray
+
+    from raysim.backends.ray_backend import _WARM, release_warm_actors
+    from raysim.driver import Callback
+
+    class Ids(Callback):
+        def on_run_start(self, run):
+            self.ids = sorted(a._actor_id.hex() for a in [*run.backend.actors, run.backend.server])
+
+    def run(**backend):
+        ids = Ids()
+        t = run_experiment(tiny(rounds=2, backend={"name": "ray", **backend}), write=False, callbacks=[ids]).table
+        return ids.ids, without_timing(t)
+
+    seq = without_timing(run_experiment(tiny(rounds=2), write=False).table)
+    first, t_first = run(num_actors=2, num_cpus=1)  # fresh or parked processes, whatever the session holds
+    assert len(_WARM["client"]) == 2 and len(_WARM["server"]) == 1  # parked after the run
+    again, t_again = run(num_actors=2, num_cpus=1)
+    assert again == first  # the same actors served the second run
+    one, t_one = run(num_actors=1, num_cpus=1)  # fewer actors of the same resources: nothing new started
+    assert set(one) < set(first) and len(_WARM["client"]) == 2
+    other, t_other = run(num_actors=1, num_cpus=0.5)  # other resources: the parked client actors are ended
+    assert len(set(other) & set(first)) == 1  # the server (same resources) was reused; the client actor is new
+    for t in (t_first, t_again, t_one, t_other):
+        pd.testing.assert_frame_equal(t, seq)
+    assert release_warm_actors() == 2
+    deadline = time.time() + 120
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:  # kills are asynchronous
+        time.sleep(0.05)
+    assert ray.available_resources().get("CPU", 0) == 2
 
 
 def test_fractional_gpus_pack_onto_declared_gpus(ray_session, tiny):

@@ -128,18 +128,34 @@ def test_run_index_and_report_skip_unfinished_and_hidden_dirs(tiny, tmp_path):
     assert [r["path"] for r in rundir.list_runs(tmp_path)] == [str(tmp_path / "a"), str(tmp_path / "b.incomplete")]
 
 
+HOLDER = """
+import os, sys, time
+from raysim.config import load_config
+from raysim.driver import run_experiment
+def hold(round_idx, table):  # the run stays in its first round until the test has tried the second run
+    while not os.path.exists(sys.argv[3]):
+        time.sleep(0.02)
+    return False
+run_experiment(load_config(sys.argv[1]), out_dir=sys.argv[2], callback=hold)
+"""
+
+
 def test_simultaneous_runs_into_one_out(tmp_path):
     """The first run holds <out>.incomplete; a second one into the same --out fails at once (exit 2)."""
-    cfg = write(tmp_path, tiny_config(rounds=40, data={"dataset": "synthetic", "num_clients": 6, "partition": "iid",
-                                                        "partition_params": {}}))
+    cfg = write(tmp_path, tiny_config(rounds=2, data={"dataset": "synthetic", "num_clients": 6, "partition": "iid",
+                                                       "partition_params": {}}))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "raysim.cli", "run", str(cfg), "--out", str(tmp_path / "out"), "--no-progress"]
-    first = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    t0 = time.time()
-    while rundir.holder(tmp_path / "out.incomplete") is None and first.poll() is None and time.time() - t0 < 60:
-        time.sleep(0.05)
-    assert first.poll() is None, "the first run ended before the second started"
-    assert main(["run", str(cfg), "--out", str(tmp_path / "out")]) == 2
+    release = tmp_path / "release"
+    cmd = [sys.executable, "-c", HOLDER, str(cfg), str(tmp_path / "out"), str(release)]
+    first = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        while rundir.holder(tmp_path / "out.incomplete") is None and first.poll() is None and time.time() - t0 < 120:
+            time.sleep(0.02)
+        assert first.poll() is None, "the first run ended before the second started: " + first.communicate()[1][-2000:]
+        assert main(["run", str(cfg), "--out", str(tmp_path / "out")]) == 2
+    finally:
+        release.touch()
     assert first.wait(timeout=120) == 0
     assert (tmp_path / "out" / "results.parquet").exists() and not (tmp_path / "out.incomplete").exists()
 
@@ -171,7 +187,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, capsys):
     assert main(["runs", str(tmp_path)]) == 0 and "killed (resumable)" in capsys.readouterr().out
     assert main(["run", str(cfg), "--resume", str(kept), "--no-progress"]) == 0
     assert sorted(x.name for x in tmp_path.iterdir()) == ["c.yaml", "run"]
-    pd.testing.assert_frame_equal(results.load(tmp_path / "run"), full.table)
+    pd.testing.assert_frame_equal(results.without_timing(results.load(tmp_path / "run")), results.without_timing(full.table))
 
 
 def test_ctrl_c_keeps_checkpoints_and_prints_the_resume_command(tmp_path, capsys, monkeypatch):

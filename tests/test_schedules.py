@@ -6,6 +6,7 @@ import torch
 
 from raysim.config import make_config
 from raysim.driver import prepare, run_experiment
+from raysim.results import without_timing
 from raysim.registry import register_algorithm
 from raysim.state import load_checkpoint
 from raysim.steps import ClientStep, Repeat, ServerStep, flatten
@@ -25,6 +26,34 @@ def rows(df, metric, scope="client"):
 def test_flatten_repeats_in_order():
     s = (ClientStep("a"), Repeat(2, (ClientStep("b"), ServerStep("c"))), ServerStep("d"))
     assert [(x.name, i) for x, i in flatten(s)] == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("d", 0)]
+
+
+def test_wall_time_rows_per_round_and_step(tiny, tmp_path):
+    """round_s per round (round -1: the setup phase) and step_s@<step> per step of the round's schedule (a Repeat's
+    iterations summed) and of the evaluation, scope total; without_timing drops exactly them; results.timing pivots
+    them; they travel through the written table."""
+    from raysim import results
+
+    cfg = toy(tiny, rounds=2)
+    res = run_experiment(cfg, out_dir=tmp_path / "run")
+    df = res.table
+    t = df[df["metric"].map(results.is_timing)]
+    assert set(t["scope"]) == {"total"} and set(t["client_id"]) == {-1} and (t["value"] >= 0).all()
+    names = {r: set(g["metric"]) for r, g in t.groupby("round")}
+    assert names[-1] == {"round_s", "step_s@setup_send", "step_s@setup_recv", "step_s@setup_collect"}
+    round_steps = {"round_s"} | {f"step_s@{s}" for s in ("local", "combine", "refine", "merge", "finish",
+                                                        "evaluate", "evaluate_server")}
+    assert names[0] == names[1] == round_steps
+    assert not t.duplicated(["round", "metric"]).any()  # the Repeat's iterations are summed into one row
+    wide = results.timing(df)
+    assert wide["round"].tolist() == [-1, 0, 1] and list(wide.columns[:3]) == ["run_id", "round", "round_s"]
+    steps = wide.loc[wide["round"] >= 0, [c for c in wide.columns if c.startswith("step_s@")]].sum(axis=1)
+    assert (steps <= wide.loc[wide["round"] >= 0, "round_s"] + 1e-9).all()  # the steps happen inside the round
+    rest = results.without_timing(df)
+    assert len(rest) == len(df) - len(t) and not rest["metric"].map(results.is_timing).any()
+    assert list(rest.index) == list(range(len(rest)))
+    pd.testing.assert_frame_equal(results.load(tmp_path / "run"), df)
+    assert results.cumulative(df, "round_s")["x"].is_monotonic_increasing  # a wall-clock axis for reports
 
 
 def test_toy_accounting_by_hand(tiny):
@@ -64,13 +93,13 @@ def test_toy_identical_on_both_backends(ray_session, tiny):
     for actors, mem in ((1, 1024), (2, 0)):
         r = run_experiment(toy(tiny, backend={"name": "ray", "num_actors": actors, "state_memory_mb": mem}),
                            write=False).table
-        pd.testing.assert_frame_equal(seq, r)
+        pd.testing.assert_frame_equal(without_timing(seq), without_timing(r))
 
 
 def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
     full = run_experiment(toy(tiny), write=False).table
     spilled = run_experiment(toy(tiny, backend={"name": "sequential", "state_memory_mb": 0}), write=False).table
-    pd.testing.assert_frame_equal(full, spilled)
+    pd.testing.assert_frame_equal(without_timing(full), without_timing(spilled))
 
     over = {"output": {"progress": False, "checkpoint_every": 1}}
 
@@ -83,7 +112,7 @@ def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
     kept = tmp_path / "run.incomplete"
     assert (kept / "checkpoints" / "setup" / "meta.pt").exists()
     resumed = run_experiment(toy(tiny, **over), resume=kept)
-    pd.testing.assert_frame_equal(full, resumed.table)
+    pd.testing.assert_frame_equal(without_timing(full), without_timing(resumed.table))
     ck = load_checkpoint(resumed.out_dir / "checkpoints" / "final")
     assert ck["server_state"]["setup_runs"] == 1  # the setup phase ran once, never again on resume
     sampled = rows(full, "up_floats").query("round >= 0")["client_id"].unique()
@@ -115,7 +144,6 @@ def test_cnn_mnist_state_bytes(tiny):
     from raysim.store import state_nbytes
     from raysim.training import clone_state
 
-    cfg = make_config({"data": {"dataset": "synthetic", "num_clients": 2, "partition": "iid"}, "model": {"arch": "mlp"}})
     from raysim.models import build_model
     from raysim.config import ArchSpec
 
@@ -161,7 +189,7 @@ def test_failing_downlink_is_a_per_client_failure_on_both_backends(ray_session, 
     over = dict(rounds=3, algorithm={"name": "failing_downlink", "params": {"fail_clients": [3]}})
     seq = run_experiment(tiny(**over), write=False)
     ray_res = run_experiment(tiny(**over, backend={"name": "ray", "num_actors": 2}), write=False)
-    pd.testing.assert_frame_equal(seq.table, ray_res.table)
+    pd.testing.assert_frame_equal(without_timing(seq.table), without_timing(ray_res.table))
     assert [(f["round"], f["client_id"]) for f in seq.metadata["failures"] if f["stage"] == "update"] == [(1, 3), (2, 3)]
     assert "downlink failed" in seq.metadata["failures"][0]["error"]
 
@@ -236,11 +264,11 @@ def test_checkpoint_from_two_actors_resumes_on_one_runner(ray_session, tiny, tmp
     assert sorted(p.name for p in (tmp_path / "a.incomplete" / "checkpoints" / "round_00001").iterdir()) == [
         "clients-0.pt", "clients-1.pt", "meta.pt", "server.pt", "server_clients.pt"]
     seq = run_experiment(toy(tiny, **over), resume=tmp_path / "a.incomplete").table
-    pd.testing.assert_frame_equal(full, seq)
+    pd.testing.assert_frame_equal(without_timing(full), without_timing(seq))
     with pytest.raises(KeyboardInterrupt):
         run_experiment(toy(tiny, **over), out_dir=tmp_path / "b", callback=crash)
     r = run_experiment(toy(tiny, backend={"name": "ray", "num_actors": 2}, **over), resume=tmp_path / "b.incomplete").table
-    pd.testing.assert_frame_equal(full, r)
+    pd.testing.assert_frame_equal(without_timing(full), without_timing(r))
 
 
 def test_new_state_is_committed_only_when_the_driver_says_so(tiny):

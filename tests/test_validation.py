@@ -6,7 +6,7 @@ import torch
 
 from raysim.config import make_config
 from raysim.data import build_federated_data
-from raysim.data.federated import ClientData, split_validation
+from raysim.data.federated import split_validation
 
 
 def test_split_validation_hand_example():

@@ -10,6 +10,7 @@ import torch
 
 from raysim.config import ConfigError, make_config
 from raysim.driver import prepare, run_experiment
+from raysim.results import without_timing
 from raysim.vectorized import _Optimizer
 from raysim.config import TrainConfig
 
@@ -34,7 +35,7 @@ def cfg(algo="fedavg", vectorize=True, dropout=0.0, train=None, params=None, bac
 
 
 def table(c):
-    return run_experiment(c, write=False, progress=False).table.drop(columns=["run_id"])
+    return without_timing(run_experiment(c, write=False, progress=False).table.drop(columns=["run_id"]))
 
 
 def close(a: pd.DataFrame, b: pd.DataFrame, rel=1e-4):

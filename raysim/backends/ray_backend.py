@@ -33,6 +33,50 @@ def _gpu_capacity(per_actor: float, gpus: float) -> int:
     return int(math.floor(gpus / per_actor + 1e-9))
 
 
+# -- warm actors between runs -----------------------------------------------------------------------------------------
+# Starting an actor starts a Python worker process that imports torch, raysim and the method (seconds each, more on a
+# loaded machine); a run on Ray starts a server actor and n client actors. Within one Ray session that the caller
+# started (ray.init before run_experiment: a notebook, a loop over seeds, the test suite), keep_actors_warm() parks the
+# actors of a finished run and hands them to the next run whose actors ask for the same resources: reset() rebuilds
+# the runner in the same process (a new algorithm, model cache, store and data, exactly as a fresh actor's
+# constructor), so the table is the one fresh actors give. Parked actors keep their CPU/GPU reservations: a run whose
+# actors differ ends the parked ones before starting its own, TaskPool ends them, release_warm_actors() ends them.
+_WARM = {"on": False, "client": [], "server": []}  # parked: (resource key, actor handle)
+
+
+def keep_actors_warm(on: bool = True) -> None:
+    """Reuse the actors of finished runs in this Ray session (see above); ``False`` also ends the parked ones."""
+    _WARM["on"] = bool(on)
+    if not on:
+        release_warm_actors()
+
+
+def release_warm_actors() -> int:
+    """End every parked actor (their resources return to the cluster); returns how many."""
+    parked = _WARM["client"] + _WARM["server"]
+    _WARM["client"], _WARM["server"] = [], []
+    for _, a in parked:
+        try:
+            ray.kill(a)
+        except Exception:
+            pass
+    return len(parked)
+
+
+def _take_warm(kind: str, key, n: int) -> list:
+    """Up to n parked actors of ``kind`` with resource key ``key`` (removed from the park); parked actors of
+    ``kind`` with other keys are ended (they cannot serve this run), those with ``key`` stay parked."""
+    same = [a for k, a in _WARM[kind] if k == key]
+    for k, a in _WARM[kind]:
+        if k != key:
+            try:
+                ray.kill(a)
+            except Exception:
+                pass
+    _WARM[kind] = [(key, a) for a in same[n:]]
+    return same[:n]
+
+
 def check_node_resources(cfg, nodes: list[dict]) -> None:
     """Per node: an actor must fit on at least one alive node (a cluster of small nodes cannot host a big actor)."""
     b = cfg.backend
@@ -269,9 +313,11 @@ class RayBackend(Backend):
         self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
                                                         scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT",
                                                         **extra)
-        self.server = Server.remote(self._spec_ref, ray.put(self.fed_data.global_test))
-        self.actors = [self._Client.remote(self._spec_ref, g, f"actor{k}", self._source_ref)
-                       for k, g in enumerate(self._group_refs)]
+        self._warm_keys = None
+        if _WARM["on"] and not self._own_session and not b.address:
+            self._warm_keys = (("client", b.num_cpus, b.num_gpus, b.placement, repr(renv)),
+                               ("server", b.server_num_cpus, b.server_num_gpus, repr(renv)))
+        self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test))
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit sent
         self.cost = self._cost_model() if b.balance == "cost" and n > 1 else None
         self._warm: set = set()  # (actor, step name) pairs that have run once
@@ -286,6 +332,41 @@ class RayBackend(Backend):
         if self._on_actors:
             return ids
         return [self.fed_data.clients[cid].compact() for cid in ids]
+
+    def _start_actors(self, Server, global_test_ref):
+        """The server actor and the client actors: parked ones with the same resources reset for this run
+        (keep_actors_warm), new ones for the rest; parked actors that do not fit this run are ended first, so that
+        their reservations do not hold up the new ones."""
+        n = len(self._group_refs)
+        warm_server, warm_clients = [], []
+        if self._warm_keys is not None:
+            ck, sk = self._warm_keys
+            warm_clients, warm_server = _take_warm("client", ck, n), _take_warm("server", sk, 1)
+        else:
+            release_warm_actors()
+        server, reset = None, []
+        for a in warm_server:
+            reset.append(("server", a, a.reset.remote(self._spec_ref, global_test_ref)))
+        clients: list = [None] * n
+        for k, a in enumerate(warm_clients):
+            reset.append((k, a, a.reset.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)))
+        for k_or_server, a, ref in reset:  # a parked actor that died meanwhile is replaced by a new one
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                continue
+            if k_or_server == "server":
+                server = a
+            else:
+                clients[k_or_server] = a
+        if server is None or any(c is None for c in clients):
+            release_warm_actors()  # same-resource actors left parked could hold up the new ones
+        if server is None:
+            server = Server.remote(self._spec_ref, global_test_ref)
+        for k in range(n):
+            if clients[k] is None:
+                clients[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)
+        return server, clients
 
     # -- cost-aware placement (backend.balance: cost) ---------------------------------------------------------------
     def _cost_model(self):
@@ -514,12 +595,22 @@ class RayBackend(Backend):
         actors = list(getattr(self, "actors", []))
         if getattr(self, "server", None) is not None:
             actors.append(self.server)
-        if actors:
+        closed = [a.close.remote() for a in actors]
+        if closed:
             try:
-                ray.get([a.close.remote() for a in actors], timeout=30)
+                ray.wait(closed, num_returns=len(closed), timeout=30)
             except Exception:
                 pass
-        for a in actors:
+        keys = getattr(self, "_warm_keys", None)
+        for a, ref in zip(actors, closed):
+            if keys is not None and _WARM["on"] and ray.is_initialized():
+                try:
+                    ray.get(ref, timeout=0)  # closed cleanly: park it for the next run (keep_actors_warm)
+                    _WARM["server" if a is self.server else "client"].append(
+                        (keys[1] if a is self.server else keys[0], a))
+                    continue
+                except Exception:
+                    pass
             ray.kill(a)
         if self._state_dir:
             shutil.rmtree(self._state_dir, ignore_errors=True)
@@ -544,6 +635,18 @@ class _ClientActor(ClientRunner):
                        else [fed.clients[i] for i in clients])
         super().__init__(spec, clients, name)
 
+    def reset(self, spec, clients, name="clients", source=None) -> bool:
+        """Host another run's clients in this process (keep_actors_warm): as a new actor would."""
+        self.__init__(spec, clients, name, source)
+        return True
+
+    def close(self) -> None:
+        if self.store is not None:
+            super().close()
+        self.data, self.store = {}, None  # a parked actor holds no client data or states
+        self._forget_decoded(list(self._decoded))
+        self.models = self.algorithm = None
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
@@ -562,6 +665,17 @@ class _ServerActor(ServerRunner):
     def __init__(self, *args, **kwargs):
         ray_serialization.register()
         super().__init__(*args, **kwargs)
+
+    def reset(self, *args, **kwargs) -> bool:
+        """Serve another run (keep_actors_warm): as a new actor would."""
+        self.__init__(*args, **kwargs)
+        return True
+
+    def close(self) -> None:
+        if self.client_store is not None:
+            super().close()
+        self.state, self.client_store, self.global_test = None, None, None
+        self.models = self.algorithm = None
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -590,6 +704,7 @@ class TaskPool:
     task, the sequential backend inside). ``wait`` returns ``(key, result, error)`` for the next finished task."""
 
     def __init__(self, num_cpus: float, num_gpus: float, address=None, where: str = "trial_resources"):
+        release_warm_actors()  # parked run actors would hold the CPUs the tasks need
         self._own_session = False
         self._fns: dict = {}
         self.pending: dict = {}

