@@ -16,18 +16,20 @@ clusters is a class-prototype matrix E_k (C x d), not a model. Users never downl
   of B episodes (``tasks_per_epoch``) on the local data (n_way classes of the user's, n_support + n_query samples per
   class, drawn with replacement when a class has fewer); loss L = L_proto. PN-ICFL+ adds lambda * L_g, where L_g is
   the same loss with the episode's support prototypes z_c replaced by the cluster prototypes E_{s_i}^c (eq. 16-17;
-  classes without a cluster prototype are left out of L_g). Upload theta_i, the embedding u'_i recomputed under the
-  trained theta_i, and n_i.
-* Step ``aggregate`` (server M-step, eq. 14-15): E_k^c = sum_{i: s_i = k} n_ic u'_i^c / sum n_ic over the round's
+  classes without a cluster prototype are left out of L_g). Upload theta_i and n_i.
+* Step ``aggregate`` (server M-step, eq. 14-15): E_k^c = sum_{i: s_i = k} n_ic u_i^c / sum n_ic over the round's
   members (a class or cluster nobody brought keeps its old prototype); theta = FedAvg of theta_i weighted by n_i.
+  ``m_step_embeddings: estep`` (default; the seed's Algorithm 1 and §3.4: the server aggregates the embeddings u_i the
+  users sent with p_i(y) before their local update, the ones the E-step used) or ``updated`` (our earlier inferred
+  variant: each user also uploads u'_i recomputed under its trained theta_i, and the M-step averages those).
 * Test: a user downloads theta and E_{s_i}; prediction = the nearest prototype over every class E_{s_i} holds (it can
   predict classes it never held). A user the server has not assigned yet is a new user: it computes u under theta,
   and gets s = argmin_k d(u, E_k) (simulated in the evaluation step: the user downloads the K prototype matrices,
   K x C x d floats, never K models). ``test_acc_local`` is the nearest prototype among the user's own u_i.
 
 The client keeps the theta it downloaded in ``embed`` for ``update`` (so theta is downloaded once per round).
-Communication per participating user and round: down |theta| + C*d floats (+ C mask bytes, 1 id), up 2*(C*d + C)
-values + |theta| + 1.
+Communication per participating user and round: down |theta| + C*d floats (+ C mask bytes, 1 id), up C*d + C values
++ |theta| + 1 (``updated``: another C*d + C).
 """
 from __future__ import annotations
 
@@ -125,6 +127,16 @@ def m_step(E: torch.Tensor, mask: torch.Tensor, assign: list[int], u: torch.Tens
     return E, mask
 
 
+def estep_embeddings(round_u: dict, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (u, counts) rows the E-step stored for the users ``ids`` (a user must have been in that E-step)."""
+    pos = {int(c): j for j, c in enumerate(round_u["ids"].tolist())}
+    missing = [i for i in ids if i not in pos]
+    if missing:
+        raise RuntimeError(f"pnicfl: users {missing} delivered an update without an embedding in this round's E-step")
+    sel = torch.as_tensor([pos[i] for i in ids], dtype=torch.int64)
+    return round_u["u"][sel], round_u["counts"][sel]
+
+
 def sample_episode(y: torch.Tensor, classes: list[int], n_way: int, n_support: int, n_query: int,
                    rng: np.random.Generator) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
     """(episode classes, support indices per class, query indices per class): n_way of ``classes`` at random, then
@@ -197,11 +209,13 @@ class PNICFL(Algorithm):
         pretrain_support: int = 5
         pretrain_query: int = 5
         pretrain_lr: float = 1e-3  # Adam, Snell's default
+        m_step_embeddings: str = "estep"  # estep: the u_i the E-step used (the seed) | updated: u'_i after training
 
         def check(self, path):
             positive(f"{path}.num_clusters", self.num_clusters)
             positive(f"{path}.lam", self.lam, allow_zero=True)
             choice(f"{path}.init", self.init, ["random", "kmeans++"])
+            choice(f"{path}.m_step_embeddings", self.m_step_embeddings, ["estep", "updated"])
             for name in ("tasks_per_epoch", "n_way", "n_support", "n_query", "pretrain_way", "pretrain_support",
                          "pretrain_query", "pretrain_lr"):
                 positive(f"{path}.{name}", getattr(self, name))
@@ -241,7 +255,9 @@ class PNICFL(Algorithm):
         k, c, d = self.params.num_clusters, self.task.num_classes, model.embed_dim
         return {"theta": body_state(model), "E": torch.zeros(k, c, d), "mask": torch.zeros(k, c, dtype=torch.bool),
                 "live": torch.zeros(k, dtype=torch.bool),
-                "assign": torch.full((self.task.num_clients,), -1, dtype=torch.int64)}
+                "assign": torch.full((self.task.num_clients,), -1, dtype=torch.int64),
+                "round_u": {"ids": torch.zeros(0, dtype=torch.int64), "u": torch.zeros(0, c, d),
+                            "counts": torch.zeros(0, c, dtype=torch.int64)}}
 
     def pretrain(self, state, uploads, ctx: Context) -> ServerUpdate:
         """Episodic pre-training of f_theta on the public dataset (Snell et al.), on the server runner."""
@@ -310,15 +326,20 @@ class PNICFL(Algorithm):
         assign = state["assign"].clone()
         before = assign[torch.as_tensor(ids)].clone()
         assign[torch.as_tensor(ids)] = s
-        new = {**state, "E": E, "mask": mask, "live": live, "assign": assign}
+        new = {**state, "E": E, "mask": mask, "live": live, "assign": assign,
+               # the E-step's embeddings, for the M-step (m_step_embeddings: estep)
+               "round_u": {"ids": torch.as_tensor(ids, dtype=torch.int64), "u": u, "counts": counts}}
         return ServerUpdate(new, self.broadcast(new, ctx), {"pnicfl_moved": float((before != s).sum())})
 
     def m_step(self, state, uploads, ctx: Context) -> ServerUpdate:
         ids = sorted(uploads)
         metrics = {}
         if ids and (ctx.keep is None or ctx.keep):
-            u = torch.stack([uploads[i]["embedding"]["u"] for i in ids]).to(torch.float32)
-            counts = torch.stack([uploads[i]["embedding"]["counts"] for i in ids])
+            if self.params.m_step_embeddings == "updated":
+                u = torch.stack([uploads[i]["embedding"]["u"] for i in ids]).to(torch.float32)
+                counts = torch.stack([uploads[i]["embedding"]["counts"] for i in ids])
+            else:  # the embeddings the E-step used, of the users whose update arrived
+                u, counts = estep_embeddings(state["round_u"], ids)
             a = [int(state["assign"][i]) for i in ids]
             E, mask = m_step(state["E"], state["mask"], a, u, counts)
             theta = sample_weighted_average(uploads, ids)
@@ -375,8 +396,9 @@ class PNICFL(Algorithm):
         finally:
             set_dropout_generator(model, None)
         upload = {"model": Message("weights", body_state(model)),
-                  "embedding": self._embedding_message(body, data),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
+        if p.m_step_embeddings == "updated":
+            upload["embedding"] = self._embedding_message(body, data)
         return ClientUpdate({}, upload, {f"train_{k}": v / max(steps, 1) for k, v in tot.items()})
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
