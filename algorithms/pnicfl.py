@@ -11,7 +11,12 @@ clusters is a class-prototype matrix E_k (C x d), not a model. Users never downl
   over all local training data, eval mode) and the class counts n_ic (p_i(y) = n_ic / n_i); upload both.
 * Step ``assign`` (server E-step, eq. 9-10): d_ik = sum_{c in C_i and E_k} p~_i(c) ||u_i^c - E_k^c||^2 with p~_i
   renormalised over the shared classes (+inf if none); s_i = argmin_k d_ik. In the first round with participants the
-  E_k are K embeddings of participants picked at random (the seed) or by k-means++ under d (option ``init``).
+  E_k are K embeddings of participants, picked by k-means++ under d (``init: kmeans++``, the default) or uniformly
+  at random (``init: random``, the seed's §4.2). The default departs from the seed: with K random users as the
+  initial prototypes two of them often come from one domain (for 4 domains of 4 users, 6 draws in 7), and the
+  hard-assignment EM never separates the domain that got none from its neighbour: on plainly separable rotated
+  Fashion-MNIST (between-domain model distances 10x the within-domain ones) the seed's init ends at ARI 0.67 where
+  k-means++ reaches 1.0 (chosen on validation seeds 100-104; benchmarks/REPRODUCTION_seed001.md).
 * Step ``update`` (sampled users): download E_{s_i} (C x d and its class mask) and the cluster id; run E local epochs
   of B episodes (``tasks_per_epoch``) on the local data (n_way classes of the user's, n_support + n_query samples per
   class, drawn with replacement when a class has fewer); loss L = L_proto. PN-ICFL+ adds lambda * L_g, where L_g is
@@ -90,7 +95,9 @@ def initial_centres(u: torch.Tensor, counts: torch.Tensor, k: int, rng: np.rando
                     method: str = "random") -> list[int]:
     """Indices (into the rows of u) of the users whose embeddings become E_1..E_k: ``random`` (the seed: k picked
     uniformly without replacement) or ``kmeans++`` (first uniform, then each with probability ~ min_j d(i, j)^2
-    under the model distance; users at distance 0 or inf of every chosen centre are never / always preferred)."""
+    under the model distance d, which is itself a weighted squared Euclidean distance, so this is greedier than
+    Arthur & Vassilvitskii's D^2 weighting; users at distance 0 or inf of every chosen centre are never / always
+    preferred)."""
     n = u.shape[0]
     k = min(k, n)
     if method == "random":
@@ -199,7 +206,7 @@ class PNICFL(Algorithm):
     class Params:
         num_clusters: int = 4  # K (the seed: the number of rotations / sources)
         lam: float = 0.0  # PN-ICFL+: weight of L_g (0: PN-ICFL)
-        init: str = "random"  # initial E_k: random (the seed) | kmeans++ (under the model distance)
+        init: str = "kmeans++"  # initial E_k: kmeans++ (under the model distance; our default) | random (the seed)
         tasks_per_epoch: int = 2  # B: episodes per local epoch (the seed: B = 2); epochs = train.local_epochs (E)
         n_way: int = 5  # classes per local episode (capped by the user's classes; Snell's / our inferred default)
         n_support: int = 5
