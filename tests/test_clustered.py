@@ -237,6 +237,31 @@ def test_pnicfl_initial_centres():
         assert {p // 2 for p in picks} == {0, 1}
 
 
+def test_pnicfl_kmeans_init_by_hand():
+    """init_restarts = 0 is the seed's initialisation (the seeded users' embeddings are the E_k); with restarts the
+    server refines each seeding by E/M steps and keeps the lowest total distance."""
+    from algorithms.pnicfl import initial_centres, kmeans_init
+
+    # 1-d embeddings of 6 users, one class each: domains {0, 0.2, 0.4} and {10, 10.2, 10.4}
+    u = torch.tensor([0.0, 0.2, 0.4, 10.0, 10.2, 10.4]).reshape(6, 1, 1)
+    counts = torch.ones(6, 1, dtype=torch.int64)
+    picks = initial_centres(u, counts, 2, np.random.default_rng(1), "random")
+    E, mask, got = kmeans_init(u, counts, 2, np.random.default_rng(1), "random", 0)
+    assert got == picks and E[:, 0, 0].tolist() == u[picks, 0, 0].tolist() and mask.all()
+    # users 0 and 1 as seeds (both in the first domain): the first E/M step gives {0} (mean 0) and {1..5} (mean
+    # 6.24), the second {0, 1, 2} / {3, 4, 5}: the two domains' means 0.2 and 10.2
+    from algorithms.pnicfl import e_step, m_step
+
+    E, mask = u[[0, 1]].clone(), counts[[0, 1]] > 0
+    for _ in range(20):
+        E, mask = m_step(E, mask, e_step(u, counts, E, mask).tolist(), u, counts)
+    assert sorted(E[:, 0, 0].tolist()) == pytest.approx([0.2, 10.2])
+    for r in range(5):  # with restarts, whichever the seedings: the two domains
+        E, mask, _ = kmeans_init(u, counts, 2, np.random.default_rng(r), "random", 10)
+        assert sorted(E[:, 0, 0].tolist()) == pytest.approx([0.2, 10.2])
+        assert sorted(e_step(u, counts, E, mask).tolist()) == [0, 0, 0, 1, 1, 1]
+
+
 def pn_cfg(tiny, name="pnicfl", params=None, **over):
     p = {"num_clusters": 2, "pretrain_episodes": 10, **(params or {})}
     return rotated_tiny(tiny, name, p, data__public={"dataset": "synthetic", "size": 400}, **over)
