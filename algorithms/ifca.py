@@ -1,23 +1,37 @@
 """IFCA, the Iterative Federated Clustering Algorithm (Ghosh et al., "An Efficient Framework for Clustered Federated
-Learning", NeurIPS 2020), following the official code (jichan3751/ifca, ``mnist/train_cluster_mnist.py``; reference
-§3.3).
+Learning", NeurIPS 2020; reference §3.3), run by default under the protocol of the PN-ICFL seed (001, §4.2), which
+compares against it.
 
 The server keeps K cluster models theta_1..theta_K, initialised independently (differently seeded). Each round every
-sampled client downloads all K models, evaluates each on its own training data and picks k(i) = argmin_k loss; it
-trains a copy of theta_{k(i)} for ``local_steps`` (tau) full-batch gradient steps with learning rate ``lr`` (plain
-gradient descent, as the official ``local_param_update``) and uploads it with its choice. The server averages the
-returned models within each cluster, with equal weights as the official ``global_param_update``; a cluster nobody
-chose keeps its model. IFCA's Rotated-MNIST defaults: MLP 784-200-10 (``model.arch: mlp1``), tau = 10, lr 0.1, K = 4.
-With ``local_steps: 0`` the client instead runs ``train.local_epochs`` minibatch epochs of the train config.
+sampled client downloads all K models, picks k(i) = argmin_k loss_k, trains a copy of theta_{k(i)} and uploads it
+with its choice. The server averages the returned models within each cluster with equal weights (the official
+``global_param_update``); a cluster nobody chose keeps its model.
 
-Evaluation: the client again picks the lowest-loss model on its *training* data (``eval_assign: train``; the official
-code picks on the test machine's test data, which uses test labels: ``eval_assign: test`` reproduces that) and
-reports its test accuracy and the choice (``cluster``, for the ARI). Users download K models every round.
+``protocol`` says where the loss comes from and how the chosen model is trained:
+
+* ``seed`` (default; the PN-ICFL seed, §4.2: "each user randomly picks 20 % of its local data as the validation set
+  of IFCA and FedFoMo, used to estimate the loss values"; baselines at lr 0.1, batch 50): each client holds out a
+  seeded share ``holdout`` (0.2) of its training data, fixed for the whole run; the cluster identity is the argmin of
+  the K losses on that held-out share; the chosen model is trained on the remaining training data for
+  ``train.local_epochs`` minibatch epochs of the train config's optimiser with IFCA's own ``lr`` (0.1) and
+  ``batch_size`` (50). The seed attributes IFCA's low ARI in the few-shot settings to these noisy loss estimates
+  (20 of 100 samples).
+* ``official`` (the previous behaviour; jichan3751/ifca ``mnist/train_cluster_mnist.py``): the loss on all the
+  client's training data, then ``local_steps`` (tau = 10) full-batch gradient steps of plain gradient descent at
+  ``lr``. IFCA's Rotated-MNIST defaults: MLP 784-200-10 (``model.arch: mlp1``), tau = 10, lr 0.1, K = 4.
+
+Evaluation: the client again picks the lowest-loss model on the data its protocol estimates cluster identity on
+(``eval_assign: train``: the held-out share under ``seed``, all training data under ``official``); the official
+code picks on the test machine's test data, which uses test labels: ``eval_assign: test`` reproduces that. It reports
+its test accuracy and the choice (``cluster``, for the ARI). Users download K models every round.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -47,6 +61,16 @@ def choose_cluster(losses: torch.Tensor) -> int:
     return int(torch.argmin(losses))
 
 
+def holdout_split(n: int, fraction: float, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, held-out indices) of n samples: round(fraction * n) held out (at least 1 and at most n - 1
+    when n >= 2), chosen by a seeded permutation; both sorted."""
+    k = int(round(fraction * n))
+    if n >= 2:
+        k = min(max(k, 1), n - 1)
+    perm = rng.permutation(n)
+    return np.sort(perm[k:]), np.sort(perm[:k])
+
+
 def cluster_average(states: list, choices: list[int], centres: list) -> list:
     """Per-cluster plain average of the returned models; a cluster nobody chose keeps its model."""
     out = []
@@ -67,14 +91,23 @@ class IFCA(Algorithm):
     @dataclass(frozen=True)
     class Params:
         num_clusters: int = 4
-        local_steps: int = 10  # tau full-batch gradient steps (0: train.local_epochs minibatch epochs instead)
-        lr: float = 0.1  # the full-batch steps' learning rate (IFCA's); minibatch epochs use train.lr
-        eval_assign: str = "train"  # the data a client picks its model on at test time: train | test (official)
+        protocol: str = "seed"  # seed: loss on a held-out share, minibatch epochs | official: loss on all training
+        #                         data, tau full-batch steps (IFCA's code; the previous behaviour)
+        holdout: float = 0.2  # seed protocol: share of the training data held out to estimate the K losses
+        lr: float = 0.1  # both protocols (the seed's baseline lr; IFCA's)
+        batch_size: int = 50  # seed protocol: minibatch size (the seed's baselines)
+        local_steps: int = 10  # official protocol: tau full-batch gradient steps
+        eval_assign: str = "train"  # the data a client picks its model on at test time: train (the protocol's
+        #                             identity data) | test (official code; uses test labels)
 
         def check(self, path):
             positive(f"{path}.num_clusters", self.num_clusters)
-            positive(f"{path}.local_steps", self.local_steps, allow_zero=True)
+            choice(f"{path}.protocol", self.protocol, ["seed", "official"])
+            if not 0 < self.holdout < 1:
+                raise ConfigError(f"{path}.holdout", f"must be in (0, 1), got {self.holdout}")
             positive(f"{path}.lr", self.lr)
+            positive(f"{path}.batch_size", self.batch_size)
+            positive(f"{path}.local_steps", self.local_steps)
             choice(f"{path}.eval_assign", self.eval_assign, ["train", "test"])
 
     def validate(self):
@@ -97,14 +130,24 @@ class IFCA(Algorithm):
     def _models(self, payload) -> list:
         return [payload[f"model_{k}"].tensors for k in range(self.params.num_clusters)]
 
+    def _identity_split(self, data, ctx: Context):
+        """(x, y) the K losses are estimated on and (x, y) the chosen model is trained on."""
+        if self.params.protocol == "official":
+            return (data.x_train, data.y_train), (data.x_train, data.y_train)
+        r = rngmod.numpy_rng(self.task.seed, rngmod.NO_ROUND, ctx.client_id, "ifca_holdout")
+        tr, ho = holdout_split(int(data.y_train.shape[0]), self.params.holdout, r)
+        tr, ho = torch.as_tensor(tr), torch.as_tensor(ho)
+        return (data.x_train[ho], data.y_train[ho]), (data.x_train[tr], data.y_train[tr])
+
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
         model = ctx.model()
         states = self._models(payload)
-        losses = model_losses(model, states, data.x_train, data.y_train)
+        (xa, ya), (xt, yt) = self._identity_split(data, ctx)
+        losses = model_losses(model, states, xa, ya)
         k = choose_cluster(losses)
         model.load_state_dict(states[k])
         p = self.params
-        if p.local_steps > 0:
+        if p.protocol == "official":
             opt = torch.optim.SGD(model.parameters(), lr=p.lr)
             set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
             try:
@@ -112,7 +155,7 @@ class IFCA(Algorithm):
                 total = 0.0
                 for _ in range(p.local_steps):
                     opt.zero_grad(set_to_none=True)
-                    loss, _ = ce_loss(model, data.x_train, data.y_train)
+                    loss, _ = ce_loss(model, xt, yt)
                     loss.backward()
                     opt.step()
                     total += float(loss.detach())
@@ -120,8 +163,9 @@ class IFCA(Algorithm):
                 set_dropout_generator(model, None)
             metrics = {"train_loss": total / p.local_steps}
         else:
-            metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"),
-                                   ce_loss, dropout_generator=ctx.generator("dropout", device=ctx.device))
+            cfg = dataclasses.replace(self.task.train, lr=p.lr, batch_size=p.batch_size)
+            metrics = train_epochs(model, xt, yt, cfg, ctx.generator("batches"), ce_loss,
+                                   dropout_generator=ctx.generator("dropout", device=ctx.device))
         metrics["cluster_loss"] = float(losses[k])
         upload = {"model": state_message("weights", model.state_dict()),
                   "cluster": Message("cluster_id", {"k": torch.tensor([k])})}
@@ -139,7 +183,7 @@ class IFCA(Algorithm):
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()
         states = self._models(payload)
-        x, y = (data.x_train, data.y_train) if self.params.eval_assign == "train" else (data.x_test, data.y_test)
+        x, y = self._identity_split(data, ctx)[0] if self.params.eval_assign == "train" else (data.x_test, data.y_test)
         k = choose_cluster(model_losses(model, states, x, y))
         model.load_state_dict(states[k])
         logits, _ = forward_all(model, data.x_test)

@@ -46,6 +46,37 @@ def test_domain_dirichlet_draws_each_domain_from_the_whole_base_set():
     assert min(len(c) for c in flat.classes) >= 9 and max(len(c) for c in skew.classes) <= 6
 
 
+def test_domain_dirichlet_classes_per_client_gives_users_3_to_5_classes():
+    from raysim.data.partition import user_label_counts
+
+    y = np.repeat(np.arange(10), 400)
+    ty = np.repeat(np.arange(10), 200)
+    # the seed's few-shot Rotated MNIST: 48 users, |D_i| = 100, Dir(3), "3-5 classes per user"
+    p = domain_dirichlet(y, ty, 48, np.random.default_rng(0), 10, alpha=3.0, samples_per_client=100, num_domains=4,
+                         classes_per_client=[3, 5])
+    held = [len(c) for c in p.classes]
+    assert set(held) == {3, 4, 5}  # every user 3-5 classes, and each count occurs
+    for t, c in zip(p.train, p.classes):
+        assert len(t) == 100 and sorted(np.unique(y[t]).tolist()) == c
+    # Dir(3) over all 10 classes (the default) gives users 9-10 classes: the reason for the parameter
+    full = domain_dirichlet(y, ty, 48, np.random.default_rng(0), 10, alpha=3.0, samples_per_client=100, num_domains=4)
+    assert min(len(c) for c in full.classes) >= 8 and np.mean([len(c) for c in full.classes]) > 9
+    # by hand: the draws user_label_counts makes, replayed on the same stream
+    r1, r2 = np.random.default_rng(5), np.random.default_rng(5)
+    counts = user_label_counts(r1, 10, 100, 3.0, (3, 5))
+    m = int(r2.integers(3, 6))
+    cls = r2.choice(10, size=m, replace=False)
+    sub = r2.multinomial(100, r2.dirichlet(np.full(m, 3.0)))
+    while not (sub > 0).all():
+        sub = r2.multinomial(100, r2.dirichlet(np.full(m, 3.0)))
+    want = np.zeros(10, dtype=np.int64)
+    want[cls] = sub
+    assert np.array_equal(counts, want) and counts.sum() == 100
+    for bad in ([5, 3], [0, 2], [3, 11], [3], "3-5"):
+        with pytest.raises(DataError, match="classes_per_client"):
+            domain_dirichlet(y, ty, 4, np.random.default_rng(0), 10, classes_per_client=bad)
+
+
 def test_domain_dirichlet_refuses_what_does_not_fit():
     y = np.repeat(np.arange(2), 10)
     with pytest.raises(DataError, match="samples_per_client"):
@@ -154,6 +185,47 @@ def test_pnicfl_m_step_by_hand():
     assert newE[1, 1, 0] == 7.0 and newm[1].tolist() == [False, True]  # nobody joined cluster 1: unchanged
 
 
+def test_pnicfl_m_step_uses_the_e_steps_embeddings(tiny):
+    """The seed's Algorithm 1 / §3.4: the server aggregates the u_i the users sent before their local update (the
+    ones the E-step used), not embeddings recomputed after it; 'updated' keeps the post-update variant."""
+    from algorithms.pnicfl import estep_embeddings
+    from raysim.algorithm import Context
+    from raysim.driver import prepare
+    from raysim.messages import Message
+
+    cfg = pn_cfg(tiny, params={"num_clusters": 2, "pretrain_episodes": 0})
+    prep = prepare(cfg)
+    algo, task = prep.algorithm, prep.task
+    ctx = Context(round_idx=0, client_id=-1, seed=cfg.seed, device="cpu", task=task, step="assign")
+    state = algo.init_server_state(ctx)
+    C, d = state["E"].shape[1:]
+    # users 0 and 1 each hold one class; E-step embeddings u, post-update embeddings u' = u + 10
+    u = torch.zeros(2, C, d)
+    u[0, 0], u[1, 1] = 1.0, 3.0
+    counts = torch.zeros(2, C, dtype=torch.int64)
+    counts[0, 0], counts[1, 1] = 2, 4
+    emb = {i: {"embedding": Message("user_embedding", {"u": u[i], "counts": counts[i]})} for i in (0, 1)}
+    state = algo.assign(state, emb, ctx).state
+    assert state["live"].all() and state["round_u"]["ids"].tolist() == [0, 1]
+    # the two users seeded the two clusters (random init from the round's users): each is its own centre
+    k0, k1 = int(state["assign"][0]), int(state["assign"][1])
+    assert {k0, k1} == {0, 1}
+    theta = {k: v.clone() for k, v in state["theta"].items()}
+    upd = {i: {"model": Message("weights", theta), "num_samples": Message("num_samples", {"n": torch.tensor([10])}),
+               "embedding": Message("user_embedding", {"u": u[i] + 10.0, "counts": counts[i]})} for i in (0, 1)}
+    mctx = Context(round_idx=0, client_id=-1, seed=cfg.seed, device="cpu", task=task, step="aggregate")
+    E = algo.m_step(state, upd, mctx).state["E"]
+    assert E[k0, 0].tolist() == [1.0] * d and E[k1, 1].tolist() == [3.0] * d  # the E-step's u, not u' = u + 10
+    import dataclasses
+
+    algo2 = type(algo)(dataclasses.replace(algo.params, m_step_embeddings="updated"), task)
+    E2 = algo2.m_step(state, upd, mctx).state["E"]
+    assert E2[k0, 0].tolist() == [11.0] * d and E2[k1, 1].tolist() == [13.0] * d
+    # a user whose update arrives without an E-step embedding is an error, never a silent zero
+    with pytest.raises(RuntimeError, match="without an embedding"):
+        estep_embeddings(state["round_u"], [0, 5])
+
+
 def test_pnicfl_initial_centres():
     from algorithms.pnicfl import initial_centres
 
@@ -164,6 +236,31 @@ def test_pnicfl_initial_centres():
     for s in range(5):
         picks = initial_centres(u, counts, 2, np.random.default_rng(s), "kmeans++")
         assert {p // 2 for p in picks} == {0, 1}
+
+
+def test_pnicfl_kmeans_init_by_hand():
+    """init_restarts = 0 is the seed's initialisation (the seeded users' embeddings are the E_k); with restarts the
+    server refines each seeding by E/M steps and keeps the lowest total distance."""
+    from algorithms.pnicfl import initial_centres, kmeans_init
+
+    # 1-d embeddings of 6 users, one class each: domains {0, 0.2, 0.4} and {10, 10.2, 10.4}
+    u = torch.tensor([0.0, 0.2, 0.4, 10.0, 10.2, 10.4]).reshape(6, 1, 1)
+    counts = torch.ones(6, 1, dtype=torch.int64)
+    picks = initial_centres(u, counts, 2, np.random.default_rng(1), "random")
+    E, mask, got = kmeans_init(u, counts, 2, np.random.default_rng(1), "random", 0)
+    assert got == picks and E[:, 0, 0].tolist() == u[picks, 0, 0].tolist() and mask.all()
+    # users 0 and 1 as seeds (both in the first domain): the first E/M step gives {0} (mean 0) and {1..5} (mean
+    # 6.24), the second {0, 1, 2} / {3, 4, 5}: the two domains' means 0.2 and 10.2
+    from algorithms.pnicfl import e_step, m_step
+
+    E, mask = u[[0, 1]].clone(), counts[[0, 1]] > 0
+    for _ in range(20):
+        E, mask = m_step(E, mask, e_step(u, counts, E, mask).tolist(), u, counts)
+    assert sorted(E[:, 0, 0].tolist()) == pytest.approx([0.2, 10.2])
+    for r in range(5):  # with restarts, whichever the seedings: the two domains
+        E, mask, _ = kmeans_init(u, counts, 2, np.random.default_rng(r), "random", 10)
+        assert sorted(E[:, 0, 0].tolist()) == pytest.approx([0.2, 10.2])
+        assert sorted(e_step(u, counts, E, mask).tolist()) == [0, 0, 0, 1, 1, 1]
 
 
 def pn_cfg(tiny, name="pnicfl", params=None, **over):
@@ -188,7 +285,9 @@ def test_pnicfl_finds_separable_domains_and_accounts_one_model(tiny):
     assert set(down["value"]) == {theta + c * d}
     assert set(rows(t, "down_floats@embed")["value"]) == {theta}
     assert set(rows(t, "down_floats@update")["value"]) == {c * d}
-    assert set(up["value"]) == {2 * c * d + theta}  # u and u' (C x d) and theta
+    assert set(up["value"]) == {c * d + theta}  # u (C x d, once: the M-step reuses the E-step's) and theta
+    upd = run_experiment(pn_cfg(tiny, params={"m_step_embeddings": "updated"}, rounds=1), write=False).table
+    assert set(rows(upd, "up_floats")["value"]) == {2 * c * d + theta}  # 'updated': u' (C x d) too
     assert set(rows(t, "down_bytes:cluster_id")["value"]) == {8}
     assert (rows(t, "pretrain_loss", "server")["round"] == -1).all()
 
@@ -232,11 +331,53 @@ def test_ifca_assignment_and_averaging_by_hand():
     assert [float(s["w"]) for s in out] == [2.0, 0.0, 10.0]  # plain mean; cluster 1 unchanged
 
 
+def test_ifca_seed_protocol_picks_the_cluster_on_the_held_out_share(tiny):
+    """The seed's IFCA: the K losses on a seeded 20 % held-out share of the training data; recomputed by hand for
+    round 0 (the K initial models) and compared with the run's choice and its reported loss."""
+    from algorithms.ifca import holdout_split, model_losses
+    from raysim import rng as rngmod
+    from raysim.driver import prepare
+
+    # by hand: 10 samples, 20 % -> 2 held out, chosen by the seeded permutation; the rest trains
+    tr, ho = holdout_split(10, 0.2, np.random.default_rng(3))
+    perm = np.random.default_rng(3).permutation(10)
+    assert ho.tolist() == sorted(perm[:2].tolist()) and tr.tolist() == sorted(perm[2:].tolist())
+    assert holdout_split(3, 0.01, np.random.default_rng(0))[1].size == 1  # at least one held out
+    assert holdout_split(3, 0.99, np.random.default_rng(0))[0].size == 1  # at least one trains
+
+    cfg = rotated_tiny(tiny, "ifca", {"num_clusters": 3}, rounds=1)
+    prep = prepare(cfg)
+    res = run_experiment(cfg, write=False)
+    t = res.table
+    models = prep.algorithm.init_server_state(None)["models"]
+    model = prep.task.build_model(0)
+    for cid in (0, 3, 6):
+        c = prep.fed_data.clients[cid]
+        _, ho = holdout_split(c.num_train, 0.2, rngmod.numpy_rng(cfg.seed, rngmod.NO_ROUND, cid, "ifca_holdout"))
+        assert len(ho) == 4  # 20 % of 20
+        losses = model_losses(model, models, c.x_train[torch.as_tensor(ho)], c.y_train[torch.as_tensor(ho)])
+        got = rows(t, "cluster_loss")
+        got = got[(got["client_id"] == cid) & (got["round"] == 0)]["value"].iloc[0]
+        assert got == pytest.approx(float(losses.min()), rel=1e-5)
+        full = model_losses(model, models, c.x_train, c.y_train)
+        assert float(full.min()) != pytest.approx(got, rel=1e-5)  # not the loss on all training data
+    # the official protocol: the loss on all training data, tau full-batch steps
+    off = run_experiment(rotated_tiny(tiny, "ifca", {"num_clusters": 3, "protocol": "official"}, rounds=1),
+                         write=False).table
+    c = prep.fed_data.clients[0]
+    got = rows(off, "cluster_loss")
+    got = got[(got["client_id"] == 0) & (got["round"] == 0)]["value"].iloc[0]
+    assert got == pytest.approx(float(model_losses(model, models, c.x_train, c.y_train).min()), rel=1e-5)
+    with pytest.raises(ConfigError, match="holdout"):
+        run_experiment(rotated_tiny(tiny, "ifca", {"holdout": 1.0}), write=False)
+
+
 def test_ifca_downloads_k_models_and_finds_separable_domains(tiny):
     from raysim.config import ArchSpec
     from raysim.models import build_model
 
-    res = run_experiment(rotated_tiny(tiny, "ifca", {"num_clusters": 2}, rounds=3), write=False)
+    res = run_experiment(rotated_tiny(tiny, "ifca", {"num_clusters": 2, "protocol": "official"}, rounds=3),
+                         write=False)
     t = res.table
     m = build_model(ArchSpec("mlp", {"hidden": 32, "embed_dim": 16}), (1, 8, 8), 10)
     size = sum(p.numel() for p in m.parameters())
@@ -244,6 +385,45 @@ def test_ifca_downloads_k_models_and_finds_separable_domains(tiny):
     assert set(rows(t, "up_floats")["value"]) == {size}
     ari = rows(t, "ari", "server")
     assert float(ari[ari["round"] == 2]["value"].iloc[0]) == 1.0
+
+
+# -- FeSEM -------------------------------------------------------------------------------------------------------------
+
+def test_fesem_why_clients_never_move_and_how_they_can():
+    """By hand: FeSEM's E-step sends a client back to the centre it trained from unless its local model drifted past
+    the midpoint towards another centre; with two random initialisations 10 apart and a drift of 1 (ratio 0.1 < 1/2)
+    nobody moves. With centres that descend from one model (init: clients) the same drift crosses the midpoint."""
+    from algorithms.fesem import drift_ratio, fesem_step
+
+    far = [{"w": torch.tensor([0.0, 0.0])}, {"w": torch.tensor([10.0, 0.0])}]
+    local = [{"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([9.0, 0.0])}]  # trained from centre 0 and 1
+    _, a = fesem_step(local, far)
+    assert a.tolist() == [0, 1]
+    assert drift_ratio(local, far, far) == pytest.approx(0.1)  # max drift 1 / gap 10
+    near = [{"w": torch.tensor([0.0, 0.0])}, {"w": torch.tensor([1.5, 0.0])}]
+    local = [{"w": torch.tensor([1.0, 0.0])}, {"w": torch.tensor([0.5, 0.0])}]  # client 0 from 0, client 1 from 1
+    cents, a = fesem_step(local, near)
+    # client 0 (at 1.0) is nearer centre 1 (0.5 away) than its own centre 0 (1.0 away): it moves; client 1 too
+    assert a.tolist() == [1, 0] and drift_ratio(local, near, near) == pytest.approx(1.0 / 1.5)
+    assert float(cents[0]["w"][0]) == 0.5 and float(cents[1]["w"][0]) == 1.0
+
+
+def test_fesem_random_init_never_moves_clients_warm_start_does(tiny):
+    res = run_experiment(rotated_tiny(tiny, "fesem", {"num_clusters": 2}, rounds=4), write=False)
+    t = res.table
+    assert set(rows(t, "fesem_moved", "server")["value"]) == {0.0}
+    assert rows(t, "fesem_drift_ratio", "server")["value"].max() < 0.5  # why: the drift never reaches the midpoint
+    ari = rows(t, "ari", "server")["value"]
+    assert ari.nunique() == 1  # the random first assignment, kept for good
+    # the warm start: the centres descend from one model and lie close enough for a move (drift ratio above 1/2)
+    warm = run_experiment(rotated_tiny(tiny, "fesem", {"num_clusters": 2, "init": "clients"}, rounds=3),
+                          write=False).table
+    assert rows(warm, "fesem_drift_ratio", "server")["value"].max() > 0.5
+    # a client sampled after the warm start downloads the shared model until its first E-step
+    late = run_experiment(rotated_tiny(tiny, "fesem", {"num_clusters": 2, "init": "clients"}, rounds=2,
+                                       clients_per_round=4), write=False).table
+    cl = rows(late, "cluster")
+    assert len(cl[cl["round"] == 0]) == 4  # unassigned users report no cluster
 
 
 # -- FedFomo -----------------------------------------------------------------------------------------------------------
@@ -288,7 +468,7 @@ def test_clustered_sequential_equals_ray_with_ari(ray_session, tiny, name):
 
     def cfg(**over):
         if name == "ifca":
-            return rotated_tiny(tiny, name, {"num_clusters": 2}, **over)
+            return rotated_tiny(tiny, name, {"num_clusters": 2, "protocol": "official"}, **over)
         return pn_cfg(tiny, name, **over)
 
     seq = run_experiment(cfg(), write=False).table
