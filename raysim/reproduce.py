@@ -32,8 +32,9 @@ _CLAIM_KEYS = {"text", "better", "worse", "metric", "lower_is_better"}
 
 
 def slug(label: str) -> str:
-    """A run label as a directory name: lower case, every run of non-alphanumerics replaced by '-'."""
-    s = re.sub(r"[^a-z0-9]+", "-", str(label).lower()).strip("-")
+    """A run label as a directory name: lower case, '+' spelled 'plus' (PN-ICFL+ is not PN-ICFL), every run of other
+    non-alphanumerics replaced by '-'."""
+    s = re.sub(r"[^a-z0-9]+", "-", str(label).lower().replace("+", " plus ")).strip("-")
     if not s:
         raise ConfigError("runs.label", f"{label!r} has no letters or digits to name a directory with")
     return s

@@ -42,6 +42,7 @@ def _write_root(tmp_path, rounds=2):
 def test_slug_and_extends(tmp_path):
     assert rp.slug("FedProto (λ=1)") == "fedproto-1"
     assert rp.slug("MAFML a=10%") == "mafml-a-10"
+    assert rp.slug("PN-ICFL+ lam=0.2") == "pn-icfl-plus-lam-0-2" != rp.slug("PN-ICFL lam=0.2")
     exps = rp.load_experiments(_write_root(tmp_path))
     short = exps["toy_table_short"]
     assert short.overrides == ("rounds=1",) and short.scaled == "one round"
