@@ -14,6 +14,7 @@ from tests.conftest import tiny_config
 
 # (--set overrides, field the message must name)
 CONFIG_CASES = [
+    (["backend.name=ray", "backend.num_actors=2", "backend.state_memory_mb=100000000"], "backend.state_memory_mb"),
     (["algorithm.name=fedprot"], "algorithm.name"),
     (["rounds=0"], "rounds"),
     (["rounds=abc"], "rounds"),

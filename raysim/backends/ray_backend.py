@@ -138,10 +138,26 @@ def _upload(env: dict) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def check_resources(cfg, cpus: float, gpus: float, where: str) -> None:
-    """Fail fast where Ray would leave actors pending forever."""
+def _machine_memory() -> float:
+    """Bytes of memory this machine has available (0 when unknown)."""
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def check_resources(cfg, cpus: float, gpus: float, where: str, memory: float = 0.0) -> None:
+    """Fail fast where Ray would leave actors pending forever, or where the client actors' in-memory state stores
+    (backend.state_memory_mb each) cannot fit in ``memory`` bytes (0: unknown, not checked)."""
     b = cfg.backend
     n = min(b.num_actors, cfg.data.num_clients)
+    store = n * b.state_memory_mb * 2**20
+    if memory > 0 and store > memory:
+        raise ConfigError("backend.state_memory_mb",
+                          f"{n} client actors x {b.state_memory_mb} MB of in-memory client states = "
+                          f"{store / 2**30:.1f} GiB, more than the {memory / 2**30:.1f} GiB {where} has for them; "
+                          f"lower backend.state_memory_mb (states beyond it spill to backend.state_dir; 0 spills all, "
+                          f"same table)")
     need_gpu_actors = n if b.num_gpus > 0 else 0
     if b.num_gpus > 0 or b.server_num_gpus > 0:
         if gpus <= 0:
@@ -251,7 +267,7 @@ def preflight_resources(cfg) -> None:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    check_resources(cfg, float(os.cpu_count() or 1), float(gpus), "this machine")
+    check_resources(cfg, float(os.cpu_count() or 1), float(gpus), "this machine", _machine_memory())
 
 
 class RayBackend(Backend):
@@ -284,7 +300,8 @@ class RayBackend(Backend):
             self._own_session = True
         ray_serialization.register()  # tensors through the object store as raw bytes (bit-identical, ~15x faster)
         res = ray.cluster_resources()
-        check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster")
+        check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
+                        float(res.get("memory", 0)))
         check_node_resources(cfg, ray.nodes())
 
         self.spec, self._state_dir = run_state_dir(self.spec)
