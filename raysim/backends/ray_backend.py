@@ -137,7 +137,7 @@ class RayBackend(Backend):
                                                   max_concurrency=1, scheduling_strategy=here)
         self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
                                                         scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT")
-        self.server = Server.remote(self._spec_ref, ray.put(self.fed_data.global_test))
+        self.server = Server.remote(self._spec_ref, ray.put(self.fed_data.global_test), ray.put(self.fed_data.server_val))
         self.actors = [self._Client.remote(self._spec_ref, g, f"actor{k}") for k, g in enumerate(self._group_refs)]
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit sent
         self._on_actors = on_actors
