@@ -100,14 +100,16 @@ def main() -> None:
             runs[r.label] = seeds
     lines = [f"Experiment `{exp.name}` ({exp_dir}); accuracy = global_test_acc, traffic in floats (up + down) from "
              f"results.communication; mean ± sample std over seeds.\n",
-             "| method | seeds | acc at last round (%) | rounds to 30 % | rounds to 50 % | setup floats | floats / round "
+             "| method | seeds | acc at round 10 (%) | acc at round 50 (%) | acc at last round (%) | mean of the last 3 evaluations (%) | rounds to 30 % | rounds to 50 % | setup floats | floats / round "
              "| setup = FedAvg rounds | extra floats vs FedAvg over the run (seed eq. 18's R) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     base_pr = np.mean([r["per_round"] for r in runs[BASE].values()]) if BASE in runs else math.nan
     base_tot = np.mean([r["total"] for r in runs[BASE].values()]) if BASE in runs else math.nan
     for label, seeds in runs.items():
         rs = list(seeds.values())
-        cells = [label, str(len(rs)), fmt([r["acc"][-1] for r in rs], 100)]
+        at = lambda r, n: float(r["acc"][list(r["n"]).index(n)]) if n in list(r["n"]) else math.nan  # noqa: E731
+        cells = [label, str(len(rs)), fmt([at(r, 10) for r in rs], 100), fmt([at(r, 50) for r in rs], 100),
+                 fmt([r["acc"][-1] for r in rs], 100), fmt([float(np.mean(r["acc"][-3:])) for r in rs], 100)]
         cells += [fmt([first_reach(r, t) for r in rs], 1, 1) for t in TARGETS]
         setup, pr = np.mean([r["setup"] for r in rs]), np.mean([r["per_round"] for r in rs])
         tot = np.mean([r["total"] for r in rs])
