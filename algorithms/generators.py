@@ -1,6 +1,7 @@
 """Generators of the generative methods, sized from the task's input shape (C_in, H, W). Every image generator ends
 in Tanh: its output is read as pixels in [-1, 1] and mapped into the task's input space by
-``gen_ops.to_input_space``. Layer widths are parameters (the figures use small ones; see benchmarks/GENERATIVE.md).
+``gen_ops.to_input_space``. Layer widths are parameters (the seed-004 figures use small ones; see
+configs/seed004_slaugfl/ and benchmarks/REPRODUCTION_seed004.md).
 
 * :class:`ProtoGenerator` — SlaugFL scenario 2 (reference §5.4, after SlaugFL's acgan.py ``GAN_type=0``):
   one-hot(y) -> Linear(C, (ch/2) s^2) || noise -> Linear(nz, (ch/2) s^2), concatenated to ch x s x s (s = H/4)

@@ -7,10 +7,13 @@ IEEE TMC 2024; seed 004, reference §5; public code mobinets/SlaugFL for the col
    a C-output copy of the model for ``prep_epochs`` epochs from a common seeded initialisation with early stopping on
    validation accuracy (patience ``prep_patience``; the best epoch's weights are kept) and uploads the model plus its
    validation class counts (int64; how the server "judges whether the device holds the target class", seed §IV-B3).
-2. ``prep_select`` (server): every model is tested per class on the global test set (``ctx.global_test``;
-   ``select_test_size`` > 0 subsamples it, seeded); for each class c the device with the highest class-c top-1
-   accuracy among those holding class-c validation data is the representative (ties: lowest client id) and its model
-   the representative model; each representative is asked for its target classes (a small int64 message).
+2. ``prep_select`` (server): every model is tested per class on the server-held validation set (``ctx.server_val``,
+   ``data.server_val`` samples carved from the training pool before partitioning: disjoint from every device's data
+   and from the reported test set, which no setup or training step can read). The seed tests on "the global test
+   set"; that would pick representatives on the numbers it then reports, so it is not offered. For each class c the
+   device with the highest class-c top-1 accuracy among those holding class-c validation data is the representative
+   (ties: lowest client id) and its model the representative model; each representative is asked for its target
+   classes (a small int64 message).
 3. ``prep_prototypes`` (representatives): Z^{k,c} = mean embedding of the class-c validation data under the device's
    own model, uploaded. Devices then drop their preparation model.
 4. ``prep_generator`` (server): scenario 2 trains the prototype-guided generator (``generators.ProtoGenerator``):
@@ -79,7 +82,6 @@ class SlaugFL(LocalTraining):
         prep_epochs: int = 10  # H (seed)
         prep_patience: int = 3  # early stopping on validation accuracy
         prep_val_fraction: float = 0.3  # the 7:3 split
-        select_test_size: int = 0  # 0: the whole global test set for the per-class tests
         syn_per_class: int = 0  # 0: max(1, floor(|D_i| / C))
         gen_steps: int = 300
         gen_batch: int = 64
@@ -101,7 +103,6 @@ class SlaugFL(LocalTraining):
             for k in ("beta", "gen_lr", "prep_epochs", "prep_patience", "gen_steps", "gen_batch", "gen_channels",
                       "gen_noise", "gan_channels", "gan_noise", "disc_channels", "candidate_top_k"):
                 positive(f"{path}.{k}", getattr(self, k))
-            positive(f"{path}.select_test_size", self.select_test_size, allow_zero=True)
             positive(f"{path}.syn_per_class", self.syn_per_class, allow_zero=True)
             if not 0.0 < self.prep_val_fraction < 1.0:
                 raise ConfigError(f"{path}.prep_val_fraction", f"must be in (0, 1), got {self.prep_val_fraction}")
@@ -116,6 +117,10 @@ class SlaugFL(LocalTraining):
 
     def validate(self):
         self.require_homogeneous()
+        if self.task.server_val_size <= 0:
+            raise ConfigError("data.server_val", "slaugfl's preparation tests every device's model per class on a "
+                              "server-held validation set to pick the representatives; set data.server_val to its "
+                              "size (e.g. 1000; carved from the training pool, disjoint from the test set)")
         if len(self.task.input_shape) != 3:
             raise ConfigError("data.dataset", f"slaugfl's generators make images (C, H, W); the input shape is "
                                               f"{self.task.input_shape}")
@@ -182,15 +187,10 @@ class SlaugFL(LocalTraining):
         return ServerUpdate(state, {})
 
     def prep_select(self, state, uploads, ctx: Context):
-        test = ctx.global_test
-        if test is None or len(test) == 0:
-            raise RuntimeError("slaugfl's preparation tests each device's model on the global test set; this run has "
-                               "none (the dataset has no test split)")
-        x, y = test.x, test.y
-        if 0 < self.params.select_test_size < len(test):
-            idx = np.sort(ctx.rng("select_test").choice(len(test), self.params.select_test_size, replace=False))
-            x, y = x[torch.as_tensor(idx)], y[torch.as_tensor(idx)]
-        x, y = x.to(ctx.device), y.to(ctx.device)
+        val = ctx.server_val
+        if val is None or len(val) == 0:
+            raise RuntimeError("slaugfl's preparation needs the server-held validation set (data.server_val)")
+        x, y = val.x.to(ctx.device), val.y.to(ctx.device)
         ids = sorted(uploads)
         c = self.task.num_classes
         accs, eligible = [], []
@@ -236,7 +236,7 @@ class SlaugFL(LocalTraining):
             m.eval()
             m.requires_grad_(False)
             models[k] = m
-        norm = ctx.global_test.norm if ctx.global_test is not None else None
+        norm = ctx.server_val.norm if ctx.server_val is not None else None  # pixel normalisation (metadata only)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "slaug_gen_init"))
             gen = self.make_generator().to(ctx.device)

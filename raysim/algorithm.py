@@ -52,6 +52,7 @@ class Task:
     rounds: int
     public: Optional[ArrayDataset] = None
     val_fraction: float = 0.0  # data.val_fraction: whether clients hold a validation split (its size only)
+    server_val_size: int = 0  # data.server_val: the size of the server-held validation set (its size only)
 
     def build_model(self, client_id: int) -> SplitModel:
         return build_model(self.archs[client_id], self.input_shape, self.num_classes)
@@ -92,8 +93,10 @@ class Context:
     iteration: int = 0  # repetition index inside a Repeat group
     keep: Optional[list] = None  # server side: client ids the environment let deliver (None: no environment)
     client_store: Any = None  # server side: per-client state kept by the server (raysim.store.StateStore)
-    global_test: Any = None  # server side: the global test set (ArrayDataset or None); SlaugFL's preparation tests
-    # the devices' models per class on it to pick each class's representative device
+    # server side: the server-held validation set (data.server_val; ArrayDataset or None), disjoint from the clients'
+    # data and the test set. SlaugFL's preparation tests the devices' models per class on it to pick each class's
+    # representative. The test set is deliberately not here: only evaluation steps receive it (as an argument).
+    server_val: Any = None
 
     def _purpose(self, purpose: str) -> str:
         # streams of the classic steps keep their names; other steps and repetitions get their own streams

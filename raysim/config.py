@@ -182,12 +182,23 @@ class DataConfig:
     # MAFML's per-node four-way split {public: a, val: v, test: t} of each client's samples (private = the rest):
     # the test split comes from the client's own samples, the public shares of all clients form the public dataset
     local_split: Optional[dict] = None
+    # a server-held validation set: this many samples of the training pool (class-stratified, seeded), removed from
+    # the pool before partitioning, so disjoint from every client's data and from the test set; server steps read it
+    # as ctx.server_val (0: none). The test set reaches only evaluation steps.
+    server_val: int = 0
 
     def check(self, path: str) -> None:
         positive(_p(path, "num_clients"), self.num_clients)
         if self.num_clients > MAX_CLIENTS:
             raise ConfigError(_p(path, "num_clients"), f"{self.num_clients:,} exceeds the {MAX_CLIENTS:,} clients a "
                                                        f"simulation may hold")
+        if isinstance(self.server_val, bool) or not isinstance(self.server_val, int) or self.server_val < 0:
+            raise ConfigError(_p(path, "server_val"), f"must be a sample count >= 0, got {self.server_val!r}")
+        if self.server_val > 0 and self.partition == "files":
+            raise ConfigError(_p(path, "server_val"), "is not supported with partition: files (no training pool "
+                                                      "outside the clients' split files)")
+        if self.server_val > 0 and self.local_split is not None:
+            raise ConfigError(_p(path, "server_val"), "is not supported with local_split")
         if not 0.0 <= self.val_fraction < 1.0:
             raise ConfigError(_p(path, "val_fraction"), f"must be in [0, 1), got {self.val_fraction}")
         if self.rotations is not None and len(self.rotations) == 0:

@@ -96,7 +96,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
     archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
-                fed.public, cfg.data.val_fraction)
+                fed.public, cfg.data.val_fraction, len(fed.server_val) if fed.server_val is not None else 0)
     models = {}  # arch key -> {"params": count, "embed_dim": size or None}
     for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
         if arch_key(spec) not in models:

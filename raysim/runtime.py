@@ -384,13 +384,14 @@ def _purpose(step, iteration: int) -> str:
 class ServerRunner:
     """Holds the server state (and server-side per-client state); runs server steps."""
 
-    def __init__(self, spec: RunSpec, global_test=None):
+    def __init__(self, spec: RunSpec, global_test=None, server_val=None):
         enter_run(spec)
         self.spec = spec
         self.device = _setup_process(spec.cfg)
         self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
-        self.global_test = global_test
+        self.global_test = global_test  # read only by evaluation steps (passed as their argument)
+        self.server_val = server_val  # data.server_val: what train/setup server steps may validate on (ctx.server_val)
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "server" if spec.state_dir else None
         self.client_store = StateStore(mem, directory, "server")
@@ -400,7 +401,7 @@ class ServerRunner:
     def _ctx(self, round_idx: int, failures=None, step: str = "", iteration: int = 0, keep=None) -> Context:
         return Context(round_idx, rngmod.SERVER, self.spec.cfg.seed, self.device, self.spec.task, self.models,
                        list(failures or []), step=step, iteration=iteration, keep=keep, client_store=self.client_store,
-                       global_test=self.global_test)
+                       server_val=self.server_val)
 
     def initial_payload(self, round_idx: int):
         return self.algorithm.initial_payload(self.state, self._ctx(round_idx, step="broadcast"))

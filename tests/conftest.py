@@ -45,6 +45,8 @@ def method_overrides(name: str) -> dict:
     if name in ("pnicfl", "pnicfl_plus"):  # server pre-training on a public set; 2 clusters of 6 clients
         return {"data__public": {"dataset": "synthetic", "size": 400},
                 "algorithm__params": {"num_clusters": 2, "pretrain_episodes": 5}}
+    if name == "slaugfl":  # picks representatives on a server-held validation set
+        return {"data__server_val": 100}
     if name == "fedfomo":  # weighs the received models on a validation split
         return {"data__val_fraction": 0.2}
     if name == "slaugfl":  # a small generator (the production default trains 300 steps of a 128-channel one)

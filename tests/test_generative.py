@@ -13,6 +13,8 @@ from tests.conftest import tiny_config
 
 
 def run(name, params=None, **over):
+    if name == "slaugfl":
+        over.setdefault("data__server_val", 100)
     return run_experiment(make_config(tiny_config(algorithm={"name": name, "params": params or {}}, **over)),
                           write=False).table
 
@@ -202,9 +204,97 @@ def _generator_floats(params):
     from algorithms.slaugfl import SlaugFL
     from raysim.driver import prepare
 
-    prep = prepare(make_config(tiny_config(algorithm={"name": "slaugfl", "params": params})))
+    prep = prepare(make_config(tiny_config(algorithm={"name": "slaugfl", "params": params}, data__server_val=100)))
     gen = prep.algorithm.make_generator() if hasattr(prep, "algorithm") else SlaugFL(prep.spec.params, prep.spec.task).make_generator()
     return sum(v.numel() for v in gen.state_dict().values() if v.is_floating_point())
+
+
+class _Tripwire:
+    """Wraps a dataset; records the server step (round, name, mode) during which its samples were read."""
+
+    def __init__(self, ds, log, phase):
+        self._ds, self._log, self._phase = ds, log, phase
+
+    def __len__(self):
+        return len(self._ds)
+
+    def _read(self, v):
+        self._log.append(self._phase[-1] if self._phase else ("outside a server step",))
+        return v
+
+    @property
+    def x(self):
+        return self._read(self._ds.x)
+
+    @property
+    def y(self):
+        return self._read(self._ds.y)
+
+    def __getattr__(self, k):  # metadata (norm, num_classes): not a read of the samples
+        return getattr(self._ds, k)
+
+
+@pytest.mark.parametrize("scenario", [1, 2])
+def test_slaugfl_never_reads_the_test_set_before_the_final_evaluation(monkeypatch, tmp_path, scenario):
+    """Issue 21: the representatives are chosen on the server-held validation set; the reported test set is read only
+    by the final evaluation (every sample access to it is logged with the server step that made it)."""
+    import raysim.driver as driver
+    from raysim import results
+    from raysim.runtime import ServerRunner
+
+    test_reads, val_reads, phase = [], [], []
+    build = driver.build_federated_data
+
+    def wrapped(cfg, seed):
+        fed = build(cfg, seed)
+        fed.global_test = _Tripwire(fed.global_test, test_reads, phase)
+        fed.server_val = _Tripwire(fed.server_val, val_reads, phase)
+        return fed
+
+    orig = ServerRunner.run_server_step
+
+    def traced(self, step, round_idx, iteration, *a, **k):
+        phase.append((round_idx, step.name, step.mode))
+        try:
+            return orig(self, step, round_idx, iteration, *a, **k)
+        finally:
+            phase.pop()
+
+    monkeypatch.setattr(driver, "build_federated_data", wrapped)
+    monkeypatch.setattr(ServerRunner, "run_server_step", traced)
+    over = {"data__public": {"dataset": "synthetic", "size": 300}} if scenario == 1 else {}
+    cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": {**SLAUG, "scenario": scenario}}, rounds=3,
+                                  eval={"every": 100}, data__server_val=60, **over))
+    driver.run_experiment(cfg, out_dir=tmp_path / "run")
+    assert test_reads and set(test_reads) == {(2, "evaluate_server", "evaluate")}  # the final evaluation only
+    assert (-1, "prep_select", "train") in val_reads  # the selection read the validation set
+    meta = results.load_metadata(tmp_path / "run")
+    assert meta["data"]["server_val"]["size"] == 60 and meta["data"]["server_val"]["per_class"] == [6] * 10
+
+
+def test_server_val_is_carved_from_the_pool_disjoint_and_required_by_slaugfl():
+    from raysim.data.federated import build_federated_data
+
+    base = make_config(tiny_config()).data
+    cfg = make_config(tiny_config(data__server_val=25)).data
+    fed0, fed = build_federated_data(base, 7), build_federated_data(cfg, 7)
+    assert fed0.server_val is None and len(fed.server_val) == 25
+    assert torch.bincount(fed.server_val.y, minlength=10).tolist() == [3] * 5 + [2] * 5  # class-stratified
+    assert fed.server_val.provenance == "server_val"
+    flat = lambda x: x.reshape(len(x), -1).float()
+    val = flat(fed.server_val.x)
+    for other in [c.x_train for c in fed.clients] + [c.x_test for c in fed.clients] + [fed.global_test.x]:
+        # every synthetic sample is a distinct point: no validation sample is held by a client or the test set
+        assert torch.cdist(val, flat(other.to(torch.float32) if other.dtype != torch.uint8 else other)).min() > 0
+    torch.testing.assert_close(fed.global_test.x, fed0.global_test.x)  # the reported test set is unchanged
+    again = build_federated_data(cfg, 7)
+    assert torch.equal(again.server_val.x, fed.server_val.x)  # seeded
+    with pytest.raises(ConfigError, match="data.server_val"):
+        run_experiment(make_config(tiny_config(algorithm={"name": "slaugfl", "params": SLAUG})), write=False)
+    with pytest.raises(ConfigError, match="data.server_val"):
+        make_config(tiny_config(data__server_val=-1))
+    with pytest.raises(Exception, match="data.server_val"):
+        build_federated_data(make_config(tiny_config(data__server_val=5000)).data, 7)
 
 
 def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
@@ -238,9 +328,9 @@ def test_slaugfl_pf_prototypes_come_from_synthetic_data_only():
     from raysim.runtime import ClientRunner, ServerRunner
     from raysim.steps import flatten
 
-    cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": SLAUG}))
+    cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": SLAUG}, data__server_val=100))
     prep = prepare(cfg)
-    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    server = ServerRunner(prep.spec, prep.fed_data.global_test, prep.fed_data.server_val)
     clients = ClientRunner(prep.spec, prep.fed_data.clients)
     ids = clients.client_ids()
     payload, uploads = None, {}

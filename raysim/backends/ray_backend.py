@@ -334,7 +334,8 @@ class RayBackend(Backend):
         if _WARM["on"] and not self._own_session and not b.address:
             self._warm_keys = (("client", b.num_cpus, b.num_gpus, b.placement, repr(renv)),
                                ("server", b.server_num_cpus, b.server_num_gpus, repr(renv)))
-        self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test))
+        self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test),
+                                                      ray.put(self.fed_data.server_val))
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit sent
         self.cost = self._cost_model() if b.balance == "cost" and n > 1 else None
         self._warm: set = set()  # (actor, step name) pairs that have run once
@@ -350,7 +351,7 @@ class RayBackend(Backend):
             return ids
         return [self.fed_data.clients[cid].compact() for cid in ids]
 
-    def _start_actors(self, Server, global_test_ref):
+    def _start_actors(self, Server, global_test_ref, server_val_ref):
         """The server actor and the client actors: parked ones with the same resources reset for this run
         (keep_actors_warm), new ones for the rest; parked actors that do not fit this run are ended first, so that
         their reservations do not hold up the new ones."""
@@ -363,7 +364,7 @@ class RayBackend(Backend):
             release_warm_actors()
         server, reset = None, []
         for a in warm_server:
-            reset.append(("server", a, a.reset.remote(self._spec_ref, global_test_ref)))
+            reset.append(("server", a, a.reset.remote(self._spec_ref, global_test_ref, server_val_ref)))
         clients: list = [None] * n
         for k, a in enumerate(warm_clients):
             reset.append((k, a, a.reset.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)))
@@ -379,7 +380,7 @@ class RayBackend(Backend):
         if server is None or any(c is None for c in clients):
             release_warm_actors()  # same-resource actors left parked could hold up the new ones
         if server is None:
-            server = Server.remote(self._spec_ref, global_test_ref)
+            server = Server.remote(self._spec_ref, global_test_ref, server_val_ref)
         for k in range(n):
             if clients[k] is None:
                 clients[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)

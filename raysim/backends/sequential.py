@@ -18,7 +18,7 @@ class SequentialBackend(Backend):
 
     def start(self) -> None:
         self.spec, self._state_dir = run_state_dir(self.spec)
-        self.server = ServerRunner(self.spec, self.fed_data.global_test)
+        self.server = ServerRunner(self.spec, self.fed_data.global_test, self.fed_data.server_val)
         self.clients = ClientRunner(self.spec, self.fed_data.clients)
 
     def initial_payload(self, round_idx):

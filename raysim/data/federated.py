@@ -261,6 +261,8 @@ class FederatedData:
     # evaluation (ARI of a method's clustering, raysim.driver.ClusterAgreement), never to the algorithm: it is not
     # part of ClientData, so no client_update or aggregate can see it.
     domains: Optional[list[int]] = None
+    # data.server_val: the server-held validation set (carved from the training pool before partitioning), or None
+    server_val: Optional[ArrayDataset] = None
 
     def summary(self) -> dict:
         out = {
@@ -275,6 +277,12 @@ class FederatedData:
         val = client_sizes(self.clients, "val")
         if any(v > 0 for v in val):
             out["val_sizes"] = val
+        if self.server_val is not None:
+            out["server_val"] = {"size": len(self.server_val),
+                                 "per_class": torch.bincount(self.server_val.y, minlength=self.num_classes).tolist(),
+                                 "source": "training pool, class-stratified, stream (seed, -, server, 'server-val'); "
+                                           "removed before partitioning: disjoint from the clients' data and the "
+                                           "test set"}
         if self.public is not None and self.public.owner is not None:
             out["public_sizes"] = torch.bincount(self.public.owner, minlength=len(self.clients)).tolist()
         return out
@@ -304,6 +312,27 @@ def _split_test_pool(ds: LoadedDataset, fraction: float, seed: int) -> tuple[Arr
         te.append(idx[:n_te])
         tr.append(idx[n_te:])
     return ds.train.subset(np.sort(np.concatenate(tr))), ds.train.subset(np.sort(np.concatenate(te)))
+
+
+def carve_server_val(pool: ArrayDataset, size: int, seed: int) -> tuple[ArrayDataset, ArrayDataset]:
+    """(rest of the pool, server validation set): ``size`` samples of ``pool``, class-stratified (class c gets
+    size // C, the first size % C classes one more), drawn with the stream (seed, -, server, "server-val")."""
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "server-val")
+    y = pool.y.numpy()
+    c_all = pool.num_classes
+    take = []
+    for c in range(c_all):
+        idx = np.flatnonzero(y == c)
+        k = size // c_all + (1 if c < size % c_all else 0)
+        if k > len(idx):
+            raise DataError("data.server_val", f"{size} samples need {k} of class {c}; the training pool holds "
+                                               f"{len(idx)}")
+        take.append(r.choice(idx, size=k, replace=False) if k else idx[:0])
+    val = np.sort(np.concatenate(take))
+    rest = np.setdiff1d(np.arange(len(y)), val)
+    out = pool.subset(val)
+    out.provenance = "server_val"
+    return pool.subset(rest), out
 
 
 def rotate(x: torch.Tensor, angle: float) -> torch.Tensor:
@@ -362,6 +391,11 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
                      f"train pool {len(train_pool)} samples")
     else:
         train_pool, test_pool = ds.train, ds.test
+    server_val = None
+    if cfg.server_val > 0:
+        train_pool, server_val = carve_server_val(train_pool, cfg.server_val, seed)
+        notes.append(f"server validation set: {len(server_val)} samples of the training pool (class-stratified, "
+                     f"seeded), held by the server and removed before partitioning; train pool {len(train_pool)}")
     r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "partition")
     num_domains, part_domains = _domain_structure(cfg, train_pool, test_pool)
     part = run_partitioner(cfg.partition, dict(cfg.partition_params), train_pool.y.numpy(), test_pool.y.numpy(),
@@ -406,7 +440,7 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     domains = [i % num_domains for i in range(cfg.num_clients)] if num_domains else None
     if train_pool.domain is not None:
         notes.append(f"data sources as domains: client i holds source i % {num_domains}")
-    return FederatedData(clients, ds.num_classes, ds.input_shape, test_pool, public, notes, domains)
+    return FederatedData(clients, ds.num_classes, ds.input_shape, test_pool, public, notes, domains, server_val)
 
 
 def _domain_structure(cfg: DataConfig, train_pool: ArrayDataset, test_pool: ArrayDataset):

@@ -41,7 +41,8 @@ def golden_config(name: str) -> dict:
     if name == "fedtgp":
         cfg["algorithm"]["params"] = {"server_epochs": 5, "margin_threshold": 1.0}
     if name == "slaugfl":
-        cfg["algorithm"]["params"] = {"gen_steps": 10, "gen_channels": 16, "prep_epochs": 3, "select_test_size": 200}
+        cfg["algorithm"]["params"] = {"gen_steps": 10, "gen_channels": 16, "prep_epochs": 3}
+        cfg["data"]["server_val"] = 200  # representatives chosen on a server-held validation set (issue 21)
     if name in ("pnicfl", "pnicfl_plus"):
         cfg["data"]["public"] = {"dataset": "fashion_mnist", "size": 300}
         cfg["algorithm"]["params"] = {"num_clusters": 2, "pretrain_episodes": 5}
