@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 import yaml
 
+from raysim.results import without_timing
 from raysim import registry
 from raysim.cli import main
 from raysim.config import ArchSpec, ConfigError, make_config
@@ -250,7 +251,7 @@ def test_register_model_and_dataset_and_algorithm_by_import_path(workdir):
     a = raysim.run_experiment(make_config(base), write=False)
     b = raysim.run_experiment(make_config(byo_config(rounds=1, data__dataset="mydata:digits", data__root=None)),
                               write=False)
-    assert a.table.drop(columns="run_id").equals(b.table.drop(columns="run_id"))
+    assert without_timing(a.table).drop(columns="run_id").equals(without_timing(b.table).drop(columns="run_id"))
     c = raysim.run_experiment(make_config(byo_config(rounds=1, algorithm={"name": "mymethod:UniformAvg"})),
                               write=False)
     assert (c.table["metric"] == "clients_averaged").any()  # the user's aggregate ran
@@ -350,7 +351,7 @@ def test_example_runs_end_to_end_sequential(workdir):
     by = {(r["algorithm"], r["data"]): r for r in rows}
     assert set(by) == {(a, d) for a in ("fedavg", "fedproto") for d in ("npz", "loader")}
     for a in ("fedavg", "fedproto"):
-        assert by[(a, "npz")]["table"].drop(columns="run_id").equals(by[(a, "loader")]["table"].drop(columns="run_id"))
+        assert without_timing(by[(a, "npz")]["table"]).drop(columns="run_id").equals(without_timing(by[(a, "loader")]["table"]).drop(columns="run_id"))
         assert 0.1 < by[(a, "npz")]["test_acc"] <= 1.0
     assert "test_acc_proto" in by[("fedproto", "npz")]
 
@@ -376,7 +377,7 @@ def test_user_code_ships_to_ray_actors(ray_session, workdir):
         seq = run_experiment(make_config(byo_config(**over)), write=False).table
         cfg = make_config(byo_config(backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5}, **over))
         par = run_experiment(cfg, write=False, callbacks=[Where()]).table
-        assert seq.drop(columns="run_id").equals(par.drop(columns="run_id"))
+        assert without_timing(seq).drop(columns="run_id").equals(without_timing(par).drop(columns="run_id"))
         names = {Path(p).name for p in seen["shipped"]}
         assert "mycnn.py" in names and all(Path(p).parent == workdir for p in seen["shipped"])
         for files in seen["files"]:  # each actor imported the model from the copy Ray unpacked, not from workdir

@@ -260,10 +260,14 @@ def check_address(address: str, timeout_s: float) -> None:
 def preflight_resources(cfg) -> None:
     """Before starting anything: for a local cluster Ray would start with, check what this machine has; for an
     existing cluster (backend.address), that it answers."""
-    if cfg.backend.address and not ray.is_initialized():
+    if cfg.backend.address:  # checked even when this process already holds a Ray session
         check_address(cfg.backend.address, cfg.backend.connect_timeout_s)
-    if ray.is_initialized() or cfg.backend.address:
-        return  # checked against the live cluster in RayBackend.start
+        return  # resources are checked against the live cluster in RayBackend.start
+    if ray.is_initialized():  # this process's session (a notebook, a loop over runs): its cluster's resources
+        res = ray.cluster_resources()
+        check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
+                        float(res.get("memory", 0)))
+        return
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
