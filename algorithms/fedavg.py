@@ -1,20 +1,47 @@
 """FedAvg (McMahan et al., AISTATS 2017): clients train the global model locally, the server averages the
 uploaded weights with sample-count weights: w = sum_i (n_i / sum n) w_i.
 
-Options ``positive_rate`` / ``pu_weight``: the FedPU positive-unlabelled setting and loss (algorithms/fedpu.py)."""
+Options ``positive_rate`` / ``pu_weight``: the FedPU positive-unlabelled setting and loss (algorithms/fedpu.py).
+
+**Iteration mode** (``sync_every`` or ``bandwidth_ratio``; MAFML's seed 003 compares FedAvg at controlled
+communication): a round is ``train.local_steps`` iterations, each one Adam/SGD step of every node on a random batch
+of its ``x_train`` (``train.persist_optimizer`` keeps the optimiser state on the node); the nodes average every k
+iterations (global iteration g = round * local_steps + iteration, 0-based; an average after the step of every g with
+(g + 1) % k == 0: weights up, the average down). Schedule per iteration: ``local`` (the step; uploads only on an
+averaging iteration), ``average`` (server), ``receive`` (a node loads the average when one was made); a setup step
+``start`` downloads the initial global model once (accounted at round -1). Evaluation (``eval_model``): ``global``
+(default) tests the last average each node received — one model, as the seed's FedAvg row (one ACC for every node);
+``local`` tests each node's current weights.
+
+k is ``sync_every``, or with ``bandwidth_ratio`` r > 0 derived from the budget: the smallest k whose accounted
+floats over the run, N*P (the initial download) + floor(T/k) * 2*N*P (each average: N*P up, N*P down; P = floats of
+the model's state dict), stay within r x MAFML's floats in the same task, r * T * m, where T = rounds * local_steps
+and m = MAFML's accounted floats per iteration with public batch ``train.batch_size``
+(:func:`algorithms.mafml.floats_per_iteration`: N^2 (B*C + 1)). LeNet on Rotated MNIST (N = 4, P = 61,706, B = 32,
+C = 10): m = 5,136, one average = 493,648 floats (96.1 x m); r = 1 gives k = 97 over 10,000 iterations (total
+0.995 x MAFML's), r = 100 (the seed's PACS cap) gives k = 1. k depends on ``rounds``: a resume that changes
+``rounds`` changes k.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
+from functools import cached_property
 
 import torch
+import torch.nn.functional as F
 
 from algorithms import fedpu
 from algorithms.local import ce_loss
-from algorithms.mutual_ops import domain_metrics
-from raysim.algorithm import Context, LocalStart, LocalTraining
-from raysim.messages import Message, state_message
+from algorithms.mutual_ops import domain_metrics, random_batch
+from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
+from raysim.config import ConfigError
+from raysim.messages import Message, payload_sizes, state_message
 from raysim.ops import weighted_average_states
-from raysim.training import accuracy, clone_state, forward_all
+from raysim.steps import ALL, ClientStep, Repeat, ServerStep
+from raysim.training import (accuracy, clone_state, forward_all, load_optimizer_state, make_optimizer,
+                             optimizer_state)
 
 
 def sample_counts(uploads, ids) -> list[int]:
@@ -43,13 +70,121 @@ class FedAvg(LocalTraining):
         pu_split: str = "held"  # FedPU: held (every held class labelled) | official (labelled_classes, pu_min_class)
         labelled_classes: int = 0  # FedPU official split: positive classes per client (seeded subset; 0 = all)
         pu_min_class: int = 40  # FedPU official split: a positive class keeps labels only with >= this many samples
+        sync_every: int = 0  # iteration mode: average every k iterations (train.local_steps per round); 0: classic
+        bandwidth_ratio: float = 0.0  # iteration mode: k from a budget of this many times MAFML's floats (1: matched)
+        eval_model: str = "global"  # iteration mode: test the last average (global) or each node's weights (local)
 
         def check(self, path):
             fedpu.check_params(path, self.positive_rate, self.pu_weight, self.pu_split, self.labelled_classes,
                                self.pu_min_class)
+            if int(self.sync_every) != self.sync_every or self.sync_every < 0:
+                raise ConfigError(f"{path}.sync_every", f"must be an integer >= 0 (0: classic rounds), got "
+                                                        f"{self.sync_every!r}")
+            if not math.isfinite(self.bandwidth_ratio) or self.bandwidth_ratio < 0:
+                raise ConfigError(f"{path}.bandwidth_ratio", f"must be >= 0 (0: off), got {self.bandwidth_ratio!r}")
+            if self.sync_every and self.bandwidth_ratio:
+                raise ConfigError(f"{path}.bandwidth_ratio", "set sync_every or bandwidth_ratio, not both")
+            if self.eval_model not in ("global", "local"):
+                raise ConfigError(f"{path}.eval_model", f"{self.eval_model!r} is not allowed; choose one of: global, "
+                                                        f"local")
+
+    @property
+    def iteration_mode(self) -> bool:
+        return bool(self.params.sync_every or self.params.bandwidth_ratio)
 
     def validate(self):
         self.require_homogeneous()
+        if not self.iteration_mode:
+            return
+        where = "algorithm.params.sync_every" if self.params.sync_every else "algorithm.params.bandwidth_ratio"
+        if not self.task.train.local_steps:
+            raise ConfigError("train.local_steps", f"{where} counts iterations: set train.local_steps (the iterations "
+                                                   f"per round, e.g. 50 as MAFML's seed validates every 50)")
+        if self.params.positive_rate < 1.0:
+            raise ConfigError(where, "the iteration mode trains with plain cross-entropy; FedPU's positive_rate < 1 "
+                                     "needs classic rounds (sync_every: 0)")
+        self.sync_period  # the budget must allow one average at least
+
+    # -- iteration mode: an average every k iterations ----------------------------------------------------------
+    def model_floats(self) -> int:
+        """P: the floats one node's weights message carries, as the accounting counts them."""
+        with torch.random.fork_rng(devices=[]):
+            model = self.task.build_model(0)
+        return payload_sizes({"m": state_message("weights", model.state_dict())})["weights"][0]
+
+    @cached_property
+    def sync_period(self) -> int:
+        """k: ``sync_every``, or the smallest k whose floats over the run stay within the ``bandwidth_ratio`` budget
+        (module docstring)."""
+        if self.params.sync_every:
+            return int(self.params.sync_every)
+        from algorithms.mafml import floats_per_iteration
+
+        return budget_sync_period(self.task.num_clients, self.model_floats(),
+                                  floats_per_iteration(self.task.num_clients, self.task.num_classes,
+                                                       self.task.train.batch_size),
+                                  self.task.rounds * int(self.task.train.local_steps), self.params.bandwidth_ratio)
+
+    def _due(self, round_idx: int, iteration: int) -> bool:
+        g = round_idx * int(self.task.train.local_steps) + iteration
+        return (g + 1) % self.sync_period == 0
+
+    def schedule(self):
+        if not self.iteration_mode:
+            return super().schedule()
+        return (Repeat(int(self.task.train.local_steps),
+                       (ClientStep("local", fn="step_local"), ServerStep("average", fn="average_due"),
+                        ClientStep("receive", fn="receive"))),)
+
+    def setup_schedule(self):
+        if not self.iteration_mode:
+            return None
+        return (ServerStep("share", fn="share"), ClientStep("start", fn="receive", clients=ALL))
+
+    def downlink(self, payload, client_id, ctx=None):
+        if not self.iteration_mode or ctx is None or ctx.step in ("start", "receive"):
+            return payload
+        return {}  # the local step and the evaluation download nothing: the node holds its weights
+
+    def share(self, server_state, uploads, ctx: Context) -> ServerUpdate:
+        return ServerUpdate(server_state, self.broadcast(server_state, ctx))
+
+    def receive(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        if "model" not in payload:
+            return ClientUpdate(state, {}, {})
+        w = dict(payload["model"].tensors)
+        return ClientUpdate({"opt": {}, **(state or {}), "model": w, "global": w}, {}, {})
+
+    def step_local(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        from raysim.models import set_dropout_generator
+
+        cfg = self.task.train
+        model = ctx.model()
+        model.load_state_dict(state["model"])
+        opt = make_optimizer(model.parameters(), cfg)
+        if cfg.persist_optimizer and state["opt"]:
+            load_optimizer_state(opt, model, state["opt"])
+        idx = random_batch(data.num_train, cfg.batch_size, ctx.generator("batches")).to(data.y_train.device)
+        set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
+        model.train()
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+        loss.backward()
+        opt.step()
+        upload = {}
+        if self._due(ctx.round_idx, ctx.iteration):
+            upload = {"model": state_message("weights", model.state_dict()),
+                      "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
+        new = {"model": clone_state(model), "opt": optimizer_state(opt, model) if cfg.persist_optimizer else {},
+               "global": state["global"]}
+        return ClientUpdate(new, upload, {"train_loss": float(loss.detach())})
+
+    def average_due(self, server_state, uploads, ctx: Context) -> ServerUpdate:
+        ids = [i for i in sorted(uploads) if uploads[i] and (ctx.keep is None or i in ctx.keep)]
+        if not self._due(ctx.round_idx, ctx.iteration) or not ids:
+            return ServerUpdate(server_state, {}, {})
+        new = {"model": sample_weighted_average(uploads, ids)}
+        return ServerUpdate(new, self.broadcast(new, ctx), {})
 
     def init_server_state(self, ctx: Context):
         return {"model": clone_state(self.task.build_model(0))}
@@ -87,7 +222,10 @@ class FedAvg(LocalTraining):
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()
-        model.load_state_dict(payload["model"].tensors)
+        if self.iteration_mode:
+            model.load_state_dict(state["global" if self.params.eval_model == "global" else "model"])
+        else:
+            model.load_state_dict(payload["model"].tensors)
         # test_acc on the client's test split; with data.local_split also the seed-003 metrics bwt / fwt / acc_all
         return domain_metrics(model, data)
 
@@ -95,4 +233,22 @@ class FedAvg(LocalTraining):
         model = ctx.model(0)
         model.load_state_dict(server_state["model"])
         logits, _ = forward_all(model, test.x.to(ctx.device))
-        return {"global_test_acc": accuracy(logits.argmax(1), test.y.to(ctx.device))}
+        out = {"global_test_acc": accuracy(logits.argmax(1), test.y.to(ctx.device))}
+        if self.iteration_mode:
+            out["sync_every"] = float(self.sync_period)
+        return out
+
+
+def budget_sync_period(num_clients: int, model_floats: int, reference_per_iteration: int, iterations: int,
+                       ratio: float) -> int:
+    """The smallest k >= 1 with N*P + floor(T/k) * 2*N*P <= ratio * T * m (FedAvg's accounted floats over T
+    iterations, averaging every k, within ``ratio`` times the reference's m floats per iteration)."""
+    n, p, t = int(num_clients), int(model_floats), int(iterations)
+    budget = Fraction(repr(float(ratio))) * t * int(reference_per_iteration)
+    syncs = math.floor((budget - n * p) / (2 * n * p))  # the most averages the budget pays for
+    if syncs < 1:
+        raise ConfigError("algorithm.params.bandwidth_ratio",
+                          f"a budget of {float(ratio)} x {int(reference_per_iteration)} floats per iteration over {t} "
+                          f"iterations ({float(budget):.0f} floats) pays for no average of {n} x {p}-float models "
+                          f"({n * p} floats to start, {2 * n * p} per average); raise the ratio or the rounds")
+    return t // (syncs + 1) + 1

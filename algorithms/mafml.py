@@ -58,6 +58,19 @@ def require_public_shares(algo, what: str) -> None:
                                                      f"raise the public share")
 
 
+def floats_per_iteration(num_clients: int, num_classes: int, public_batch: int) -> int:
+    """MAFML's floats per iteration over all nodes, up and down, as the accounting counts them: the messages of
+    :meth:`MAFML.local` built at their shapes (N uploads; each node downloads the other N - 1), i.e. N^2 (B*C + 1)."""
+    from raysim.messages import payload_sizes
+
+    b, c, n = int(public_batch), int(num_classes), int(num_clients)
+    msg = Message("soft_labels", {"idx": torch.zeros(b, dtype=torch.int64), "p": torch.zeros(b, c),
+                                  "acc": torch.zeros(1)})
+    up = payload_sizes({"soft": msg})["soft_labels"][0]
+    down = payload_sizes({f"soft_{j}": msg for j in range(n - 1)})["soft_labels"][0]
+    return n * (up + down)
+
+
 class PublicShares:
     """The public dataset on a device (cached per runner): x, y and each node's global indices."""
 

@@ -267,6 +267,97 @@ def test_fedavg_reports_domain_metrics_of_the_global_model(tiny):
     assert rows(df, "up_floats")["value"].gt(0).all()
 
 
+# -- FedAvg at controlled communication (seed 003: "its communication kept about equal to MAFML's") -----------------
+
+LENET_P = 61706  # LeNet-5's floats at 28x28, 10 classes (test_lenet_is_lenet5)
+MLP_P = 64 * 32 + 32 + 32 * 16 + 16 + 16 * 10 + 10  # the tiny mlp (8x8 inputs, hidden 32, embedding 16): 2,778
+
+
+def test_mafml_floats_per_iteration_and_fedavg_sync_period_by_hand():
+    from algorithms.fedavg import budget_sync_period
+    from algorithms.mafml import floats_per_iteration
+
+    assert floats_per_iteration(4, 10, 32) == 4 * 321 + 4 * 3 * 321 == 5136  # 32 x 10 soft labels + A_i per node
+    assert floats_per_iteration(4, 10, 8) == 16 * 81 == 1296
+    # Rotated MNIST, LeNet: one average moves 2 x 4 x 61,706 = 493,648 floats = 96.1 x MAFML's 5,136 per iteration
+    n, p, m = 4, LENET_P, 5136
+    for t, k in ((10000, 97), (2000, 96), (500, 101)):
+        assert budget_sync_period(n, p, m, t, 1.0) == k, t
+        total = n * p + (t // k) * 2 * n * p
+        assert total <= t * m < n * p + (t // (k - 1)) * 2 * n * p  # within the budget; k - 1 would exceed it
+    assert n * p + 103 * 2 * n * p == 51_092_568 <= 51_360_000  # k = 97 over 10,000 iterations: 103 averages
+    assert budget_sync_period(n, p, m, 10000, 100) == 1  # the seed's PACS cap (100x) allows every iteration here
+    assert budget_sync_period(n, p, m, 10000, 0.5) == 2 * 97 - 1  # 51 averages: floor(10000/193) = 51
+    with pytest.raises(ConfigError) as e:
+        budget_sync_period(n, p, m, 50, 1.0)  # 256,800 floats do not pay for the start plus one average
+    assert e.value.field == "algorithm.params.bandwidth_ratio"
+
+
+def test_fedavg_every_k_iterations_accounted_exactly(tiny):
+    from raysim.results import communication
+
+    # 2 rounds of 3 iterations, an average every 2: after global iterations 1 (round 0), 3 and 5 (round 1)
+    df = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2}), write=False).table
+    tot = rows(df, "up_floats", "total").set_index("round")["value"]
+    assert tot.to_dict() == {-1: 0, 0: 4 * MLP_P, 1: 2 * 4 * MLP_P}
+    down = rows(df, "down_floats", "total").set_index("round")["value"]
+    assert down.to_dict() == {-1: 4 * MLP_P, 0: 4 * MLP_P, 1: 2 * 4 * MLP_P}  # the start model, then the averages
+    assert rows(df, "down_floats@local")["value"].eq(0).all() and rows(df, "up_floats@receive")["value"].eq(0).all()
+    com = communication(df).set_index("metric")["total"]
+    assert com["up_floats"] == 3 * 4 * MLP_P and com["down_floats"] == 4 * 4 * MLP_P
+    assert rows(df, "sync_every", "server")["value"].eq(2).all()
+    acc = rows(df, "test_acc_all").pivot_table(index="round", columns="client_id", values="value")
+    assert acc.shape == (2, 4) and (acc.nunique(axis=1) == 1).all()  # the last average: one model everywhere
+    loc = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2, "eval_model": "local"}), write=False).table
+    pd.testing.assert_frame_equal(rows(loc, "train_loss").drop(columns="run_id").reset_index(drop=True),
+                                  rows(df, "train_loss").drop(columns="run_id").reset_index(drop=True))  # same training
+    # every iteration: 6 averages
+    every = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 1}), write=False).table
+    assert communication(every).set_index("metric")["total"]["up_floats"] == 6 * 4 * MLP_P
+
+
+def test_fedavg_bandwidth_ratio_matches_the_measured_mafml_traffic(tiny):
+    from raysim.results import communication
+
+    maf = communication(run_experiment(mutual_cfg(tiny, "mafml"), write=False).table).set_index("metric")["total"]
+    maf_total = maf["up_floats"] + maf["down_floats"]
+    assert maf_total == 6 * 1296  # 2 rounds x 3 iterations x N^2 (B*C + 1)
+    # ratio 5: budget 38,880 floats; the start (11,112) + one average (22,224) = 33,336 fit, two do not: k = 6//2 + 1
+    df = run_experiment(mutual_cfg(tiny, "fedavg", {"bandwidth_ratio": 5}), write=False).table
+    assert rows(df, "sync_every", "server")["value"].eq(4).all()
+    com = communication(df).set_index("metric")["total"]
+    total = com["up_floats"] + com["down_floats"]
+    assert total == 4 * MLP_P + 2 * 4 * MLP_P == 33336 and total <= 5 * maf_total < total + 2 * 4 * MLP_P
+    assert rows(df, "up_floats", "total").set_index("round")["value"].to_dict() == {-1: 0, 0: 0, 1: 4 * MLP_P}
+    with pytest.raises(ConfigError) as e:  # ratio 1: 7,776 floats cannot even pay for the start
+        prepare(mutual_cfg(tiny, "fedavg", {"bandwidth_ratio": 1}))
+    assert e.value.field == "algorithm.params.bandwidth_ratio"
+
+
+def test_fedavg_iteration_mode_resumes_exactly(tiny, tmp_path):
+    out = {"progress": False, "checkpoint_every": 1}
+    full = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2}, rounds=3, output=out), write=False).table
+    run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2}, rounds=2, output=out), out_dir=tmp_path / "run")
+    resumed = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2}, rounds=3, output=out),
+                             resume=tmp_path / "run").table
+    pd.testing.assert_frame_equal(full.drop(columns="run_id").reset_index(drop=True),
+                                  resumed.drop(columns="run_id").reset_index(drop=True))
+
+
+@pytest.mark.parametrize("params,over,field", [
+    ({"sync_every": 2, "bandwidth_ratio": 1.0}, {}, "algorithm.params.bandwidth_ratio"),
+    ({"sync_every": -1}, {}, "algorithm.params.sync_every"),
+    ({"bandwidth_ratio": -1.0}, {}, "algorithm.params.bandwidth_ratio"),
+    ({"sync_every": 2, "eval_model": "best"}, {}, "algorithm.params.eval_model"),
+    ({"sync_every": 2}, {"train": {"optimizer": "adam", "batch_size": 8}}, "train.local_steps"),
+    ({"sync_every": 2, "positive_rate": 0.5}, {}, "algorithm.params.sync_every"),
+])
+def test_fedavg_iteration_mode_bad_input(tiny, params, over, field):
+    with pytest.raises(ConfigError) as e:
+        prepare(mutual_cfg(tiny, "fedavg", params, **over))
+    assert e.value.field == field
+
+
 def test_select_by_validation_picks_the_best_validation_round():
     from raysim.results import select_by_validation
 
