@@ -28,6 +28,8 @@ def sample_weighted_average(uploads, ids, key: str = "model") -> dict:
 
 
 class FedAvg(LocalTraining):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
+
     def declared_uploads(self):
         return {"weights", "num_samples"}
 

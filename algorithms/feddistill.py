@@ -22,6 +22,8 @@ from raysim.training import accuracy, clone_state, forward_all, train_epochs
 
 
 class FedDistill(Algorithm):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
+
     def declared_uploads(self):
         return {"class_logits"}
 

@@ -55,6 +55,7 @@ def val_loss(model, state, x, y) -> float:
 
 
 class FedFomo(Algorithm):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "fedfomo"
     paper = "Zhang et al., Personalized Federated Learning with First Order Model Optimization, ICLR 2021"
 

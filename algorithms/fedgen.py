@@ -49,6 +49,7 @@ def ensemble_loss(logits_per_client: list, weights: torch.Tensor, y: torch.Tenso
 
 
 class FedGen(FedAvg):
+    needs_embedding = True  # (FedAvg's subclass) reads the embedding / the head
     name = "fedgen"
     paper = "Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021"
 

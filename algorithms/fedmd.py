@@ -32,6 +32,7 @@ from raysim.training import clone_state, minibatches, optimizer_state
 
 
 class FedMD(Algorithm):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "fedmd"
     paper = "Li & Wang, FedMD: Heterogenous Federated Learning via Model Distillation, arXiv:1910.03581, 2019"
 

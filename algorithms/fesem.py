@@ -37,6 +37,8 @@ def fesem_step(local_states: list, centres: list) -> tuple[list, torch.Tensor]:
 
 
 class FeSEM(Algorithm):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
+
     def declared_uploads(self):
         return {"weights"}
 

@@ -46,6 +46,7 @@ class SharedModel:
 
 
 class FML(Algorithm):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "fml"
     paper = "Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020 (HtFLlib's FML)"
 

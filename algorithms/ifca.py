@@ -57,6 +57,7 @@ def cluster_average(states: list, choices: list[int], centres: list) -> list:
 
 
 class IFCA(Algorithm):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "ifca"
     paper = "Ghosh et al., An Efficient Framework for Clustered Federated Learning, NeurIPS 2020"
 

@@ -15,6 +15,8 @@ def ce_loss(model, xb, yb):
 
 
 class Local(LocalTraining):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
+
     def declared_uploads(self):
         return set()
 

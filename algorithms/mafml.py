@@ -81,6 +81,7 @@ def adam(model, lr: float, cfg, state: Optional[dict]) -> torch.optim.Adam:
 
 
 class MAFML(Algorithm):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "mafml"
     paper = ("Zhou et al., Model-agnostic federated mutual learning (MAFML), 2023 — seed 003, Algorithm 1, "
              "eq. (1)-(7)")

@@ -64,6 +64,7 @@ def server_update(x: dict, c: dict, delta_y: list, delta_c: list, num_clients: i
 
 
 class Scaffold(FedAvg):
+    needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "scaffold"
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020"
 

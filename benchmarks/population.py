@@ -1,9 +1,12 @@
 """Population scale: round time and peak memory for 1k, 10k and 100k personalised clients (FedPer with cnn_mnist,
-10 clients per round, fashion_mnist IID with replacement: 2 training images and 1 test image per client), sequential
-backend, one process per population size. Client states are created lazily (on first selection), kept under
+10 clients per round, fashion_mnist IID with replacement: 2 training images and 1 test image per client), on the
+sequential backend or on Ray with 2 client actors (``--backend ray``), one process per population size. Memory is the
+peak over the run of the PSS and RSS summed over the driver and every process it started (Ray's raylet, GCS, workers,
+actors), sampled every 0.2 s from /proc. Client states are created lazily (on first selection), kept under
 backend.state_memory_mb, and client data stays uint8; evaluation samples eval.fraction of the clients.
 
-    python benchmarks/population.py [--sizes 1000,10000,100000] [--rounds 40] [--malloc-mmap-threshold 1000000000]
+    python benchmarks/population.py [--sizes 1000,10000,100000] [--rounds 40] [--backend sequential|ray]
+                                    [--malloc-mmap-threshold 1000000000]
 
 ``--malloc-mmap-threshold`` sets glibc's ``MALLOC_MMAP_THRESHOLD_`` for each size's process (a diagnostic: before
 clients were built compact it hid the heap fragmentation that slowed 100k-client rounds; benchmarks/PERFORMANCE.md).
@@ -20,7 +23,56 @@ import sys
 import time
 
 
-def one(n: int, rounds: int) -> dict:
+def _tree_memory(root: int) -> tuple[int, int]:
+    """(PSS, RSS) in bytes summed over ``root`` and all its descendants (Ray's processes are the driver's)."""
+    children: dict = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d))
+    pss = rss = 0
+    todo = [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        pss += int(line.split()[1]) * 1024
+                    elif line.startswith("Rss:"):
+                        rss += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return pss, rss
+
+
+class _Sampler:
+    def __init__(self):
+        import threading
+
+        self.peak_pss = self.peak_rss = 0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def _loop(self):
+        while not self._stop.is_set():
+            pss, rss = _tree_memory(os.getpid())
+            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
+            self._stop.wait(0.2)
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+
+
+def one(n: int, rounds: int, backend: str = "sequential") -> dict:
     from raysim.config import make_config
     from raysim.driver import run_experiment
 
@@ -30,14 +82,17 @@ def one(n: int, rounds: int) -> dict:
                  "partition_params": {"replace": True, "samples_per_client": 2, "test_per_client": 1}},
         "model": {"arch": "cnn_mnist"}, "algorithm": {"name": "fedper", "params": {}},
         "eval": {"every": rounds, "fraction": min(1.0, 200 / n)},
-        "backend": {"name": "sequential", "state_memory_mb": 256}, "output": {"progress": False}})
+        "backend": {"name": backend, "state_memory_mb": 256, "num_actors": 2}, "output": {"progress": False}})
+    sampler = _Sampler()
     t0 = time.perf_counter()
     res = run_experiment(cfg, write=False)
     total = time.perf_counter() - t0
+    sampler.stop()
     train_rounds = res.timing["round_s"][1:-1]  # not the first (warm-up) nor the last (evaluation)
     return {"clients": n, "median_round_s": statistics.median(train_rounds), "total_s": round(total, 1),
             "setup_and_data_s": round(total - sum(res.timing["round_s"]), 1),
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "backend": backend,
+            "peak_pss_sum_gb": sampler.peak_pss / 2**30, "peak_rss_sum_gb": sampler.peak_rss / 2**30,
             "evaluated": int((res.table["metric"] == "test_acc").sum())}
 
 
@@ -46,25 +101,28 @@ def main():
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--one", type=int, default=None)
+    ap.add_argument("--backend", choices=["sequential", "ray"], default="sequential")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=None,
                     help="run each size with glibc's MALLOC_MMAP_THRESHOLD_ set (bytes; e.g. 1000000000)")
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.rounds)))
+        print(json.dumps(one(args.one, args.rounds, args.backend)))
         return
     rows = []
     for n in [int(s) for s in args.sizes.split(",")]:
         env = dict(os.environ)
         if args.malloc_mmap_threshold:
             env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
-        p = subprocess.run([sys.executable, __file__, "--one", str(n), "--rounds", str(args.rounds)],
+        p = subprocess.run([sys.executable, __file__, "--one", str(n), "--rounds", str(args.rounds),
+                            "--backend", args.backend],
                            capture_output=True, text=True, check=True, env=env)
         rows.append(json.loads(p.stdout.strip().splitlines()[-1]))
         print(rows[-1], flush=True)
     base = rows[0]["median_round_s"]
     for r in rows:
         print(f"{r['clients']:>7} clients: {r['median_round_s']:.3f} s/round ({r['median_round_s'] / base:.2f}x the "
-              f"smallest), setup + data {r['setup_and_data_s']} s, peak RSS {r['peak_rss_gb']:.2f} GB, "
+              f"smallest), setup + data {r['setup_and_data_s']} s, peak over all processes PSS "
+              f"{r['peak_pss_sum_gb']:.2f} GB, RSS {r['peak_rss_sum_gb']:.2f} GB ({r['backend']}), "
               f"{r['evaluated']} clients evaluated")
 
 

@@ -86,10 +86,12 @@ class Environment:
     # -- construction from an experiment config (called by raysim through the registry) ------------------------
     @classmethod
     def from_experiment(cls, cfg, fed_data) -> Optional["Environment"]:
+        from raysim.data.federated import client_sizes
+
         env_cfg = parse_env(cfg.env)
         if env_cfg is None:
             return None
-        return cls(env_cfg, cfg.seed, [c.num_train for c in fed_data.clients], cfg.train.local_epochs)
+        return cls(env_cfg, cfg.seed, client_sizes(fed_data.clients, "train"), cfg.train.local_epochs)
 
     @property
     def tiers(self) -> np.ndarray:

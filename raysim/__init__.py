@@ -1,6 +1,7 @@
 """raysim: a Ray-based simulation engine for heterogeneous federated learning."""
 from raysim.config import ConfigError, ExperimentConfig, load_config, make_config
 from raysim.data.datasets import DataError
+from raysim.registry import register_algorithm, register_dataset, register_model
 from raysim.runtime import SimulationError
 
 __version__ = "0.1.0"
@@ -21,4 +22,4 @@ def __getattr__(name):
 
 
 __all__ = ["Callback", "ConfigError", "DataError", "ExperimentConfig", "SimulationError", "load_config", "make_config",
-           "run_experiment", "__version__"]
+           "register_algorithm", "register_dataset", "register_model", "run_experiment", "__version__"]

@@ -151,6 +151,10 @@ class Algorithm:
 
     name: ClassVar[str] = "base"
     paper: ClassVar[str] = ""
+    # whether the method reads the model's embedding or its body/head split (prototypes, personal heads, ...): a
+    # user model without a known split (raysim.adapt.WholeModel) is refused for such methods when a run is prepared.
+    # Methods that only use logits and whole state dicts set it to False.
+    needs_embedding: ClassVar[bool] = True
 
     def declared_uploads(self) -> Optional[set]:
         """The message kinds this method's clients may send to the server (the privacy boundary: tests check that

@@ -1,5 +1,5 @@
-"""The ``raysim`` command: ``run`` (``--seeds`` for several, ``--dry-run``), ``runs``, ``list``, ``tune`` (Optuna)
-and ``report``.
+"""The ``raysim`` command: ``run`` (``--seeds`` for several, ``--dry-run``), ``runs``, ``list``, ``tune`` (Optuna),
+``report`` and ``reproduce`` (a seed paper's experiment beside the seed's numbers).
 
 Exit codes: 0 ok, 1 the simulation failed, 2 a bad config or bad data (one message naming the field)."""
 from __future__ import annotations
@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seeds", default=None, metavar="S1,S2,...",
                      help="run once per seed (e.g. 1,2,3 or 1-5); --out is then a parent directory of seed<N>/ runs")
     _add_tune_report(sub)
+    _add_reproduce(sub)
     sub.add_parser("list", help="list algorithms (hyperparameters: default, meaning), datasets, partitioners, models")
     runs = sub.add_parser("runs", help="list past runs under a directory (finished, unfinished, running)")
     runs.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default: ./runs)")
@@ -62,6 +63,57 @@ def _add_tune_report(sub) -> None:
     rep.add_argument("--tuned-on", action="append", default=None, metavar="DIR",
                      help="a raysim tune output directory (repeatable): warn when a compared run uses a seed its "
                           "trials ran on")
+
+
+def _add_reproduce(sub) -> None:
+    rp = sub.add_parser("reproduce", help="a seed paper's experiment: every method over several seeds, and a table "
+                                          "of our numbers beside the seed's (configs/<seed>/experiments.yaml)")
+    rp.add_argument("experiments", nargs="*", metavar="EXPERIMENT", help="experiment name(s); see --list")
+    rp.add_argument("--list", action="store_true", help="list the experiments (seed, source, runs, scale)")
+    rp.add_argument("--seeds", default=None, metavar="S1,S2,...", help="seeds (default: the experiment's, >= 3)")
+    rp.add_argument("--out", default="runs/reproduce", help="parent of <experiment>/<run>/seed<N>/ (default: "
+                                                            "runs/reproduce); finished runs there are reused")
+    rp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config value in every run (repeatable; changes the runs' identity)")
+    rp.add_argument("--backend", choices=["sequential", "ray"], default=None, help="shortcut for --set backend.name=...")
+    rp.add_argument("--report-only", action="store_true", help="write the table from the finished runs; run nothing")
+    rp.add_argument("--no-report", action="store_true", help="no raysim report summary/plots beside the table")
+    rp.add_argument("--configs", default=None, metavar="DIR", help="configs root (default: the checkout's configs/)")
+
+
+def _cmd_reproduce(args) -> int:
+    from raysim import reproduce as rp
+    from raysim.sweep import parse_seeds
+
+    root = args.configs or rp.CONFIGS_ROOT
+    exps = rp.load_experiments(root)
+    numbers = rp.load_numbers(root)
+    if args.list or not args.experiments:
+        if not args.list:
+            raise ConfigError("experiment", "name one or more experiments (raysim reproduce --list shows them)")
+        for name, e in sorted(exps.items()):
+            print(f"{name:<34} {e.source:<22} {len(e.runs)} runs, seeds {','.join(map(str, e.seeds))}"
+                  f"{'; scaled: ' + e.scaled if e.scaled else ''}")
+            print(f"  {e.title} ({e.folder.name}/)")
+        return 0
+    for name in args.experiments:
+        if name not in exps:
+            raise ConfigError("experiment", f"{name!r} is not allowed; choose one of: {', '.join(sorted(exps))}")
+    overrides = list(args.overrides) + ([f"backend.name={args.backend}"] if args.backend else [])
+    seeds = parse_seeds(args.seeds) if args.seeds else None
+    plans = {}
+    for name in args.experiments:  # everything is checked before the first run starts
+        e = exps[name]
+        rp.source_entry(e, numbers)
+        plans[name] = rp.plan(e, seeds or e.seeds, args.out, overrides, check_data=not args.report_only)
+    for name in args.experiments:
+        e = exps[name]
+        if not args.report_only:
+            rp.execute(plans[name])
+        path = rp.write_table(e, plans[name], args.out, numbers, report=not args.no_report)
+        print(path.read_text())
+        print(f"table: {path}")
+    return 0
 
 
 def _cmd_tune(args) -> int:
@@ -147,6 +199,7 @@ def _cmd_list() -> int:
     print("datasets:")
     for name in LOADERS:
         print(f"  {name}")
+    print("  npz, imagefolder, leaf (formats: data.root and data.dataset_params), or package.module:loader")
     print("partitioners:")
     for name in PARTITIONERS:
         print(f"  {name:<12} {', '.join(partition_params(name))}")
@@ -154,6 +207,8 @@ def _cmd_list() -> int:
     print("model architectures:")
     for name in ARCHS:
         print(f"  {name:<12} {', '.join(arch_params(name))}")
+    print("  or package.module:factory (factory(input_shape, num_classes, **model.params) -> nn.Module), e.g. "
+          "torchvision.models:resnet18")
     return 0
 
 
@@ -201,12 +256,20 @@ def _cmd_dry_run(cfg, args) -> int:
     s = prep.fed_data.summary()
     tr, te = np.array(s["train_sizes"]), np.array(s["test_sizes"])
     ncls = np.array([len(c) for c in s["classes"]])
+    from raysim.models import arch_key
+
+    fd = prep.fed_data
+    shape = "x".join(map(str, fd.input_shape))
     print(f"# data split: {s['num_clients']} clients of {cfg.data.dataset} ({cfg.data.partition}), "
-          f"{prep.fed_data.num_classes} classes")
+          f"{fd.num_classes} classes, images {shape}")
     for label, v in (("train samples", tr), ("test samples", te), ("classes", ncls)):
         print(f"  {label:<14} per client: min {v.min()}, median {np.median(v):g}, max {v.max()}, total {v.sum()}")
     for cid, (a, b, c) in enumerate(zip(tr, te, s["classes"])):
-        print(f"  client {cid:>3}: train {a:>5}  test {b:>5}  classes {list(c)}  arch {prep.task.archs[cid].arch}")
+        spec = prep.task.archs[cid]
+        m = prep.models.get(arch_key(spec), {})
+        emb = m.get("embed_dim")
+        print(f"  client {cid:>3}: x_train {a}x{shape}  x_test {b}x{shape}  classes {list(c)}  arch {spec.arch}  "
+              f"params {m.get('params', 0):,}  embedding {emb if emb is not None else 'none (no body/head split)'}")
     for note in s["notes"] or []:
         print(f"  note: {note}")
     print("dry run: config and data are valid; nothing was trained or written")
@@ -261,6 +324,8 @@ def main(argv=None) -> int:
             return _cmd_tune(args)
         if args.command == "report":
             return _cmd_report(args)
+        if args.command == "reproduce":
+            return _cmd_reproduce(args)
         return _cmd_run(args)
     except (ConfigError, DataError) as e:
         print(f"raysim: {e}", file=sys.stderr)

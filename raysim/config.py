@@ -150,8 +150,10 @@ def _p(path: str, name: str) -> str:
 
 @dataclass(frozen=True)
 class DataConfig:
-    dataset: str = "mnist5k"
-    root: Optional[str] = None  # local directory for file-based datasets
+    dataset: str = "mnist5k"  # a built-in name, a format (npz, imagefolder, leaf), a registered name or an import
+    #                          path "package.module:loader" (loader(root, **dataset_params) -> mapping of arrays)
+    root: Optional[str] = None  # local directory for file-based datasets (npz: the file)
+    dataset_params: dict = field(default_factory=dict)  # keyword arguments of the loader or format (e.g. size)
     num_clients: int = 20
     partition: str = "nway_kshot"
     partition_params: dict = field(default_factory=dict)
@@ -192,8 +194,10 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ArchSpec:
-    arch: str = "cnn_mnist"
+    arch: str = "cnn_mnist"  # a zoo name, a registered name or an import path "package.module:factory"
     params: dict = field(default_factory=dict)
+    embedding: Optional[str] = None  # user models: the layer (module path or traced node name) whose output is the
+    #                                  embedding; the rest of the forward is the head
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,8 @@ class ModelConfig:
     per_client: Optional[list[ArchSpec]] = None
     assign: str = "cycle"
     tiers: Optional[list[int]] = None  # assign=tier: device tier per client (cycled), an index into per_client
+    embedding: Optional[str] = None  # user models: the layer whose output is the embedding (per_client entries
+    #                                  without their own take this one)
 
     def check(self, path: str) -> None:
         choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list", "tier"])
@@ -289,6 +295,10 @@ class BackendConfig:
     #                          step's clients placed by predicted cost, corrected online from measured step times)
     vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
     #                          the numbers within a stated tolerance, so it is part of the run's identity
+    code: Any = "auto"  # Ray: the user code shipped to every actor: auto (the modules the config's import paths and
+    #                     registrations load from outside installed packages, with their sibling modules), none,
+    #                     working_dir (the whole working directory as Ray's working_dir), or a list of module files /
+    #                     package directories (Ray py_modules)
 
     def check(self, path: str) -> None:
         choice(_p(path, "name"), self.name, ["sequential", "ray"])
@@ -303,6 +313,13 @@ class BackendConfig:
         positive(_p(path, "server_num_gpus"), self.server_num_gpus, allow_zero=True)
         positive(_p(path, "torch_threads"), self.torch_threads)
         choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
+        if isinstance(self.code, str):
+            if self.code not in ("auto", "none", "working_dir"):
+                raise ConfigError(_p(path, "code"), f"{self.code!r} is not allowed; choose one of: auto, none, "
+                                                    f"working_dir, or a list of module files / package directories")
+        elif not (isinstance(self.code, (list, tuple)) and all(isinstance(c, str) and c for c in self.code)):
+            raise ConfigError(_p(path, "code"), f"must be auto, none, working_dir or a list of module files / package "
+                                                f"directories, got {self.code!r}")
         for name in ("num_gpus", "server_num_gpus"):
             v = getattr(self, name)
             if v > 1 and not float(v).is_integer():
@@ -359,6 +376,9 @@ class ExperimentConfig:
     def science_dict(self) -> dict:
         """The part of the config that determines the numbers (not where or how fast they are computed)."""
         d = to_dict(self)
+        for spec in d["model"].get("per_client") or []:  # a key added later: absent unless set (identity unchanged)
+            if spec.get("embedding") is None:
+                spec.pop("embedding", None)
         d["backend"] = {"vectorize": self.backend.vectorize}  # the executor changes the numbers (within tolerance)
         d.pop("output")
         d.pop("name")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import sys
 import time
@@ -66,12 +67,14 @@ class Prepared:
     spec: RunSpec
     env: Any = None  # envs.Environment when the config has an env section
     algorithm: Any = None  # a driver-side instance (schedules only; never trained)
+    models: dict = field(default_factory=dict)  # arch key -> {"params": count, "embed_dim": size or None}
 
 
 def prepare(cfg: ExperimentConfig) -> Prepared:
     """Everything that can be checked before a run starts, cheapest first: algorithm and model parameters, then the
     data (loading and partitioning), then the algorithm against the task, then the resources the backend needs.
     The typed Params travel to the runners, which never parse or validate again."""
+    from raysim.adapt import WholeModel, describe, resolve_factory, suggest_embedding
     from raysim.models import ARCHS, arch_key, arch_params, build_model
 
     algo_cls = algorithm_class(cfg.algorithm.name)
@@ -80,7 +83,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         (f"model.per_client[{i}]", s) for i, s in enumerate(cfg.model.per_client)]
     for path, spec in specs:
         if spec.arch not in ARCHS:
-            raise ConfigError(f"{path}.arch", f"{spec.arch!r} is not allowed; choose one of: {', '.join(ARCHS)}")
+            resolve_factory(spec.arch, f"{path}.arch")  # a user model: its import path resolves (built below)
+            continue
         for k in spec.params:
             if k not in arch_params(spec.arch):
                 raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
@@ -91,17 +95,25 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
                 fed.public, cfg.data.val_fraction)
-    seen = set()
+    models = {}  # arch key -> {"params": count, "embed_dim": size or None}
     for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
-        if arch_key(spec) not in seen:
-            seen.add(arch_key(spec))
-            path = "model" if cfg.model.per_client is None else f"model.per_client[{i % len(cfg.model.per_client)}]"
+        if arch_key(spec) not in models:
+            path = "model" if cfg.model.per_client is None else _per_client_path(cfg.model, spec, i)
             try:
                 built = build_model(spec, task.input_shape, task.num_classes, path)
             except (TypeError, ValueError, RuntimeError) as e:
                 if isinstance(e, ConfigError):
                     raise
                 raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
+            models[arch_key(spec)] = describe(built)
+            if isinstance(built, WholeModel) and algo_cls.needs_embedding:
+                hint = suggest_embedding(built)
+                raise ConfigError(f"{path}.embedding",
+                                  f"{cfg.algorithm.name} needs the model's embedding, and {spec.arch} has no known "
+                                  f"body/head split: set {path}.embedding to the layer whose output is the embedding"
+                                  f"{f' (e.g. {hint!r}, the input of the last linear layer)' if hint else ''}, or give "
+                                  f"the module `features` (input -> embedding) and `classifier` (embedding -> logits) "
+                                  f"attributes, or return a raysim.models.SplitModel")
             if cfg.backend.vectorize and cfg.train.local_steps is not None:
                 raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
                                                        "executor runs whole epochs); use local_epochs")
@@ -117,8 +129,20 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     preflight(cfg)
     if env is not None:
         env.bind(task)
-    spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params)
-    return Prepared(cfg, fed, task, spec, env, algorithm)
+    from raysim import registry, usercode
+
+    code = usercode.code_to_ship(cfg) if cfg.backend.name == "ray" else ()
+    spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params, registry=registry.snapshot(),
+                   code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd())
+    return Prepared(cfg, fed, task, spec, env, algorithm, models)
+
+
+def _per_client_path(model_cfg, spec, i: int) -> str:
+    """The per_client entry an architecture came from (its index in the list)."""
+    for k, s in enumerate(model_cfg.per_client):
+        if s.arch == spec.arch and dict(s.params) == dict(spec.params):
+            return f"model.per_client[{k}]"
+    return f"model.per_client[{i % len(model_cfg.per_client)}]"
 
 
 def versions() -> dict:

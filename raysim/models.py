@@ -285,9 +285,16 @@ def arch_params(name: str) -> list[str]:
     return list(inspect.signature(ARCHS[name]).parameters)[2:]
 
 
-def build_model(spec: ArchSpec, input_shape, num_classes, path: str = "model") -> SplitModel:
+def build_model(spec: ArchSpec, input_shape, num_classes, path: str = "model") -> nn.Module:
+    """A zoo model, or the user's (a registered name or an import path ``package.module:factory``, adapted by
+    :mod:`raysim.adapt`: a SplitModel, or a WholeModel when its embedding is unknown)."""
     if spec.arch not in ARCHS:
-        raise ConfigError(f"{path}.arch", f"{spec.arch!r} is not allowed; choose one of: {', '.join(ARCHS)}")
+        from raysim.adapt import build_user_model, resolve_factory
+
+        return build_user_model(resolve_factory(spec.arch, f"{path}.arch"), spec, input_shape, num_classes, path)
+    if getattr(spec, "embedding", None) is not None:
+        raise ConfigError(f"{path}.embedding", f"{spec.arch} is a zoo model with its own body/head split; "
+                                               f"embedding is for user models")
     allowed = arch_params(spec.arch)
     for k in spec.params:
         if k not in allowed:
@@ -297,9 +304,11 @@ def build_model(spec: ArchSpec, input_shape, num_classes, path: str = "model") -
 
 def client_archs(cfg: ModelConfig, num_clients: int) -> list[ArchSpec]:
     """The architecture of every client (heterogeneous by list, cycle or contiguous blocks)."""
+    emb = getattr(cfg, "embedding", None)
     if cfg.per_client is None:
-        return [ArchSpec(cfg.arch, dict(cfg.params))] * num_clients
-    specs = list(cfg.per_client)
+        return [ArchSpec(cfg.arch, dict(cfg.params), emb)] * num_clients
+    specs = [ArchSpec(s.arch, dict(s.params), emb) if s.embedding is None and emb is not None and s.arch not in ARCHS
+             else s for s in cfg.per_client]
     if cfg.assign == "list":
         if len(specs) != num_clients:
             raise ConfigError("model.per_client", f"assign=list needs one entry per client ({num_clients}), got {len(specs)}")
@@ -314,7 +323,8 @@ def client_archs(cfg: ModelConfig, num_clients: int) -> list[ArchSpec]:
 
 
 def arch_key(spec: ArchSpec) -> str:
-    return spec.arch + repr(sorted(spec.params.items()))
+    emb = getattr(spec, "embedding", None)
+    return spec.arch + repr(sorted(spec.params.items())) + ("" if emb is None else f"@{emb}")
 
 
 def num_parameters(model: nn.Module) -> int:

@@ -1,7 +1,15 @@
-"""Name registry: the only way the engine reaches the method modules (``"fedproto"`` -> ``algorithms.fedproto``)."""
+"""Name registry: the only way the engine reaches the method modules (``"fedproto"`` -> ``algorithms.fedproto``),
+and the user's own methods, models and datasets: by import path (``"package.module:Name"``) or registered by name
+(:func:`register_algorithm`, :func:`register_model`, :func:`register_dataset`). User registrations travel to every
+runner in the ``RunSpec`` (:func:`snapshot` / :func:`install`), so a name registered on the driver resolves on every
+actor of a cluster too."""
 from __future__ import annotations
 
 import importlib
+import inspect
+import os
+import sys
+from typing import Any, Callable, Union
 
 from raysim.config import ConfigError
 
@@ -45,20 +53,137 @@ def make_environment(cfg, fed_data):
     return getattr(importlib.import_module(module), cls).from_experiment(cfg, fed_data)
 
 
+_BUILTIN_ALGORITHMS = frozenset(ALGORITHMS)
+MODELS: dict[str, Union[str, Callable]] = {}  # user model factories by name: "module:factory" or a callable
+DATASETS: dict[str, Union[str, Callable]] = {}  # user dataset loaders by name: "module:loader" or a callable
+USER_ALGORITHMS: dict[str, str] = {}  # the algorithms registered at run time (shipped to the runners)
+
+
 def register_algorithm(name: str, target: str) -> None:
     """Register ``"module.path:ClassName"`` under ``name`` (for methods that live outside this repository)."""
     ALGORITHMS[name] = target
+    USER_ALGORITHMS[name] = target
+
+
+def register_model(name: str, factory: Union[str, Callable]) -> None:
+    """Register a model factory under ``name`` (then ``model.arch: name``): ``"module.path:factory"`` or the
+    callable itself, ``factory(input_shape, num_classes, **model.params) -> nn.Module``."""
+    from raysim.models import ARCHS
+
+    if name in ARCHS or ":" in name:
+        raise ValueError(f"cannot register a model as {name!r}: a zoo name or an import path")
+    MODELS[name] = factory
+
+
+def register_dataset(name: str, loader: Union[str, Callable]) -> None:
+    """Register a dataset loader under ``name`` (then ``data.dataset: name``): ``"module.path:loader"`` or the
+    callable itself, ``loader(root, **data.dataset_params) -> mapping`` with x_train, y_train, x_test, y_test
+    (optionally groups_train, groups_test, num_classes)."""
+    from raysim.data.datasets import FORMATS, LOADERS
+
+    if name in LOADERS or name in FORMATS or ":" in name:
+        raise ValueError(f"cannot register a dataset as {name!r}: a built-in name, a format or an import path")
+    DATASETS[name] = loader
+
+
+def snapshot() -> dict:
+    """The user registrations, as the runners need them (callables travel by reference, or by value when defined
+    in ``__main__``)."""
+    return {"algorithms": dict(USER_ALGORITHMS), "models": dict(MODELS), "datasets": dict(DATASETS)}
+
+
+def install(snap: dict | None) -> None:
+    """Make a driver's registrations (:func:`snapshot`) known in this process (a runner on an actor)."""
+    if not snap:
+        return
+    for name, target in snap.get("algorithms", {}).items():
+        ALGORITHMS[name] = USER_ALGORITHMS[name] = target
+    MODELS.update(snap.get("models", {}))
+    DATASETS.update(snap.get("datasets", {}))
+
+
+def is_import_path(name: Any) -> bool:
+    return isinstance(name, str) and name.count(":") == 1 and all(name.split(":"))
+
+
+def _ensure_cwd_on_path() -> None:
+    """User modules live in the working directory, which ``python -m`` puts on sys.path but an installed entry
+    point does not: add it (last, so it never shadows an installed package)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def resolve(target: Union[str, Callable], key: str, what: str = "object") -> Any:
+    """The object an import path ``"package.module:name"`` (``name`` may be dotted) names, or ``target`` itself when
+    it is already an object; a path that does not resolve is a ConfigError naming ``key``."""
+    if not isinstance(target, str):
+        return target
+    if not is_import_path(target):
+        raise ConfigError(key, f"{target!r} is not an import path; write package.module:{what}")
+    module, attr = target.split(":")
+    _ensure_cwd_on_path()
+    try:
+        obj = importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(key, f"cannot import module {module!r} of {target!r} ({type(e).__name__}: {e}); it must be "
+                               f"importable from the working directory, PYTHONPATH or an installed package") from None
+    except Exception as e:  # the user's module raised while importing
+        raise ConfigError(key, f"importing {module!r} raised {type(e).__name__}: {e}") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(key, f"module {module!r} has no {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def check_signature(fn: Callable, args: tuple, kwargs: dict, key: str, params_key: str, expected: str) -> None:
+    """ConfigError unless ``fn(*args, **kwargs)`` binds: naming ``params_key.<name>`` for a keyword the callable does
+    not take, else ``key`` with the expected form."""
+    if not callable(fn):
+        raise ConfigError(key, f"{fn!r} is not callable; expected {expected}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: calling them will tell
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        try:
+            sig.bind(*args)
+        except TypeError:
+            raise ConfigError(key, f"{getattr(fn, '__qualname__', fn)}{sig} cannot be called as {expected}") from None
+        params = sig.parameters
+        takes_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+        bad = [k for k in kwargs if not takes_kw and k not in params]
+        if bad:
+            allowed = [n for n, p in list(params.items())[len(args):] if p.kind is not inspect.Parameter.VAR_POSITIONAL]
+            raise ConfigError(f"{params_key}.{bad[0]}", f"unknown parameter for {getattr(fn, '__qualname__', fn)}; "
+                                                        f"allowed: {', '.join(allowed) or 'none'}") from None
+        raise ConfigError(params_key, f"{getattr(fn, '__qualname__', fn)}{sig}: {e}") from None
 
 
 def algorithm_target(name: str) -> str:
     if name not in ALGORITHMS:
-        raise ConfigError("algorithm.name", f"{name!r} is not allowed; choose one of: {', '.join(sorted(ALGORITHMS))}")
+        if is_import_path(name):
+            from raysim.algorithm import Algorithm
+
+            cls = resolve(name, "algorithm.name", "Class")
+            if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+                raise ConfigError("algorithm.name", f"{name!r} is not a subclass of raysim.algorithm.Algorithm")
+            return name
+        raise ConfigError("algorithm.name", f"{name!r} is not allowed; choose one of: {', '.join(sorted(ALGORITHMS))}, "
+                                            f"or an import path package.module:Class")
     return ALGORITHMS[name]
 
 
 def load_target(target: str):
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)
+    _ensure_cwd_on_path()
+    obj = importlib.import_module(module)
+    for part in cls.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def algorithm_class(name: str):

@@ -69,6 +69,9 @@ class RunSpec:
     params: Any
     state_dir: Optional[str] = None  # the run's store directory (set by the backend; None: private temporary dirs)
     durable: bool = False  # client stores write every staged/committed state to state_dir (actor-failure retries)
+    registry: dict = field(default_factory=dict)  # the driver's user registrations (raysim.registry.snapshot)
+    code: tuple = ()  # user module files / package directories shipped to the actors (raysim.usercode)
+    cwd: Optional[str] = None  # the driver's working directory (relative data paths resolve against it)
 
 
 def _setup_process(cfg: ExperimentConfig) -> torch.device:
@@ -80,6 +83,23 @@ def make_algorithm(spec: RunSpec):
     return load_target(spec.algorithm_target)(spec.params, spec.task)
 
 
+def enter_run(spec: RunSpec) -> None:
+    """Make a runner's process see what the driver saw: the user registrations, and the driver's working directory
+    when it exists here (relative data paths; on another node of a cluster it usually does not)."""
+    import os
+    import sys
+
+    from raysim import registry
+
+    if spec.code:  # the user code shipped to this actor (Ray py_modules) comes first: every node runs the driver's
+        # copy, even where Ray also put the driver's working directory on the path (a one-machine cluster)
+        shipped = [p for p in sys.path if "py_modules_files" in p]
+        sys.path[:] = shipped + [p for p in sys.path if p not in shipped]
+    registry.install(spec.registry)
+    if spec.cwd and os.path.isdir(spec.cwd) and os.getcwd() != spec.cwd:
+        os.chdir(spec.cwd)
+
+
 def _failure(rep: ClientReport, e: BaseException) -> None:
     rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
 
@@ -88,11 +108,19 @@ class ClientRunner:
     """Hosts a group of virtual clients: their data stays resident, their states live in the store."""
 
     def __init__(self, spec: RunSpec, clients: list[ClientData], name: str = "clients"):
+        enter_run(spec)
         self.spec = spec
         self.device = _setup_process(spec.cfg)
         self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
-        self.data = {c.client_id: c.compact() for c in clients}  # compact, on CPU; decoded onto the device per step
+        from raysim.data.federated import ClientSet, LazyClients
+
+        if isinstance(clients, LazyClients):  # index ranges into shared pools; a client is built when used
+            self.data = clients.view()
+        elif isinstance(clients, ClientSet):
+            self.data = clients
+        else:  # compact, on CPU; decoded onto the device per step
+            self.data = {c.client_id: c.compact() for c in clients}
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
@@ -318,6 +346,7 @@ class ServerRunner:
     """Holds the server state (and server-side per-client state); runs server steps."""
 
     def __init__(self, spec: RunSpec, global_test=None):
+        enter_run(spec)
         self.spec = spec
         self.device = _setup_process(spec.cfg)
         self.algorithm = make_algorithm(spec)

@@ -35,3 +35,22 @@ def test_two_node_tuning_study_on_postgresql_survives_a_node_stop(tmp_path):
     r = json.loads(out.read_text())
     assert r["finished"] == 6 and set(r["finished_on"]) == {"head", "node2"}  # trials ran on both nodes
     assert r["interrupted"] and r["no_trial_lost"] and r["no_trial_counted_twice"]
+
+
+def test_two_node_cluster_runs_user_model_data_and_method_from_a_tmp_dir(tmp_path):
+    """issue 24: a model, a loader and a method that live outside the repository (tmp_path is the working directory;
+    not installed, not on PYTHONPATH) run on the two-node cluster: shipped to both nodes, same table as sequential."""
+    import shutil
+
+    for m in ("mycnn", "mydata", "mymethod"):
+        shutil.copy(ROOT / "examples" / "byo" / f"{m}.py", tmp_path / f"{m}.py")
+    out = tmp_path / "byo.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "two_node_byo.py"), "--rounds", "2", "--json",
+                        str(out)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert sorted(r["actors"]) == ["head", "node2"]  # one actor on each node
+    assert sorted(Path(s).name for s in r["shipped"]) == ["mycnn.py", "mydata.py", "mymethod.py"]
+    assert r["from_shipped_copy"]  # every actor imported them from the copy Ray unpacked on its node
+    assert r["identical_to_sequential"]

@@ -2,11 +2,11 @@
 for every (round, client, scope, metric) the golden run recorded. New metrics are allowed; a changed or missing
 value is not. A commit that moves numbers on purpose regenerates the affected files (tests/golden/make_golden.py).
 
-Exactly means on the CPU the tables were made on (tests/golden/platform.json: model, vector ISA, torch version). On
+Exactly means on the CPU the table was made on (tests/golden/<name>.platform.json, else platform.json for older
+tables: model, vector ISA, torch version). On
 another CPU, float reductions run in another order and the last bits of losses (and, through them, of some later
 values) differ: there every value must agree within rtol 1e-3 / atol 1e-5 instead, and counts, bytes and weights
 exactly."""
-import json
 
 import numpy as np
 import pandas as pd
@@ -14,7 +14,7 @@ import pytest
 
 from raysim.config import make_config
 from raysim.driver import run_experiment
-from tests.golden.make_golden import HERE, golden_config, names, platform
+from tests.golden.make_golden import HERE, golden_config, names, platform, recorded_platform
 
 KEY = ["round", "client_id", "scope", "metric"]
 
@@ -25,8 +25,7 @@ def compare_to_golden(name: str, table: pd.DataFrame) -> None:
     got = table.drop(columns=["run_id"]).merge(gold, on=KEY, how="right", suffixes=("", "_gold"), indicator=True)
     missing = got[got["_merge"] != "both"]
     assert missing.empty, f"{name}: rows missing from the new table:\n{missing[KEY].head(20)}"
-    pf = HERE / "platform.json"
-    same_cpu = pf.exists() and json.loads(pf.read_text()) == platform()
+    same_cpu = recorded_platform(name) == platform()
     if same_cpu:
         bad = got[(got["value"] != got["value_gold"]) & ~(got["value"].isna() & got["value_gold"].isna())]
     else:

@@ -11,6 +11,8 @@ import math
 import os
 import shutil
 
+import numpy as np
+
 import ray
 
 from raysim import ray_watchdog
@@ -18,6 +20,7 @@ from raysim.backends import ray_serialization
 
 from raysim.backends.base import Backend, run_state_dir
 from raysim.config import ConfigError
+from raysim.data.federated import ClientSet, LazyClients, client_sizes
 from raysim.runtime import ClientReport, ClientRunner, ServerRunner, SimulationError
 
 
@@ -54,6 +57,41 @@ def code_runtime_env(address) -> dict:
         env["py_modules"] = [os.path.dirname(importlib.import_module(m).__file__)
                              for m in ("raysim", "algorithms", "envs", "tuning")]
     return env
+
+
+def actor_runtime_env(spec, address) -> dict | None:
+    """The client and server actors' runtime environment when the user's code must reach them (``backend.code``,
+    paths from :mod:`raysim.usercode`): Ray ``py_modules`` (or ``working_dir``), uploaded once per content hash
+    and unpacked on every node. An actor's ``py_modules`` replace the job's, so raysim's own packages are listed
+    again on a ``backend.address`` cluster."""
+    code = spec.cfg.backend.code
+    if code != "working_dir" and not spec.code:
+        return None
+    own = code_runtime_env(address).get("py_modules", [])
+    if code == "working_dir":
+        env = {"working_dir": os.getcwd()}
+        if own:
+            env["py_modules"] = own
+    else:
+        env = {"py_modules": own + list(spec.code)}
+    return _upload(env)
+
+
+def _upload(env: dict) -> dict:
+    """Local paths -> package URIs in the cluster's storage. An actor's runtime_env takes URIs only (local paths
+    are for ``ray.init``), so the driver uploads them with the function ``ray.init`` itself uses for a job's
+    runtime_env (content-hashed: an unchanged module is uploaded once per cluster)."""
+    import tempfile
+
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    scratch = tempfile.mkdtemp(prefix="raysim-code-")
+    try:
+        env = upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch)
+        return upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def check_resources(cfg, cpus: float, gpus: float, where: str) -> None:
@@ -118,13 +156,14 @@ class RayBackend(Backend):
 
         self.spec, self._state_dir = run_state_dir(self.spec)
         n = min(b.num_actors, cfg.data.num_clients)
-        self.assignment = {c.client_id: c.client_id % n for c in self.fed_data.clients}
+        self.assignment = {cid: cid % n for cid in range(len(self.fed_data.clients))}
         on_actors = b.data == "actors" or (b.data == "auto" and bool(b.address))
-        if on_actors:  # each actor builds its clients' data from the config, on its own node
-            groups = [[c.client_id for c in self.fed_data.clients if self.assignment[c.client_id] == a] for a in range(n)]
-        else:
-            groups = [[c.compact() for c in self.fed_data.clients if self.assignment[c.client_id] == a]
-                      for a in range(n)]
+        # clients as index ranges into shared pools (LazyClients): the pools go to the object store once, each actor
+        # gets its client ids (no per-client objects shipped)
+        self._lazy = isinstance(self.fed_data.clients, LazyClients) and not on_actors
+        self._source_ref = ray.put(self.fed_data.clients.source) if self._lazy else None
+        self._on_actors = on_actors
+        groups = [self._group(a) for a in range(n)]
         self._spec_ref = ray.put(self.spec)
         self._group_refs = [ray.put(g) for g in groups]
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -133,18 +172,31 @@ class RayBackend(Backend):
         # node to go), else the driver's (soft: elsewhere if it must)
         heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})]
         here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(), soft=False)
+        renv = actor_runtime_env(self.spec, b.address)
+        extra = {"runtime_env": renv} if renv else {}
+        self.shipped = list(self.spec.code) + ([os.getcwd()] if b.code == "working_dir" else [])
         Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
-                                                  max_concurrency=1, scheduling_strategy=here)
+                                                  max_concurrency=1, scheduling_strategy=here, **extra)
         self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
-                                                        scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT")
+                                                        scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT",
+                                                        **extra)
         self.server = Server.remote(self._spec_ref, ray.put(self.fed_data.global_test))
-        self.actors = [self._Client.remote(self._spec_ref, g, f"actor{k}") for k, g in enumerate(self._group_refs)]
+        self.actors = [self._Client.remote(self._spec_ref, g, f"actor{k}", self._source_ref)
+                       for k, g in enumerate(self._group_refs)]
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit sent
-        self._on_actors = on_actors
         self.cost = self._cost_model() if b.balance == "cost" and n > 1 else None
         self._warm: set = set()  # (actor, step name) pairs that have run once
         self.balance_log: list[dict] = []  # per balanced step: predicted/measured per-actor loads, moves
         ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
+
+    def _group(self, k: int):
+        """What actor k is built with: its client ids (lazy clients, or data built on the actors) or their data."""
+        ids = [cid for cid, a in self.assignment.items() if a == k]
+        if self._lazy:
+            return np.asarray(ids, dtype=np.int64)
+        if self._on_actors:
+            return ids
+        return [self.fed_data.clients[cid].compact() for cid in ids]
 
     # -- cost-aware placement (backend.balance: cost) ---------------------------------------------------------------
     def _cost_model(self):
@@ -158,7 +210,7 @@ class RayBackend(Backend):
         for cid, k in enumerate(keys):
             if index[k] not in params:
                 params[index[k]] = sum(p.numel() for p in task.build_model(cid).parameters())
-        samples = {c.client_id: int(c.y_train.numel()) for c in self.fed_data.clients}
+        samples = dict(enumerate(client_sizes(self.fed_data.clients, "train")))
         return CostModel(samples, {cid: index[k] for cid, k in enumerate(keys)}, params)
 
     def _rebalance(self, step, client_ids, where: str) -> None:
@@ -210,9 +262,8 @@ class RayBackend(Backend):
         except Exception:
             pass
         if self.cost is not None:  # clients may have moved since the start: the group as it is now
-            mine = [c for c in self.fed_data.clients if self.assignment[c.client_id] == k]
-            self._group_refs[k] = ray.put([c.client_id for c in mine] if self._on_actors else [c.compact() for c in mine])
-        self.actors[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}")
+            self._group_refs[k] = ray.put(self._group(k))
+        self.actors[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)
         if self._last_commit[k] is not None:
             ids, token = self._last_commit[k]
             self.actors[k].commit_and_discard.remote(ids, token)
@@ -389,17 +440,29 @@ class RayBackend(Backend):
 
 
 class _ClientActor(ClientRunner):
-    def __init__(self, spec, clients, name="clients"):
+    def __init__(self, spec, clients, name="clients", source=None):
         ray_serialization.register()
-        if clients and isinstance(clients[0], int):  # client ids: build their data here, from the config
+        if source is not None:  # client ids into the shared pools
+            clients = ClientSet(source, clients)
+        elif len(clients) and isinstance(clients[0], int):  # client ids: build their data here, from the config
             from raysim.data.federated import build_federated_data
+            from raysim.runtime import enter_run
+
+            enter_run(spec)  # the user's registered loaders, the driver's working directory
 
             fed = build_federated_data(spec.cfg.data, spec.cfg.seed)
-            clients = [fed.clients[i] for i in clients]
+            clients = (fed.clients.view(clients) if isinstance(fed.clients, LazyClients)
+                       else [fed.clients[i] for i in clients])
         super().__init__(spec, clients, name)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def module_files(self, names) -> dict:
+        """Where this actor imported the named modules from (diagnostics: was the user's code shipped?)."""
+        import sys
+
+        return {n: getattr(sys.modules.get(n), "__file__", None) for n in names}
 
     def commit_and_discard(self, client_ids, token=None):
         self.commit(client_ids, token)

@@ -55,6 +55,9 @@ class LoadedDataset:
     input_shape: tuple
     num_classes: int
     notes: str = ""
+    # natural client ids (a user loader's groups_train / groups_test, LEAF's writers): (train codes, test codes, ids);
+    # code k = the k-th sorted id, -1 for a test sample whose id has no training samples
+    groups: Optional[tuple] = None
 
 
 def _normalise(x: np.ndarray, mean: float, std: float) -> np.ndarray:
@@ -201,7 +204,29 @@ LOADERS: dict[str, Callable[[Optional[str]], LoadedDataset]] = {
 }
 
 
-def load_dataset(name: str, root: Optional[str] = None) -> LoadedDataset:
-    if name not in LOADERS:
-        raise ConfigError("data.dataset", f"{name!r} is not allowed; choose one of: {', '.join(LOADERS)}")
-    return LOADERS[name](root)
+FORMATS = ("npz", "imagefolder", "leaf")  # generic formats (raysim.data.formats)
+
+
+def load_dataset(name: str, root: Optional[str] = None, params: Optional[dict] = None,
+                 key: str = "data.dataset") -> LoadedDataset:
+    """A built-in dataset, a generic format (npz, imagefolder, leaf), a registered user loader or an import path
+    ``package.module:loader`` (``key`` names the config key in errors: data.dataset or data.public.dataset)."""
+    from raysim.data import formats
+    from raysim.registry import DATASETS, is_import_path, resolve
+
+    params = dict(params or {})
+    root_key = "data.root" if key == "data.dataset" else key.rsplit(".", 1)[0] + ".root"
+    if name in LOADERS:
+        if params:
+            raise DataError(f"{'data.dataset_params' if key == 'data.dataset' else key.rsplit('.', 1)[0] + '.params'}."
+                            f"{next(iter(params))}", f"the built-in dataset {name} takes no parameters")
+        return LOADERS[name](root)
+    if name in formats.FORMAT_LOADERS:
+        return formats.FORMAT_LOADERS[name](root, params, root_key)
+    if name in DATASETS:
+        return formats.load_user_dataset(resolve(DATASETS[name], key, "loader"), name, root, params, key)
+    if is_import_path(name):
+        return formats.load_user_dataset(resolve(name, key, "loader"), name, root, params, key)
+    extra = f", {', '.join(DATASETS)}" if DATASETS else ""
+    raise ConfigError(key, f"{name!r} is not allowed; choose one of: {', '.join(LOADERS)}, {', '.join(FORMATS)}{extra}, "
+                           f"or an import path package.module:loader")

@@ -1,6 +1,8 @@
 """From a config's data section to per-client data: load, split off a test pool, partition, apply domain shift."""
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -103,9 +105,153 @@ class ClientData:
                              self.y_test.to(device), self.x_val.to(device), self.y_val.to(device))
 
 
+def _csr(parts: list) -> tuple[np.ndarray, np.ndarray]:
+    """Per-client index arrays as (offsets, indices): client i's are indices[offsets[i]:offsets[i + 1]]."""
+    offsets = np.zeros(len(parts) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(p) for p in parts])
+    return offsets, (np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64))
+
+
+class ClientSource:
+    """Every client as index ranges into the shared train and test pools (and its validation share of the train
+    pool); :meth:`make` builds client ``i``'s :class:`ClientData` exactly as an eager build would (the same subsets,
+    rotation and compaction). Pickled once per process that hosts clients."""
+
+    def __init__(self, num_clients: int, train_x, train_y, test_x, test_y, train_csr, test_csr, val_csr,
+                 num_classes: int, norm, rotations: tuple = ()):
+        self.num_clients = int(num_clients)
+        self.train_x, self.train_y, self.test_x, self.test_y = train_x, train_y, test_x, test_y
+        self.train_csr, self.test_csr, self.val_csr = train_csr, test_csr, val_csr
+        self.num_classes, self.norm, self.rotations = num_classes, norm, tuple(rotations)
+
+    @staticmethod
+    def _idx(csr, i: int) -> torch.Tensor:
+        off, idx = csr
+        return torch.from_numpy(idx[off[i]:off[i + 1]])
+
+    def sizes(self, which: str = "train") -> np.ndarray:
+        csr = {"train": self.train_csr, "test": self.test_csr, "val": self.val_csr}[which]
+        return np.zeros(self.num_clients, dtype=np.int64) if csr is None else np.diff(csr[0])
+
+    def make(self, i: int) -> ClientData:
+        if not 0 <= i < self.num_clients:
+            raise IndexError(i)
+        tr, te = self._idx(self.train_csr, i), self._idx(self.test_csr, i)
+        x_tr, y_tr, x_te, y_te = self.train_x[tr], self.train_y[tr], self.test_x[te], self.test_y[te]
+        x_va = y_va = None
+        if self.val_csr is not None:
+            va = self._idx(self.val_csr, i)
+            x_va, y_va = self.train_x[va], self.train_y[va]
+        if self.rotations:
+            angle = self.rotations[i % len(self.rotations)]
+            x_tr, x_te = rotate(x_tr, angle), rotate(x_te, angle)
+            if x_va is not None:
+                x_va = rotate(x_va, angle)
+        classes = sorted(set(y_tr.tolist()))
+        return ClientData(i, x_tr, y_tr, x_te, y_te, classes, self.num_classes, self.norm,
+                          x_val=x_va, y_val=y_va).compact()
+
+    def classes(self, i: int) -> list[int]:
+        return np.unique(self.train_y.numpy()[self.train_csr[1][self.train_csr[0][i]:self.train_csr[0][i + 1]]]).tolist()
+
+
+class LazyClients(Sequence):
+    """All clients of a :class:`ClientSource` as a read-only sequence of :class:`ClientData`, built on access."""
+
+    def __init__(self, source: ClientSource):
+        self.source = source
+
+    def __len__(self) -> int:
+        return self.source.num_clients
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self.source.make(k) for k in range(*i.indices(len(self)))]
+        return self.source.make(int(i) + (len(self) if int(i) < 0 else 0))
+
+    def view(self, client_ids=None) -> "ClientSet":
+        return ClientSet(self.source, range(len(self)) if client_ids is None else client_ids)
+
+
+class ClientSet(MutableMapping):
+    """The clients one runner hosts, client id -> :class:`ClientData`: ids of a shared :class:`ClientSource` (a bit
+    mask, no per-client object until a client is used; the last ``cache`` used are kept built) plus clients adopted
+    from other runners (held as given)."""
+
+    def __init__(self, source: ClientSource, client_ids, cache: int = 256):
+        self.source = source
+        self.mask = np.zeros(source.num_clients, dtype=bool)
+        self.mask[np.asarray(list(client_ids) if not isinstance(client_ids, (range, np.ndarray)) else client_ids,
+                             dtype=np.int64)] = True
+        self.extra: dict = {}
+        self._cache: OrderedDict = OrderedDict()
+        self._cache_size = int(cache)
+
+    def __getitem__(self, cid):
+        cid = int(cid)
+        if cid in self.extra:
+            return self.extra[cid]
+        if not (0 <= cid < len(self.mask) and self.mask[cid]):
+            raise KeyError(cid)
+        hit = self._cache.get(cid)
+        if hit is None:
+            hit = self._cache[cid] = self.source.make(cid)
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(cid)
+        return hit
+
+    def __setitem__(self, cid, data: ClientData) -> None:
+        cid = int(cid)
+        if 0 <= cid < len(self.mask):
+            self.mask[cid] = False
+            self._cache.pop(cid, None)
+        self.extra[cid] = data
+
+    def __delitem__(self, cid) -> None:
+        cid = int(cid)
+        if cid in self.extra:
+            del self.extra[cid]
+        elif 0 <= cid < len(self.mask) and self.mask[cid]:
+            self.mask[cid] = False
+            self._cache.pop(cid, None)
+        else:
+            raise KeyError(cid)
+
+    def __contains__(self, cid) -> bool:
+        try:
+            cid = int(cid)
+        except (TypeError, ValueError):
+            return False
+        return cid in self.extra or (0 <= cid < len(self.mask) and bool(self.mask[cid]))
+
+    def __iter__(self):
+        yield from (int(c) for c in np.flatnonzero(self.mask))
+        yield from list(self.extra)
+
+    def __len__(self) -> int:
+        return int(self.mask.sum()) + len(self.extra)
+
+    def __getstate__(self):
+        return {"source": self.source, "mask": self.mask, "extra": self.extra, "_cache_size": self._cache_size}
+
+    def __setstate__(self, st):
+        self.__dict__.update(st)
+        self._cache = OrderedDict()
+
+
+def client_sizes(clients, which: str = "train") -> list[int]:
+    """Per client, the number of train / test / val samples, without building lazy clients."""
+    if isinstance(clients, LazyClients):
+        return clients.source.sizes(which).tolist()
+    attr = {"train": "y_train", "test": "y_test", "val": "y_val"}[which]
+    return [int(getattr(c, attr).shape[0]) for c in clients]
+
+
 @dataclass
 class FederatedData:
-    clients: list[ClientData]
+    clients: Sequence  # of ClientData: a list, or LazyClients (built on access)
     num_classes: int
     input_shape: tuple
     global_test: ArrayDataset
@@ -119,14 +265,16 @@ class FederatedData:
     def summary(self) -> dict:
         out = {
             "num_clients": len(self.clients),
-            "train_sizes": [c.num_train for c in self.clients],
-            "test_sizes": [int(c.y_test.shape[0]) for c in self.clients],
-            "classes": [c.classes for c in self.clients],
+            "train_sizes": client_sizes(self.clients, "train"),
+            "test_sizes": client_sizes(self.clients, "test"),
+            "classes": ([self.clients.source.classes(i) for i in range(len(self.clients))]
+                        if isinstance(self.clients, LazyClients) else [c.classes for c in self.clients]),
             "domains": self.domains,
             "notes": self.notes,
         }
-        if any(c.has_val for c in self.clients):
-            out["val_sizes"] = [int(c.y_val.shape[0]) for c in self.clients]
+        val = client_sizes(self.clients, "val")
+        if any(v > 0 for v in val):
+            out["val_sizes"] = val
         if self.public is not None and self.public.owner is not None:
             out["public_sizes"] = torch.bincount(self.public.owner, minlength=len(self.clients)).tolist()
         return out
@@ -193,6 +341,59 @@ def _files_data(cfg: DataConfig, seed: int) -> FederatedData:
                 x_va = rotate(x_va, angle)
         clients.append(ClientData(i, x_tr, y_tr, x_te, y_te, sorted(set(y_tr.tolist())), split.num_classes,
                                   None, x_val=x_va, y_val=y_va))
+    if cfg.val_fraction > 0:
+        notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out")
+    test = ArrayDataset(torch.cat([c.x_test for c in clients]), torch.cat([c.y_test for c in clients]),
+                        split.num_classes, provenance="test")
+    public = _load_public(cfg.public, seed) if cfg.public else None
+    domains = [i % len(cfg.rotations) for i in range(cfg.num_clients)] if cfg.rotations else None
+    return FederatedData(clients, split.num_classes, tuple(clients[0].x_train.shape[1:]), test, public, notes,
+                         domains)
+
+
+def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
+    if cfg.partition == "files":
+        return _files_data(cfg, seed)
+    ds = load_dataset(cfg.dataset, cfg.root, cfg.dataset_params)
+    notes = [ds.notes]
+    if ds.test is None:
+        train_pool, test_pool = _split_test_pool(ds, cfg.test_fraction, seed)
+        notes.append(f"test pool: {cfg.test_fraction:.0%} of each class held out ({len(test_pool)} samples), "
+                     f"train pool {len(train_pool)} samples")
+    else:
+        train_pool, test_pool = ds.train, ds.test
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "partition")
+    num_domains, part_domains = _domain_structure(cfg, train_pool, test_pool)
+    part = run_partitioner(cfg.partition, dict(cfg.partition_params), train_pool.y.numpy(), test_pool.y.numpy(),
+                           cfg.num_clients, r, ds.num_classes, domains=part_domains,
+                           groups=ds.groups if ds.test is not None else None)
+    notes += part.notes
+    if cfg.local_split is not None:
+        return _local_split_data(cfg, seed, ds, train_pool, part, notes)
+    # clients hold uint8 pixels (ClientData.compact) from the start: encode each pool once (when that is exact) and
+    # index the encoded pool. Clients are index ranges into the pools (ClientSource): no per-client objects or tensors
+    # until a client is used (a population of 100,000 costs a few bytes per client on every process)
+    u8 = None
+    if train_pool.norm is not None and test_pool.norm == train_pool.norm and not cfg.rotations:
+        u8 = (encode_exact(train_pool.x, train_pool.norm), encode_exact(test_pool.x, test_pool.norm))
+        u8 = None if any(u is None for u in u8) else u8
+    tr_parts, va_parts = [], []
+    for i in range(cfg.num_clients):
+        tr_idx = np.asarray(part.train[i], dtype=np.int64)
+        if len(tr_idx) == 0:
+            raise DataError("data.partition_params", f"client {i} received no training samples")
+        if cfg.val_fraction > 0:
+            tr_idx, va_idx = split_validation(tr_idx, cfg.val_fraction,
+                                              rngmod.numpy_rng(seed, rngmod.NO_ROUND, i, "val-split"))
+            if len(tr_idx) == 0:
+                raise DataError("data.partition_params", f"client {i} received no training samples")
+            va_parts.append(np.asarray(va_idx, dtype=np.int64))
+        tr_parts.append(tr_idx)
+    source = ClientSource(
+        cfg.num_clients, u8[0] if u8 else train_pool.x, train_pool.y, u8[1] if u8 else test_pool.x, test_pool.y,
+        _csr(tr_parts), _csr([np.asarray(t, dtype=np.int64) for t in part.test]),
+        _csr(va_parts) if cfg.val_fraction > 0 else None, ds.num_classes, train_pool.norm, tuple(cfg.rotations or ()))
+    clients = LazyClients(source)
     if cfg.val_fraction > 0:
         notes.append(f"validation split: {cfg.val_fraction:g} of each client's training samples held out")
     test = ArrayDataset(torch.cat([c.x_test for c in clients]), torch.cat([c.y_test for c in clients]),
@@ -353,13 +554,13 @@ def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool:
 
 
 def _load_public(spec: dict, seed: int) -> ArrayDataset:
-    allowed = {"dataset", "size", "root"}
+    allowed = {"dataset", "size", "root", "params"}
     for k in spec:
         if k not in allowed:
             raise DataError(f"data.public.{k}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
     if "dataset" not in spec:
         raise DataError("data.public.dataset", "is required")
-    ds = load_dataset(spec["dataset"], spec.get("root"))
+    ds = load_dataset(spec["dataset"], spec.get("root"), spec.get("params"), key="data.public.dataset")
     size = spec.get("size")
     if size is None:
         ds.train.provenance = "public"

@@ -295,6 +295,30 @@ def domain_dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: floa
     return Partition(train, test, classes, notes)
 
 
+def natural(train_y, test_y, num_clients, rng, num_classes, _groups=None) -> Partition:
+    """The data's own clients (a loader's ``groups_train`` / ``groups_test``, LEAF's writers), kept as given:
+    client k holds the samples of the k-th client id (sorted), train and test. With fewer clients than ids, a
+    seeded sample of the ids (sorted) is kept."""
+    if _groups is None:
+        raise DataError("data.partition", "natural needs data with natural client ids (groups_train and groups_test "
+                                          "from a loader or an npz file, or the leaf format)")
+    gtr, gte, ids = _groups
+    k = len(ids)
+    if num_clients > k:
+        raise DataError("data.num_clients", f"the data has {k} natural clients; at most {k}")
+    keep = np.arange(k) if num_clients == k else np.sort(rng.choice(k, size=num_clients, replace=False))
+    train = [np.flatnonzero(gtr == g) for g in keep]
+    test = [np.flatnonzero(gte == g) for g in keep]
+    classes = [sorted(set(train_y[t].tolist())) for t in train]
+    notes = [f"natural: {num_clients} of the data's {k} clients"
+             + (" (all, in id order)" if num_clients == k else " (a seeded sample of ids, in id order)")
+             + f", {int(np.mean([len(t) for t in train])):d} train samples per client on average"]
+    dropped = int((gte < 0).sum())
+    if dropped:
+        notes.append(f"natural: {dropped} test samples belong to ids without training samples (unused)")
+    return Partition(train, test, classes, notes)
+
+
 PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "iid": iid,
     "dirichlet": dirichlet,
@@ -302,6 +326,7 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "nway_kshot": nway_kshot,
     "domain_dirichlet": domain_dirichlet,
     "shared_base": shared_base,
+    "natural": natural,
 }
 
 
@@ -383,7 +408,7 @@ def partition_params(name: str) -> list[str]:
 
 
 def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, num_classes,
-                    domains=None) -> Partition:
+                    domains=None, groups=None) -> Partition:
     """``domains``: (K, train-pool domain ids, test-pool domain ids) for partitioners that take ``_domains``."""
     if name not in PARTITIONERS:
         raise DataError("data.partition", f"{name!r} is not allowed; choose one of: {', '.join(PARTITIONERS)}, files")
@@ -392,7 +417,10 @@ def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, 
         if key not in allowed:
             raise DataError(_field(key), f"unknown parameter for partition {name!r}; allowed: {', '.join(allowed)}")
     try:
-        extra = {"_domains": domains} if domains is not None and "_domains" in inspect.signature(PARTITIONERS[name]).parameters else {}
+        sig = inspect.signature(PARTITIONERS[name]).parameters
+        extra = {"_domains": domains} if domains is not None and "_domains" in sig else {}
+        if "_groups" in sig:
+            extra["_groups"] = groups
         return PARTITIONERS[name](np.asarray(train_y), np.asarray(test_y), num_clients, rng, num_classes, **params,
                                   **extra)
     except TypeError as e:  # e.g. a list where a number belongs

@@ -86,6 +86,20 @@ def platform() -> dict:
     return {"cpu": model, "isa": isa, "torch": torch.__version__.split("+")[0]}
 
 
+def platform_file(name: str) -> Path:
+    """Where the CPU a golden table was made on is recorded (one file per table: regenerating one table on another
+    machine never relabels the others)."""
+    return HERE / f"{name}.platform.json"
+
+
+def recorded_platform(name: str):
+    """The platform ``name``'s table was made on: its own file, else the shared platform.json of older tables."""
+    for f in (platform_file(name), HERE / "platform.json"):
+        if f.exists():
+            return json.loads(f.read_text())
+    return None
+
+
 def names() -> list[str]:
     from raysim.registry import ALGORITHMS
 
@@ -101,8 +115,8 @@ def main() -> None:
             continue
         res = run_experiment(make_config(golden_config(name)), write=False)
         res.table.drop(columns=["run_id"]).to_parquet(HERE / f"{name}.parquet", index=False)
+        platform_file(name).write_text(json.dumps(platform(), indent=1) + "\n")
         print(name, len(res.table))
-    (HERE / "platform.json").write_text(json.dumps(platform(), indent=1) + "\n")
 
 
 if __name__ == "__main__":

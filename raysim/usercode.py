@@ -1,0 +1,123 @@
+"""Which of the user's code the Ray backend ships to its actors (``backend.code``).
+
+``auto`` (default): the modules that the config's import paths (``model.arch``, ``model.per_client[*].arch``,
+``data.dataset``, ``data.public.dataset``, ``algorithm.name``) and the run-time registrations (``register_model``,
+``register_dataset``, ``register_algorithm``) were loaded from, when they are neither installed (site-packages,
+the standard library) nor raysim's own packages, plus every other module the driver loaded from the same
+directories (helpers they import: the user's modules in the working directory). On a local cluster, modules that sit
+directly in a directory the workers already have on their path (raysim's checkout, the driver's PYTHONPATH) are not
+shipped.
+``none``: nothing (the code is installed on every node). A list: those module files / package directories.
+``working_dir``: the whole working directory, as Ray's ``working_dir`` (the actors then run inside its copy).
+
+The backend gives the paths to Ray as the client and server actors' ``runtime_env`` ``py_modules``: Ray uploads
+them once per content hash and unpacks them on every node, so the same code runs on a one-machine cluster and on a
+``backend.address`` cluster. Ray-free: only the paths are computed here.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+from pathlib import Path
+
+from raysim.config import ConfigError
+
+OWN_PACKAGES = ("raysim", "algorithms", "envs", "tuning")
+ROOT = Path(__file__).resolve().parent.parent  # raysim's checkout (or site-packages when installed)
+
+
+def _installed_dirs() -> list[Path]:
+    dirs = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        p = sysconfig.get_paths().get(key)
+        if p:
+            dirs.add(Path(p).resolve())
+    for p in sys.path:
+        if p and ("site-packages" in p or "dist-packages" in p):
+            dirs.add(Path(p).resolve())
+    return sorted(dirs)
+
+
+def _under(path: Path, dirs) -> bool:
+    return any(path == d or d in path.parents for d in dirs)
+
+
+def module_location(name: str):
+    """(path to ship, its parent directory) of the loaded top-level module ``name``, or None."""
+    mod = sys.modules.get(name)
+    if mod is None:
+        return None
+    paths = list(getattr(mod, "__path__", []) or [])
+    if paths:
+        if len(paths) != 1:
+            return None
+        p = Path(paths[0]).resolve()
+    elif getattr(mod, "__file__", None):
+        p = Path(mod.__file__).resolve()
+        if p.suffix != ".py":
+            return None
+    else:
+        return None
+    return p, p.parent
+
+
+def config_modules(cfg) -> set[str]:
+    """Top-level module names the config's import paths and the run-time registrations name."""
+    from raysim import registry
+
+    targets = [cfg.model.arch, cfg.data.dataset, cfg.algorithm.name]
+    targets += [s.arch for s in cfg.model.per_client or []]
+    if isinstance(cfg.data.public, dict) and isinstance(cfg.data.public.get("dataset"), str):
+        targets.append(cfg.data.public["dataset"])
+    snap = registry.snapshot()
+    for group in snap.values():
+        targets += list(group.values())
+    names = set()
+    for t in targets:
+        if isinstance(t, str):
+            if registry.is_import_path(t):
+                names.add(t.split(":")[0].split(".")[0])
+        else:
+            mod = getattr(t, "__module__", None)
+            if mod and mod != "__main__":
+                names.add(mod.split(".")[0])
+    return names
+
+
+def code_to_ship(cfg) -> list[str]:
+    """The paths ``backend.code`` ships (ConfigError naming backend.code when a listed path does not exist)."""
+    code = cfg.backend.code
+    if code in ("none", "working_dir"):
+        return []
+    if isinstance(code, (list, tuple)):
+        out = []
+        for i, c in enumerate(code):
+            p = Path(c).expanduser().resolve()
+            if not (p.is_dir() or (p.is_file() and p.suffix == ".py")):
+                raise ConfigError(f"backend.code[{i}]", f"{c} is neither a package directory nor a .py module file")
+            out.append(str(p))
+        return out
+    installed = _installed_dirs()
+    own = [ROOT / p for p in OWN_PACKAGES]
+    reachable = [] if cfg.backend.address else [ROOT] + [Path(p).resolve() for p in
+                                                       os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+    def user(loc) -> bool:  # not installed, not raysim's, and not importable by the workers already
+        p, parent = loc
+        return not _under(p, installed) and not _under(p, own) and parent not in reachable
+
+    found = {}
+    for name in sorted(config_modules(cfg)):
+        loc = module_location(name)
+        if loc and user(loc):
+            found[name] = loc
+    dirs = {parent for _, parent in found.values()}
+    if dirs:  # the helpers they import from the same directories
+        for name in sorted(m for m in list(sys.modules) if "." not in m and m != "__main__"):
+            if name in found:
+                continue
+            loc = module_location(name)
+            if loc and loc[1] in dirs and user(loc):
+                found[name] = loc
+    return sorted({str(p) for p, _ in found.values()})

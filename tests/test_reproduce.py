@@ -1,0 +1,133 @@
+"""raysim reproduce: manifests, the table beside the seed's numbers, reuse of finished runs, and bad input."""
+from __future__ import annotations
+
+import json
+import math
+
+import pandas as pd
+import pytest
+import yaml
+
+from raysim import reproduce as rp
+from raysim.cli import main
+from raysim.config import ConfigError
+from tests.conftest import tiny_config
+
+
+def _write_root(tmp_path, rounds=2):
+    root = tmp_path / "configs"
+    folder = root / "seed999_toy"
+    folder.mkdir(parents=True)
+    for algo in ("local", "fedproto"):
+        cfg = tiny_config(name=f"toy_{algo}", rounds=rounds, algorithm={"name": algo, "params": {}})
+        (folder / f"{algo}.yaml").write_text(yaml.safe_dump(cfg))
+    manifest = {
+        "toy_table": {
+            "title": "toy", "source": "seed999.table1", "seeds": [1, 2], "metric": "test_acc",
+            "extra_metrics": ["train_loss"], "percent": True, "scaled": "toy size",
+            "runs": [{"label": "Local", "config": "local.yaml", "paper": "local"},
+                     {"label": "FedProto (λ=1)", "config": "fedproto.yaml", "set": ["algorithm.params.lam=1.0"],
+                      "paper": "fedproto"}],
+            "claims": [{"text": "FedProto beats Local", "better": "FedProto (λ=1)", "worse": "Local"}],
+        },
+        "toy_table_short": {"extends": "toy_table", "scaled": "one round", "set": ["rounds=1"]},
+    }
+    (folder / "experiments.yaml").write_text(yaml.safe_dump(manifest, allow_unicode=True, sort_keys=False))
+    numbers = {"seed999": {"table1": {"source": "seed 999, Table 1", "values": {
+        "local": {"test_acc": 50.0}, "fedproto": {"test_acc": 60.0}}}}}
+    (root / "seed_numbers.yaml").write_text(yaml.safe_dump(numbers))
+    return root
+
+
+def test_slug_and_extends(tmp_path):
+    assert rp.slug("FedProto (λ=1)") == "fedproto-1"
+    assert rp.slug("MAFML a=10%") == "mafml-a-10"
+    exps = rp.load_experiments(_write_root(tmp_path))
+    short = exps["toy_table_short"]
+    assert short.overrides == ("rounds=1",) and short.scaled == "one round"
+    assert [r.label for r in short.runs] == ["Local", "FedProto (λ=1)"]
+    assert short.run("FedProto (λ=1)").overrides == ("algorithm.params.lam=1.0",)
+
+
+def test_run_value_by_hand():
+    rows = []
+    for rnd, vals, val in ((0, [0.2, 0.4], [0.5, 0.1]), (1, [0.6, 0.8], [0.3, 0.2]), (2, [0.5, 0.7], [0.2, 0.35])):
+        for cid, (v, w) in enumerate(zip(vals, val)):
+            rows.append(("r", rnd, cid, "client", "test_acc", v, 1.0))
+            rows.append(("r", rnd, cid, "client", "val_acc", w, 1.0))
+    rows.append(("r", 2, -1, "server", "ari", 0.75, 1.0))
+    df = pd.DataFrame(rows, columns=["run_id", "round", "client_id", "scope", "metric", "value", "weight"])
+    assert rp.run_value(df, "test_acc") == pytest.approx(0.6)  # last round: (0.5 + 0.7) / 2
+    # per run: val means 0.3, 0.25, 0.275 -> round 0 -> (0.2 + 0.4) / 2
+    assert rp.run_value(df, "test_acc", "val_acc") == pytest.approx(0.3)
+    # per client: client 0 best at round 0 (0.5) -> 0.2; client 1 best at round 2 (0.35) -> 0.7
+    assert rp.run_value(df, "test_acc", "val_acc", "client") == pytest.approx(0.45)
+    assert rp.run_value(df, "ari") == pytest.approx(0.75) and rp.run_value(df, "server:ari") == 0.75
+    with pytest.raises(ConfigError, match="test_loss"):
+        rp.run_value(df, "test_loss")
+
+
+def test_reproduce_table_reuse_and_mismatch(tmp_path, capsys):
+    root = _write_root(tmp_path)
+    out = tmp_path / "out"
+    args = ["reproduce", "toy_table", "--configs", str(root), "--out", str(out), "--no-report"]
+    assert main(args) == 0
+    table = (out / "toy_table" / "reproduction.md").read_text()
+    assert "| Local | 2 |" in table and "seed 999, Table 1" in table and "50.00" in table
+    data = json.loads((out / "toy_table" / "reproduction.json").read_text())
+    runs = pd.DataFrame(data["runs"])
+    assert sorted(runs["seed"]) == [1, 1, 2, 2] and (runs["floats"][runs["label"] == "Local"] == 0).all()
+    fp = runs[runs["label"] == "FedProto (λ=1)"]
+    assert (fp["floats"] > 0).all()
+    # the table's numbers are the runs' own: mean over clients at the last round, x 100
+    from raysim import results
+
+    got = []
+    for seed in (1, 2):
+        df = results.load(out / "toy_table" / "fedproto-1" / f"seed{seed}")
+        last = df[(df["scope"] == "client") & (df["metric"] == "test_acc")]
+        got.append(100 * last[last["round"] == last["round"].max()]["value"].mean())
+    row = [r for r in data["table"] if r["label"] == "FedProto (λ=1)"][0]
+    assert row["test_acc_mean"] == pytest.approx(sum(got) / 2)
+    assert row["test_acc_paper"] == 60.0
+    claim = data["claims"][0]
+    assert claim["paper"] == pytest.approx(10.0) and claim["held"] == (claim["ours"] > 0)
+    capsys.readouterr()
+    # a second call reuses every finished run
+    stamp = (out / "toy_table" / "local" / "seed1" / "results.parquet").stat().st_mtime_ns
+    assert main(args) == 0
+    assert "4 finished and reused, 0 to run" in capsys.readouterr().out
+    assert (out / "toy_table" / "local" / "seed1" / "results.parquet").stat().st_mtime_ns == stamp
+    # another configuration into the same place: refused, never mixed
+    assert main(args + ["--set", "train.lr=0.01"]) == 2
+    assert "another configuration" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["reproduce", "nope"], "experiment"),
+    (["reproduce", "toy_table", "--seeds", "1,x"], "--seeds"),
+    (["reproduce", "toy_table", "--set", "data.dataset=fashion_mnist", "--set", "data.root=/nonexistent/fm"],
+     "data.root"),
+    (["reproduce"], "experiment"),
+])
+def test_bad_input_one_line_nothing_written(tmp_path, capsys, argv, field):
+    root = _write_root(tmp_path)
+    out = tmp_path / "out"
+    assert main(argv + ["--configs", str(root), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and field in err[0], err
+    assert not out.exists()
+
+
+def test_shipped_manifests_load():
+    """Every experiment shipped in configs/ resolves: its configs exist, labels are unique, claims name runs,
+    sources and paper keys are in seed_numbers.yaml."""
+    exps = rp.load_experiments()
+    numbers = rp.load_numbers()
+    for e in exps.values():
+        rp.source_entry(e, numbers)
+        for r in e.runs:
+            for m in (e.metric, *e.extra_metrics):
+                v = rp.paper_value(e, numbers, r, m.split(":", 1)[-1])
+                assert r.paper is None or isinstance(v, float)
+            assert not math.isnan(len(r.overrides))
