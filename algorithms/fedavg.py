@@ -65,11 +65,11 @@ class FedAvg(LocalTraining):
 
     @dataclass(frozen=True)
     class Params:
-        positive_rate: float = 1.0  # FedPU: share of each held class's samples that keep their label
+        positive_rate: float = 1.0  # FedPU: share of each positive class's samples that keep their label
         pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
-        pu_split: str = "held"  # FedPU: held (every held class labelled) | official (labelled_classes, pu_min_class)
-        labelled_classes: int = 0  # FedPU official split: positive classes per client (seeded subset; 0 = all)
-        pu_min_class: int = 40  # FedPU official split: a positive class keeps labels only with >= this many samples
+        pu_split: str = "seed"  # FedPU: seed (labelled_classes of the held classes; rate 1 = all) | official | held
+        labelled_classes: int = 2  # FedPU seed/official split: positive classes per client (seeded subset; 0 = all)
+        pu_min_class: int = 40  # FedPU seed/official split: a positive class keeps labels only with >= this many
         sync_every: int = 0  # iteration mode: average every k iterations (train.local_steps per round); 0: classic
         bandwidth_ratio: float = 0.0  # iteration mode: k from a budget of this many times MAFML's floats (1: matched)
         eval_model: str = "global"  # iteration mode: test the last average (global) or each node's weights (local)

@@ -37,11 +37,11 @@ class FedProto(LocalTraining):
         proto_agg: str = "weighted"  # weighted (paper) | mean (official code)
         proto_collect: str = "after"  # after: eval-mode pass after training | during_train: last epoch (official)
         restrict_local_classes: bool = True  # prototype inference among the client's own classes (official)
-        positive_rate: float = 1.0  # FedPU: share of each held class's samples that keep their label
+        positive_rate: float = 1.0  # FedPU: share of each positive class's samples that keep their label
         pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
-        pu_split: str = "held"  # FedPU: held (every held class labelled) | official (labelled_classes, pu_min_class)
-        labelled_classes: int = 0  # FedPU official split: positive classes per client (seeded subset; 0 = all)
-        pu_min_class: int = 40  # FedPU official split: a positive class keeps labels only with >= this many samples
+        pu_split: str = "seed"  # FedPU: seed (labelled_classes of the held classes; rate 1 = all) | official | held
+        labelled_classes: int = 2  # FedPU seed/official split: positive classes per client (seeded subset; 0 = all)
+        pu_min_class: int = 40  # FedPU seed/official split: a positive class keeps labels only with >= this many
 
         def check(self, path):
             fedpu.check_params(path, self.positive_rate, self.pu_weight, self.pu_split, self.labelled_classes,

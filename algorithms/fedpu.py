@@ -14,14 +14,18 @@ i.e. treated as known, as in FedPU. Local objective per batch (reference §1.11)
 
 ``pu_split`` chooses which classes are positive (labelled):
 
-* ``held`` (default, the earlier behaviour): every class the client holds is positive; each keeps
-  max(1, floor(rho * n_c)) labels.
-* ``official`` (FedPU's ``puSpilt_index`` and the seed's "each client labels a limited amount of data in some of its
-  classes"): a seeded subset of ``labelled_classes`` of the client's classes (stream (seed, -, client,
+* ``seed`` (default; seed 000 section 5.4: "each client can label a limited amount of data only in some of its
+  classes", 每个客户端只能在部分类别中标记有限数量的数据): a seeded subset of ``labelled_classes`` (default 2: the seed gives no
+  count; FedPU's scripts label 1-4 of a client's 5 classes) of the client's classes (stream (seed, -, client,
   "pu_classes"); 0 = all of them) is positive; a positive class keeps floor(rho * n_c) labels only when
-  n_c >= ``pu_min_class`` (official 40), else none; samples of the other classes are all unlabelled. The indicator
-  m covers all C classes (1 for the positive ones) and the prior pi_c = (unlabelled samples of c) / |U| over all C
-  classes (non-positive ones included: n_c / |U|).
+  n_c >= ``pu_min_class`` (official 40), else none; samples of the other classes are all unlabelled; m covers all C
+  classes (1 for the positive ones) and the prior pi_c = (unlabelled samples of c) / |U| over all C classes
+  (non-positive ones included: n_c / |U|), as FedPU's ``puSpilt_index``. ``positive_rate = 1`` labels everything
+  (the plain method): the seed's Fig. 4 rate-1 column is its fully supervised number at every pu_weight.
+* ``official`` (FedPU's code, ``puSpilt_index``): as ``seed``, but at every positive_rate, 1 included (rho = 1 then
+  still leaves the non-positive classes unlabelled).
+* ``held`` (the earlier default): every class the client holds is positive; each keeps max(1, floor(rho * n_c))
+  labels; rho = 1 is the plain method.
 """
 from __future__ import annotations
 
@@ -48,10 +52,10 @@ class PUView:
         return self.y_obs != UNLABELLED
 
 
-PU_SPLITS = ("held", "official")
+PU_SPLITS = ("seed", "official", "held")
 
 
-def check_params(path: str, positive_rate: float, pu_weight: float, split: str = "held", labelled_classes: int = 0,
+def check_params(path: str, positive_rate: float, pu_weight: float, split: str = "seed", labelled_classes: int = 2,
                  min_class: int = 40) -> None:
     if split not in PU_SPLITS:
         raise ConfigError(f"{path}.pu_split", f"{split!r} is not allowed; choose one of: {', '.join(PU_SPLITS)}")
@@ -66,7 +70,7 @@ def check_params(path: str, positive_rate: float, pu_weight: float, split: str =
 
 
 def positive_classes(classes, labelled_classes: int, seed: int, client_id: int) -> list[int]:
-    """``official`` split: the client's positive (labelled) classes, a seeded subset of ``classes``."""
+    """``seed`` / ``official`` split: the client's positive (labelled) classes, a seeded subset of ``classes``."""
     classes = sorted(classes)
     if labelled_classes <= 0 or labelled_classes >= len(classes):
         return classes
@@ -74,10 +78,11 @@ def positive_classes(classes, labelled_classes: int, seed: int, client_id: int) 
     return sorted(int(c) for c in r.choice(classes, size=labelled_classes, replace=False))
 
 
-def make_view(data, num_classes: int, positive_rate: float, seed: int, split: str = "held",
-              labelled_classes: int = 0, min_class: int = 40) -> Optional[PUView]:
-    """The client's PU view, or None when every label is kept (positive_rate = 1 with the ``held`` split)."""
-    if positive_rate >= 1.0 and split == "held":
+def make_view(data, num_classes: int, positive_rate: float, seed: int, split: str = "seed",
+              labelled_classes: int = 2, min_class: int = 40) -> Optional[PUView]:
+    """The client's PU view, or None when every label is kept (positive_rate = 1 with the ``seed`` or ``held``
+    split)."""
+    if positive_rate >= 1.0 and split in ("seed", "held"):
         return None
     r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, data.client_id, "pu_split")
     if split == "held":

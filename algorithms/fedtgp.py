@@ -5,8 +5,11 @@ Clients train as in FedProto (CE + lambda * MSE(z, P_y), prototypes computed aft
 their per-class prototypes. The server keeps a *trainable* prototype generator, ``Embedding(C, d) -> Linear(d, h) ->
 ReLU -> Linear(h, d)``, persistent across rounds in the server state (so checkpoints carry it), and trains it inside
 ``aggregate`` for ``server_epochs`` epochs with the adaptive-margin contrastive loss on the uploaded prototypes:
-the margin delta = min(max_c min_{c'} ||Q_c - Q_c'||, tau) ("code", official) or min(max_{c,c'} ||Q_c - Q_c'||, tau)
-("paper"), Q_c the unweighted mean of this round's uploads of class c. The global prototypes it then emits (eval
+the margin delta = min(max_{c != c'} ||Q_c - Q_c'||, tau) (``margin: seed``, the default: seed 002, section 5
+"part 2", delta(t) = min(max_{c != c'} phi(Q_t^c, Q_t^c'), tau) with phi the Euclidean distance -- the largest pairwise
+distance between class centres; the paper's slides p.31 give the same formula, ``paper`` is accepted as a synonym) or
+min(max_c min_{c' != c} ||Q_c - Q_c'||, tau) (``margin: code``, the official servertgp.py: the largest
+nearest-other-class gap, never larger than the seed's), Q_c the unweighted mean of this round's uploads of class c. The global prototypes it then emits (eval
 mode) for all C classes are broadcast. Inference: nearest global prototype over all classes ("test_acc_proto",
 HtFLlib protocol; ``restrict_local_classes`` defaults to False here) and the client's own classifier ("test_acc").
 Server randomness (generator init, batch order) comes from ctx.generator / the (seed, round, server, "tgp") streams.
@@ -71,7 +74,7 @@ class FedTGP(FedProto):
         lam: float = 10.0  # client prototype weight (official run scripts: -lam 10; argparse default 1)
         restrict_local_classes: bool = False  # FedTGP infers over all classes
         margin_threshold: float = 100.0  # tau (official -mart 100)
-        margin: str = "code"  # code: max_c of the nearest-other-class gap | paper: largest pairwise distance
+        margin: str = "seed"  # seed (seed 002 section 5): largest pairwise centre distance | code: max_c nearest gap
         server_epochs: int = 100  # official scripts: 100 (argparse default 1000)
         server_lr: Optional[float] = None  # None: the client lr (official ties them)
         server_batch_size: Optional[int] = None  # None: the client batch size (official ties them)
@@ -79,7 +82,7 @@ class FedTGP(FedProto):
 
         def check(self, path):
             super().check(path)
-            choice(f"{path}.margin", self.margin, ["code", "paper"])
+            choice(f"{path}.margin", self.margin, ["seed", "code", "paper"])
             positive(f"{path}.margin_threshold", self.margin_threshold, allow_zero=True)
             positive(f"{path}.server_epochs", self.server_epochs, allow_zero=True)
             positive(f"{path}.server_lr", self.server_lr)

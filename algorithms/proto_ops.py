@@ -19,19 +19,20 @@ def pairwise_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (diff * diff).sum(-1).clamp_min(0.0).sqrt()
 
 
-def tgp_margin(centres: torch.Tensor, mask: torch.Tensor, tau: float, mode: str = "code") -> float:
+def tgp_margin(centres: torch.Tensor, mask: torch.Tensor, tau: float, mode: str = "seed") -> float:
     """FedTGP's adaptive margin delta(t) from Q (C x d, the unweighted means of this round's uploaded prototypes) over
     the classes in ``mask``.
 
+    ``seed`` (default; seed 002 section 5 "part 2", the same as the paper's slides p.31; ``paper`` is a synonym):
+    delta = min(max_{c != c'} ||Q_c - Q_c'||, tau) -- the largest pairwise distance between class centres.
     ``code`` (official servertgp.py): gap_c = min_{c' != c} ||Q_c - Q_c'||, delta = min(max_c gap_c, tau).
-    ``paper`` (slides p.31): delta = min(max_{c != c'} ||Q_c - Q_c'||, tau) -- the largest pairwise distance.
     Fewer than two classes: no pair, delta = 0."""
     idx = torch.nonzero(mask).flatten()
     if len(idx) < 2:
         return 0.0
     q = centres[idx].to(torch.float64)
     d = pairwise_distances(q, q)
-    if mode == "paper":
+    if mode in ("seed", "paper"):
         value = float(d.max())
     elif mode == "code":
         d = d + torch.diag(torch.full((len(idx),), float("inf"), dtype=d.dtype))

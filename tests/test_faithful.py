@@ -252,3 +252,94 @@ def test_official_pu_split_runs(tiny, name, min_class):
     with pytest.raises(ConfigError) as e:
         prepare(tiny(algorithm={"name": name, "params": {"pu_split": "some"}}))
     assert e.value.field == "algorithm.params.pu_split"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 21: the seeds' explicit choices are the defaults (FedTGP's margin: seed 002; FedPU's split: seed 000)
+
+
+def _tgp_uploads(d):
+    """Two clients; Q_0 = mean((-1, 0), (1, 0)) = (0, 0), Q_1 = (3, 0), Q_2 = (0, 4) in the first two coordinates."""
+    from raysim.messages import Message
+
+    def proto(x, y):
+        v = torch.zeros(d)
+        v[0], v[1] = x, y
+        return v
+
+    a = torch.stack([proto(-1, 0), proto(3, 0)])
+    b = torch.stack([proto(1, 0), proto(0, 4)])
+    return {0: {"protos": Message("prototypes", {"protos": a, "classes": torch.tensor([0, 1]),
+                                                 "counts": torch.tensor([5, 5])})},
+            1: {"protos": Message("prototypes", {"protos": b, "classes": torch.tensor([0, 2]),
+                                                 "counts": torch.tensor([5, 5])})}}
+
+
+def test_fedtgp_margin_default_is_the_seeds_formula(tiny):
+    """Seed 002 section 5 part 2: delta(t) = min(max_{c != c'} ||Q^c - Q^c'||, tau). Centre distances by hand:
+    d01 = 3, d02 = 4, d12 = 5 -> the seed's delta = 5; the official code's max_c min_{c'} gap = max(3, 3, 4) = 4."""
+    import raysim.rng as rngmod
+    from raysim.algorithm import Context
+
+    from algorithms.fedtgp import FedTGP
+
+    assert FedTGP.Params().margin == "seed"
+    margins = {}
+    for params in ({"server_epochs": 0}, {"server_epochs": 0, "margin": "code"},
+                   {"server_epochs": 0, "margin_threshold": 4.5}, {"server_epochs": 0, "margin": "paper"}):
+        algo, prep = _algo(tiny, "fedtgp", params)
+        ctx = Context(0, rngmod.SERVER, prep.task.seed, torch.device("cpu"), prep.task)
+        ups = _tgp_uploads(prep.task.build_model(0).embed_dim)
+        _, m = algo.aggregate(algo.init_server_state(ctx), ups, ctx)
+        margins[tuple(sorted(params.items()))] = m["tgp_margin"]
+    got = list(margins.values())
+    assert got[0] == pytest.approx(5.0)  # default: the seed's, largest pairwise distance
+    assert got[1] == pytest.approx(4.0)  # option: the official code's
+    assert got[2] == pytest.approx(4.5)  # tau caps it
+    assert got[3] == pytest.approx(5.0)  # 'paper' (slides p.31) is the same formula
+
+
+def test_fedpu_default_split_is_the_seeds():
+    """Seed 000 section 5.4: each client labels a limited amount of data only in part of its classes. Default
+    labelled_classes = 2 of the client's 3 classes, rho = 0.5, 50 samples per class (>= pu_min_class 40):
+    25 + 25 labels, the third class all unlabelled; |U| = 25 + 25 + 50 = 100 -> pi = (.25, .25, .5) over the held
+    classes, 0 elsewhere; m = 1 on the two positive classes only. rate 1: the plain method (no view)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from algorithms import fedpu
+    from algorithms.fedavg import FedAvg
+    from algorithms.fedproto import FedProto
+    from algorithms.proto_ops import UNLABELLED
+
+    for cls in (FedProto, FedAvg):
+        p = cls.Params()
+        assert (p.pu_split, p.labelled_classes, p.pu_min_class) == ("seed", 2, 40)
+    y = torch.tensor([3] * 50 + [5] * 50 + [8] * 50)
+    data = SimpleNamespace(y_train=y, classes=[3, 5, 8], client_id=4)
+    view = fedpu.make_view(data, 10, 0.5, seed=1)
+    pos = fedpu.positive_classes([3, 5, 8], 2, 1, 4)
+    (neg,) = sorted({3, 5, 8} - set(pos))
+    counts = {c: int((view.y_obs == c).sum()) for c in (3, 5, 8)}
+    assert counts == {pos[0]: 25, pos[1]: 25, neg: 0}
+    assert int((view.y_obs == UNLABELLED).sum()) == 100
+    kept = view.y_obs != UNLABELLED
+    assert torch.equal(view.y_obs[kept], y[kept])
+    want_m = np.zeros(10, dtype=np.float32)
+    want_m[pos] = 1.0
+    assert view.positive.tolist() == want_m.tolist()
+    want_pi = torch.zeros(10)
+    want_pi[pos] = 0.25
+    want_pi[neg] = 0.5
+    assert torch.allclose(view.prior, want_pi)
+    # rate 1 labels everything under the seed's split (its Fig. 4 rate-1 column is the supervised number) ...
+    assert fedpu.make_view(data, 10, 1.0, seed=1) is None
+    # ... while FedPU's code ('official') still leaves the non-positive class unlabelled: pi = 1 on it
+    off = fedpu.make_view(data, 10, 1.0, seed=1, split="official")
+    assert {c: int((off.y_obs == c).sum()) for c in (3, 5, 8)} == {pos[0]: 50, pos[1]: 50, neg: 0}
+    assert float(off.prior[neg]) == pytest.approx(1.0)
+    # the earlier default ('held'): every held class positive, 25 labels each
+    held = fedpu.make_view(data, 10, 0.5, seed=1, split="held")
+    assert all(int((held.y_obs == c).sum()) == 25 for c in (3, 5, 8))
+    assert held.positive[[3, 5, 8]].tolist() == [1.0, 1.0, 1.0]

@@ -251,16 +251,16 @@ def test_fedproto_uh_head_is_fixed_shared_and_orthogonal(tiny):
 
 def test_fedpu_client_trains_without_hidden_labels(tiny):
     """Prototypes come from labelled samples only, and the result does not depend on the hidden labels' values."""
-    params = {"positive_rate": 0.5, "pu_weight": 1.0}
+    params = {"positive_rate": 0.5, "pu_weight": 1.0, "pu_min_class": 1}  # the tiny clients hold 10 per class
     algo, prep = make_algo(tiny, "fedproto", params)
     task = prep.task
     data = prep.fed_data.clients[0]
     from algorithms import fedpu
     from raysim.algorithm import ModelCache
 
-    view = fedpu.make_view(data, task.num_classes, 0.5, task.seed)
-    assert (view.y_obs == UNLABELLED).sum() > 0
-    assert torch.equal(view.y_obs, fedpu.make_view(data, task.num_classes, 0.5, task.seed).y_obs)  # fixed split
+    view = fedpu.make_view(data, task.num_classes, 0.5, task.seed, min_class=1)
+    assert (view.y_obs == UNLABELLED).sum() > 0 and (view.y_obs >= 0).sum() > 0
+    assert torch.equal(view.y_obs, fedpu.make_view(data, task.num_classes, 0.5, task.seed, min_class=1).y_obs)
 
     def run(d):
         cache = ModelCache(task, torch.device("cpu"))
@@ -399,7 +399,8 @@ def test_empty_round_keeps_server_state(tiny, name):
 
 def test_pu_runs_for_fedavg_and_fedproto(tiny):
     for name in ("fedavg", "fedproto"):
-        cfg = tiny(rounds=2, algorithm={"name": name, "params": {"positive_rate": 0.3, "pu_weight": 0.5}})
+        cfg = tiny(rounds=2, algorithm={"name": name, "params": {"positive_rate": 0.3, "pu_weight": 0.5,
+                                                                 "pu_min_class": 1}})
         t = run_experiment(cfg, write=False).table
         assert np.isfinite(t[t.metric == "train_pu"]["value"]).all()
         assert 0.0 <= _final(t) <= 1.0
