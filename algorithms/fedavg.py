@@ -90,7 +90,8 @@ class FedAvg(LocalTraining):
 
     @property
     def iteration_mode(self) -> bool:
-        return bool(self.params.sync_every or self.params.bandwidth_ratio)
+        # methods built on FedAvg (SCAFFOLD, MOON, FedGen, ...) have their own Params without the iteration mode
+        return bool(getattr(self.params, "sync_every", 0) or getattr(self.params, "bandwidth_ratio", 0))
 
     def validate(self):
         self.require_homogeneous()
