@@ -354,7 +354,13 @@ def collect(exp: Experiment, planned: list[Planned]) -> pd.DataFrame:
         df = results.load(f)
         row = {"label": p.run.label, "seed": p.seed, "path": str(p.target)}
         for m in metrics:
-            v = run_value(df, m, exp.select, exp.select_per)
+            try:
+                v = run_value(df, m, exp.select, exp.select_per)
+            except ConfigError:
+                if m == exp.metric:
+                    raise ConfigError(f"{exp.name}.metric", f"run {p.target} has no {m!r}") from None
+                v = math.nan  # an extra metric a method does not report (e.g. test_acc_proto for FedAvg): '–'
+
             row[m] = v * 100 if exp.percent and not m.startswith("server:") and _is_rate(m) else v
         com = results.communication(df)
         tot = com.set_index("metric")["total"]

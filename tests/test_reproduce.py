@@ -24,7 +24,7 @@ def _write_root(tmp_path, rounds=2):
     manifest = {
         "toy_table": {
             "title": "toy", "source": "seed999.table1", "seeds": [1, 2], "metric": "test_acc",
-            "extra_metrics": ["train_loss"], "percent": True, "scaled": "toy size",
+            "extra_metrics": ["train_loss", "test_acc_proto"], "percent": True, "scaled": "toy size",
             "runs": [{"label": "Local", "config": "local.yaml", "paper": "local"},
                      {"label": "FedProto (λ=1)", "config": "fedproto.yaml", "set": ["algorithm.params.lam=1.0"],
                       "paper": "fedproto"}],
@@ -75,6 +75,7 @@ def test_reproduce_table_reuse_and_mismatch(tmp_path, capsys):
     assert main(args) == 0
     table = (out / "toy_table" / "reproduction.md").read_text()
     assert "| Local | 2 |" in table and "seed 999, Table 1" in table and "50.00" in table
+    assert "test_acc_proto" in table  # Local has no prototype accuracy: its cell is '–', FedProto's a number
     data = json.loads((out / "toy_table" / "reproduction.json").read_text())
     runs = pd.DataFrame(data["runs"])
     assert sorted(runs["seed"]) == [1, 1, 2, 2] and (runs["floats"][runs["label"] == "Local"] == 0).all()
