@@ -468,6 +468,7 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
                 log: Callable = print) -> Path:
     """``<out>/<experiment>/reproduction.md`` (+ ``.json``) and, with ``report``, raysim report's summary and plots
     under ``<out>/<experiment>/report/``."""
+    exp = replace(exp, seeds=tuple(sorted({p.seed for p in planned})) or exp.seeds)  # the seeds this table ran
     per_run = collect(exp, planned)
     table, claims = summarise(exp, per_run, numbers)
     d = Path(out) / exp.name
