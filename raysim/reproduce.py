@@ -206,7 +206,8 @@ def load_numbers(root: str | Path = CONFIGS_ROOT) -> dict:
 
 
 def source_entry(exp: Experiment, numbers: dict) -> dict:
-    """The seed_numbers.yaml entry ``seedXXX.table`` an experiment compares with ({} when absent)."""
+    """The seed_numbers.yaml entry ``<seed key>.<table key>`` an experiment compares with; a ConfigError naming
+    the experiment's source when the file has no such entry."""
     seed_key, _, table = exp.source.partition(".")
     entry = (numbers.get(seed_key) or {}).get(table) if table else None
     if entry is None:
