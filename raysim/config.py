@@ -320,6 +320,8 @@ class BackendConfig:
     torch_threads: int = 1  # intra-op threads per worker (1 keeps results bit-identical across backends)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
     state_memory_mb: float = 1024.0  # client states kept in memory per actor; beyond it the least recently used spill
+    decoded_cache_mb: float = 256.0  # per client runner: float copies of compact (uint8) client data kept between
+    #                                  steps (a multi-exchange round reads each client several times); 0: decode per step
     state_dir: Optional[str] = None  # where states spill (None: a temporary directory, removed at the end)
     placement: str = "default"  # Ray: default (Ray packs actors) | spread (client actors over the cluster's nodes)
     data: str = "auto"  # Ray: where client data is built: driver (shipped to actors) | actors (each actor loads its
@@ -336,6 +338,7 @@ class BackendConfig:
     def check(self, path: str) -> None:
         choice(_p(path, "name"), self.name, ["sequential", "ray"])
         positive(_p(path, "state_memory_mb"), self.state_memory_mb, allow_zero=True)
+        positive(_p(path, "decoded_cache_mb"), self.decoded_cache_mb, allow_zero=True)
         choice(_p(path, "placement"), self.placement, ["default", "spread"])
         choice(_p(path, "data"), self.data, ["auto", "driver", "actors"])
         choice(_p(path, "balance"), self.balance, ["static", "cost"])

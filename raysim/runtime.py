@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 import traceback as tb
 from dataclasses import dataclass, field
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -109,9 +108,6 @@ def _failure(rep: ClientReport, e: BaseException) -> None:
     rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
 
 
-DECODED_CACHE_BYTES = 64 * 2**20  # per client runner: decoded (float) data of the clients used last
-
-
 def _data_nbytes(d: ClientData) -> int:
     return sum(t.numel() * t.element_size() for t in (d.x_train, d.y_train, d.x_test, d.y_test, d.x_val, d.y_val))
 
@@ -133,10 +129,13 @@ class ClientRunner:
             self.data = clients
         else:  # compact, on CPU; decoded onto the device per step
             self.data = {c.client_id: c.compact() for c in clients}
-        # the decoded data of the clients used last, up to DECODED_CACHE_BYTES (a multi-exchange round uses each
-        # client several times; decoding is exact, so a cached copy is the copy decoding would give)
-        self._decoded: "OrderedDict[int, ClientData]" = OrderedDict()
+        # decoded (float) data of clients, up to backend.decoded_cache_mb (a multi-exchange round uses each client
+        # several times; decoding is exact, so a cached copy is the copy decoding would give). A client is admitted
+        # while there is room and stays until it moves away: rounds visit clients in the same order, and under
+        # least-recently-used eviction a population just over the budget would never hit
+        self._decoded: dict[int, ClientData] = {}
         self._decoded_bytes = 0
+        self._decoded_budget = int(spec.cfg.backend.decoded_cache_mb * 2**20)
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
@@ -165,16 +164,12 @@ class ClientRunner:
             return c.to(self.device)
         hit = self._decoded.get(cid)
         if hit is not None:
-            self._decoded.move_to_end(cid)
             return hit
         d = c.to(self.device)
         size = _data_nbytes(d)
-        if size <= DECODED_CACHE_BYTES:
+        if self._decoded_bytes + size <= self._decoded_budget:
             self._decoded[cid] = d
             self._decoded_bytes += size
-            while self._decoded_bytes > DECODED_CACHE_BYTES:
-                _, old = self._decoded.popitem(last=False)
-                self._decoded_bytes -= _data_nbytes(old)
         return d
 
     def _forget_decoded(self, client_ids) -> None:

@@ -43,6 +43,15 @@ def test_check_update_finds_nan_losses_and_inf_uploads():
     assert safety.check_update({"train_loss": 0.5, "test_acc": float("nan")}, ok) is None  # acc may be undefined
     assert safety.check_update({"train_loss": (float("nan"), 3.0)}, ok) == "train_loss=nan"
     assert safety.check_update({"train_loss": 1.0}, bad) == "upload 'w'['a']: 2 of 3 values non-finite"
+    # the fast path (a float64 sum) neither misses a lone NaN/inf nor flags finite values whose float32 sum overflows
+    big = torch.full((1000,), 3.0e38)
+    assert safety.nonfinite_upload({"w": Message("weights", {"a": big})}) is None
+    for v in (float("nan"), float("inf"), -float("inf")):
+        t = torch.zeros(10_000)
+        t[4321] = v
+        assert safety.nonfinite_upload({"w": Message("weights", {"a": t})}) == "upload 'w'['a']: 1 of 10000 values non-finite"
+    huge = torch.tensor([1.7e308, 1.7e308], dtype=torch.float64)  # the float64 sum overflows: the exact check decides
+    assert safety.nonfinite_upload({"w": Message("weights", {"a": huge})}) is None
 
 
 @pytest.mark.parametrize("where", ["loss", "upload"])

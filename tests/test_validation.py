@@ -143,3 +143,32 @@ def test_study_records_seeds_and_report_warns(tmp_path, capsys):
     assert "seed(s) 8 that" in (tmp_path / "rep" / "summary.md").read_text()
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep2"), "--no-plots",
                  "--tuned-on", str(tmp_path / "nope")]) == 2
+
+
+def test_decoded_cache_admits_while_there_is_room_and_hits_on_cyclic_visits():
+    """backend.decoded_cache_mb: clients are admitted while they fit and then stay (a round visits clients in the same
+    order, so least-recently-used eviction would never hit once the population exceeds the budget); a cached copy is
+    exactly the decoded data; 0 disables the cache."""
+    from raysim.driver import prepare
+    from raysim.runtime import ClientRunner, _data_nbytes
+    from tests.conftest import tiny_config
+
+    prep = prepare(make_config(tiny_config(data__dataset="mnist5k", data__partition="iid",
+                                           data__partition_params={"samples_per_client": 40})))
+    one = _data_nbytes(prep.fed_data.clients[0].to("cpu"))
+    budget_mb = 2.5 * one / 2**20  # room for two clients' decoded data
+    spec = prep.spec
+    spec.cfg = make_config(tiny_config(data__dataset="mnist5k", data__partition="iid",
+                                       data__partition_params={"samples_per_client": 40}, backend__decoded_cache_mb=budget_mb))
+    runner = ClientRunner(spec, prep.fed_data.clients)
+    ids = runner.client_ids()
+    assert runner.data[ids[0]].is_compact
+    first = [runner._data(c) for c in ids]
+    again = [runner._data(c) for c in ids]
+    assert [a is b for a, b in zip(first, again)] == [True, True] + [False] * (len(ids) - 2)
+    for c, d in zip(ids, again):
+        assert torch.equal(d.x_train, runner.data[c].to("cpu").x_train)
+    spec.cfg = make_config(tiny_config(data__dataset="mnist5k", data__partition="iid",
+                                       data__partition_params={"samples_per_client": 40}, backend__decoded_cache_mb=0))
+    off = ClientRunner(spec, prep.fed_data.clients)
+    assert off._data(ids[0]) is not off._data(ids[0])
