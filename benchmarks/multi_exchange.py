@@ -108,17 +108,17 @@ STEPS_OF = {"mafml": STEPS, "pnicfl": ("embed", "assign", "update", "aggregate")
 UNIT = {"mafml": "iteration", "pnicfl": "round", "fedmd": "round"}
 
 
-def make(method: str, rounds: int, backend: str, actors: int):
+def make(method: str, rounds: int, backend: str, actors: int, extra=()):
     from pathlib import Path
 
     from raysim.config import load_config, make_config
 
     if method == "mafml":
-        return make_config(config(rounds, backend, actors))
+        return make_config(config(rounds, backend, actors), list(extra))
     root = Path(__file__).resolve().parents[1]
     return load_config(root / CONFIGS[method], [f"rounds={rounds}", f"backend.name={backend}",
                                                f"backend.num_actors={actors}", "backend.num_cpus=1", "eval.every=1000",
-                                               "output.progress=false", "name=mx-" + method])
+                                               "output.progress=false", "name=mx-" + method, *extra])
 
 
 def plain_pnicfl(prep, rounds: int, warmup: int) -> float:
@@ -237,6 +237,7 @@ def main():
     ap.add_argument("--repeat", type=int, default=1, help="sittings (plain loop, then raysim); the median is printed")
     ap.add_argument("--profile", default=None, help="write a cProfile of the (first method's) sequential run here")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override in raysim's runs")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import statistics
@@ -253,7 +254,7 @@ def main():
         for rep in range(args.repeat):
             for backend in backends:
                 base = plain(method, prep, args.rounds)
-                cfg = make(method, args.rounds, backend, args.actors)
+                cfg = make(method, args.rounds, backend, args.actors, args.set)
                 if backend == "sequential" and args.profile and rep == 0 and mi == 0:
                     import cProfile
 

@@ -3,8 +3,9 @@
 The Ray backend hosts every client on one actor; a step's round time is set by the busiest actor. With a fixed
 layout (client i on actor i % n, ``backend.balance: static``) a Dirichlet split or a zoo of model sizes leaves one
 actor working long after the others. :class:`CostModel` predicts a client's step time and :func:`plan` assigns the
-step's clients to actors by longest-processing-time-first, keeping the current layout when it is already close to the
-plan (every move ships the client's data and state from one actor to the other).
+step's clients to actors with few moves from the current layout (or longest-processing-time-first when that is
+clearly better), keeping the current layout when it is already close to the plan (every move ships the client's data
+and state from one actor to the other).
 
 Prediction, per step name (training and evaluation cost differently):
 * a client measured before: an exponential moving average of its measured step seconds;
@@ -61,12 +62,9 @@ def makespan(costs: dict[int, float], assignment: dict[int, int], n: int) -> flo
     return max(loads) if loads else 0.0
 
 
-def plan(costs: dict[int, float], current: dict[int, int], n: int, slack: float = 1.05) -> dict[int, int]:
-    """Actor for each client of ``costs`` (client -> predicted seconds). Longest processing time first onto the least
-    loaded actor (ties: the client's current actor, then the lowest index); the current layout is kept when its
-    predicted makespan is within ``slack`` of the plan's. Deterministic for given inputs."""
-    if n <= 1 or not costs:
-        return {c: current[c] for c in costs}
+def _lpt(costs: dict[int, float], current: dict[int, int], n: int) -> dict[int, int]:
+    """Longest processing time first onto the least loaded actor (ties: the client's current actor, then the lowest
+    index)."""
     loads = [0.0] * n
     new: dict[int, int] = {}
     for c in sorted(costs, key=lambda c: (-costs[c], c)):
@@ -75,9 +73,44 @@ def plan(costs: dict[int, float], current: dict[int, int], n: int, slack: float 
         k = current[c] if current[c] in cands else cands[0]
         new[c] = k
         loads[k] += costs[c]
-    if makespan(costs, current, n) <= slack * max(loads):
-        return {c: current[c] for c in costs}
     return new
+
+
+def _fewest_moves(costs: dict[int, float], current: dict[int, int], n: int) -> dict[int, int]:
+    """From the current layout, move one client at a time from the busiest actor to the least busy one (the client
+    whose cost is nearest half their gap) while that lowers the busiest actor's load: few moves, each a real gain."""
+    new = {c: current[c] for c in costs}
+    loads = [0.0] * n
+    for c, w in costs.items():
+        loads[new[c]] += w
+    for _ in range(len(costs) * n):
+        hi = max(range(n), key=lambda k: (loads[k], -k))
+        lo = min(range(n), key=lambda k: (loads[k], k))
+        gap = loads[hi] - loads[lo]
+        cands = [c for c in new if new[c] == hi and 0 < costs[c] < gap]
+        if not cands:
+            break
+        c = min(cands, key=lambda c: (abs(costs[c] - gap / 2), c))
+        new[c] = lo
+        loads[hi] -= costs[c]
+        loads[lo] += costs[c]
+    return new
+
+
+def plan(costs: dict[int, float], current: dict[int, int], n: int, slack: float = 1.05) -> dict[int, int]:
+    """Actor for each client of ``costs`` (client -> predicted seconds). Two candidates: a few single moves from the
+    current layout (busiest actor to least busy) and longest-processing-time-first (LPT); LPT is taken only when its
+    predicted makespan beats the few-moves one by more than ``slack``, and the current layout is kept when its makespan
+    is within ``slack`` of the chosen plan's. Every move ships a client's data and state between actors, so noise in
+    the measured step times of equal clients must not reshuffle them (LPT alone re-deals every client whose place
+    differs from its list-scheduling position). Deterministic for given inputs."""
+    if n <= 1 or not costs:
+        return {c: current[c] for c in costs}
+    few, lpt = _fewest_moves(costs, current, n), _lpt(costs, current, n)
+    best = lpt if makespan(costs, few, n) > slack * makespan(costs, lpt, n) else few
+    if makespan(costs, current, n) <= slack * makespan(costs, best, n):
+        return {c: current[c] for c in costs}
+    return best
 
 
 def ideal(costs: dict[int, float], n: int) -> float:
