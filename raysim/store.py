@@ -18,6 +18,10 @@ per-client state (a model per client, an embedding per user) in another one. Sta
   ``client_<cid>.pending-<token>.pt`` and ``commit(cids, token)`` renames it to ``client_<cid>.pt``; memory is only a
   cache. So every committed state survives its runner's death, and a replacement runner can still carry out a commit
   that the dead one never received (the file is there) — the rule that lets a killed actor's step be retried exactly.
+* Client states are written in a flat format (:func:`save_tree`: a JSON header describing the tree, then the tensors'
+  raw bytes with a CRC-32; read without pickle) — about 5x faster than ``torch.save``'s zip archive of many small
+  tensors, which matters for the durable store's write per client step. Anything else in a state (a leaf that is not
+  a tensor, number, string, bool or None) falls back to ``torch.save``.
 * ``save_shard(path)`` writes every committed state this store holds (memory and disk) into one file keyed by
   client id; ``load_shard`` reads such files back, keeping only the clients it is asked for, so a checkpoint written
   by N actors restores into any number of actors.
@@ -61,17 +65,141 @@ class _HashingWriter:
         self.f.flush()
 
 
-def atomic_save(obj, path: Path) -> str:
-    """Write ``obj`` to ``path`` atomically; returns the sha256 of the bytes written (verified when read back)."""
+TREE_MAGIC = b"RSTREE1\n"
+_ALIGN = 64
+
+
+class _NotATree(TypeError):
+    pass
+
+
+def _encode(obj, bufs: list, pos: list):
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        if t.device.type != "cpu" or t.is_sparse or type(t) is not torch.Tensor or t.is_quantized or t.is_conj() or t.is_neg():
+            raise _NotATree(type(obj).__name__)
+        t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        pad = -pos[0] % _ALIGN
+        if pad:
+            bufs.append(bytes(pad))
+            pos[0] += pad
+        off = pos[0]
+        if nbytes:
+            bufs.append(t.reshape(-1).view(torch.uint8).numpy())
+            pos[0] += nbytes
+        return {"t": [str(t.dtype).removeprefix("torch."), list(t.shape), off, nbytes, bool(obj.requires_grad)]}
+    if obj is None:
+        return {"n": 0}
+    if isinstance(obj, bool):
+        return {"b": obj}
+    if isinstance(obj, int):
+        return {"i": obj}
+    if isinstance(obj, float):
+        return {"f": repr(obj)}
+    if isinstance(obj, str):
+        return {"s": obj}
+    if type(obj) is dict:
+        items = []
+        for k, v in obj.items():
+            if type(k) not in (str, int):
+                raise _NotATree(f"key {type(k).__name__}")
+            items.append([["s" if type(k) is str else "i", k], _encode(v, bufs, pos)])
+        return {"d": items}
+    if type(obj) is list:
+        return {"l": [_encode(v, bufs, pos) for v in obj]}
+    if type(obj) is tuple:
+        return {"u": [_encode(v, bufs, pos) for v in obj]}
+    raise _NotATree(type(obj).__name__)
+
+
+def _decode(node, data: bytearray):
+    (kind, v), = node.items()
+    if kind == "t":
+        dtype, shape, off, nbytes, grad = v
+        dt = getattr(torch, dtype)
+        if nbytes:
+            t = torch.frombuffer(data, dtype=torch.uint8, count=nbytes, offset=off).view(dt).reshape(shape)
+        else:
+            t = torch.empty(shape, dtype=dt)
+        return t.requires_grad_() if grad else t
+    if kind == "n":
+        return None
+    if kind in ("b", "i", "s"):
+        return v
+    if kind == "f":
+        return float(v)
+    if kind == "d":
+        return {(str(k) if kt == "s" else int(k)): _decode(x, data) for (kt, k), x in v}
+    if kind == "l":
+        return [_decode(x, data) for x in v]
+    if kind == "u":
+        return tuple(_decode(x, data) for x in v)
+    raise ValueError(f"unknown node {kind!r}")
+
+
+def save_tree(obj, f) -> None:
+    """Write a tree of tensors / dicts / lists / tuples / numbers / strings in the flat format (raises TypeError for
+    anything else): magic, header length, JSON header (the tree, the data's length and CRC-32), the raw data."""
+    import json
+    import struct
+    import zlib
+
+    bufs: list = []
+    pos = [0]
+    tree = _encode(obj, bufs, pos)
+    crc = 0
+    for b in bufs:
+        crc = zlib.crc32(b, crc)
+    header = json.dumps({"tree": tree, "n": pos[0], "crc": crc}, separators=(",", ":")).encode()
+    f.write(TREE_MAGIC)
+    f.write(struct.pack("<Q", len(header)))
+    f.write(header)
+    for b in bufs:
+        f.write(b)
+
+
+def load_tree(raw: bytes | bytearray):
+    """Read :func:`save_tree`'s format; damage (a short file, a changed byte) raises ValueError."""
+    import json
+    import struct
+    import zlib
+
+    start = len(TREE_MAGIC) + 8
+    if len(raw) < start or raw[:len(TREE_MAGIC)] != TREE_MAGIC:
+        raise ValueError("not a raysim state file")
+    (hlen,) = struct.unpack("<Q", raw[len(TREE_MAGIC):start])
+    head = json.loads(bytes(raw[start:start + hlen]))
+    data = bytearray(memoryview(raw)[start + hlen:])
+    if len(data) != head["n"] or zlib.crc32(data) != head["crc"]:
+        raise ValueError(f"its data are damaged ({len(data):,} of {head['n']:,} bytes; CRC-32 differs)")
+    return _decode(head["tree"], data)
+
+
+def atomic_save(obj, path: Path, digest: bool = True, tree: bool = False) -> Optional[str]:
+    """Write ``obj`` to ``path`` atomically; returns the sha256 of the bytes written (verified when read back), or
+    None with ``digest=False``. ``tree=True``: the flat format of :func:`save_tree` when ``obj`` fits it (client
+    states), else ``torch.save``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
-            w = _HashingWriter(f)
-            torch.save(obj, w)
+            w = _HashingWriter(f) if digest else f
+            written = False
+            if tree:
+                try:
+                    save_tree(obj, w)
+                    written = True
+                except _NotATree:
+                    f.seek(0)
+                    f.truncate()
+                    if digest:
+                        w = _HashingWriter(f)
+            if not written:
+                torch.save(obj, w)
         os.replace(tmp, path)
-        return w.h.hexdigest()
+        return w.h.hexdigest() if digest else None
     except BaseException:
         try:
             os.unlink(tmp)
@@ -91,12 +219,12 @@ def load_file(path: Path, sha256: Optional[str] = None):
 
     path = Path(path)
     try:
-        if sha256 is None:
-            return torch.load(path, map_location="cpu", weights_only=True)
         data = path.read_bytes()
-        if hashlib.sha256(data).hexdigest() != sha256:
+        if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
             raise ValueError(f"its contents changed since it was written ({len(data):,} bytes; sha256 differs from "
                              f"the one recorded when it was written)")
+        if data[:len(TREE_MAGIC)] == TREE_MAGIC:
+            return load_tree(data)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:
         if "checkpoints" in path.parts:
@@ -176,7 +304,7 @@ class StateStore:
     def put_initial(self, cid: int, state) -> None:
         """A newly created state, committed at once."""
         if self.durable:
-            atomic_save(state, self._path(cid))
+            atomic_save(state, self._path(cid), digest=False, tree=True)
             self._on_disk.add(cid)
         self._commit_one(cid, state)
         self._enforce()
@@ -184,7 +312,7 @@ class StateStore:
     def stage(self, cid: int, state, token: Optional[str] = None) -> None:
         self._pending[cid] = (state, token)
         if self.durable:
-            atomic_save(state, self._pending_path(cid, token))
+            atomic_save(state, self._pending_path(cid, token), digest=False, tree=True)
 
     def put(self, cid: int, state) -> None:
         """Server steps: set a client's server-side state (committed when the step returns)."""
@@ -255,7 +383,7 @@ class StateStore:
             cid, state = self._mem.popitem(last=False)
             self._total -= self._sizes.pop(cid)
             if not self.durable:  # a durable store has the file already
-                self._digests[cid] = atomic_save(state, self._path(cid))
+                self._digests[cid] = atomic_save(state, self._path(cid), tree=True)
             self._on_disk.add(cid)
             self.spills += 1
 
@@ -284,7 +412,7 @@ class StateStore:
         for cid, state in load_file(path).items():
             if keep is None or cid in keep:
                 if self.durable:
-                    atomic_save(state, self._path(int(cid)))
+                    atomic_save(state, self._path(int(cid)), digest=False, tree=True)
                     self._on_disk.add(int(cid))
                 self._commit_one(int(cid), state)
                 loaded.append(int(cid))
