@@ -340,7 +340,9 @@ class RayBackend(Backend):
                                ("server", b.server_num_cpus, b.server_num_gpus, repr(renv)))
         self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test),
                                                       ray.put(self.fed_data.server_val))
-        self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit sent
+        self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit issued
+        self._unsent: list = [[] for _ in range(n)]  # per actor: commits not sent yet (they ride on its next step call)
+        self._unconfirmed: list = [[] for _ in range(n)]  # per actor: commits issued since its last call that returned
         self.cost = self._cost_model() if b.balance == "cost" and n > 1 else None
         self._warm: set = set()  # (actor, step name) pairs that have run once
         self.balance_log: list[dict] = []  # per balanced step: predicted/measured per-actor loads, moves
@@ -415,6 +417,7 @@ class RayBackend(Backend):
         new = plan(costs, self.assignment, len(self.actors))
         todo = moves(self.assignment, new)
         if todo:
+            self._flush_commits()  # a moving client leaves with its committed state
             by_src: dict[int, list[int]] = {}
             for c, (a, _) in todo.items():
                 by_src.setdefault(a, []).append(c)
@@ -456,8 +459,11 @@ class RayBackend(Backend):
         if self.cost is not None:  # clients may have moved since the start: the group as it is now
             self._group_refs[k] = ray.put(self._group(k))
         self.actors[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)
-        if self._last_commit[k] is not None:
-            ids, token = self._last_commit[k]
+        # the commits the dead actor may not have carried out, in order (else the last one issued); replaying one it
+        # did carry out is harmless (a commit renames the staged file when it is still there)
+        replay = self._unconfirmed[k] or ([self._last_commit[k]] if self._last_commit[k] is not None else [])
+        self._unsent[k], self._unconfirmed[k] = [], []
+        for ids, token in replay:
             self.actors[k].commit_and_discard.remote(ids, token)
         ray.get(self.actors[k].ready.remote())
 
@@ -485,6 +491,7 @@ class RayBackend(Backend):
                 res_ref, rep_ref = calls[k]
                 try:
                     out[k] = (res_ref, ray.get(rep_ref))
+                    self._unconfirmed[k] = []  # the actor ran its calls in order: every commit before this one too
                     break
                 except ray.exceptions.RayActorError as e:
                     action = self._on_actor_death(k, where, e, attempt)
@@ -512,7 +519,7 @@ class RayBackend(Backend):
             self._rebalance(step, client_ids, where)
         groups = self._groups(client_ids)
         out = self._call_actors(groups, lambda a, g: a.run_client_step.options(num_returns=2).remote(
-            step, payload, round_idx, iteration, g), where)
+            step, payload, round_idx, iteration, g, self._take_unsent(a)), where)
         upload_refs, reports = [], []
         self._last_client_step = (step, payload, round_idx, iteration, groups)
         self._upload_actor = {}
@@ -551,11 +558,25 @@ class RayBackend(Backend):
                                  "ideal_s": ideal(seconds, n) if seconds else 0.0})
 
     def commit(self, client_ids, token=None):
-        # fire and forget: an actor runs its calls in submission order, so the commit lands before its next step;
-        # remembered per actor so that a replacement replays it
-        for k, (actor, group) in enumerate(zip(self.actors, self._groups(client_ids))):
+        # carried by the actor's next step call (run before the step, in order; no task of its own), or sent by
+        # _flush_commits before any other call that reads client states; remembered per actor so that a replacement
+        # replays it
+        for k, group in enumerate(self._groups(client_ids)):
             self._last_commit[k] = (group, token)
-            actor.commit_and_discard.remote(group, token)
+            self._unsent[k].append((group, token))
+            self._unconfirmed[k].append((group, token))
+
+    def _take_unsent(self, actor) -> list:
+        k = self.actors.index(actor)
+        pending, self._unsent[k] = self._unsent[k], []
+        return pending
+
+    def _flush_commits(self) -> None:
+        """Send every commit not yet carried by a step call (before checkpoints, moves, statistics)."""
+        for k, pending in enumerate(self._unsent):
+            for group, token in pending:
+                self.actors[k].commit_and_discard.remote(group, token)
+            pending.clear()
 
     def server_step(self, step, round_idx, iteration, uploads, failures, keep=None):
         payload_ref, info_ref = self.server.run_server_step_ref.options(num_returns=2).remote(
@@ -591,6 +612,7 @@ class RayBackend(Backend):
         return uploads
 
     def save_checkpoint(self, directory):
+        self._flush_commits()
         files = [f"clients-{k}.pt" for k in range(len(self.actors))]
         server_ref = self.server.save.remote(os.path.join(directory, "server.pt"))
         self._call_actors([[0]] * len(self.actors), lambda a, g: (None, a.save_shard.remote(
@@ -599,11 +621,13 @@ class RayBackend(Backend):
         return {"server": "server.pt", "clients": files}
 
     def load_checkpoint(self, directory, manifest):
+        self._flush_commits()
         paths = [os.path.join(directory, f) for f in manifest["clients"]]
         ray.get([self.server.load.remote(os.path.join(directory, manifest["server"]))] +
                 [a.load_shards.remote(paths) for a in self.actors])
 
     def store_stats(self):
+        self._flush_commits()
         return ray.get([a.store_stats.remote() for a in self.actors])
 
     def actor_nodes(self) -> list[str]:
@@ -681,6 +705,12 @@ class _ClientActor(ClientRunner):
     def commit_and_discard(self, client_ids, token=None):
         self.commit(client_ids, token)
         self.discard()
+
+    def run_client_step(self, step, payload, round_idx, iteration, client_ids, pre=()):
+        """``pre``: the driver's commits not sent yet (carried by this call, carried out first, in order)."""
+        for group, token in pre:
+            self.commit_and_discard(group, token)
+        return super().run_client_step(step, payload, round_idx, iteration, client_ids)
 
 
 class _ServerActor(ServerRunner):
