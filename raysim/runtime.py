@@ -224,22 +224,7 @@ class ClientRunner:
                 uploads.pop(cid, None)
             rep.seconds = time.perf_counter() - t0
             reports.append(rep)
-        self._flush_store(uploads, reports)
         return uploads, reports
-
-    def _flush_store(self, uploads: dict, reports) -> None:
-        """Wait for the durable store's background writes of this step (a reported step is on disk); a client whose
-        state could not be written fails the step like any client error (its staged state is discarded)."""
-        failed = dict(self.store.flush())
-        if failed:
-            for rep in (reports.values() if isinstance(reports, dict) else reports):
-                e = failed.get(rep.client_id)
-                if e is not None and rep.ok:
-                    try:
-                        raise e
-                    except Exception as err:
-                        _failure(rep, err)
-                    uploads.pop(rep.client_id, None)
 
     def _finish_update(self, rep: ClientReport, cid: int, res, token: str, uploads: dict) -> None:
         from raysim import safety
@@ -326,7 +311,6 @@ class ClientRunner:
                     self.store.discard([c])
                     uploads.pop(c, None)
                 rep.seconds += share + time.perf_counter() - t1
-        self._flush_store(uploads, reports)
         return uploads, [reports[c] for c in client_ids]
 
     def commit(self, client_ids: Optional[list[int]] = None, token: Optional[str] = None) -> None:

@@ -256,10 +256,6 @@ class StateStore:
         self.spills = 0  # how many states were written to disk (diagnostics)
         self._digests: dict[int, str] = {}  # sha256 of each state this store spilled (verified when read back)
         self.loads = 0
-        # durable stores write staged states on a background thread (overlapping the next client's compute);
-        # flush() waits for them: the runner calls it before a step returns, so a reported step is on disk
-        self._writer = None
-        self._writes: dict[int, Any] = {}  # cid -> Future of its staged state's write
 
     # -- paths ------------------------------------------------------------------------------------------------
     def _dir(self) -> Path:
@@ -316,35 +312,13 @@ class StateStore:
     def stage(self, cid: int, state, token: Optional[str] = None) -> None:
         self._pending[cid] = (state, token)
         if self.durable:
-            if self._writer is None:
-                from concurrent.futures import ThreadPoolExecutor
-
-                self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="raysim-store")
-            old = self._writes.pop(cid, None)
-            if old is not None:
-                old.result()
-            self._writes[cid] = self._writer.submit(atomic_save, state, self._pending_path(cid, token), False, True)
-
-    def flush(self) -> list:
-        """Wait for the staged states' background writes; returns [(cid, exception)] of the writes that failed (their
-        staged states are discarded: the clients keep their committed states)."""
-        failed = []
-        for cid, fut in list(self._writes.items()):
-            try:
-                fut.result()
-            except Exception as e:
-                failed.append((cid, e))
-        self._writes.clear()
-        if failed:
-            self.discard([c for c, _ in failed])
-        return failed
+            atomic_save(state, self._pending_path(cid, token), digest=False, tree=True)
 
     def put(self, cid: int, state) -> None:
         """Server steps: set a client's server-side state (committed when the step returns)."""
         self.stage(cid, state)
 
     def commit(self, cids: Optional[Iterable[int]] = None, token: Optional[str] = None) -> None:
-        self.flush()
         ids = list(self._pending) if cids is None else list(cids)
         for cid in ids:
             if cid in self._pending:
@@ -363,11 +337,6 @@ class StateStore:
         self._enforce()
 
     def discard(self, cids: Optional[Iterable[int]] = None) -> None:
-        for cid in list(self._writes) if cids is None else [c for c in cids if c in self._writes]:
-            try:
-                self._writes.pop(cid).result()
-            except Exception:
-                pass  # the write failed: nothing to delete beyond what follows
         for cid in list(self._pending) if cids is None else list(cids):
             item = self._pending.pop(cid, None)
             if item is not None and self.durable:
@@ -387,7 +356,6 @@ class StateStore:
     def forget(self, cids: Iterable[int]) -> None:
         """Clients that moved to another runner: drop them here. A spilled file is left alone: the run's stores share
         one directory keyed by client id, and the client's new runner owns that path now."""
-        self.flush()
         for cid in cids:
             if cid in self._mem:
                 self._mem.pop(cid)
@@ -432,7 +400,6 @@ class StateStore:
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save_shard(self, path: Path) -> list[int]:
         """Write every committed state into one file (client id -> state); returns the client ids written."""
-        self.flush()
         states = {}
         for cid in self.client_ids():
             states[cid] = self._mem[cid] if cid in self._mem else load_file(self._path(cid), self._digests.get(cid))
@@ -462,10 +429,6 @@ class StateStore:
         self._pending.clear()
 
     def close(self) -> None:
-        self.flush()
-        if self._writer is not None:
-            self._writer.shutdown(wait=True)
-            self._writer = None
         self.clear()
         if self._own_dir and self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)

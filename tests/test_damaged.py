@@ -359,31 +359,3 @@ def test_split_file_larger_than_memory_is_refused_before_unpacking(tmp_path, mon
     with pytest.raises(DamagedFileError, match="unpacks to") as e:
         build_federated_data(cfg.data, cfg.seed)
     assert e.value.path.endswith("0.npz")
-
-
-def test_durable_store_writes_in_the_background_and_a_failed_write_fails_only_that_client(tmp_path, monkeypatch):
-    """The durable store writes staged states on a thread; flush() waits (a runner calls it before a step returns);
-    a write that fails discards that client's staged state and is reported, the others commit."""
-    import torch
-
-    from raysim import store as st
-
-    s = st.StateStore(1e9, tmp_path / "states", durable=True)
-    real = st.atomic_save
-
-    def flaky(obj, path, *a, **k):
-        if "client_2." in str(path):
-            raise OSError(28, "No space left on device")
-        return real(obj, path, *a, **k)
-
-    monkeypatch.setattr(st, "atomic_save", flaky)
-    for cid in (1, 2, 3):
-        s.stage(cid, {"w": torch.full((4,), float(cid))}, "r0.step.0")
-    failed = s.flush()
-    assert [(c, type(e).__name__) for c, e in failed] == [(2, "OSError")]
-    assert s.pending() == [1, 3]
-    s.commit([1, 3], "r0.step.0")
-    assert sorted(p.name for p in (tmp_path / "states").iterdir()) == ["client_1.pt", "client_3.pt"]
-    again = st.StateStore(1e9, tmp_path / "states", durable=True, owned=[1, 2, 3])  # a replacement runner
-    assert torch.equal(again.get(3)["w"], torch.full((4,), 3.0)) and again.get(2) is None
-    s.close()
