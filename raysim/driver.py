@@ -91,6 +91,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                 raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
                                                          f"{', '.join(arch_params(spec.arch))}")
     _notice_dropped(cfg)
+    _check_population_memory(cfg)
     fed = build_federated_data(cfg.data, cfg.seed)
     env = make_environment(cfg, fed)  # None without an env section
     env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
@@ -152,6 +153,39 @@ def _available_bytes() -> Optional[int]:
     from raysim.data.datasets import available_memory
 
     return available_memory()
+
+
+POPULATION_BYTES_PER_CLIENT = 256  # CSR offsets of train/test/val (24 B), the runners' masks, the driver's per-client
+#                                    bookkeeping (sizes, domains, placement), with room to spare
+POPULATION_SHARE = 0.5  # of the free memory a population's index data may take (the data pools and models need the rest)
+
+
+def population_bytes(cfg: ExperimentConfig) -> int:
+    """Estimate of the memory a population's client bookkeeping takes on the driver before any data is built:
+    per-client index arrays (8 bytes per sample index; partitioners that draw ``samples_per_client`` /
+    ``test_per_client`` per client, with replacement across clients) plus a fixed per-client overhead. Partitioners
+    that split a pool give each sample to one client: their index data is bounded by the pool (not counted)."""
+    p = dict(cfg.data.partition_params or {})
+    per = 0
+    for key in ("samples_per_client", "test_per_client"):
+        v = p.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            per += int(v)
+    return int(cfg.data.num_clients) * (8 * per + POPULATION_BYTES_PER_CLIENT)
+
+
+def _check_population_memory(cfg: ExperimentConfig, avail: Optional[int] = None) -> None:
+    """Refuse, before any data is built, a population whose client bookkeeping alone would not fit in half of this
+    machine's free memory, with the estimate and the keys to change."""
+    need = population_bytes(cfg)
+    avail = _available_bytes() if avail is None else avail
+    if avail is not None and need > POPULATION_SHARE * avail:
+        p = cfg.data.partition_params or {}
+        per = " x ".join(f"{k} {p[k]}" for k in ("samples_per_client", "test_per_client") if k in p)
+        raise ConfigError("data.num_clients", f"{cfg.data.num_clients:,} clients" + (f" ({per})" if per else "")
+                          + f" need about {need / 2**30:,.1f} GiB for their index data and bookkeeping alone, more "
+                          f"than half of the {avail / 2**30:,.1f} GiB free here; lower data.num_clients"
+                          + (" or data.partition_params.samples_per_client / test_per_client" if per else ""))
 
 
 def _check_model_size(spec, task: Task, path: str) -> None:

@@ -209,3 +209,28 @@ def test_report_of_a_missing_metric_or_no_runs(tmp_path, capsys):
     assert main(["report", str(tmp_path), "--out", str(tmp_path / "rep")]) == 2
     assert "no results.parquet" in capsys.readouterr().err
     assert not (tmp_path / "rep").exists()
+
+
+def test_population_that_cannot_fit_is_refused_before_any_data_is_built(tmp_path, capsys):
+    """A population whose index data alone exceeds half the free memory: one line naming data.num_clients with the
+    estimate and the keys to change, exit 2, nothing written; the estimate itself on a hand example."""
+    from raysim.cli import main as cli_main
+    from raysim.config import ConfigError, make_config
+    from raysim.driver import POPULATION_BYTES_PER_CLIENT, _check_population_memory, population_bytes
+    from tests.conftest import tiny_config
+
+    cfg = make_config(tiny_config(data__num_clients=1000, data__partition="iid",
+                                  data__partition_params={"samples_per_client": 40, "test_per_client": 10}))
+    assert population_bytes(cfg) == 1000 * (8 * 50 + POPULATION_BYTES_PER_CLIENT)
+    _check_population_memory(cfg, avail=2 * population_bytes(cfg))  # exactly half: fits
+    with pytest.raises(ConfigError, match=r"data\.num_clients.*1,000 clients \(samples_per_client 40 x "
+                                          r"test_per_client 10\) need about .* GiB .* lower data\.num_clients"):
+        _check_population_memory(cfg, avail=2 * population_bytes(cfg) - 2)
+    out = tmp_path / "runs"
+    code = cli_main(["run", "configs/fedproto_mnist5k.yaml", "--out", str(out), "--set", "data.num_clients=10000000",
+                     "--set", "data.partition=iid", "--set", "backend.name=sequential",
+                     "--set", "data.partition_params={samples_per_client: 100000, test_per_client: 10}"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "data.num_clients" in err and "GiB" in err and len(err.strip().splitlines()) == 1
+    assert not out.exists() or not any(out.iterdir())
