@@ -42,7 +42,7 @@ from raysim.registry import algorithm_class, algorithm_target, make_environment
 from raysim.results import RESULTS_FILE, ROUND_TIME, STEP_TIME, ResultTable, write_parquet
 from raysim.runtime import ClientReport, RunSpec, SimulationError, step_token
 from raysim.state import find_checkpoint, read_checkpoint_meta, write_checkpoint
-from raysim.steps import ALL, ClientStep, check_schedule, flatten
+from raysim.steps import ALL, ClientStep, ServerStep, check_schedule, flatten
 
 COMM_METRICS = ("up_floats", "up_bytes", "down_floats", "down_bytes")
 SETUP_ROUND = rngmod.NO_ROUND  # the setup phase's rows carry round -1
@@ -464,13 +464,24 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int], step_s: 
     t_env = 0.0
     compute = 0.0
     all_clients = range(cfg.data.num_clients)  # not a list: O(1) per round however large the population
-    for step, it in flatten(schedule):
+    items = list(flatten(schedule))
+    ahead = getattr(backend, "runs_server_step_ahead", False)
+    for pos, (step, it) in enumerate(items):
         t_step = time.perf_counter()
         if isinstance(step, ClientStep):
             ids = [c for c in (all_clients if step.clients == ALL else selected) if c not in out_of_round]
             if to_commit is not None:
                 backend.commit(*to_commit)
-            uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids)
+            nxt = items[pos + 1] if pos + 1 < len(items) else None
+            if (ahead and nxt is not None and isinstance(nxt[0], ServerStep)
+                    and not (env is not None and not env_seen and round_idx >= 0)):
+                # the backend may submit the server step that follows right behind this one, without waiting for
+                # the reports: its failures are this list plus the step's failed reports (computed where it runs)
+                # and nothing else can change them before it (the environment decides on a round's first step)
+                uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids,
+                                                       then=(nxt[0], list(failures), keep))
+            else:
+                uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids)
             # committed once the uploads have been consumed too (the next server step), so that a step whose
             # uploads are lost with a node can still be run again from the previous states
             to_commit = ([r.client_id for r in reports if r.ok], step_token(round_idx, step, it))

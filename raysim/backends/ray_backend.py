@@ -480,10 +480,13 @@ class RayBackend(Backend):
         self._replace_actor(k)
         return action
 
-    def _call_actors(self, groups, submit, where: str):
+    def _call_actors(self, groups, submit, where: str, submitted=None):
         """Submit ``submit(actor, group)`` -> (result_ref, report_ref) for every non-empty group and collect the
-        reports; a dead actor is replaced and its call retried (on_actor_failure), or its clients are failed."""
+        reports; a dead actor is replaced and its call retried (on_actor_failure), or its clients are failed.
+        ``submitted(calls)``: called once every first call is submitted, before any report is awaited."""
         calls = {k: submit(self.actors[k], g) for k, g in enumerate(groups) if g}
+        if submitted is not None:
+            submitted(dict(calls))
         out = {}
         for k in sorted(calls):
             attempt = 0
@@ -512,14 +515,33 @@ class RayBackend(Backend):
     def initial_payload(self, round_idx):
         return self.server.initial_payload.remote(round_idx)  # an ObjectRef: the payload is stored once
 
-    def client_step(self, step, payload, round_idx, iteration, client_ids):
+    runs_server_step_ahead = True  # client_step(..., then=...) submits the following server step at once
+
+    def client_step(self, step, payload, round_idx, iteration, client_ids, then=None):
+        """``then = (server step, failures so far, keep)``: submit that server step right behind the client calls,
+        on their upload and report refs (the server actor adds the step's failed reports to the failures), so it
+        starts when the last upload exists instead of after a driver round trip; :meth:`server_step` collects it
+        (or, when the uploads it was given were lost and replaced, runs the step anew: a task whose arguments
+        failed never ran)."""
         where = f"round {round_idx}, step '{step.name}'"
         self._pending_balance = None
+        self._ahead = None
         if self.cost is not None and step.mode != "evaluate":
             self._rebalance(step, client_ids, where)
         groups = self._groups(client_ids)
+
+        def submit_server(calls):
+            if then is None or not calls:
+                return
+            nstep, prior, keep = then
+            ups = [calls[k][0] for k in sorted(calls)]
+            reps = [calls[k][1] for k in sorted(calls)]
+            refs = self.server.run_server_step_ahead.options(num_returns=2).remote(
+                nstep, round_idx, iteration, prior, len(ups), *ups, *reps, keep=keep)
+            self._ahead = ((nstep.name, round_idx, iteration), ups, refs)
+
         out = self._call_actors(groups, lambda a, g: a.run_client_step.options(num_returns=2).remote(
-            step, payload, round_idx, iteration, g, self._take_unsent(a)), where)
+            step, payload, round_idx, iteration, g, self._take_unsent(a)), where, submit_server)
         upload_refs, reports = [], []
         self._last_client_step = (step, payload, round_idx, iteration, groups)
         self._upload_actor = {}
@@ -579,6 +601,27 @@ class RayBackend(Backend):
             pending.clear()
 
     def server_step(self, step, round_idx, iteration, uploads, failures, keep=None):
+        ahead, self._ahead = getattr(self, "_ahead", None), None
+        if ahead is not None and ahead[0] == (step.name, round_idx, iteration):
+            _, ups, (payload_ref, info_ref) = ahead
+            if ups == list(uploads or []):
+                try:
+                    has_payload, metrics = ray.get(info_ref)
+                    return (payload_ref if has_payload else None), metrics
+                except ray.exceptions.RayError as e:
+                    if not _alive(self.server):
+                        raise SimulationError(f"the server actor died in round {round_idx}, step '{step.name}' "
+                                              f"({type(e).__name__}); the server state lives only there, so the run "
+                                              f"stops (resume from its last checkpoint with --resume)") from None
+                    # its uploads are gone (or the step raised): the server state is unchanged; as below
+            else:  # a client actor was replaced: the call ahead depended on its lost results, so it never ran
+                try:
+                    ray.get(info_ref)
+                except ray.exceptions.RayError:
+                    pass
+                else:
+                    raise SimulationError(f"round {round_idx}, step '{step.name}': the server step submitted ahead "
+                                          f"ran on uploads that were replaced (internal error)")
         payload_ref, info_ref = self.server.run_server_step_ref.options(num_returns=2).remote(
             step, round_idx, iteration, failures, *(uploads or []), keep=keep)
         try:
@@ -735,6 +778,14 @@ class _ServerActor(ServerRunner):
     def run_server_step_ref(self, step, round_idx, iteration, failures, *upload_groups, keep=None):
         payload, metrics = self.run_server_step(step, round_idx, iteration, failures, *upload_groups, keep=keep)
         return payload, (payload is not None, metrics)
+
+    def run_server_step_ahead(self, step, round_idx, iteration, prior_failures, n, *refs, keep=None):
+        """The server step submitted right behind a client step: ``refs`` = n upload groups, then the n report
+        lists of the same calls; the failures are the driver's list so far plus the failed reports, exactly as the
+        driver computes them."""
+        failed = {(r.client_id, r.error) for reps in refs[n:] for r in reps if not r.ok}
+        failures = sorted(set(map(tuple, prior_failures)) | failed)
+        return self.run_server_step_ref(step, round_idx, iteration, failures, *refs[:n], keep=keep)
 
 
 def _alive(actor) -> bool:
