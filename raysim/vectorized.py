@@ -98,9 +98,14 @@ class _Optimizer:
                 self.bufs[name] = b
 
     @torch.no_grad()
-    def step(self, params: dict, grads: dict, rows: torch.Tensor) -> None:
-        """Update the clients ``rows`` (indices into the stack) with their gradients ``grads`` ({name: [len(rows), ...]})."""
+    def step(self, params: dict, grads: dict, rows: torch.Tensor, whole: bool = False) -> None:
+        """Update the clients ``rows`` (indices into the stack) with their gradients ``grads`` ({name: [len(rows), ...]}).
+        ``whole``: ``rows`` is every client of the stack in order: the same arithmetic in place, without gathering
+        and scattering the stacked parameters and buffers (~5 copies of every parameter per step)."""
         cfg, lr = self.cfg, self.lr
+        if whole:
+            self._step_whole(params, grads)
+            return
         if self.adam:
             self.steps[rows] += 1
         for name, g in grads.items():
@@ -133,6 +138,38 @@ class _Optimizer:
             p[rows] = pr
         if not self.adam and cfg.momentum:
             self.has_buf[rows] = True
+
+    def _step_whole(self, params: dict, grads: dict) -> None:
+        """:meth:`step` for every client: the same operations on the stacked tensors in place (bit-identical)."""
+        cfg, lr = self.cfg, self.lr
+        if self.adam:
+            self.steps += 1
+        first = None if self.adam or not cfg.momentum or bool(self.has_buf.all()) else ~self.has_buf
+        for name, g in grads.items():
+            p = params[name]
+            if cfg.weight_decay:
+                g = g.add(p, alpha=cfg.weight_decay)
+            if self.adam:
+                b1, b2 = 0.9, 0.999
+                m, v = self.bufs[name]
+                m.lerp_(g, 1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                shape = (-1,) + (1,) * (p.dim() - 1)
+                bc1 = (1 - b1 ** self.steps).to(p.dtype).view(shape)
+                bc2_sqrt = (1 - b2 ** self.steps).sqrt().to(p.dtype).view(shape)
+                denom = (v.sqrt() / bc2_sqrt).add_(1e-8)
+                p.addcdiv_(m, denom * (bc1 / lr), value=-1.0)
+            elif cfg.momentum:
+                b = self.bufs[name]
+                if first is None:
+                    b.mul_(cfg.momentum).add_(g)
+                else:
+                    b.copy_(torch.where(first.view((-1,) + (1,) * (p.dim() - 1)), g, b.mul(cfg.momentum).add(g)))
+                p.add_(b, alpha=-lr)
+            else:
+                p.add_(g, alpha=-lr)
+        if not self.adam and cfg.momentum:
+            self.has_buf[:] = True
 
     def state_of(self, i: int, names: list[str]) -> dict:
         """Client ``i``'s state in the loop's format ({name: {key: tensor}}); {} when it never stepped."""
@@ -215,7 +252,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
             sub = stacked if whole else {n: t[rows] for n, t in stacked.items()}
             fz = frozen if whole else {n: t[rows] for n, t in frozen.items()}
             grads, (loss, parts) = grad_fn(sub, fz, xb, yb, masks)
-            opt.step(stacked, grads, rows)
+            opt.step(stacked, grads, rows, whole)
             for j, i in enumerate(group):
                 counts[i] += 1
                 t = totals[i]
