@@ -238,7 +238,7 @@ class Planned:
     seed: int
     cfg: object
     target: Path
-    status: str = "to run"  # to run | reuse | resume
+    status: str = "to run"  # to run | reuse | resume | diverged
 
 
 def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool = True) -> list[Planned]:
@@ -267,6 +267,8 @@ def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool
                                                f"one {cfg.config_hash()}); a table never mixes configurations: "
                                                f"use another --out or remove that run")
                 p.status = "reuse"
+            elif _diverged(target, cfg) is not None:
+                p.status = "diverged"  # it diverged with this very config: running it again would diverge again
             elif rundir.has_checkpoints(rundir.work_path(target)):
                 p.status = "resume"
             planned.append(p)
@@ -280,16 +282,43 @@ def _stored_hash(path: Path) -> Optional[str]:
         return None
 
 
+DIVERGED = "DIVERGED.json"  # in a run's working directory: the run diverged (on_nonfinite: stop) with this config
+
+
+def _diverged(target: Path, cfg) -> Optional[str]:
+    """The divergence message recorded for ``target`` when it diverged under this very config, else None."""
+    from raysim import rundir
+
+    try:
+        rec = json.loads((rundir.work_path(target) / DIVERGED).read_text())
+    except (OSError, ValueError):
+        return None
+    return rec.get("message") if rec.get("config_hash") == cfg.config_hash() else None
+
+
 def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callable = print) -> None:
+    """Run every planned run not finished yet. A run that diverges (NaN/inf under ``on_nonfinite: stop``) is a
+    result, not a crash: it is recorded beside its checkpoints (``DIVERGED.json``), named in the table, and the other
+    runs go on; planning it again with the same config skips it."""
     from raysim import rundir
     from raysim.driver import run_experiment
+    from raysim.safety import NonFiniteError
 
-    todo = [p for p in planned if p.status != "reuse"]
-    log(f"{len(planned)} run(s): {len(planned) - len(todo)} finished and reused, {len(todo)} to run")
+    todo = [p for p in planned if p.status not in ("reuse", "diverged")]
+    gone = sum(p.status == "diverged" for p in planned)
+    log(f"{len(planned)} run(s): {len(planned) - len(todo) - gone} finished and reused, "
+        + (f"{gone} diverged before, " if gone else "") + f"{len(todo)} to run")
     for k, p in enumerate(todo, 1):
         log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target}" + (" (resumed)" if p.status == "resume" else ""))
         resume = rundir.work_path(p.target) if p.status == "resume" else None
-        run_experiment(p.cfg, out_dir=p.target, progress=progress, resume=resume)
+        try:
+            run_experiment(p.cfg, out_dir=p.target, progress=progress, resume=resume)
+        except NonFiniteError as e:
+            work = rundir.work_path(p.target)
+            work.mkdir(parents=True, exist_ok=True)
+            (work / DIVERGED).write_text(json.dumps({"config_hash": p.cfg.config_hash(), "message": str(e)}))
+            p.status = "diverged"
+            log(f"    diverged: {e}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -475,7 +504,14 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
     d = Path(out) / exp.name
     d.mkdir(parents=True, exist_ok=True)
     md = table_markdown(exp, table, claims, numbers)
-    missing = [f"{p.run.label} seed {p.seed}" for p in planned if not (p.target / "results.parquet").exists()]
+    diverged = [(p, _diverged(p.target, p.cfg)) for p in planned if not (p.target / "results.parquet").exists()]
+    diverged = [(p, m) for p, m in diverged if m is not None]
+    gone = {id(p) for p, _ in diverged}
+    missing = [f"{p.run.label} seed {p.seed}" for p in planned
+               if not (p.target / "results.parquet").exists() and id(p) not in gone]
+    if diverged:
+        md += "\nDiverged (left out of the table; the run stopped on a NaN/inf, `on_nonfinite: stop`): " + "; ".join(
+            f"{p.run.label} seed {p.seed} ({m.split(' (on_nonfinite')[0]})" for p, m in diverged) + ".\n"
     if missing:
         md += f"\nNot finished (left out of the table): {', '.join(missing)}.\n"
     (d / "reproduction.md").write_text(md)

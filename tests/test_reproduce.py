@@ -133,3 +133,25 @@ def test_shipped_manifests_load():
                 v = rp.paper_value(e, numbers, r, m.split(":", 1)[-1])
                 assert r.paper is None or isinstance(v, float)
             assert not math.isnan(len(r.overrides))
+
+
+def test_a_diverged_run_is_a_result_named_in_the_table_and_not_rerun(tmp_path, capsys):
+    """One run of the experiment diverges (NaN under on_nonfinite: stop): the other runs finish, the table names the
+    diverged run with its round and client, exit 0; a second reproduction with the same config skips it."""
+    root = _write_root(tmp_path)
+    manifest = yaml.safe_load((root / "seed999_toy" / "experiments.yaml").read_text())
+    manifest["toy_diverge"] = {"extends": "toy_table", "runs": [
+        {"label": "Local", "config": "local.yaml", "paper": "local"},
+        {"label": "Local lr 1e30", "config": "local.yaml", "set": ["train.lr=1.0e+30"]}], "claims": []}
+    (root / "seed999_toy" / "experiments.yaml").write_text(yaml.safe_dump(manifest, allow_unicode=True, sort_keys=False))
+    out = tmp_path / "out"
+    args = ["reproduce", "toy_diverge", "--configs", str(root), "--out", str(out), "--no-report", "--seeds", "1"]
+    assert main(args) == 0
+    log = capsys.readouterr().out
+    assert "diverged: round 0, client 0" in log
+    table = (out / "toy_diverge" / "reproduction.md").read_text()
+    assert "| Local | 1 |" in table
+    assert "Diverged (left out of the table" in table and "Local lr 1e30 seed 1 (diverged: round 0, client 0" in table
+    assert "Not finished" not in table
+    assert main(args) == 0
+    assert "1 diverged before, 0 to run" in capsys.readouterr().out
