@@ -102,74 +102,63 @@ class _Optimizer:
         """Update the clients ``rows`` (indices into the stack) with their gradients ``grads`` ({name: [len(rows), ...]}).
         ``whole``: ``rows`` is every client of the stack in order: the same arithmetic in place, without gathering
         and scattering the stacked parameters and buffers (~5 copies of every parameter per step)."""
-        cfg, lr = self.cfg, self.lr
-        if whole:
-            self._step_whole(params, grads)
-            return
+        cfg = self.cfg
         if self.adam:
-            self.steps[rows] += 1
-        for name, g in grads.items():
-            p = params[name]
-            pr = p[rows]
-            if cfg.weight_decay:
-                g = g.add(pr, alpha=cfg.weight_decay)
-            if self.adam:
-                b1, b2 = 0.9, 0.999
-                m, v = self.bufs[name]
-                mr, vr = m[rows], v[rows]
-                mr.lerp_(g, 1 - b1)
-                vr.mul_(b2).addcmul_(g, g, value=1 - b2)
-                step = self.steps[rows]
-                shape = (-1,) + (1,) * (p.dim() - 1)
-                bc1 = (1 - b1 ** step).to(p.dtype).view(shape)
-                bc2_sqrt = (1 - b2 ** step).sqrt().to(p.dtype).view(shape)
-                denom = (vr.sqrt() / bc2_sqrt).add_(1e-8)
-                pr.addcdiv_(mr, denom * (bc1 / lr), value=-1.0)
-                m[rows], v[rows] = mr, vr
-            elif cfg.momentum:
-                b = self.bufs[name]
-                br = b[rows]
-                first = ~self.has_buf[rows]
-                br = torch.where(first.view((-1,) + (1,) * (p.dim() - 1)), g, br.mul(cfg.momentum).add(g))
-                b[rows] = br
-                pr.add_(br, alpha=-lr)
+            if whole:
+                self.steps += 1
             else:
-                pr.add_(g, alpha=-lr)
-            p[rows] = pr
+                self.steps[rows] += 1
+        steps = (self.steps if whole else self.steps[rows]) if self.adam else None
+        first = None  # SGD with momentum: the clients whose first step copies the gradient (None: nobody's)
         if not self.adam and cfg.momentum:
-            self.has_buf[rows] = True
+            has = self.has_buf if whole else self.has_buf[rows]
+            first = None if bool(has.all()) else ~has
+        for name, g in grads.items():
+            full, bufs = params[name], self.bufs.get(name)
+            p = full if whole else full[rows]
+            if self.adam:
+                st = bufs if whole else (bufs[0][rows], bufs[1][rows])
+            else:
+                st = bufs if whole or bufs is None else bufs[rows]
+            st = self._update(p, g, st, steps, first)
+            if not whole:
+                full[rows] = p
+                if self.adam:
+                    bufs[0][rows], bufs[1][rows] = st
+                elif bufs is not None:
+                    bufs[rows] = st
+        if not self.adam and cfg.momentum:
+            if whole:
+                self.has_buf[:] = True
+            else:
+                self.has_buf[rows] = True
 
-    def _step_whole(self, params: dict, grads: dict) -> None:
-        """:meth:`step` for every client: the same operations on the stacked tensors in place (bit-identical)."""
+    def _update(self, p: torch.Tensor, g: torch.Tensor, st, steps, first):
+        """torch.optim's SGD / Adam update of client-stacked ``p`` in place, with its state ``st`` (Adam: (m, v);
+        SGD with momentum: the buffer; else None), updated in place and returned."""
         cfg, lr = self.cfg, self.lr
+        if cfg.weight_decay:
+            g = g.add(p, alpha=cfg.weight_decay)
+        shape = (-1,) + (1,) * (p.dim() - 1)
         if self.adam:
-            self.steps += 1
-        first = None if self.adam or not cfg.momentum or bool(self.has_buf.all()) else ~self.has_buf
-        for name, g in grads.items():
-            p = params[name]
-            if cfg.weight_decay:
-                g = g.add(p, alpha=cfg.weight_decay)
-            if self.adam:
-                b1, b2 = 0.9, 0.999
-                m, v = self.bufs[name]
-                m.lerp_(g, 1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                shape = (-1,) + (1,) * (p.dim() - 1)
-                bc1 = (1 - b1 ** self.steps).to(p.dtype).view(shape)
-                bc2_sqrt = (1 - b2 ** self.steps).sqrt().to(p.dtype).view(shape)
-                denom = (v.sqrt() / bc2_sqrt).add_(1e-8)
-                p.addcdiv_(m, denom * (bc1 / lr), value=-1.0)
-            elif cfg.momentum:
-                b = self.bufs[name]
-                if first is None:
-                    b.mul_(cfg.momentum).add_(g)
-                else:
-                    b.copy_(torch.where(first.view((-1,) + (1,) * (p.dim() - 1)), g, b.mul(cfg.momentum).add(g)))
-                p.add_(b, alpha=-lr)
+            b1, b2 = 0.9, 0.999
+            m, v = st
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            bc1 = (1 - b1 ** steps).to(p.dtype).view(shape)
+            bc2_sqrt = (1 - b2 ** steps).sqrt().to(p.dtype).view(shape)
+            denom = (v.sqrt() / bc2_sqrt).add_(1e-8)
+            p.addcdiv_(m, denom * (bc1 / lr), value=-1.0)
+            return m, v
+        if cfg.momentum:
+            if first is None:
+                st.mul_(cfg.momentum).add_(g)
             else:
-                p.add_(g, alpha=-lr)
-        if not self.adam and cfg.momentum:
-            self.has_buf[:] = True
+                st.copy_(torch.where(first.view(shape), g, st.mul(cfg.momentum).add(g)))
+            p.add_(st, alpha=-lr)
+            return st
+        p.add_(g, alpha=-lr)
+        return None
 
     def state_of(self, i: int, names: list[str]) -> dict:
         """Client ``i``'s state in the loop's format ({name: {key: tensor}}); {} when it never stepped."""
