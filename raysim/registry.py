@@ -28,6 +28,7 @@ ALGORITHMS: dict[str, str] = {
     "moon": "algorithms.moon:Moon",
     "slaugfl": "algorithms.slaugfl:SlaugFL",
     "fedgen": "algorithms.fedgen:FedGen",
+    "fedgen_ht": "algorithms.fedgen_ht:FedGenHt",
     "vhl": "algorithms.vhl:VHL",
     "pnicfl": "algorithms.pnicfl:PNICFL",
     "pnicfl_plus": "algorithms.pnicfl:PNICFLPlus",

@@ -1,0 +1,194 @@
+"""FedGen in HtFLlib's heterogeneous-model form (reference §6.8, "HtFLlib (HtFL) variant"), the FedGen that the
+FedTGP seed (002) compares against: bodies stay local and may differ between clients, the classifier heads (one
+shape across the zoo) are averaged with sample-count weights as in LG-FedAvg, and the server learns a
+label-conditioned feature generator G(eps, y) -> z (the embedding, size d) from the uploaded heads.
+
+Server, every round, on the uploaded heads h_k with sample-count weights w_k (sum 1), Adam (state kept across
+rounds, lr ``gen_lr``), ``gen_steps`` steps of
+
+    L_G = CE( sum_k w_k h_k(G(eps, y)), y ),   y ~ the global label frequencies, eps ~ U[0, 1)
+
+(no diversity term, no per-label weights: those are the official FedGen's, ``algorithms/fedgen.py``). Client, once a
+trained generator exists: CE(x, y) + ``weight`` * CE(h(G(eps, y_hat)), y_hat) with a batch of y_hat drawn from the
+global label frequencies (HtFLlib's ``qualified_labels``), G frozen.
+
+Why a second FedGen: the official form (diversity loss, alpha = beta = 10, B_gen / B = 3.2 at the seed's batch 10)
+diverges on the seed-002 stand-in: the diversity term exp(-mean ||eps_a - eps_b||^2 |z_a - z_b|_1) is lowest when
+generated features spread without bound, and their norm grows from 3 to 177 by round 21 (real embeddings ~16),
+until the teacher term's gradients on the head overflow (REPRODUCTION_seed000_002.md).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from algorithms import gen_ops
+from algorithms.fedavg import sample_counts
+from algorithms.generators import FeatureGenerator
+from algorithms.lgfedavg import LGFedAvg
+from raysim import rng as rngmod
+from raysim.algorithm import Context, LocalStart
+from raysim.config import positive
+from raysim.messages import Message, state_message
+from raysim.training import clone_state
+
+
+def ensemble_logits(heads: list, weights: list, z: torch.Tensor) -> torch.Tensor:
+    """sum_k w_k h_k(z)."""
+    out = None
+    for h, w in zip(heads, weights):
+        out = h(z) * w if out is None else out + h(z) * w
+    return out
+
+
+def adam_to_tensors(opt: torch.optim.Optimizer, names: list) -> dict:
+    """Adam's moments and step count as a flat tensor dict (server state), keyed by parameter name."""
+    out = {}
+    for name, p in zip(names, opt.param_groups[0]["params"]):
+        st = opt.state.get(p)
+        if st:
+            out[f"m.{name}"] = st["exp_avg"].detach().clone()
+            out[f"v.{name}"] = st["exp_avg_sq"].detach().clone()
+            out[f"s.{name}"] = torch.as_tensor(st["step"]).detach().clone().reshape(())
+    return out
+
+
+def adam_from_tensors(opt: torch.optim.Optimizer, names: list, saved: dict) -> None:
+    for name, p in zip(names, opt.param_groups[0]["params"]):
+        if f"m.{name}" in saved:
+            opt.state[p] = {"step": saved[f"s.{name}"].clone().to(torch.float32),
+                            "exp_avg": saved[f"m.{name}"].clone().to(p.device),
+                            "exp_avg_sq": saved[f"v.{name}"].clone().to(p.device)}
+
+
+class FedGenHt(LGFedAvg):
+    needs_embedding = True
+    name = "fedgen_ht"
+    paper = ("Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021 "
+             "(HtFLlib's heterogeneous form, as the FedTGP paper runs it)")
+
+    def declared_uploads(self):
+        return {"head_weights", "num_samples", "class_counts"}
+
+    @dataclass(frozen=True)
+    class Params:
+        gen_lr: float = 0.1  # HtFLlib total.sh -glr 0.1
+        gen_steps: int = 100  # HtFLlib server_epochs
+        gen_batch: int = 0  # generated batch on the server and the client; 0 = train.batch_size (HtFLlib)
+        noise_dim: int = 32
+        hidden: int = 512  # HtFLlib hidden_dim
+        weight: float = 1.0  # weight of the client's CE on generated features (HtFLlib: 1)
+
+        def check(self, path):
+            positive(f"{path}.weight", self.weight, allow_zero=True)
+            positive(f"{path}.gen_batch", self.gen_batch, allow_zero=True)
+            for k in ("gen_steps", "gen_lr", "noise_dim", "hidden"):
+                positive(f"{path}.{k}", getattr(self, k))
+
+    def __init__(self, params, task):
+        super().__init__(params, task)
+        self._mods = {}
+
+    def _batch(self) -> int:
+        return self.params.gen_batch or self.task.train.batch_size
+
+    def make_generator(self) -> FeatureGenerator:
+        p = self.params
+        return FeatureGenerator(self.task.num_classes, self.task.build_model(0).embed_dim, p.hidden, p.noise_dim)
+
+    def init_server_state(self, ctx: Context):
+        state = super().init_server_state(ctx)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "fedgen_init"))
+            gen = self.make_generator()
+        state.update({"generator": clone_state(gen), "gen_opt": {},
+                      "label_counts": torch.zeros(self.task.num_classes, dtype=torch.int64),
+                      "trained": torch.zeros((), dtype=torch.bool)})
+        return state
+
+    def broadcast(self, server_state, ctx: Context):
+        out = super().broadcast(server_state, ctx)
+        if bool(server_state["trained"]):
+            out["generator"] = state_message("generator", server_state["generator"])
+            out["label_freq"] = Message("class_counts", {"counts": server_state["label_counts"]})
+        return out
+
+    def vectorizable(self, start: LocalStart) -> bool:
+        return start.aux is None or start.aux.get("gen") is None
+
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
+        self.load(model, payload, state)
+        if "generator" not in payload:
+            return LocalStart(aux={"gen": None})
+        gen = gen_ops.cached_module(self._mods, "gen", self.make_generator, ctx.device)
+        gen.load_state_dict(payload["generator"].tensors)
+        gen.eval()
+        gen.requires_grad_(False)
+        freq = payload["label_freq"]["counts"].to(torch.float64)
+        return LocalStart(aux={"gen": gen, "freq": (freq / freq.sum()).to(torch.float32).to(ctx.device),
+                               "rng": ctx.generator("fedgen", ctx.device)})
+
+    def objective(self, start: LocalStart):
+        aux = start.aux or {"gen": None}
+        gen = aux["gen"]
+        p, nb = self.params, self._batch()
+
+        def loss_fn(model, xb, yb):
+            ce = F.cross_entropy(model(xb), yb)
+            if gen is None:
+                return ce, {"ce": ce.detach()}
+            g = aux["rng"]
+            y_hat = torch.multinomial(aux["freq"], nb, replacement=True, generator=g)
+            eps = torch.rand(nb, p.noise_dim, generator=g, device=yb.device)
+            with torch.no_grad():
+                z = gen(eps, y_hat)
+            teacher = F.cross_entropy(model.head(z), y_hat)
+            return ce + p.weight * teacher, {"ce": ce.detach(), "teacher": teacher.detach()}
+
+        return loss_fn
+
+    def client_final(self, model, start, payload, state, data, ctx: Context):
+        state, upload = super().client_final(model, start, payload, state, data, ctx)
+        upload["label_counts"] = Message("class_counts", {"counts": torch.bincount(
+            data.y_train.cpu(), minlength=self.task.num_classes).to(torch.int64)})
+        return state, upload
+
+    def aggregate(self, server_state, uploads, ctx: Context):
+        ids = sorted(uploads)
+        if not ids:
+            return server_state, {}
+        new, _ = super().aggregate(server_state, uploads, ctx)
+        # HtFLlib's qualified_labels: every training label of every client; counts of the clients seen this round
+        counts = torch.stack([uploads[i]["label_counts"]["counts"] for i in ids]).sum(0)
+        n = sample_counts(uploads, ids)
+        weights = [c / sum(n) for c in n]
+        heads = []
+        for j, i in enumerate(ids):
+            m = gen_ops.cached_module(self._mods, ("head", j), lambda: self.task.build_model(0).head, ctx.device)
+            m.load_state_dict({k[len("head."):]: v for k, v in uploads[i]["shared"].tensors.items()})
+            m.eval()
+            m.requires_grad_(False)
+            heads.append(m)
+        gen = gen_ops.cached_module(self._mods, "server_gen", self.make_generator, ctx.device)
+        gen.load_state_dict(server_state["generator"])
+        gen.train()
+        p = self.params
+        names = [k for k, _ in gen.named_parameters()]
+        opt = torch.optim.Adam(gen.parameters(), lr=p.gen_lr)
+        adam_from_tensors(opt, names, server_state["gen_opt"])
+        g = ctx.generator("fedgen_server", ctx.device)
+        freq = counts.to(torch.float32).to(ctx.device)
+        last = 0.0
+        for _ in range(p.gen_steps):
+            y = torch.multinomial(freq, self._batch(), replacement=True, generator=g)
+            eps = torch.rand(len(y), p.noise_dim, generator=g, device=ctx.device)
+            loss = F.cross_entropy(ensemble_logits(heads, weights, gen(eps, y)), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            last = float(loss.detach())
+        new.update({"generator": clone_state(gen), "gen_opt": adam_to_tensors(opt, names), "label_counts": counts,
+                    "trained": torch.ones((), dtype=torch.bool)})
+        return new, {"gen_loss": last}
