@@ -78,3 +78,21 @@ class DyingFedProto(FedProto):
             open(marker, "w").close()
             os._exit(1)
         return super().client_update(payload, state, data, ctx)
+
+
+class PlacementProbe(FedAvg):
+    """A FedAvg whose clients report, with their test metrics, where they ran: the process, the GPUs Ray made
+    visible to it (CUDA_VISIBLE_DEVICES) and whether the model stayed on the CPU."""
+
+    name = "placement_probe"
+
+    def evaluate_client(self, payload, state, data, ctx):
+        import os
+
+        out = super().evaluate_client(payload, state, data, ctx)
+        ids = [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
+        out["probe_pid"] = float(os.getpid())
+        out["probe_gpus_visible"] = float(len(ids))
+        out["probe_gpu_id"] = float(ids[0]) if ids else -1.0
+        out["probe_on_cpu"] = float(str(ctx.device) == "cpu")
+        return out

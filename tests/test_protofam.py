@@ -353,6 +353,13 @@ def _final(table, metric="test_acc"):
     return d[d["round"] == d["round"].max()]["value"].item()
 
 
+def _clients_mean(table, metric="test_acc"):
+    """The mean over clients (each client counts once, as the seeds report) of the client rows at the last evaluated
+    round, computed here from the rows."""
+    d = table[(table.scope == "client") & (table.metric == metric)]
+    return float(d[d["round"] == d["round"].max()]["value"].mean())
+
+
 @pytest.mark.parametrize("name", NEW)
 def test_tiny_run_is_finite_and_deterministic(tiny, name):
     params = {"server_epochs": 3} if name == "fedtgp" else {}
@@ -362,7 +369,8 @@ def test_tiny_run_is_finite_and_deterministic(tiny, name):
     a = run_experiment(cfg, write=False).table
     b = run_experiment(cfg, write=False).table
     assert without_timing(a).equals(without_timing(b))
-    assert 0.0 <= _final(a) <= 1.0
+    assert _final(a) == pytest.approx(_clients_mean(a))  # every client evaluated, the mean row is their mean
+    assert set(a[(a.scope == "client") & (a.metric == "test_acc")]["client_id"]) == set(range(cfg.data.num_clients))
     up = a[(a.scope == "total") & (a.metric == "up_floats")]["value"]
     assert (up > 0).all()  # every method communicates something every round
 
@@ -402,8 +410,9 @@ def test_pu_runs_for_fedavg_and_fedproto(tiny):
         cfg = tiny(rounds=2, algorithm={"name": name, "params": {"positive_rate": 0.3, "pu_weight": 0.5,
                                                                  "pu_min_class": 1}})
         t = run_experiment(cfg, write=False).table
-        assert np.isfinite(t[t.metric == "train_pu"]["value"]).all()
-        assert 0.0 <= _final(t) <= 1.0
+        pu = t[t.metric == "train_pu"]["value"]
+        assert np.isfinite(pu).all() and (pu != 0).any()  # the PU term is active (rate 0.3 < 1)
+        assert _final(t) == pytest.approx(_clients_mean(t))
 
 
 @pytest.mark.ray

@@ -4,6 +4,7 @@ import time
 
 import pandas as pd
 import pytest
+import torch
 
 from raysim.backends.ray_backend import check_resources
 from raysim.config import ConfigError
@@ -12,6 +13,7 @@ from raysim.driver import run_experiment
 from raysim.results import without_timing
 
 register_algorithm("failing_fedavg", "tests.failing_algo:FailingFedAvg")
+register_algorithm("placement_probe", "tests.failing_algo:PlacementProbe")
 
 pytestmark = pytest.mark.ray
 
@@ -85,8 +87,16 @@ def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tin
 
 def test_fractional_gpus_pack_onto_declared_gpus(ray_session, tiny):
     # 2 actors x 0.5 GPU + server 0.5 GPU fit on the 2 fake GPUs; nothing calls CUDA (device stays cpu)
-    cfg = tiny(rounds=1, backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5, "num_gpus": 0.5, "server_num_gpus": 0.5})
-    assert len(table(cfg)) > 0
+    cfg = tiny(rounds=1, algorithm={"name": "placement_probe", "params": {}},
+               backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5, "num_gpus": 0.5, "server_num_gpus": 0.5})
+    t = table(cfg)
+    probe = {m: t[(t.scope == "client") & (t.metric == m)]["value"] for m in
+             ("probe_pid", "probe_gpus_visible", "probe_gpu_id", "probe_on_cpu")}
+    assert len(probe["probe_pid"]) == 6 and probe["probe_pid"].nunique() == 2  # every client evaluated, on 2 actors
+    assert probe["probe_gpus_visible"].eq(1).all()  # Ray gave each actor (a share of) one of the fake GPUs
+    assert probe["probe_gpu_id"].isin([0, 1]).all()
+    if not torch.cuda.is_available():
+        assert probe["probe_on_cpu"].eq(1).all()  # no CUDA here: the device stayed the CPU
 
 
 def test_too_many_gpus_fail_fast(ray_session, tiny):

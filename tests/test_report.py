@@ -97,8 +97,9 @@ def test_report_writes_markdown_parquet_and_plots(tmp_path):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = pd.read_parquet(files["summary.parquet"])
     assert sorted(summary["final_mean"].round(6)) == [0.3, 0.9]
-    assert len(pd.read_parquet(files["runs.parquet"])) == 3
-    assert len(dirs) == 3
+    runs = pd.read_parquet(files["runs.parquet"])
+    assert sorted(runs["run_id"]) == ["a-s1", "a-s2", "b-s1"]  # every run written is listed, once
+    assert len(dirs) == len(runs)
 
 
 def test_report_keeps_runs_with_the_same_id_apart(tmp_path):
