@@ -71,10 +71,23 @@ def _signal_all(tracked: dict[int, str], sig: int) -> int:
     return len(alive)
 
 
+STATUS_ENV = "RAYSIM_WATCHDOG_STATUS"  # optional file: the pids tracked so far, rewritten after every scan
+
+
+def _write_status(path: str, tracked: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(" ".join(str(p) for p in sorted(tracked)) + "\n")
+    os.replace(tmp, path)
+
+
 def watch(driver_pid: int, fd: int = 0) -> None:
     tracked: dict[int, str] = {}
+    status = os.environ.get(STATUS_ENV)
     while True:
         tracked.update(_ray_descendants(driver_pid, _table()))
+        if status:
+            _write_status(status, tracked)
         ready, _, _ = select.select([fd], [], [], 0.5)
         if ready and not os.read(fd, 4096):
             break  # EOF: the driver is done or dead

@@ -6,12 +6,24 @@ asks for no CPU (``num_cpus=0``) or calls ``release_warm_actors()`` first."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from raysim.config import make_config
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout under test
+
+
+def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    """``python -m raysim.cli ARGS`` in a fresh process running this checkout (not whatever raysim is installed)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    return subprocess.run([sys.executable, "-m", "raysim.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, **kw)
 
 
 def tiny_config(**over) -> dict:

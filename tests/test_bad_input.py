@@ -10,7 +10,7 @@ import yaml
 
 from raysim.cli import main
 from raysim.rundir import RunDir
-from tests.conftest import tiny_config
+from tests.conftest import run_cli, tiny_config
 
 # (--set overrides, field the message must name)
 CONFIG_CASES = [
@@ -83,17 +83,13 @@ def test_cuda_requested_without_cuda(tmp_path, capsys):
 
 
 def test_gpus_that_are_not_there_on_ray(tmp_path):
-    import subprocess
-    import sys
-
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     # in a fresh process: the test session's own Ray declares fake GPUs; this is about a plain machine
     cfg = write(tmp_path, tiny_config(backend={"name": "ray", "num_actors": 2, "server_num_gpus": 1}))
-    p = subprocess.run([sys.executable, "-m", "raysim.cli", "run", str(cfg), "--out", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=120)
+    p = run_cli("run", str(cfg), "--out", str(tmp_path / "out"), timeout=120)
     assert p.returncode == 2 and "'backend.server_num_gpus'" in p.stderr
     assert only_config_left(tmp_path)
 

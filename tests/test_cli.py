@@ -1,12 +1,10 @@
 """The command line: runs, lists, and bad input exits 2 with one message naming the field and no partial results."""
-import subprocess
-import sys
 
 import yaml
 
 from raysim import results
 from raysim.cli import main
-from tests.conftest import tiny_config
+from tests.conftest import run_cli, tiny_config
 
 
 def write(tmp_path, cfg, name="c.yaml"):
@@ -58,13 +56,12 @@ def test_gpu_request_without_gpus_fails_before_ray_starts(tmp_path):
 
         pytest.skip("this machine has CUDA")
     cfg = write(tmp_path, tiny_config(backend={"name": "ray", "num_actors": 2, "num_gpus": 0.5}))
-    p = subprocess.run([sys.executable, "-m", "raysim.cli", "run", str(cfg), "--out", str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=120)
+    p = run_cli("run", str(cfg), "--out", str(tmp_path / "out"), timeout=120)
     assert p.returncode == 2 and "backend.num_gpus" in p.stderr and "has none" in p.stderr
     assert "ray.init" not in p.stderr and not (tmp_path / "out").exists()
 
 
 def test_installed_entry_point_lists_everything():
-    out = subprocess.run([sys.executable, "-m", "raysim.cli", "list"], capture_output=True, text=True, check=True).stdout
+    out = run_cli("list", check=True, timeout=120).stdout
     for word in ("fedproto", "fedavg", "local", "mnist5k", "fashion_mnist", "nway_kshot", "dirichlet", "cnn_mnist"):
         assert word in out

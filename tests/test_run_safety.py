@@ -313,26 +313,38 @@ time.sleep(60)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc")
-def test_watchdog_ends_ray_processes_of_a_killed_driver():
+def test_watchdog_ends_ray_processes_of_a_killed_driver(tmp_path):
     """kill -9 of a driver: the Ray processes it started (here a stand-in named ray::FakeWorker) end in seconds."""
     import signal
 
+    status = tmp_path / "watched"
     driver = subprocess.Popen([sys.executable, "-c", WATCHED_DRIVER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                              env=dict(os.environ, PYTHONPATH=str(ROOT), RAYSIM_WATCHDOG_STATUS=str(status)))
     child = int(driver.stdout.readline())
-    time.sleep(1.5)  # the watchdog has scanned the driver's descendants
-    driver.send_signal(signal.SIGKILL)
-    driver.wait()
-    t0 = time.time()
-    while time.time() - t0 < 10:
-        try:
-            with open(f"/proc/{child}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    break
-        except OSError:
-            break
-        time.sleep(0.1)
-    assert time.time() - t0 < 5, "the driver's Ray process outlived it"
+    try:
+        t0 = time.time()  # wait until the watchdog has recorded the stand-in (not a fixed sleep)
+        while not (status.exists() and str(child) in status.read_text().split()):
+            assert time.time() - t0 < 120, "the watchdog never recorded the driver's Ray process"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        t0 = time.time()
+        while time.time() - t0 < 10:
+            try:
+                with open(f"/proc/{child}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except OSError:
+                break
+            time.sleep(0.1)
+        assert time.time() - t0 < 5, "the driver's Ray process outlived it"
+    finally:  # never leave the stand-in or the driver behind, whatever failed
+        for pid in (child, driver.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        driver.wait()
 
 
 def test_divergence_error_survives_pickling():
