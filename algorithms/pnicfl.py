@@ -56,7 +56,7 @@ from raysim.steps import ClientStep, ServerStep
 from raysim.training import accuracy, make_optimizer
 
 
-# -- pure maths (tests/test_clustered.py checks these on hand examples) ------------------------------------------------
+# -- pure maths (hand examples: tests/test_clustered.py and tests/test_maths.py) ----------------------------------------
 
 def sq_dists(z: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
     """||z_j - p_c||^2 for every (j, c): (n x d), (C x d) -> n x C (Snell's squared Euclidean distance)."""

@@ -1,0 +1,436 @@
+"""Algorithm maths by hand: PN-ICFL's prototypical-network pieces, FML's and FedKD's distillation losses, FedPU's
+objective, and MAFML's flat-gradient plumbing.
+
+Every expected number is written out from the documented formula on a 2-3 element example (``math.log`` /
+``math.exp`` on explicit values), never by calling the function under test or a copy of its code. Where a method's
+losses live inside its client update (FML, FedKD), the update is driven on tiny linear models whose logits and
+embeddings are set by hand, for one SGD step without momentum, and both the reported loss (measured before the step)
+and the step itself (lr x the closed-form gradient) are checked."""
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+
+from raysim.config import TrainConfig
+from raysim.messages import Message
+
+
+# -- small closed-form helpers (plain Python floats) -----------------------------------------------------------------
+
+def softmax(row):
+    e = [math.exp(v) for v in row]
+    s = sum(e)
+    return [v / s for v in e]
+
+
+def kl_rows(p_rows, q_rows):
+    """(1 / B) sum_i sum_c p_ic (ln p_ic - ln q_ic): KL(p || q) with ``batchmean``."""
+    tot = sum(p * (math.log(p) - math.log(q)) for pr, qr in zip(p_rows, q_rows) for p, q in zip(pr, qr))
+    return tot / len(p_rows)
+
+
+def ce_rows(logit_rows, labels):
+    """Mean over the rows of -ln softmax(row)[label]."""
+    return sum(-math.log(softmax(r)[y]) for r, y in zip(logit_rows, labels)) / len(labels)
+
+
+def close(t, want, tol=1e-6):
+    return torch.allclose(torch.as_tensor(t, dtype=torch.float64), torch.tensor(want, dtype=torch.float64),
+                          atol=tol, rtol=0)
+
+
+# == 1. PN-ICFL ======================================================================================================
+
+def test_pnicfl_sq_dists_are_squared_euclidean_by_hand():
+    from algorithms.pnicfl import sq_dists
+
+    z = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
+    protos = torch.tensor([[1.0, 0.0], [0.0, 3.0], [-1.0, -1.0]])
+    # z0 = (0, 0): (1 + 0, 0 + 9, 1 + 1); z1 = (1, 2): (0 + 4, 1 + 1, 4 + 9) -- squared, not square-rooted
+    assert sq_dists(z, protos).tolist() == [[1.0, 9.0, 2.0], [4.0, 2.0, 13.0]]
+
+
+def test_pnicfl_proto_loss_by_hand():
+    from algorithms.pnicfl import proto_loss
+
+    zq = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
+    protos = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
+    # squared distances: row 0 (1, 9), row 1 (4, 2); both queries labelled 0.
+    # -log softmax(-d)[0]: row 0: 1 + ln(e^-1 + e^-9); row 1: 4 + ln(e^-4 + e^-2)
+    yq = torch.tensor([0, 0])
+    want = (1 + math.log(math.exp(-1) + math.exp(-9)) + 4 + math.log(math.exp(-4) + math.exp(-2))) / 2
+    loss, acc = proto_loss(zq, yq, protos)
+    assert float(loss) == pytest.approx(want, rel=1e-6)
+    assert float(acc) == 0.5  # row 1 is nearer prototype 1
+    # labels (0, 1): both right; the loss of row 1 becomes 2 + ln(e^-4 + e^-2)
+    loss, acc = proto_loss(zq, torch.tensor([0, 1]), protos)
+    want = (1 + math.log(math.exp(-1) + math.exp(-9)) + 2 + math.log(math.exp(-4) + math.exp(-2))) / 2
+    assert float(loss) == pytest.approx(want, rel=1e-6)
+    assert float(acc) == 1.0
+
+
+def test_pnicfl_user_embedding_by_hand():
+    from algorithms.pnicfl import user_embedding
+
+    z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]])
+    y = torch.tensor([2, 0, 2])
+    u, counts = user_embedding(z, y, 4)
+    # class 0: (3, 4); class 2: mean of (1, 2) and (5, 0) = (3, 1); classes 1 and 3 absent: zero rows
+    assert u.tolist() == [[3.0, 4.0], [0.0, 0.0], [3.0, 1.0], [0.0, 0.0]]
+    assert counts.dtype == torch.int64 and counts.tolist() == [1, 0, 2, 0]
+
+
+def _episode_labels():
+    # labels 1, 3, 7 have 10 samples each; label 5 has 3 (fewer than n_support + n_query = 5); label 9 is not offered
+    y = [1] * 10 + [3] * 10 + [5] * 3 + [7] * 10 + [9] * 4
+    return torch.tensor(y)
+
+
+def test_pnicfl_sample_episode_shapes_classes_and_disjointness():
+    from algorithms.pnicfl import sample_episode
+
+    y = _episode_labels()
+    yn = y.numpy()
+    classes = [1, 3, 5, 7]
+    for seed in range(5):
+        ep, sup, qry = sample_episode(y, classes, 2, 2, 3, np.random.default_rng(seed))
+        assert len(ep) == 2 and len(set(ep)) == 2 and set(ep) <= set(classes)  # class labels, not positions
+        assert ep == sorted(ep)
+        assert len(sup) == len(qry) == 2
+        for c, s, q in zip(ep, sup, qry):
+            assert len(s) == 2 and len(q) == 3
+            assert (yn[s] == c).all() and (yn[q] == c).all()
+        # n_way above the offered classes is capped; label 9 (not offered) never appears
+        ep, sup, qry = sample_episode(y, classes, 10, 2, 3, np.random.default_rng(seed))
+        assert ep == classes
+        for c, s, q in zip(ep, sup, qry):
+            assert len(s) == 2 and len(q) == 3 and (yn[s] == c).all() and (yn[q] == c).all()
+            picked = np.concatenate([s, q])
+            if c != 5:  # enough samples: 5 distinct ones, support and query disjoint
+                assert len(set(picked.tolist())) == 5 and not set(s.tolist()) & set(q.tolist())
+            else:  # 3 samples for 5 slots: drawn with replacement, from that class only
+                assert set(picked.tolist()) <= set(np.flatnonzero(yn == 5).tolist())
+
+
+def test_pnicfl_sample_episode_is_deterministic_in_its_generator():
+    from algorithms.pnicfl import sample_episode
+
+    y = _episode_labels()
+    classes = [1, 3, 5, 7]
+
+    def draw(seed):
+        ep, sup, qry = sample_episode(y, classes, 2, 2, 3, np.random.default_rng(seed))
+        return ep, [s.tolist() for s in sup], [q.tolist() for q in qry]
+
+    assert draw(11) == draw(11)
+    assert len({repr(draw(s)) for s in range(6)}) > 1  # the generator, not a constant, decides
+
+
+def test_pnicfl_episode_losses_by_hand():
+    from algorithms.pnicfl import episode_losses
+
+    # the body is the identity, so x holds the embeddings themselves
+    x = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 1.0],    # label 3: support rows 0, 1; query row 2
+                      [0.0, 4.0], [0.0, 2.0], [1.0, 0.5]])   # label 7: support rows 3, 4; query row 5
+    ep = [3, 7]
+    sup = [np.array([0, 1]), np.array([3, 4])]
+    qry = [np.array([2]), np.array([5])]
+    # support prototypes: (1, 0) and (0, 3). query (1, 1): d = (1, 5); query (1, .5): d = (0.25, 7.25) (misclassified)
+    l0 = 1 + math.log(math.exp(-1) + math.exp(-5))
+    l1 = 7.25 + math.log(math.exp(-0.25) + math.exp(-7.25))
+    loss, acc, lg = episode_losses(nn.Identity(), x, ep, sup, qry)
+    assert float(loss) == pytest.approx((l0 + l1) / 2, rel=1e-6)
+    assert float(acc) == 0.5 and lg is None
+
+    # PN-ICFL+: the cluster prototypes E^3 = (0, 0), E^7 = (0, 2) replace the support means
+    cluster = torch.zeros(8, 2)
+    cluster[7] = torch.tensor([0.0, 2.0])
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[3] = mask[7] = True
+    # query (1, 1): d = (2, 2) -> ln 2; query (1, .5): d = (1.25, 3.25) -> 3.25 + ln(e^-1.25 + e^-3.25)
+    g = (math.log(2) + 3.25 + math.log(math.exp(-1.25) + math.exp(-3.25))) / 2
+    loss2, _, lg = episode_losses(nn.Identity(), x, ep, sup, qry, cluster, mask)
+    assert float(loss2) == pytest.approx((l0 + l1) / 2, rel=1e-6)  # L_proto does not depend on the cluster
+    assert float(lg) == pytest.approx(g, rel=1e-6)
+    # no episode class has a cluster prototype: no L_g
+    assert episode_losses(nn.Identity(), x, ep, sup, qry, cluster, torch.zeros(8, dtype=torch.bool))[2] is None
+
+
+def test_pnicfl_lg_leaves_out_classes_without_a_cluster_prototype():
+    from algorithms.pnicfl import episode_losses
+
+    # three episode classes (labels 0, 1, 2), one support and one query each
+    x = torch.tensor([[0.0, 0.0], [0.0, 1.0],     # label 0: support (0, 0), query (0, 1)
+                      [4.0, 0.0], [3.0, 0.0],     # label 1: support (4, 0), query (3, 0)
+                      [0.0, 5.0], [0.0, 4.0]])    # label 2: support (0, 5), query (0, 4)
+    ep, sup, qry = [0, 1, 2], [np.array([0]), np.array([2]), np.array([4])], [np.array([1]), np.array([3]),
+                                                                              np.array([5])]
+    cluster = torch.tensor([[0.0, 2.0], [9.0, 9.0], [2.0, 0.0]])
+    mask = torch.tensor([True, False, True])  # class 1 has no cluster prototype: its query and E^1 are left out
+    # L_g over the queries of labels 0 and 2 against (E^0, E^2) = ((0, 2), (2, 0)):
+    # (0, 1): d = (1, 5) -> 1 + ln(e^-1 + e^-5); (0, 4): d = (4, 20) -> 20 + ln(e^-4 + e^-20)
+    g = (1 + math.log(math.exp(-1) + math.exp(-5)) + 20 + math.log(math.exp(-4) + math.exp(-20))) / 2
+    _, _, lg = episode_losses(nn.Identity(), x, ep, sup, qry, cluster, mask)
+    assert float(lg) == pytest.approx(g, rel=1e-6)
+    # L_proto: queries against the support rows (0, 0), (4, 0), (0, 5)
+    # (0, 1): d = (1, 17, 16); (3, 0): d = (9, 1, 34); (0, 4): d = (16, 32, 1) -- each nearest its own class
+    lse = lambda ds: math.log(sum(math.exp(-d) for d in ds))
+    want = ((1 + lse([1, 17, 16])) + (1 + lse([9, 1, 34])) + (1 + lse([16, 32, 1]))) / 3
+    loss, acc, _ = episode_losses(nn.Identity(), x, ep, sup, qry, cluster, mask)
+    assert float(loss) == pytest.approx(want, abs=1e-6) and float(acc) == 1.0  # float32: a small loss
+
+
+def test_pnicfl_episode_gradient_reaches_the_support_samples():
+    from algorithms.pnicfl import episode_losses
+
+    # Snell et al.: the prototypes are means of the support embeddings, not constants, so the loss has a gradient on
+    # the support rows. Queries (1, 1) and (1, .5) as above.
+    x = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 1.0], [0.0, 4.0], [0.0, 2.0], [1.0, 0.5]], requires_grad=True)
+    loss, _, _ = episode_losses(nn.Identity(), x, [3, 7], [np.array([0, 1]), np.array([3, 4])],
+                                [np.array([2]), np.array([5])])
+    loss.backward()
+    # -log p(y | q) = d_y + ln sum_k e^{-d_k} with d_k = ||q - c_k||^2, so d(-log p_y)/d c_A = (1[y = A] - p_A) * -2 (q - c_A).
+    # Query (1, 1), class A, c_A = (1, 0): (1 - p_A) * -2 (0, 1); query (1, .5), class B: -p_A * -2 (0, .5).
+    pa1 = math.exp(-1) / (math.exp(-1) + math.exp(-5))          # query (1, 1): p of its own class A
+    pa2 = math.exp(-0.25) / (math.exp(-0.25) + math.exp(-7.25))  # query (1, .5): p of the wrong class A
+    g_ca = [0.0, (-2 * (1 - pa1) + pa2) / 2]  # mean over the 2 queries
+    # c_A is the mean of support rows 0 and 1: each gets half of it
+    assert close(x.grad[0], [g / 2 for g in g_ca], 1e-6) and close(x.grad[1], [g / 2 for g in g_ca], 1e-6)
+    assert float(x.grad[3].abs().sum()) > 0 and float(x.grad[4].abs().sum()) > 0
+
+
+# == 2. FML ==========================================================================================================
+
+class Lin(nn.Module):
+    """logits = x W^T (no bias): with x = I, sample i's logits are column i of W."""
+
+    def __init__(self, c, d):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(c, d))
+        self.embed_dim = d
+
+    def forward(self, x, return_embedding=False):
+        z = x @ self.w.T
+        return (z, x) if return_embedding else z
+
+
+def test_fml_kl_is_batchmean_and_detaches_the_teacher():
+    from algorithms.fml import kl
+
+    s = torch.tensor([[0.0, math.log(3.0)], [0.0, 0.0]], requires_grad=True)  # q = (1/4, 3/4), (1/2, 1/2)
+    t = torch.tensor([[0.0, 0.0], [math.log(4.0), 0.0]], requires_grad=True)  # p = (1/2, 1/2), (4/5, 1/5)
+    # KL(p || q) summed over the batch, divided by B = 2 (not by the 4 elements)
+    tot = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75) + 0.8 * math.log(0.8 / 0.5) + 0.2 * math.log(0.2 / 0.5)
+    got = kl(s, t)
+    assert float(got.detach()) == pytest.approx(tot / 2, rel=1e-6)
+    assert abs(float(got.detach()) - tot / 4) > 1e-2  # element-wise mean would be half of it
+    got.backward()
+    assert t.grad is None  # the teacher is detached
+    # d/ds of batchmean KL = (q - p) / B
+    assert close(s.grad, [[(0.25 - 0.5) / 2, (0.75 - 0.5) / 2], [(0.5 - 0.8) / 2, (0.5 - 0.2) / 2]])
+
+
+def _fml_setup(alpha, beta, lr=0.1):
+    from algorithms.fml import FML
+
+    cfg = TrainConfig(local_epochs=1, batch_size=2, optimizer="sgd", lr=lr, momentum=0.0, local_steps=1)
+    task = SimpleNamespace(train=cfg, build_model=lambda cid: Lin(3, 2), rounds=1)
+    algo = FML(FML.Params(alpha=alpha, beta=beta), task)
+    private = Lin(3, 2)
+    ctx = SimpleNamespace(model=lambda client_id=None: private, device="cpu", round_idx=0, client_id=1,
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
+    data = SimpleNamespace(num_train=2, x_train=torch.eye(2), y_train=torch.tensor([0, 1]))
+    return algo, ctx, data
+
+
+def test_fml_local_and_meme_losses_and_one_step_by_hand():
+    alpha, beta, lr = 0.3, 0.8, 0.1
+    algo, ctx, data = _fml_setup(alpha, beta, lr)
+    zp = [[1.0, 0.0, -1.0], [0.0, 0.0, 2.0]]  # private logits of samples 0 and 1 (labels 0, 1)
+    zm = [[0.0, 1.0, 0.0], [2.0, 0.0, 0.0]]  # meme logits
+    wp = torch.tensor(zp).T.contiguous()  # x = I: column i of W is sample i's logits
+    wm = torch.tensor(zm).T.contiguous()
+    state = {"model": {"w": wp.clone()}, "opt": {}, "opt_meme": {}}
+    out = algo.client_update({"meme": Message("weights", {"w": wm.clone()})}, state, data, ctx)
+
+    p = [softmax(r) for r in zp]
+    q = [softmax(r) for r in zm]
+    y = [0, 1]
+    # L_local = alpha CE(private) + (1 - alpha) KL(p_meme || p_private); L_meme = beta CE(meme) + (1 - beta) KL(p || q)
+    want_local = alpha * ce_rows(zp, y) + (1 - alpha) * kl_rows(q, p)
+    want_meme = beta * ce_rows(zm, y) + (1 - beta) * kl_rows(p, q)
+    assert out.metrics["train_loss"] == pytest.approx(want_local, rel=1e-6)
+    assert out.metrics["train_loss_meme"] == pytest.approx(want_meme, rel=1e-6)
+    # the weights are not swapped: with alpha and beta exchanged the numbers differ
+    assert abs(want_local - (beta * ce_rows(zp, y) + (1 - beta) * kl_rows(q, p))) > 1e-2
+
+    # one SGD step (no momentum, gradients far below the clip of 10). For logits z_i = W x_i with x_i = e_i:
+    # d L_local / d z_i = [alpha (p_i - onehot_i) + (1 - alpha)(p_i - q_i)] / B -- the meme side detached; the
+    # private model's gradient has no term from L_meme (whose KL detaches the private logits).
+    def step(w, own, other, weight):
+        g = [[(weight * (own[i][c] - (c == y[i])) + (1 - weight) * (own[i][c] - other[i][c])) / 2 for c in range(3)]
+             for i in range(2)]
+        return [[w[c][i] - lr * g[i][c] for i in range(2)] for c in range(3)]
+
+    assert close(out.state["model"]["w"], step(wp.tolist(), p, q, alpha))
+    assert close(out.upload["meme"]["w"], step(wm.tolist(), q, p, beta))
+
+
+# == 3. FedKD ========================================================================================================
+
+class KD(nn.Module):
+    """h = x * a (element-wise), z = h V^T."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.ones(2))
+        self.v = nn.Parameter(torch.eye(2))
+        self.embed_dim = 2
+
+    def forward(self, x, return_embedding=False):
+        h = x * self.a
+        z = h @ self.v.T
+        return (z, h) if return_embedding else z
+
+
+def test_fedkd_mentor_mentee_losses_and_w_h_step_by_hand():
+    from algorithms.fedkd import FedKD
+
+    lr = 0.1
+    cfg = TrainConfig(local_epochs=1, batch_size=2, optimizer="sgd", lr=lr, momentum=0.0, local_steps=1)
+    task = SimpleNamespace(train=cfg, build_model=lambda cid: KD(), rounds=1)
+    algo = FedKD(FedKD.Params(), task)
+    mentor = KD()
+    ctx = SimpleNamespace(model=lambda client_id=None: mentor, device="cpu", round_idx=0, client_id=1,
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
+    data = SimpleNamespace(num_train=2, x_train=torch.eye(2), y_train=torch.tensor([0, 1]))
+    # mentor: a = (1, 1), V = [[2, 0], [0, -1]] -> h = (1, 0), (0, 1); z = (2, 0), (0, -1)
+    # mentee: a = (2, 1), V = [[0, 1], [1, 0]] -> h_g = (2, 0), (0, 1); z_g = (0, 2), (1, 0)
+    # W_h = diag(1, 3): W_h h_g = (2, 0), (0, 3)
+    state = {"model": {"a": torch.tensor([1.0, 1.0]), "v": torch.tensor([[2.0, 0.0], [0.0, -1.0]])},
+             "w_h": {"weight": torch.tensor([[1.0, 0.0], [0.0, 3.0]])}, "opt": {}, "opt_g": {}, "opt_w": {}}
+    mentee = Message("compressed_weights", {"a": torch.tensor([2.0, 1.0]), "v": torch.tensor([[0.0, 1.0], [1.0, 0.0]])})
+    out = algo.client_update({"mentee": mentee}, state, data, ctx)
+
+    z, zg, y = [[2.0, 0.0], [0.0, -1.0]], [[0.0, 2.0], [1.0, 0.0]], [0, 1]
+    ce = (math.log(1 + math.exp(-2)) + math.log(1 + math.e)) / 2
+    ce_g = (math.log(1 + math.exp(2)) + math.log(1 + math.e)) / 2
+    assert ce_rows(z, y) == pytest.approx(ce) and ce_rows(zg, y) == pytest.approx(ce_g)  # the helper itself
+    norm = ce + ce_g
+    mse = ((1 - 2) ** 2 + 0 + 0 + (1 - 3) ** 2) / 4  # mean over the 2 x 2 elements
+    p, pg = [softmax(r) for r in z], [softmax(r) for r in zg]
+    want = ce + kl_rows(pg, p) / norm + mse / norm
+    want_g = ce_g + kl_rows(p, pg) / norm + mse / norm
+    assert out.metrics["train_loss"] == pytest.approx(want, rel=1e-6)
+    assert out.metrics["train_loss_mentee"] == pytest.approx(want_g, rel=1e-6)
+    # W_h's gradient comes from the MSE term of both losses (nothing detached): 2 / norm * d MSE / d W_h, with
+    # d MSE / d W_h = (2 / 4) sum_i (W_h h_g,i - h_i) h_g,i^T = 0.5 ((1, 0) (2, 0)^T + (0, 2) (0, 1)^T) = diag(1, 1)
+    g = 2 / norm * 1.0
+    assert close(out.state["w_h"]["weight"], [[1.0 - lr * g, 0.0], [0.0, 3.0 - lr * g]])
+
+
+# == 4. FedPU ========================================================================================================
+
+def _pu_batch():
+    from algorithms.fedpu import PUView
+    from algorithms.proto_ops import UNLABELLED
+
+    # row 0 labelled 0, p = (1/3, 1/3, 1/3); row 1 labelled 2, p = (1/4, 1/4, 1/2); row 2 unlabelled, p = (3/5, 1/5, 1/5)
+    logits = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, math.log(2.0)], [math.log(3.0), 0.0, 0.0]])
+    y_obs = torch.tensor([0, 2, UNLABELLED])
+    view = PUView(y_obs=y_obs, prior=torch.tensor([0.5, 0.3, 0.2]), positive=torch.tensor([1.0, 0.0, 1.0]))
+    ce = (math.log(3.0) + math.log(2.0)) / 2  # the labelled rows only
+    l_u = (-math.log(1 - 3 / 5) - math.log(1 - 1 / 5)) / (1 * 3)  # m = (1, 0, 1); |U| = 1, C = 3
+    l_pc = (0.5 * -math.log(1 - 1 / 3) + 0.2 * -math.log(1 - 1 / 2)) / 2  # pi_y of each labelled row; |P| = 2
+    return logits, y_obs, view, ce, l_u - l_pc
+
+
+def test_fedpu_objective_combines_ce_and_weighted_pu_by_hand():
+    from algorithms.fedpu import pu_objective
+
+    logits, y_obs, view, ce, pu = _pu_batch()
+    for w in (0.7, 2.0):
+        loss, parts = pu_objective(logits, y_obs, view, w)
+        assert float(loss) == pytest.approx(ce + w * pu, abs=1e-5)  # eps = 1e-6 inside the logs
+        assert float(parts["ce"]) == pytest.approx(ce, rel=1e-6)
+        assert float(parts["pu"]) == pytest.approx(pu, abs=1e-5)
+    # pu_weight = 0: the labelled CE alone (the unlabelled row does not enter it)
+    loss, parts = pu_objective(logits, y_obs, view, 0.0)
+    assert float(loss) == pytest.approx(ce, rel=1e-6) and parts["pu"] == 0.0
+    # a batch with no labelled row: CE = 0, L_Pc = 0, so L = w * L_U of the row (3/5, 1/5, 1/5)
+    loss, _ = pu_objective(logits[2:], y_obs[2:], view, 0.5)
+    assert float(loss) == pytest.approx(0.5 * (-math.log(0.4) - math.log(0.8)) / 3, abs=1e-5)
+
+
+def test_fedpu_ce_loss_through_a_model_with_set_logits():
+    from algorithms.fedpu import pu_ce_loss
+
+    logits, y_obs, view, ce, pu = _pu_batch()
+    model = nn.Linear(3, 3, bias=False)
+    with torch.no_grad():
+        model.weight.copy_(torch.eye(3))  # model(x) = x
+    x = logits.clone().requires_grad_(True)  # model(x) = x: the gradient wrt x is the gradient wrt the logits
+    loss, parts = pu_ce_loss(view, 1.5)(model, x, y_obs)
+    assert float(loss.detach()) == pytest.approx(ce + 1.5 * pu, abs=1e-5)
+    loss.backward()
+    # row 0 (labelled 0, p = 1/3 each): CE gives (p - onehot) / |P| = (-1/3, 1/6, 1/6); -w L_Pc gives
+    # -w pi_0 / |P| * d(-ln(1 - p_0))/dz = -w pi_0 / |P| * p_0 / (1 - p_0) * (onehot_0 - p)  (eps neglected)
+    k = -1.5 * 0.5 / 2 * (1 / 3) / (2 / 3)
+    row0 = [(1 / 3 - 1) / 2 + k * (1 - 1 / 3), (1 / 3) / 2 + k * (-1 / 3), (1 / 3) / 2 + k * (-1 / 3)]
+    # row 2 (unlabelled, p = (3/5, 1/5, 1/5), m = (1, 0, 1)): no CE; w L_U gives
+    # w / (|U| C) * sum_c m_c p_c / (1 - p_c) (onehot_c - p) = 0.5 * [1.5 (0.4, -0.2, -0.2) + 0.25 (-0.6, -0.2, 0.8)]
+    row2 = [0.5 * (1.5 * 0.4 + 0.25 * -0.6), 0.5 * (1.5 * -0.2 + 0.25 * -0.2), 0.5 * (1.5 * -0.2 + 0.25 * 0.8)]
+    assert close(x.grad[0], row0, 1e-5) and close(x.grad[2], row2, 1e-5)
+
+
+# == 5. MAFML's flat gradients =======================================================================================
+
+class TwoParams(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(2, 2))
+        self.b = nn.Parameter(torch.zeros(3))
+        self.c = nn.Parameter(torch.zeros(1))
+
+
+def test_flat_grad_and_set_flat_grad_round_trip_by_hand():
+    from algorithms.mutual_ops import flat_grad, set_flat_grad
+
+    m = TwoParams()
+    m.a.grad = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    m.b.grad = torch.tensor([5.0, 6.0, 7.0])
+    # c has no gradient: zeros in its slot; order = model.parameters(), row-major
+    assert flat_grad(m).tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 0.0]
+    g = torch.arange(8.0)
+    set_flat_grad(m, g)
+    assert m.a.grad.tolist() == [[0.0, 1.0], [2.0, 3.0]] and m.b.grad.tolist() == [4.0, 5.0, 6.0]
+    assert m.c.grad.tolist() == [7.0]
+    g[0] = 100.0  # the gradients are copies, not views of the vector
+    assert m.a.grad[0, 0] == 0.0
+    set_flat_grad(m, flat_grad(m))
+    assert flat_grad(m).tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]
+
+
+def test_projected_public_gradient_drives_the_sgd_step():
+    from algorithms.mutual_ops import flat_grad, project_conflicting, set_flat_grad
+
+    # MAFML's step (eq. 7) through the model's parameters: linear losses give exact gradients spread over two
+    # parameter tensors: g_loc = (1, 1, 0), g_pub = (-1, 0, 2) -- dot -1 < 0, ||g_loc||^2 = 2
+    # g~ = g_pub - (-1 / 2) g_loc = (-1/2, 1/2, 2)
+    m = nn.Module()
+    m.u = nn.Parameter(torch.tensor([1.0, 2.0]))
+    m.v = nn.Parameter(torch.tensor([3.0]))
+    (m.u @ torch.tensor([1.0, 1.0]) + 0 * m.v.sum()).backward()
+    g_loc = flat_grad(m).detach().clone()
+    assert g_loc.tolist() == [1.0, 1.0, 0.0]
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    opt.zero_grad(set_to_none=True)
+    (m.u @ torch.tensor([-1.0, 0.0]) + 2 * m.v.sum()).backward()
+    g, fired = project_conflicting(flat_grad(m), g_loc)
+    assert fired
+    set_flat_grad(m, g)
+    opt.step()
+    assert close(m.u.detach(), [1.0 + 0.25, 2.0 - 0.25]) and close(m.v.detach(), [3.0 - 1.0])
