@@ -43,7 +43,7 @@ from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import ConfigError, positive
 from raysim.messages import Message
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
-from raysim.training import clone_state, optimizer_state
+from raysim.training import clone_state
 
 
 def require_public_shares(algo, what: str) -> None:
@@ -149,7 +149,7 @@ class MAFML(Algorithm):
         model, opt = self.live.get(state, ctx, cfg.lr)
         gen = ctx.generator("batches")
         idx = random_batch(data.num_train, cfg.batch_size, gen).to(data.y_train.device)
-        model.train()
+        self.live.mode(ctx, True)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
         loss.backward()
@@ -159,13 +159,14 @@ class MAFML(Algorithm):
         px, py, own = self.shares.get(ctx.device)
         mine = own[ctx.client_id]
         pick = mine[random_batch(len(mine), self.params.public_batch or cfg.batch_size, gen).to(mine.device)]
-        model.eval()
+        self.live.mode(ctx, False)
         with torch.no_grad():
             logits = model(px[pick])
         p = F.softmax(logits, dim=1)
         acc = (logits.argmax(1) == py[pick]).float().mean()
         up = {"soft": Message("soft_labels", {"idx": pick.cpu(), "p": p.detach().cpu(), "acc": acc.reshape(1).cpu()})}
-        new = {"model": clone_state(model), "opt": optimizer_state(opt, model), "g_loc": g_loc}
+        weights, opt_state = self.live.snapshot(ctx)
+        new = {"model": weights, "opt": opt_state, "g_loc": g_loc}
         self.live.done(ctx, new)
         return ClientUpdate(new, up, {"train_loss": float(loss.detach()), "public_batch_acc": float(acc)})
 
@@ -193,7 +194,7 @@ class MAFML(Algorithm):
         g_loc = state["g_loc"].to(ctx.device)
         groups = [[t] for t in teachers] if self.params.per_teacher else [teachers]
         fired, kls, ces = [], [], []
-        model.train()
+        self.live.mode(ctx, True)
         for group in groups:
             opt.zero_grad(set_to_none=True)
             kl, ce = self._public_loss(model, group, px, py)
@@ -205,7 +206,8 @@ class MAFML(Algorithm):
             fired.append(float(hit))
             kls.append(float(kl.detach()))
             ces.append(float(ce.detach()))
-        new = {"model": clone_state(model), "opt": optimizer_state(opt, model), "g_loc": torch.zeros(0)}
+        weights, opt_state = self.live.snapshot(ctx)
+        new = {"model": weights, "opt": opt_state, "g_loc": torch.zeros(0)}
         self.live.done(ctx, new)
         n = len(groups)
         return ClientUpdate(new, {}, {"projected": sum(fired) / n, "train_kl": sum(kls) / n,

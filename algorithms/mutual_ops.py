@@ -105,7 +105,11 @@ class WarmClients:
     a round so that a step whose client state is the very one this cache produced last time skips loading it
     (``load_state_dict`` and the optimiser state's copies). States stay the source of truth: any other state (spilled
     and read back, restored from a checkpoint, the previous one after a failed step) is loaded as before, so the
-    numbers are those of a fresh load. At most ``size`` clients (least recently used dropped)."""
+    numbers are those of a fresh load. At most ``size`` clients (least recently used dropped).
+
+    ``snapshot`` copies the live pair into a new state (the same values and layout as ``clone_state`` and
+    ``optimizer_state``) from tensor lists cached once per model, and ``mode`` switches train/eval by setting the
+    flags of the cached module list, both without walking the module tree on every step."""
 
     def __init__(self, task, size: int = 16):
         from collections import OrderedDict
@@ -122,8 +126,8 @@ class WarmClients:
             with torch.random.fork_rng(devices=[]):  # building draws from the global RNG: leave it alone
                 model = self.task.build_model(cid).to(ctx.device)
             opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=self.task.train.weight_decay)
-            entry = [model, opt, None, None]
-        model, opt, weights, opt_state = entry
+            entry = [model, opt, None, None, _Layout(model)]
+        model, opt, weights, opt_state, _ = entry
         if state["model"] is not weights:
             model.load_state_dict(state["model"])
         if state["opt"] is not opt_state:
@@ -136,8 +140,41 @@ class WarmClients:
             self._live.popitem(last=False)
         return model, opt
 
+    def snapshot(self, ctx) -> tuple[dict, dict]:
+        """Copies of the live model's state dict and of its optimiser's state, keyed as ``clone_state`` and
+        ``optimizer_state`` key them."""
+        model, opt, _, _, layout = self._live[ctx.client_id]
+        weights = {k: v.detach().clone() for k, v in layout.entries}
+        opt_state = {}
+        for name, p in layout.params:
+            st = opt.state.get(p)
+            if st:
+                opt_state[name] = {k: (v.detach().clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+        return weights, opt_state
+
+    def mode(self, ctx, training: bool) -> None:
+        """``model.train(training)`` for the live model of ``ctx.client_id``."""
+        model, layout = self._live[ctx.client_id][0], self._live[ctx.client_id][4]
+        if layout.plain_modes:
+            for m in layout.modules:  # what Module.train stores, without Module.__setattr__'s checks
+                m.__dict__["training"] = training
+        else:
+            model.train(training)
+
     def done(self, ctx, new_state: dict) -> None:
         """The live pair of ``ctx.client_id`` now equals ``new_state`` (its model and opt entries, copies)."""
         entry = self._live.get(ctx.client_id)
         if entry is not None:
             entry[2], entry[3] = new_state["model"], new_state["opt"]
+
+
+class _Layout:
+    """A model's state-dict entries, named parameters and modules, listed once (the tensors are updated in place by
+    training and ``load_state_dict``, so the lists stay valid for the model's life)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.entries = list(model.state_dict(keep_vars=True).items())
+        self.params = list(model.named_parameters())
+        self.modules = list(model.modules())
+        # setting the flags directly is what Module.train does, unless a module overrides train()
+        self.plain_modes = all(type(m).train is torch.nn.Module.train for m in self.modules)

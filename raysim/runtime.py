@@ -181,8 +181,6 @@ class ClientRunner:
     def run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
                         client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
         """Run ``step`` for ``client_ids`` (hosted here) in order; returns (uploads by client, reports)."""
-        from raysim import safety  # imports SimulationError from this module
-
         fn = getattr(self.algorithm, step.method)
         evaluate = step.mode == "evaluate"
         uploads, reports = {}, []
@@ -209,15 +207,8 @@ class ClientRunner:
                         vm = fn(down, state, data.validation_view(), ctx)
                         rep.metrics.update({"val_" + k[5:]: v for k, v in vm.items() if k.startswith("test_")})
                 else:
-                    res = fn(down, state, self._data(cid), ctx)
-                    rep.nonfinite = safety.check_update(res.metrics, res.upload) or ""
-                    if rep.nonfinite:  # a diverged update never reaches the server; the client keeps its last state
-                        rep.ok, rep.error = False, safety.NONFINITE_PREFIX + rep.nonfinite
-                    else:
-                        self.store.stage(cid, res.state, step_token(round_idx, step, iteration))
-                        uploads[cid] = res.upload
-                        rep.metrics = dict(res.metrics)
-                        rep.up = payload_sizes(res.upload)
+                    self._finish_update(rep, cid, fn(down, state, self._data(cid), ctx),
+                                        step_token(round_idx, step, iteration), uploads)
             except Exception as e:  # a failing client is a value, not a crashed pool
                 _failure(rep, e)
                 self.store.discard([cid])
@@ -227,7 +218,9 @@ class ClientRunner:
         return uploads, reports
 
     def _finish_update(self, rep: ClientReport, cid: int, res, token: str, uploads: dict) -> None:
-        from raysim import safety
+        """A client update's outcome: a diverged one is a failed report (the client keeps its last state), any other
+        is staged (committed later) and its upload kept."""
+        from raysim import safety  # imports SimulationError from this module
 
         rep.nonfinite = safety.check_update(res.metrics, res.upload) or ""
         if rep.nonfinite:  # a diverged update never reaches the server; the client keeps its last state
