@@ -107,9 +107,6 @@ class FedKD(Algorithm):
         r = p.ramp_rounds or self.task.rounds
         return p.t_start + (min(max(round_idx, 0), r) / max(r, 1)) * (p.t_end - p.t_start)
 
-    def _template(self):
-        return self.shared.get("cpu").state_dict()
-
     def init_server_state(self, ctx: Context):
         return {"mentee": clone_state(self.task.build_model(0))}
 

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from raysim import rng as rngmod
-from raysim.config import ArchSpec, ConfigError, TrainConfig, from_dict
+from raysim.config import ArchSpec, ConfigError, TrainConfig
 from raysim.data.datasets import ArrayDataset
 from raysim.data.federated import ClientData
 from raysim.messages import Payload
@@ -172,14 +172,7 @@ class Algorithm:
         self.params = params
         self.task = task
 
-    # -- construction / validation ------------------------------------------------------------------------------
-    @classmethod
-    def from_config(cls, params: dict, task: Task) -> "Algorithm":
-        p = from_dict(cls.Params, dict(params or {}), "algorithm.params")
-        algo = cls(p, task)
-        algo.validate()
-        return algo
-
+    # -- validation -------------------------------------------------------------------------------------------------
     def validate(self) -> None:
         """Raise ConfigError when the task does not suit the method (e.g. FedAvg with mixed architectures)."""
 
@@ -294,6 +287,3 @@ class LocalTraining(Algorithm):
             new_state = {**(new_state or {}), "opt": opt_state}
         return ClientUpdate(new_state, upload, metrics)
 
-
-def params_dict(params) -> dict:
-    return dataclasses.asdict(params)

@@ -40,13 +40,13 @@ from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
 from raysim.results import RESULTS_FILE, ROUND_TIME, STEP_TIME, ResultTable, write_parquet
+from raysim.results import final as results_final
 from raysim.runtime import ClientReport, RunSpec, SimulationError, step_token
 from raysim.state import find_checkpoint, read_checkpoint_meta, write_checkpoint
 from raysim.steps import ALL, ClientStep, ServerStep, check_schedule, flatten
 
 COMM_METRICS = ("up_floats", "up_bytes", "down_floats", "down_bytes")
 SETUP_ROUND = rngmod.NO_ROUND  # the setup phase's rows carry round -1
-INCOMPLETE = rundir.INCOMPLETE
 
 EQUALITY_POLICY = {
     "bit_identical": "CPU, the per-client loop executor, backend.torch_threads = 1: the same table on every backend, "
@@ -285,10 +285,12 @@ class RunResult:
     timing: dict = field(default_factory=dict)
 
     def final(self, metric: str = "test_acc") -> tuple[float, float]:
-        d = self.table[(self.table["scope"] == "client") & (self.table["metric"] == metric)]
-        last = d[d["round"] == d["round"].max()]["value"]
-        """(mean, sample std over clients) of ``metric`` at the last evaluated round, as ``results.final``."""
-        return float(last.mean()), float(last.std(ddof=1))
+        """(mean, sample std over clients) of ``metric`` at the last evaluated round: ``results.final`` of this run;
+        (nan, nan) when the run has no such client metric."""
+        if not ((self.table["scope"] == "client") & (self.table["metric"] == metric)).any():
+            return math.nan, math.nan
+        row = results_final(self.table, metric).iloc[0]
+        return float(row["mean"]), float(row["std"])
 
 
 def _value_weight(v):

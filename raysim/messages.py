@@ -28,10 +28,6 @@ class Message:
         return sum(t.numel() for t in self.tensors.values() if t.is_floating_point())
 
     @property
-    def num_values(self) -> int:
-        return sum(t.numel() for t in self.tensors.values())
-
-    @property
     def num_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 

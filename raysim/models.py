@@ -80,10 +80,6 @@ class replay_masks:
         _MASKS.replay = None
 
 
-def has_dropout(model: nn.Module) -> bool:
-    return any(isinstance(m, Dropout) and m.p > 0 for m in model.modules())
-
-
 def set_dropout_generator(model: nn.Module, generator) -> None:
     for m in model.modules():
         if isinstance(m, Dropout):

@@ -432,9 +432,6 @@ class ServerRunner:
         if shard.exists():
             self.client_store.load_shard(shard)
 
-    def get_state(self):
-        return _to_cpu(self.state)
-
     def ready(self) -> bool:
         return True
 

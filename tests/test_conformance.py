@@ -62,7 +62,7 @@ def test_algorithm_conformance(tiny, name, tmp_path):
     prep = prepare(cfg)
     server = ServerRunner(prep.spec, prep.fed_data.global_test)
     clients = ClientRunner(prep.spec, prep.fed_data.clients)
-    pickle.dumps(server.get_state())
+    pickle.dumps(server.state)
     pickle.dumps([clients.state(c) for c in clients.client_ids()])
     # a round in which nobody uploads (everyone dropped) leaves the server usable
     payload, _ = server.run_server_step(CLASSIC_ROUND[1], 0, 0, [], {}, keep=[])

@@ -7,7 +7,7 @@ import torch
 
 from raysim.config import ConfigError
 from raysim.driver import prepare, run_experiment
-from raysim.registry import algorithm_class
+from raysim.runtime import make_algorithm
 
 MNIST = {"data": {"dataset": "mnist5k", "num_clients": 4, "partition": "iid",
                   "partition_params": {"samples_per_client": 20, "test_per_client": 10}},
@@ -16,7 +16,7 @@ MNIST = {"data": {"dataset": "mnist5k", "num_clients": 4, "partition": "iid",
 
 def _algo(tiny, name, params=None, **over):
     prep = prepare(tiny(algorithm={"name": name, "params": params or {}}, **over))
-    return algorithm_class(name).from_config(params or {}, prep.task), prep
+    return make_algorithm(prep.spec), prep
 
 
 def test_fedper_shares_exactly_the_convs_of_cnn_mnist(tiny):

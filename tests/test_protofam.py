@@ -14,7 +14,7 @@ from raysim.config import ConfigError, make_config
 from raysim.data.federated import ClientData
 from raysim.messages import Message, state_message
 from raysim.models import ZOO_28, build_model, client_archs, num_parameters
-from raysim.registry import algorithm_class
+from raysim.runtime import make_algorithm
 from raysim.driver import prepare, run_experiment
 from raysim.results import without_timing
 from raysim.state import load_checkpoint
@@ -27,7 +27,7 @@ def make_algo(tiny, name, params=None, **over):
 
     cfg = tiny(algorithm={"name": name, "params": params or {}}, **{**method_overrides(name), **over})
     prep = prepare(cfg)
-    return algorithm_class(name).from_config(params or {}, prep.task), prep
+    return make_algorithm(prep.spec), prep
 
 
 def sctx(task, round_idx=0):
