@@ -399,8 +399,6 @@ class ExperimentConfig:
         check_path_component("name", self.name)
         positive("rounds", self.rounds)
         positive("clients_per_round", self.clients_per_round)
-        if self.on_client_failure == "raise":  # the old name of stop, still accepted
-            object.__setattr__(self, "on_client_failure", "stop")
         choice("on_client_failure", self.on_client_failure, ["skip", "stop"])
         choice("on_nonfinite", self.on_nonfinite, ["stop", "skip_client"])
         choice("on_actor_failure", self.on_actor_failure, ["retry", "skip", "stop"])
@@ -692,8 +690,15 @@ def load_config_dict(path: str | Path) -> dict:
     return load_yaml_mapping(path, "CONFIG")
 
 
+OLD_VALUES = {("on_client_failure", "raise"): "stop"}  # (key, a value's old name) -> its name now, still accepted
+
+
 def make_config(data: dict | None = None, overrides: list[str] | None = None, notify=None) -> ExperimentConfig:
-    return from_dict(ExperimentConfig, apply_overrides(data or {}, overrides, notify))
+    d = apply_overrides(data or {}, overrides, notify)
+    for (key, old), new in OLD_VALUES.items():
+        if isinstance(d, dict) and d.get(key) == old:
+            d = {**d, key: new}
+    return from_dict(ExperimentConfig, d)
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
