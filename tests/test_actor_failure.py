@@ -4,12 +4,16 @@ on_actor_failure: skip records the clients as failed and goes on; stop ends with
 import pandas as pd
 import pytest
 
-from raysim.registry import register_algorithm
 from raysim.driver import run_experiment
 from raysim.results import without_timing
 from raysim.runtime import SimulationError
+from tests.conftest import register_for_test
 
-register_algorithm("dying_fedproto", "tests.failing_algo:DyingFedProto")
+
+@pytest.fixture(autouse=True)
+def _test_algorithms(monkeypatch):
+    register_for_test(monkeypatch, dying_fedproto="tests.failing_algo:DyingFedProto")
+
 
 pytestmark = pytest.mark.ray
 

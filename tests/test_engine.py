@@ -4,13 +4,17 @@ import pytest
 import torch
 
 from raysim import results
-from raysim.registry import register_algorithm
 from raysim.runtime import SimulationError
 from raysim.driver import prepare, run_experiment
 from raysim.results import without_timing
 from raysim.state import load_checkpoint
+from tests.conftest import register_for_test
 
-register_algorithm("failing_fedavg", "tests.failing_algo:FailingFedAvg")
+
+@pytest.fixture(autouse=True)
+def _test_algorithms(monkeypatch):
+    register_for_test(monkeypatch, failing_fedavg="tests.failing_algo:FailingFedAvg")
+
 
 
 def client_rows(df, metric):

@@ -7,9 +7,13 @@ import pytest
 from raysim.driver import run_experiment
 from raysim.results import without_timing
 from raysim.placement import CostModel, ideal, makespan, moves, plan
-from raysim.registry import register_algorithm
+from tests.conftest import register_for_test
 
-register_algorithm("dying_fedproto", "tests.failing_algo:DyingFedProto")
+
+@pytest.fixture(autouse=True)
+def _test_algorithms(monkeypatch):
+    register_for_test(monkeypatch, dying_fedproto="tests.failing_algo:DyingFedProto")
+
 
 
 def test_plan_moves_few_clients_from_the_current_layout():

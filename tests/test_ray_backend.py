@@ -8,12 +8,15 @@ import torch
 
 from raysim.backends.ray_backend import check_resources
 from raysim.config import ConfigError
-from raysim.registry import register_algorithm
 from raysim.driver import run_experiment
 from raysim.results import without_timing
+from tests.conftest import register_for_test
 
-register_algorithm("failing_fedavg", "tests.failing_algo:FailingFedAvg")
-register_algorithm("placement_probe", "tests.failing_algo:PlacementProbe")
+
+@pytest.fixture(autouse=True)
+def _test_algorithms(monkeypatch):
+    register_for_test(monkeypatch, failing_fedavg="tests.failing_algo:FailingFedAvg", placement_probe="tests.failing_algo:PlacementProbe")
+
 
 pytestmark = pytest.mark.ray
 

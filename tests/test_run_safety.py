@@ -19,11 +19,15 @@ from raysim import results, rundir, safety
 from raysim.cli import main
 from raysim.config import ConfigError, load_config, make_config
 from raysim.messages import Message
-from raysim.registry import register_algorithm
 from raysim.driver import run_experiment
-from tests.conftest import tiny_config
+from tests.conftest import register_for_test, tiny_config
 
-register_algorithm("nan_fedavg", "tests.failing_algo:NaNFedAvg")
+
+@pytest.fixture(autouse=True)
+def _test_algorithms(monkeypatch):
+    register_for_test(monkeypatch, nan_fedavg="tests.failing_algo:NaNFedAvg")
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

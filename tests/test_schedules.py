@@ -7,12 +7,16 @@ import torch
 from raysim.config import make_config
 from raysim.driver import prepare, run_experiment
 from raysim.results import without_timing
-from raysim.registry import register_algorithm
 from raysim.state import load_checkpoint
 from raysim.steps import ClientStep, Repeat, ServerStep, flatten
 from raysim.store import StateStore
+from tests.conftest import register_for_test
 
-register_algorithm("toy_two_exchange", "tests.toy_algo:ToyTwoExchange")
+
+@pytest.fixture(autouse=True)
+def _test_algorithms(monkeypatch):
+    register_for_test(monkeypatch, toy_two_exchange="tests.toy_algo:ToyTwoExchange")
+
 
 
 def toy(tiny, **over):
@@ -172,7 +176,7 @@ def test_identity_hash_ignores_defaults_and_tracks_changes(tiny):
 
 
 def test_validation_happens_once_on_the_driver(tiny, monkeypatch):
-    """Runners get typed Params: no from_config / validate calls outside prepare()."""
+    """Runners get typed Params: no validate calls outside prepare()."""
     from algorithms.fedproto import FedProto
 
     calls = []
@@ -183,8 +187,8 @@ def test_validation_happens_once_on_the_driver(tiny, monkeypatch):
 
 
 @pytest.mark.ray
-def test_failing_downlink_is_a_per_client_failure_on_both_backends(ray_session, tiny):
-    register_algorithm("failing_downlink", "tests.failing_algo:FailingDownlinkFedAvg")
+def test_failing_downlink_is_a_per_client_failure_on_both_backends(ray_session, tiny, monkeypatch):
+    register_for_test(monkeypatch, failing_downlink="tests.failing_algo:FailingDownlinkFedAvg")
     over = dict(rounds=3, algorithm={"name": "failing_downlink", "params": {"fail_clients": [3]}})
     seq = run_experiment(tiny(**over), write=False)
     ray_res = run_experiment(tiny(**over, backend={"name": "ray", "num_actors": 2}), write=False)
