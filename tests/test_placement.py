@@ -91,6 +91,7 @@ def _table(cfg):
 @pytest.mark.ray
 @pytest.mark.parametrize("extra", [{}, {"state_memory_mb": 0}, {"durable": True}])
 def test_moves_keep_the_table_identical(ray_session, tiny, extra):
+    extra = dict(extra)  # the parametrize dict is shared between reruns: never mutate it
     durable = extra.pop("durable", False)
     over = {"on_actor_failure": "retry"} if durable else {}
     ref = _table(_skewed(tiny, **over))
