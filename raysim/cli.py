@@ -76,6 +76,10 @@ def _add_reproduce(sub) -> None:
     rp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config value in every run (repeatable; changes the runs' identity)")
     rp.add_argument("--backend", choices=["sequential", "ray"], default=None, help="shortcut for --set backend.name=...")
+    rp.add_argument("--jobs", type=int, default=1, metavar="N",
+                    help="runs side by side, each in its own process (sequential backend; same numbers); default 1. "
+                         "Several raysim reproduce processes on one --out share the work: a run one of them is "
+                         "running is left to it")
     rp.add_argument("--report-only", action="store_true", help="write the table from the finished runs; run nothing")
     rp.add_argument("--no-report", action="store_true", help="no raysim report summary/plots beside the table")
     rp.add_argument("--configs", default=None, metavar="DIR", help="configs root (default: the checkout's configs/)")
@@ -100,6 +104,8 @@ def _cmd_reproduce(args) -> int:
         if name not in exps:
             raise ConfigError("experiment", f"{name!r} is not allowed; choose one of: {', '.join(sorted(exps))}")
     overrides = list(args.overrides) + ([f"backend.name={args.backend}"] if args.backend else [])
+    if args.jobs < 1:
+        raise ConfigError("--jobs", f"must be >= 1, got {args.jobs}")
     seeds = parse_seeds(args.seeds) if args.seeds else None
     plans = {}
     for name in args.experiments:  # everything is checked before the first run starts
@@ -109,7 +115,7 @@ def _cmd_reproduce(args) -> int:
     for name in args.experiments:
         e = exps[name]
         if not args.report_only:
-            rp.execute(plans[name])
+            rp.execute(plans[name], jobs=args.jobs)
         path = rp.write_table(e, plans[name], args.out, numbers, report=not args.no_report)
         print(path.read_text())
         print(f"table: {path}")

@@ -296,29 +296,94 @@ def _diverged(target: Path, cfg) -> Optional[str]:
     return rec.get("message") if rec.get("config_hash") == cfg.config_hash() else None
 
 
-def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callable = print) -> None:
-    """Run every planned run not finished yet. A run that diverges (NaN/inf under ``on_nonfinite: stop``) is a
-    result, not a crash: it is recorded beside its checkpoints (``DIVERGED.json``), named in the table, and the other
-    runs go on; planning it again with the same config skips it."""
+def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callable = print, jobs: int = 1) -> None:
+    """Run every planned run not finished yet, ``jobs`` at a time (``jobs`` > 1: each in its own process, sequential
+    backend; the same numbers as one at a time). A run another process is running (its working directory is locked:
+    a second ``raysim reproduce`` on the same ``--out``) is left to it. A run that diverges (NaN/inf under
+    ``on_nonfinite: stop``) is a result, not a crash: it is recorded beside its checkpoints (``DIVERGED.json``),
+    named in the table, and the other runs go on; planning it again with the same config skips it."""
+    from raysim import rundir
+
+    if jobs < 1:
+        raise ConfigError("--jobs", f"must be >= 1, got {jobs}")
+    todo = [p for p in planned if p.status not in ("reuse", "diverged")]
+    gone = sum(p.status == "diverged" for p in planned)
+    log(f"{len(planned)} run(s): {len(planned) - len(todo) - gone} finished and reused, "
+        + (f"{gone} diverged before, " if gone else "") + f"{len(todo)} to run" + (f", {jobs} at a time" if jobs > 1 else ""))
+    if jobs > 1:
+        ray_runs = sorted({p.run.label for p in todo if p.cfg.backend.name == "ray"})
+        if ray_runs:
+            raise ConfigError("--jobs", f"runs side by side need the sequential backend; {', '.join(ray_runs)} "
+                                        f"use(s) backend ray: use --jobs 1 or --backend sequential")
+
+    def start(k: int, p: Planned) -> Optional[Path]:
+        """The run's resume path (None: a fresh start), or log and return False when another process holds it."""
+        work = rundir.work_path(p.target)
+        if work.exists() and rundir.holder(work):
+            log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed}: running in another process ({rundir.holder(work)}); "
+                f"left to it")
+            return False
+        log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target}" + (" (resumed)" if p.status == "resume" else ""))
+        return work if p.status == "resume" else None
+
+    def finish(p: Planned, outcome: tuple) -> None:
+        kind, message, seconds = outcome
+        if kind == "diverged":
+            p.status = "diverged"
+            log(f"    {p.run.label} seed {p.seed}: {message}")
+        elif kind == "busy":
+            log(f"    {p.run.label} seed {p.seed}: {message}; left to the process that holds it")
+        else:
+            p.status = "reuse"
+            if jobs > 1:
+                log(f"    {p.run.label} seed {p.seed} done in {seconds:.0f} s")
+
+    if jobs == 1:
+        for k, p in enumerate(todo, 1):
+            resume = start(k, p)
+            if resume is not False:
+                finish(p, run_one(p.cfg, p.target, resume, progress))
+        return
+    import multiprocessing
+    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {}
+        for k, p in enumerate(todo, 1):
+            resume = start(k, p)
+            if resume is not False:
+                futures[pool.submit(run_one, p.cfg, p.target, resume, False)] = p
+        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in pending:
+            f.cancel()
+        for f in done | pending:
+            if f.done() and not f.cancelled() and f.exception() is None:
+                finish(futures[f], f.result())
+        for f in done:
+            if f.exception() is not None:
+                raise f.exception()
+
+
+def run_one(cfg, target: Path, resume: Optional[Path], progress: Optional[bool]) -> tuple[str, str, float]:
+    """One planned run (in this process or a worker's): ("done" | "diverged" | "busy", message, seconds). A
+    divergence is recorded beside the run's checkpoints (``DIVERGED.json``)."""
+    import time
+
     from raysim import rundir
     from raysim.driver import run_experiment
     from raysim.safety import NonFiniteError
 
-    todo = [p for p in planned if p.status not in ("reuse", "diverged")]
-    gone = sum(p.status == "diverged" for p in planned)
-    log(f"{len(planned)} run(s): {len(planned) - len(todo) - gone} finished and reused, "
-        + (f"{gone} diverged before, " if gone else "") + f"{len(todo)} to run")
-    for k, p in enumerate(todo, 1):
-        log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target}" + (" (resumed)" if p.status == "resume" else ""))
-        resume = rundir.work_path(p.target) if p.status == "resume" else None
-        try:
-            run_experiment(p.cfg, out_dir=p.target, progress=progress, resume=resume)
-        except NonFiniteError as e:
-            work = rundir.work_path(p.target)
-            work.mkdir(parents=True, exist_ok=True)
-            (work / DIVERGED).write_text(json.dumps({"config_hash": p.cfg.config_hash(), "message": str(e)}))
-            p.status = "diverged"
-            log(f"    diverged: {e}")
+    t0 = time.perf_counter()
+    try:
+        run_experiment(cfg, out_dir=target, progress=progress, resume=resume)
+    except NonFiniteError as e:
+        work = rundir.work_path(target)
+        work.mkdir(parents=True, exist_ok=True)
+        (work / DIVERGED).write_text(json.dumps({"config_hash": cfg.config_hash(), "message": str(e)}))
+        return "diverged", str(e), time.perf_counter() - t0
+    except rundir.RunDirBusy as e:  # another process took it between planning and starting
+        return "busy", str(e), time.perf_counter() - t0
+    return "done", "", time.perf_counter() - t0
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -129,12 +129,16 @@ def holder(work: Path) -> Optional[str]:
     return None
 
 
+class RunDirBusy(ConfigError):
+    """A live run holds the working directory (its lock)."""
+
+
 def check_free(final: Path, field: str = "--out") -> None:
     """Fail at once when a running run holds ``final``'s working directory."""
     who = holder(work_path(final))
     if who:
-        raise ConfigError(field, f"{work_path(final)} is being written by a running run ({who}); wait for it to "
-                                 f"finish or choose another --out")
+        raise RunDirBusy(field, f"{work_path(final)} is being written by a running run ({who}); wait for it to "
+                                f"finish or choose another --out")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -159,8 +163,8 @@ class RunDir:
         except BlockingIOError:
             who = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
             os.close(fd)
-            raise ConfigError(field, f"{work} is being written by a running run ({who}); wait for it to finish or "
-                                     f"choose another --out") from None
+            raise RunDirBusy(field, f"{work} is being written by a running run ({who}); wait for it to finish or "
+                                    f"choose another --out") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
         return fd

@@ -111,6 +111,8 @@ def test_reproduce_table_reuse_and_mismatch(tmp_path, capsys):
     (["reproduce", "toy_table", "--set", "data.dataset=fashion_mnist", "--set", "data.root=/nonexistent/fm"],
      "data.root"),
     (["reproduce"], "experiment"),
+    (["reproduce", "toy_table", "--jobs", "0"], "--jobs"),
+    (["reproduce", "toy_table", "--jobs", "2", "--backend", "ray"], "--jobs"),
 ])
 def test_bad_input_one_line_nothing_written(tmp_path, capsys, argv, field):
     root = _write_root(tmp_path)
@@ -155,3 +157,43 @@ def test_a_diverged_run_is_a_result_named_in_the_table_and_not_rerun(tmp_path, c
     assert "Not finished" not in table
     assert main(args) == 0
     assert "1 diverged before, 0 to run" in capsys.readouterr().out
+
+
+def test_jobs_run_side_by_side_with_the_numbers_of_one_at_a_time(tmp_path, capsys):
+    """--jobs 2: each run in its own process; every run's table equals the one-at-a-time run's."""
+    from raysim import results
+
+    root = _write_root(tmp_path)
+    tables = {}
+    for jobs in (1, 2):
+        out = tmp_path / f"out{jobs}"
+        assert main(["reproduce", "toy_table", "--configs", str(root), "--out", str(out), "--no-report",
+                     "--jobs", str(jobs)]) == 0
+        tables[jobs] = {p.relative_to(out): results.without_timing(results.load(p.parent))
+                        for p in sorted(out.glob("toy_table/*/seed*/results.parquet"))}
+    assert "2 at a time" in capsys.readouterr().out
+    assert len(tables[1]) == 4 and tables[1].keys() == tables[2].keys()
+    for k in tables[1]:
+        pd.testing.assert_frame_equal(tables[1][k], tables[2][k])
+
+
+def test_a_run_another_process_holds_is_left_to_it(tmp_path, capsys):
+    """Two raysim reproduce processes on one --out share the work: a run whose working directory is locked by a
+    live run is skipped (named as not finished), not an error; once free, the next reproduction runs it."""
+    from raysim import rundir
+
+    root = _write_root(tmp_path)
+    out = tmp_path / "out"
+    args = ["reproduce", "toy_table", "--configs", str(root), "--out", str(out), "--no-report", "--seeds", "1"]
+    held = rundir.RunDir.claim(out / "toy_table" / "local" / "seed1")  # as another process's run would hold it
+    try:
+        assert main(args) == 0
+        log = capsys.readouterr().out
+        assert "Local seed 1: running in another process" in log
+        table = (out / "toy_table" / "reproduction.md").read_text()
+        assert "Not finished (left out of the table): Local seed 1" in table
+    finally:
+        held.abandon(keep=False)
+    assert main(args) == 0
+    assert "1 finished and reused, 1 to run" in capsys.readouterr().out
+    assert (out / "toy_table" / "local" / "seed1" / "results.parquet").exists()
