@@ -3,4 +3,5 @@ import sys
 
 from raysim.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned worker process (raysim reproduce --jobs) re-imports this module
+    sys.exit(main())

@@ -345,7 +345,7 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
                 finish(p, run_one(p.cfg, p.target, resume, progress))
         return
     import multiprocessing
-    from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
+    from concurrent.futures import ProcessPoolExecutor, as_completed
 
     with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {}
@@ -353,15 +353,12 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
             resume = start(k, p)
             if resume is not False:
                 futures[pool.submit(run_one, p.cfg, p.target, resume, False)] = p
-        done, pending = wait(futures, return_when=FIRST_EXCEPTION)
-        for f in pending:
-            f.cancel()
-        for f in done | pending:
-            if f.done() and not f.cancelled() and f.exception() is None:
-                finish(futures[f], f.result())
-        for f in done:
-            if f.exception() is not None:
+        for f in as_completed(futures):
+            if f.exception() is not None:  # a crash (not a divergence): stop starting runs; running ones finish
+                for g in futures:
+                    g.cancel()
                 raise f.exception()
+            finish(futures[f], f.result())
 
 
 def run_one(cfg, target: Path, resume: Optional[Path], progress: Optional[bool]) -> tuple[str, str, float]:
