@@ -104,14 +104,14 @@ def _cmd_reproduce(args) -> int:
         if name not in exps:
             raise ConfigError("experiment", f"{name!r} is not allowed; choose one of: {', '.join(sorted(exps))}")
     overrides = list(args.overrides) + ([f"backend.name={args.backend}"] if args.backend else [])
-    if args.jobs < 1:
-        raise ConfigError("--jobs", f"must be >= 1, got {args.jobs}")
     seeds = parse_seeds(args.seeds) if args.seeds else None
     plans = {}
     for name in args.experiments:  # everything is checked before the first run starts
         e = exps[name]
         rp.source_entry(e, numbers)
         plans[name] = rp.plan(e, seeds or e.seeds, args.out, overrides, check_data=not args.report_only)
+        if not args.report_only:
+            rp.check_jobs(plans[name], args.jobs)
     for name in args.experiments:
         e = exps[name]
         if not args.report_only:

@@ -29,6 +29,16 @@ class ConfigError(ValueError):
         self.field = field_path
         super().__init__(f"config error at '{field_path}': {message}")
 
+    def __reduce__(self):  # crosses process boundaries (reproduce --jobs workers, Ray) intact, subclasses too
+        return (_rebuild_config_error, (type(self), dict(self.__dict__), self.args))
+
+
+def _rebuild_config_error(cls, state: dict, args: tuple):
+    e = cls.__new__(cls)
+    ValueError.__init__(e, *args)
+    e.__dict__.update(state)
+    return e
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # generic dataclass <- dict conversion with type checking

@@ -296,74 +296,80 @@ def _diverged(target: Path, cfg) -> Optional[str]:
     return rec.get("message") if rec.get("config_hash") == cfg.config_hash() else None
 
 
-def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callable = print, jobs: int = 1) -> None:
-    """Run every planned run not finished yet, ``jobs`` at a time (``jobs`` > 1: each in its own process, sequential
-    backend; the same numbers as one at a time). A run another process is running (its working directory is locked:
-    a second ``raysim reproduce`` on the same ``--out``) is left to it. A run that diverges (NaN/inf under
-    ``on_nonfinite: stop``) is a result, not a crash: it is recorded beside its checkpoints (``DIVERGED.json``),
-    named in the table, and the other runs go on; planning it again with the same config skips it."""
-    from raysim import rundir
-
+def check_jobs(planned: list[Planned], jobs: int) -> None:
+    """``--jobs``: at least 1, and runs side by side only on the sequential backend (checked before anything runs)."""
     if jobs < 1:
         raise ConfigError("--jobs", f"must be >= 1, got {jobs}")
-    todo = [p for p in planned if p.status not in ("reuse", "diverged")]
-    gone = sum(p.status == "diverged" for p in planned)
-    log(f"{len(planned)} run(s): {len(planned) - len(todo) - gone} finished and reused, "
-        + (f"{gone} diverged before, " if gone else "") + f"{len(todo)} to run" + (f", {jobs} at a time" if jobs > 1 else ""))
     if jobs > 1:
-        ray_runs = sorted({p.run.label for p in todo if p.cfg.backend.name == "ray"})
+        ray_runs = sorted({p.run.label for p in planned if p.status not in ("reuse", "diverged")
+                           and p.cfg.backend.name == "ray"})
         if ray_runs:
             raise ConfigError("--jobs", f"runs side by side need the sequential backend; {', '.join(ray_runs)} "
                                         f"use(s) backend ray: use --jobs 1 or --backend sequential")
 
-    def start(k: int, p: Planned) -> Optional[Path]:
-        """The run's resume path (None: a fresh start), or log and return False when another process holds it."""
-        work = rundir.work_path(p.target)
-        if work.exists() and rundir.holder(work):
-            log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed}: running in another process ({rundir.holder(work)}); "
-                f"left to it")
-            return False
-        log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target}" + (" (resumed)" if p.status == "resume" else ""))
-        return work if p.status == "resume" else None
+
+def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callable = print, jobs: int = 1) -> None:
+    """Run every planned run not finished yet, ``jobs`` at a time (``jobs`` > 1: each in its own process, sequential
+    backend; the same numbers as one at a time). Each run's state is looked at again when it starts (:func:`run_one`):
+    one that another process finished meanwhile is reused, one that another process is running (its working directory
+    is locked: a second ``raysim reproduce`` on the same ``--out``) is left to it. A run that diverges (NaN/inf under
+    ``on_nonfinite: stop``) is a result, not a crash: it is recorded beside its checkpoints (``DIVERGED.json``), named
+    in the table, and the other runs go on; planning it again with the same config skips it."""
+    check_jobs(planned, jobs)
+    todo = [p for p in planned if p.status not in ("reuse", "diverged")]
+    gone = sum(p.status == "diverged" for p in planned)
+    log(f"{len(planned)} run(s): {len(planned) - len(todo) - gone} finished and reused, "
+        + (f"{gone} diverged before, " if gone else "") + f"{len(todo)} to run" + (f", {jobs} at a time" if jobs > 1 else ""))
 
     def finish(p: Planned, outcome: tuple) -> None:
         kind, message, seconds = outcome
+        name = f"{p.run.label} seed {p.seed}"
         if kind == "diverged":
             p.status = "diverged"
-            log(f"    {p.run.label} seed {p.seed}: {message}")
+            log(f"    {name}: {message}")
         elif kind == "busy":
-            log(f"    {p.run.label} seed {p.seed}: {message}; left to the process that holds it")
+            log(f"    {name}: {message}; left to the process that holds it")
+        elif kind == "reused":
+            p.status = "reuse"
+            log(f"    {name}: finished meanwhile by another process; reused")
         else:
             p.status = "reuse"
             if jobs > 1:
-                log(f"    {p.run.label} seed {p.seed} done in {seconds:.0f} s")
+                log(f"    {name}: done in {seconds:.0f} s")
 
     if jobs == 1:
         for k, p in enumerate(todo, 1):
-            resume = start(k, p)
-            if resume is not False:
-                finish(p, run_one(p.cfg, p.target, resume, progress))
+            log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target}" + (" (resumed)" if p.status == "resume" else ""))
+            finish(p, run_one(p.cfg, p.target, progress))
         return
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {}
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    futures = {}
+    try:
         for k, p in enumerate(todo, 1):
-            resume = start(k, p)
-            if resume is not False:
-                futures[pool.submit(run_one, p.cfg, p.target, resume, False)] = p
+            log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target} (queued)")
+            futures[pool.submit(run_one, p.cfg, p.target, False)] = p
         for f in as_completed(futures):
-            if f.exception() is not None:  # a crash (not a divergence): stop starting runs; running ones finish
-                for g in futures:
-                    g.cancel()
-                raise f.exception()
-            finish(futures[f], f.result())
+            finish(futures[f], f.result())  # a crash (not a divergence) raises here
+    except BaseException:
+        # Ctrl-C (the workers got it too and stop their runs, resumable) or a crash: start nothing more; a crash
+        # stops the runs still going (killed runs resume from their checkpoints next time)
+        workers = list((getattr(pool, "_processes", None) or {}).values())  # before shutdown forgets them
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in workers:
+            proc.terminate()
+        log("stopped: no run is started any more; unfinished runs resume from their checkpoints next time")
+        raise
+    pool.shutdown(wait=True)
 
 
-def run_one(cfg, target: Path, resume: Optional[Path], progress: Optional[bool]) -> tuple[str, str, float]:
-    """One planned run (in this process or a worker's): ("done" | "diverged" | "busy", message, seconds). A
-    divergence is recorded beside the run's checkpoints (``DIVERGED.json``)."""
+def run_one(cfg, target: Path, progress: Optional[bool]) -> tuple[str, str, float]:
+    """One planned run (in this process or a worker's), its state looked at as it starts: ("done" | "reused" |
+    "diverged" | "busy", message, seconds). A finished run of the same config is reused (another process finished
+    it), of another config is an error; a locked working directory is left to its holder; one with checkpoints is
+    resumed. A divergence is recorded beside the run's checkpoints (``DIVERGED.json``)."""
     import time
 
     from raysim import rundir
@@ -371,14 +377,29 @@ def run_one(cfg, target: Path, resume: Optional[Path], progress: Optional[bool])
     from raysim.safety import NonFiniteError
 
     t0 = time.perf_counter()
+    target = Path(target)
+    if (target / "results.parquet").exists():
+        stored = _stored_hash(target)
+        if stored != cfg.config_hash():
+            raise ConfigError("--out", f"{target} holds a run of another configuration (hash {stored}, this one "
+                                       f"{cfg.config_hash()}); a table never mixes configurations: use another --out "
+                                       f"or remove that run")
+        return "reused", "", 0.0
+    message = _diverged(target, cfg)
+    if message is not None:
+        return "diverged", message, 0.0
+    work = rundir.work_path(target)
+    who = rundir.holder(work) if work.exists() else None
+    if who:
+        return "busy", f"running in another process ({who})", 0.0
+    resume = work if rundir.has_checkpoints(work) else None
     try:
         run_experiment(cfg, out_dir=target, progress=progress, resume=resume)
     except NonFiniteError as e:
-        work = rundir.work_path(target)
         work.mkdir(parents=True, exist_ok=True)
         (work / DIVERGED).write_text(json.dumps({"config_hash": cfg.config_hash(), "message": str(e)}))
         return "diverged", str(e), time.perf_counter() - t0
-    except rundir.RunDirBusy as e:  # another process took it between planning and starting
+    except rundir.RunDirBusy as e:  # another process took it between the look and the start
         return "busy", str(e), time.perf_counter() - t0
     return "done", "", time.perf_counter() - t0
 

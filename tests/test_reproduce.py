@@ -197,3 +197,27 @@ def test_a_run_another_process_holds_is_left_to_it(tmp_path, capsys):
     assert main(args) == 0
     assert "1 finished and reused, 1 to run" in capsys.readouterr().out
     assert (out / "toy_table" / "local" / "seed1" / "results.parquet").exists()
+
+
+def test_a_run_finished_by_another_process_after_planning_is_reused_not_redone(tmp_path, capsys):
+    """Each run's state is looked at when it starts: a plan made before another process finished the run reuses it
+    (no second copy in seed1-2)."""
+    root = _write_root(tmp_path)
+    out = tmp_path / "out"
+    exp = rp.load_experiments(root)["toy_table"]
+    stale = rp.plan(exp, [1], out)  # planned while nothing had run
+    assert main(["reproduce", "toy_table", "--configs", str(root), "--out", str(out), "--no-report", "--seeds", "1"]) == 0
+    capsys.readouterr()
+    rp.execute(stale)
+    assert "finished meanwhile by another process; reused" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "toy_table" / "local").iterdir()) == ["seed1"]
+
+
+def test_config_errors_cross_process_boundaries_intact():
+    import pickle
+
+    from raysim.rundir import RunDirBusy
+
+    for e in (ConfigError("a.b", "bad value"), RunDirBusy("--out", "held")):
+        back = pickle.loads(pickle.dumps(e))
+        assert type(back) is type(e) and back.field == e.field and str(back) == str(e)
