@@ -1,16 +1,24 @@
-"""FedGen in HtFLlib's heterogeneous-model form (reference §6.8, "HtFLlib (HtFL) variant"), the FedGen that the
-FedTGP seed (002) compares against: bodies stay local and may differ between clients, the classifier heads (one
-shape across the zoo) are averaged with sample-count weights as in LG-FedAvg, and the server learns a
-label-conditioned feature generator G(eps, y) -> z (the embedding, size d) from the uploaded heads.
+"""FedGen in HtFLlib's heterogeneous-model form (reference §6.8, "HtFLlib (HtFL) variant"; HtFLlib
+system/flcore/{servers/servergen.py, clients/clientgen.py}), the FedGen that the FedTGP seed (002) compares against:
+bodies stay local and may differ between clients, the classifier heads (one shape across the zoo) are averaged with
+sample-count weights as in LG-FedAvg, and the server learns a label-conditioned feature generator
+G(eps, y) -> z (the embedding, size d) from the uploaded heads.
 
-Server, every round, on the uploaded heads h_k with sample-count weights w_k (sum 1), Adam (state kept across
-rounds, lr ``gen_lr``), ``gen_steps`` steps of
+Server, every round, on the uploaded heads h_k with sample-count weights w_k (sum 1), a fresh Adam (lr ``gen_lr``,
+as HtFLlib builds one per round), ``gen_steps`` steps of
 
-    L_G = CE( sum_k w_k h_k(G(eps, y)), y ),   y ~ the global label frequencies, eps ~ U[0, 1)
+    L_G = CE( sum_k w_k h_k(G(eps, y)), y ),   y ~ the label frequencies of every client's training data, eps ~ U[0, 1)
 
-(no diversity term, no per-label weights: those are the official FedGen's, ``algorithms/fedgen.py``). Client, once a
-trained generator exists: CE(x, y) + ``weight`` * CE(h(G(eps, y_hat)), y_hat) with a batch of y_hat drawn from the
-global label frequencies (HtFLlib's ``qualified_labels``), G frozen.
+(no diversity term, no per-label weights: those are the official FedGen's, ``algorithms/fedgen.py``). Client, from
+the first round: CE(x, y) + ``weight`` * CE(h(G(eps, y_hat)), y_hat) with a batch of y_hat drawn from the same label
+frequencies (HtFLlib's ``qualified_labels``), G not updated and, as HtFLlib calls it, in training mode (its
+BatchNorm normalises each generated batch by its own statistics).
+
+Where this differs from HtFLlib's code: the label frequencies are the label counts the clients upload with their
+heads (kept per client in the server state), not read from every client's data before training; with every client
+in every round (the seed's setting) they are the same from the first round on, and in the first round the clients
+draw uniformly over the classes. HtFLlib saves the generator only once, before any training, so its clients always
+see the untrained generator; here they get the generator the server trained.
 
 Why a second FedGen: the official form (diversity loss, alpha = beta = 10, B_gen / B = 3.2 at the seed's batch 10)
 diverges on the seed-002 stand-in: the diversity term exp(-mean ||eps_a - eps_b||^2 |z_a - z_b|_1) is lowest when
@@ -30,7 +38,7 @@ from algorithms.generators import FeatureGenerator
 from algorithms.lgfedavg import LGFedAvg
 from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalStart
-from raysim.config import positive
+from raysim.config import ConfigError, positive
 from raysim.messages import Message, state_message
 from raysim.training import clone_state
 
@@ -41,26 +49,6 @@ def ensemble_logits(heads: list, weights: list, z: torch.Tensor) -> torch.Tensor
     for h, w in zip(heads, weights):
         out = h(z) * w if out is None else out + h(z) * w
     return out
-
-
-def adam_to_tensors(opt: torch.optim.Optimizer, names: list) -> dict:
-    """Adam's moments and step count as a flat tensor dict (server state), keyed by parameter name."""
-    out = {}
-    for name, p in zip(names, opt.param_groups[0]["params"]):
-        st = opt.state.get(p)
-        if st:
-            out[f"m.{name}"] = st["exp_avg"].detach().clone()
-            out[f"v.{name}"] = st["exp_avg_sq"].detach().clone()
-            out[f"s.{name}"] = torch.as_tensor(st["step"]).detach().clone().reshape(())
-    return out
-
-
-def adam_from_tensors(opt: torch.optim.Optimizer, names: list, saved: dict) -> None:
-    for name, p in zip(names, opt.param_groups[0]["params"]):
-        if f"m.{name}" in saved:
-            opt.state[p] = {"step": saved[f"s.{name}"].clone().to(torch.float32),
-                            "exp_avg": saved[f"m.{name}"].clone().to(p.device),
-                            "exp_avg_sq": saved[f"v.{name}"].clone().to(p.device)}
 
 
 class FedGenHt(LGFedAvg):
@@ -74,9 +62,9 @@ class FedGenHt(LGFedAvg):
 
     @dataclass(frozen=True)
     class Params:
-        gen_lr: float = 0.1  # HtFLlib total.sh -glr 0.1
+        gen_lr: float = 0.1  # HtFLlib total.sh -glr 0.1 (a fresh Adam every round)
         gen_steps: int = 100  # HtFLlib server_epochs
-        gen_batch: int = 0  # generated batch on the server and the client; 0 = train.batch_size (HtFLlib)
+        gen_batch: int = 0  # generated batch on the server and the client (>= 2: BatchNorm); 0 = train.batch_size
         noise_dim: int = 32
         hidden: int = 512  # HtFLlib hidden_dim
         weight: float = 1.0  # weight of the client's CE on generated features (HtFLlib: 1)
@@ -91,6 +79,13 @@ class FedGenHt(LGFedAvg):
         super().__init__(params, task)
         self._mods = {}
 
+    def validate(self):
+        super().validate()
+        if self._batch() < 2:
+            field = "algorithm.params.gen_batch" if self.params.gen_batch else "train.batch_size"
+            raise ConfigError(field, f"FedGen's generator normalises each generated batch (BatchNorm): it needs at "
+                                     f"least 2 samples, got {self._batch()}; set algorithm.params.gen_batch >= 2")
+
     def _batch(self) -> int:
         return self.params.gen_batch or self.task.train.batch_size
 
@@ -103,28 +98,32 @@ class FedGenHt(LGFedAvg):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "fedgen_init"))
             gen = self.make_generator()
-        state.update({"generator": clone_state(gen), "gen_opt": {},
-                      "label_counts": torch.zeros(self.task.num_classes, dtype=torch.int64),
-                      "trained": torch.zeros((), dtype=torch.bool)})
+        state.update({"generator": clone_state(gen),
+                      # per client, the label counts it uploaded (rows of clients not heard from yet stay 0)
+                      "label_counts": torch.zeros(self.task.num_clients, self.task.num_classes, dtype=torch.int64)})
         return state
+
+    def label_freq(self, server_state) -> torch.Tensor:
+        """The label counts of every client heard from (uniform over the classes before any upload)."""
+        counts = server_state["label_counts"].sum(0)
+        return counts if int(counts.sum()) > 0 else torch.ones(self.task.num_classes, dtype=torch.int64)
 
     def broadcast(self, server_state, ctx: Context):
         out = super().broadcast(server_state, ctx)
-        if bool(server_state["trained"]):
-            out["generator"] = state_message("generator", server_state["generator"])
-            out["label_freq"] = Message("class_counts", {"counts": server_state["label_counts"]})
+        out["generator"] = state_message("generator", server_state["generator"])
+        out["label_freq"] = Message("class_counts", {"counts": self.label_freq(server_state)})
         return out
 
     def vectorizable(self, start: LocalStart) -> bool:
-        return start.aux is None or start.aux.get("gen") is None
+        return False  # the generated batch and its BatchNorm statistics are drawn per client step
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         self.load(model, payload, state)
         if "generator" not in payload:
             return LocalStart(aux={"gen": None})
         gen = gen_ops.cached_module(self._mods, "gen", self.make_generator, ctx.device)
-        gen.load_state_dict(payload["generator"].tensors)
-        gen.eval()
+        gen.load_state_dict(payload["generator"].tensors)  # every step: its BatchNorm's running stats move below
+        gen.train()  # as HtFLlib calls it: each generated batch normalised by its own statistics
         gen.requires_grad_(False)
         freq = payload["label_freq"]["counts"].to(torch.float64)
         return LocalStart(aux={"gen": gen, "freq": (freq / freq.sum()).to(torch.float32).to(ctx.device),
@@ -160,8 +159,9 @@ class FedGenHt(LGFedAvg):
         if not ids:
             return server_state, {}
         new, _ = super().aggregate(server_state, uploads, ctx)
-        # HtFLlib's qualified_labels: every training label of every client; counts of the clients seen this round
-        counts = torch.stack([uploads[i]["label_counts"]["counts"] for i in ids]).sum(0)
+        counts = server_state["label_counts"].clone()
+        for i in ids:
+            counts[i] = uploads[i]["label_counts"]["counts"]
         n = sample_counts(uploads, ids)
         weights = [c / sum(n) for c in n]
         heads = []
@@ -175,11 +175,9 @@ class FedGenHt(LGFedAvg):
         gen.load_state_dict(server_state["generator"])
         gen.train()
         p = self.params
-        names = [k for k, _ in gen.named_parameters()]
-        opt = torch.optim.Adam(gen.parameters(), lr=p.gen_lr)
-        adam_from_tensors(opt, names, server_state["gen_opt"])
+        opt = torch.optim.Adam(gen.parameters(), lr=p.gen_lr)  # a fresh one every round, as HtFLlib
         g = ctx.generator("fedgen_server", ctx.device)
-        freq = counts.to(torch.float32).to(ctx.device)
+        freq = self.label_freq({"label_counts": counts}).to(torch.float32).to(ctx.device)
         last = 0.0
         for _ in range(p.gen_steps):
             y = torch.multinomial(freq, self._batch(), replacement=True, generator=g)
@@ -189,6 +187,5 @@ class FedGenHt(LGFedAvg):
             loss.backward()
             opt.step()
             last = float(loss.detach())
-        new.update({"generator": clone_state(gen), "gen_opt": adam_to_tensors(opt, names), "label_counts": counts,
-                    "trained": torch.ones((), dtype=torch.bool)})
+        new.update({"generator": clone_state(gen), "label_counts": counts})
         return new, {"gen_loss": last}
