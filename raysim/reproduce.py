@@ -345,7 +345,11 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+    from raysim import registry
+
+    # the workers start fresh: the registrations made in this process (register_algorithm, ...) go with them
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                               initializer=registry.install, initargs=(registry.snapshot(),))
     futures = {}
     try:
         for k, p in enumerate(todo, 1):
