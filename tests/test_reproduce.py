@@ -221,3 +221,26 @@ def test_config_errors_cross_process_boundaries_intact():
     for e in (ConfigError("a.b", "bad value"), RunDirBusy("--out", "held")):
         back = pickle.loads(pickle.dumps(e))
         assert type(back) is type(e) and back.field == e.field and str(back) == str(e)
+
+
+def test_a_crash_in_a_worker_stops_the_reproduction_with_its_message(tmp_path, capsys, monkeypatch):
+    """--jobs 2: a run that crashes (a client failure under on_client_failure: stop) in a worker ends the command
+    with that error (exit 1); the workers get the registrations made in the parent (a test-only algorithm)."""
+    from tests.conftest import register_for_test
+
+    register_for_test(monkeypatch, failing_fedavg="tests.failing_algo:FailingFedAvg")
+    root = _write_root(tmp_path)
+    folder = root / "seed999_toy"
+    cfg = tiny_config(name="toy_failing", rounds=2, on_client_failure="stop",
+                      algorithm={"name": "failing_fedavg", "params": {"fail_clients": [0], "fail_round": 0}})
+    (folder / "failing.yaml").write_text(yaml.safe_dump(cfg))
+    manifest = yaml.safe_load((folder / "experiments.yaml").read_text())
+    manifest["toy_crash"] = {"extends": "toy_table", "claims": [], "runs": [
+        {"label": "Local", "config": "local.yaml"}, {"label": "Failing", "config": "failing.yaml"}]}
+    (folder / "experiments.yaml").write_text(yaml.safe_dump(manifest, allow_unicode=True, sort_keys=False))
+    out = tmp_path / "out"
+    code = main(["reproduce", "toy_crash", "--configs", str(root), "--out", str(out), "--no-report", "--seeds", "1",
+                 "--jobs", "2"])
+    err = capsys.readouterr().err
+    assert code == 1 and "boom on client 0" in err, err
+    assert not (out / "toy_crash" / "failing" / "seed1" / "results.parquet").exists()
