@@ -9,6 +9,64 @@ from raysim.runtime import ServerRunner
 NAMES = sorted(n for n, t in ALGORITHMS.items() if t.startswith("algorithms."))
 
 
+# Model parameters and updates: a row of a first layer's update is a combination of the inputs it saw (with one
+# active sample, a scaled copy of it: the gradient leakage that inversion attacks use), so in these messages only a
+# verbatim copy of a sample counts; every other message must not hold a sample up to dtype, scale or offset.
+MODEL_KINDS = {"weights", "head_weights", "body_weights", "model_delta", "control_delta", "compressed_weights"}
+
+
+def find_private_rows(tensors, clients, threshold: float = 0.9999, verbatim: bool = False) -> list:
+    """(tensor index, row) of every row of an uploaded tensor (any dtype, cut into rows of one sample's size) whose
+    Pearson correlation with one of the clients' samples (train, validation or test) is >= ``threshold``: a copy of
+    the sample up to dtype, scale and offset (e.g. its uint8 pixels, a normalised or doubled copy). ``verbatim``:
+    only rows equal to a sample (after a cast to float64)."""
+    import torch
+
+    xs = [x for c in clients for x in (c.x_train, c.x_val, c.x_test) if x is not None and len(x)]
+    width = xs[0][0].numel()
+    private = torch.cat([x.reshape(len(x), -1).to(torch.float64) for x in xs])
+    private = private - private.mean(1, keepdim=True)
+    private = private / private.norm(dim=1, keepdim=True).clamp(min=1e-12)
+    out = []
+    for k, t in enumerate(tensors):
+        if t.numel() < width or t.numel() % width or t.dtype == torch.bool:
+            continue
+        rows = t.detach().reshape(-1, width).to(torch.float64)
+        if verbatim:
+            raw = torch.cat([x.reshape(len(x), -1).to(torch.float64) for x in xs])
+            same = (rows[:, None, :] == raw[None, :, :]).all(2).any(1)
+            out += [(k, r) for r in torch.nonzero(same).flatten().tolist()]
+            continue
+        rows = rows - rows.mean(1, keepdim=True)
+        norms = rows.norm(dim=1, keepdim=True)
+        rows = rows / norms.clamp(min=1e-12)
+        corr = (rows @ private.T).amax(1)
+        hit = torch.nonzero((corr >= threshold) & (norms.flatten() > 1e-9)).flatten().tolist()
+        out += [(k, r) for r in hit]
+    return out
+
+
+def test_the_leak_detector_finds_copies_in_any_dtype_scale_or_split(tiny):
+    """The detector the next test relies on: a sample of x_train, x_val or x_test, copied as float64, scaled,
+    offset or as uint8 pixels, is found; model-like random weights of the same width are not."""
+    import torch
+
+    prep = prepare(tiny(data={"dataset": "digits", "num_clients": 3, "partition": "iid", "val_fraction": 0.2,
+                              "partition_params": {"samples_per_client": 20, "test_per_client": 5}}))
+    c = prep.fed_data.clients[1]
+    assert len(c.x_val) and len(c.x_test)
+    x = c.x_train[3].flatten()
+    copies = [x.to(torch.float64), 2.5 * x + 0.1, torch.cat([torch.randn(x.numel()), x.clone()]),
+              ((x - x.min()) / (x.max() - x.min()) * 255).round().to(torch.uint8),
+              c.x_val[0].flatten().clone(), c.x_test[-1].flatten().clone()]
+    for t in copies:
+        assert find_private_rows([t], prep.fed_data.clients), t.dtype
+    assert find_private_rows([torch.stack([torch.randn(x.numel()), x])], prep.fed_data.clients, verbatim=True)
+    assert not find_private_rows([2.0 * x], prep.fed_data.clients, verbatim=True)
+    torch.manual_seed(0)
+    assert not find_private_rows([torch.randn(32, x.numel())], prep.fed_data.clients)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_only_declared_kinds_reach_the_server(tiny, name, monkeypatch):
     from tests.conftest import method_overrides
@@ -30,14 +88,12 @@ def test_only_declared_kinds_reach_the_server(tiny, name, monkeypatch):
     monkeypatch.setattr(ServerRunner, "run_server_step", spy)
     df = run_experiment(cfg, write=False).table
     assert {k for _, _, k, *_ in seen} <= declared, {k for _, _, k, *_ in seen} - declared
-    # no upload holds a client's raw samples (private data) or labels vector
-    rows = {bytes(x.flatten().numpy().tobytes()) for c in prep.fed_data.clients for x in c.x_train}
-    width = prep.fed_data.clients[0].x_train[0].numel()
-    for *_, tensors in seen:
-        for t in tensors:
-            if t.is_floating_point() and t.numel() >= width and t.numel() % width == 0:
-                for r in t.reshape(-1, width):
-                    assert bytes(r.contiguous().numpy().tobytes()) not in rows
+    # no upload holds a client's samples (train, validation or test): verbatim in model parameters and updates, in
+    # any dtype, scale or offset in every other message
+    model = [t for _, _, kind, _, _, tensors in seen if kind in MODEL_KINDS for t in tensors]
+    other = [t for _, _, kind, _, _, tensors in seen if kind not in MODEL_KINDS for t in tensors]
+    leaked = find_private_rows(model, prep.fed_data.clients, verbatim=True) + find_private_rows(other, prep.fed_data.clients)
+    assert not leaked, f"{name} uploads private samples: {leaked[:3]}"
     # exact sizes: what the server received per client and round is the table's up_bytes / up_floats
     up = df[(df["scope"] == "client") & (df["metric"] == "up_bytes")].set_index(["round", "client_id"])["value"]
     upf = df[(df["scope"] == "client") & (df["metric"] == "up_floats")].set_index(["round", "client_id"])["value"]
