@@ -124,7 +124,7 @@ def test_fedproto_heterogeneous_models(tiny):
     prep = prepare(cfg)
     assert [a.arch for a in prep.task.archs] == ["mlp", "mlp", "mlp", "mlp", "cnn_small", "cnn_small"]
     res = run_experiment(cfg, write=False)
-    assert res.final("test_acc_proto")[0] > 0.3
+    assert res.final("test_acc_proto")[0] > 0.5  # chance: 1/3 (3 local classes); 0.68 with this seed
 
 
 class _Crash(RuntimeError):
@@ -180,7 +180,7 @@ def test_fedproto_official_reproduction_options(tiny):
                 algorithm={"name": "fedproto", "params": {"proto_collect": "during_train", "proto_agg": "mean",
                                                           "restrict_local_classes": False}})
     a, b = run_experiment(base, write=False), run_experiment(opts, write=False)
-    assert b.final("test_acc_proto")[0] > 0.3
+    assert b.final("test_acc_proto")[0] > 0.5  # chance: 1/10 (unrestricted inference); 0.68 with this seed
     pa = client_rows(a.table, "test_acc_proto")["value"].to_numpy()
     pb = client_rows(b.table, "test_acc_proto")["value"].to_numpy()
     assert not (pa == pb).all()
