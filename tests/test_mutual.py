@@ -198,6 +198,11 @@ def test_mafml_heterogeneous_archs(tiny):
                                                           {"arch": "cnn_small", "params": {"channels": 4}}]})
     df = run_experiment(cfg, write=False).table
     assert rows(df, "test_acc_all")["value"].notna().all() and len(rows(df, "test_acc_all")) == 8
+    # what travels (soft labels of public batches) does not depend on the architectures: the same floats per client
+    # and round as homogeneous MAFML on the same data
+    homo = run_experiment(mutual_cfg(tiny, "mafml"), write=False).table
+    for m in ("up_floats", "down_floats"):
+        assert rows(df, m)["value"].tolist() == rows(homo, m)["value"].tolist() and rows(df, m)["value"].gt(0).all()
 
 
 @pytest.mark.ray
