@@ -28,7 +28,7 @@ from algorithms.generators import FeatureGenerator
 from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalStart
 from raysim.config import positive
-from raysim.messages import Message, state_message
+from raysim.messages import state_message
 from raysim.training import clone_state
 
 
@@ -145,8 +145,7 @@ class FedGen(FedAvg):
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
         state, upload = super().client_final(model, start, payload, state, data, ctx)
-        upload["label_counts"] = Message("class_counts", {"counts": torch.bincount(
-            data.y_train.cpu(), minlength=self.task.num_classes).to(torch.int64)})
+        upload["label_counts"] = gen_ops.label_counts_message(data, self.task.num_classes)
         return state, upload
 
     def aggregate(self, server_state, uploads, ctx: Context):

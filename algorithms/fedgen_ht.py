@@ -150,8 +150,7 @@ class FedGenHt(LGFedAvg):
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
         state, upload = super().client_final(model, start, payload, state, data, ctx)
-        upload["label_counts"] = Message("class_counts", {"counts": torch.bincount(
-            data.y_train.cpu(), minlength=self.task.num_classes).to(torch.int64)})
+        upload["label_counts"] = gen_ops.label_counts_message(data, self.task.num_classes)
         return state, upload
 
     def aggregate(self, server_state, uploads, ctx: Context):

@@ -260,12 +260,7 @@ def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool
                 prepare(cfg)  # the data and partition are checked once per run before any run starts
             target = out / r.slug / f"seed{int(s)}"
             p = Planned(r, int(s), cfg, target)
-            if (target / "results.parquet").exists():
-                stored = _stored_hash(target)
-                if stored != cfg.config_hash():
-                    raise ConfigError("--out", f"{target} holds a run of another configuration (hash {stored}, this "
-                                               f"one {cfg.config_hash()}); a table never mixes configurations: "
-                                               f"use another --out or remove that run")
+            if _finished(target, cfg):
                 p.status = "reuse"
             elif _diverged(target, cfg) is not None:
                 p.status = "diverged"  # it diverged with this very config: running it again would diverge again
@@ -273,6 +268,19 @@ def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool
                 p.status = "resume"
             planned.append(p)
     return planned
+
+
+def _finished(target: Path, cfg) -> bool:
+    """Whether ``target`` holds a finished run of ``cfg``; a finished run of another configuration is an error (a
+    table never mixes configurations)."""
+    if not (target / "results.parquet").exists():
+        return False
+    stored = _stored_hash(target)
+    if stored != cfg.config_hash():
+        raise ConfigError("--out", f"{target} holds a run of another configuration (hash {stored}, this one "
+                                   f"{cfg.config_hash()}); a table never mixes configurations: use another --out or "
+                                   f"remove that run")
+    return True
 
 
 def _stored_hash(path: Path) -> Optional[str]:
@@ -382,12 +390,7 @@ def run_one(cfg, target: Path, progress: Optional[bool]) -> tuple[str, str, floa
 
     t0 = time.perf_counter()
     target = Path(target)
-    if (target / "results.parquet").exists():
-        stored = _stored_hash(target)
-        if stored != cfg.config_hash():
-            raise ConfigError("--out", f"{target} holds a run of another configuration (hash {stored}, this one "
-                                       f"{cfg.config_hash()}); a table never mixes configurations: use another --out "
-                                       f"or remove that run")
+    if _finished(target, cfg):
         return "reused", "", 0.0
     message = _diverged(target, cfg)
     if message is not None:
