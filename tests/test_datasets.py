@@ -53,7 +53,10 @@ def test_mnist5k_and_digits_and_synthetic():
     m = load_dataset("mnist5k")
     assert m.train.x.shape == (5000, 1, 28, 28) and m.test is None
     assert np.bincount(m.train.y.numpy()).tolist() == [500] * 10
-    assert abs(float(m.train.x.mean())) < 0.2  # normalised
+    # normalised with MNIST's constants: pixel p in [0, 1] -> (p - 0.1307) / 0.3081, so black and white are exact
+    assert m.train.norm == (0.1307, 0.3081)
+    assert float(m.train.x.min()) == pytest.approx(-0.1307 / 0.3081, abs=1e-6)
+    assert float(m.train.x.max()) == pytest.approx((1 - 0.1307) / 0.3081, abs=1e-6)
     d = load_dataset("digits")
     assert d.train.x.shape == (1797, 1, 8, 8)
     s = load_dataset("synthetic")
