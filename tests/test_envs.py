@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+from pathlib import Path
 
 from envs import Environment, parse_env, resolve_round
 from envs.network import transfer_s
@@ -219,7 +220,43 @@ def test_shipped_example_trace():
     for t in range(4):
         env.sim_time = t * 21600.0  # every 6 hours of the day
         counts.append(len(env.select(t)))
+        assert env.select(t) == _online_by_hand(env.devices.trace_id, env.sim_time, 86400)
     assert min(counts) < 30 and max(counts) > 0 and len(set(counts)) > 1
+
+
+def _online_by_hand(trace_ids, t, period):
+    """The clients whose trace device has an interval [start_s, end_s) holding t mod period, or no interval at all
+    (a device the availability trace does not list is always online), read from the shipped CSV with the csv module
+    (not raysim's loader)."""
+    import csv
+
+    root = Path(__file__).resolve().parent.parent / "envs" / "traces"
+    with open(root / "example_availability.csv") as f:
+        rows = list(csv.DictReader(f))
+    on = {r["device_id"] for r in rows if float(r["start_s"]) <= t % period < float(r["end_s"])}
+    listed = {r["device_id"] for r in rows}
+    return [c for c, dev in enumerate(trace_ids) if dev in on or dev not in listed]
+
+
+def test_example_trace_modulo_mapping_by_hand():
+    """mapping: modulo — client c plays row c mod (rows) of the devices file; the clients online at each time of day
+    are exactly those whose device's intervals hold it."""
+    import csv
+
+    raw = {"trace": {"devices": "example", "availability": "example", "mapping": "modulo"},
+           "participation": {"availability": {"mode": "trace", "period_s": 86400}}}
+    env = env_from(raw, [10] * 30)
+    root = Path(__file__).resolve().parent.parent / "envs" / "traces"
+    with open(root / "example_devices.csv") as f:
+        devices = [r["device_id"] for r in csv.DictReader(f)]
+    assert list(env.devices.trace_id) == [devices[c % len(devices)] for c in range(30)]
+    seen = set()
+    for t in range(8):
+        env.sim_time = t * 10800.0  # every 3 hours
+        got = env.select(t)
+        assert got == _online_by_hand(env.devices.trace_id, env.sim_time, 86400)
+        seen.add(len(got))
+    assert len(seen) > 1  # availability changes over the day
 
 
 def test_availability_trace_intervals(tmp_path):
