@@ -96,3 +96,28 @@ class PlacementProbe(FedAvg):
         out["probe_gpu_id"] = float(ids[0]) if ids else -1.0
         out["probe_on_cpu"] = float(str(ctx.device) == "cpu")
         return out
+
+
+class HoldFedProto(FedProto):
+    """A FedProto that lets a study be killed mid-trial at a known point: with RAYSIM_TEST_HOLD_DIR set, every run
+    appends a line to ``runs`` there in its first round, and the third run, in its second round, writes ``holding``
+    and waits until ``release`` exists (tests/test_tuning.py kills the study while it waits)."""
+
+    name = "hold_fedproto"
+
+    def aggregate(self, server_state, uploads, ctx):
+        import os
+        import time
+        from pathlib import Path
+
+        hold = os.environ.get("RAYSIM_TEST_HOLD_DIR")
+        if hold:
+            d = Path(hold)
+            if ctx.round_idx == 0:
+                with open(d / "runs", "a") as f:
+                    f.write("run\n")
+            elif ctx.round_idx == 1 and len((d / "runs").read_text().splitlines()) == 3:
+                (d / "holding").write_text("")
+                while not (d / "release").exists():
+                    time.sleep(0.05)
+        return super().aggregate(server_state, uploads, ctx)

@@ -246,36 +246,35 @@ def test_resume_recovers_an_orphaned_trial(tmp_path):
 
 def test_killed_study_resumes_without_lost_or_duplicated_trials(tmp_path):
     cfg_file, space_file, out = tmp_path / "tiny.yaml", tmp_path / "space.yaml", tmp_path / "study"
-    cfg_file.write_text(yaml.safe_dump(vcfg(rounds=6)))
+    # the study's third trial waits in its second round (tests/failing_algo.py HoldFedProto): it is killed there, a
+    # known point, after exactly two finished trials (no race with a trial that finishes as the kill comes)
+    cfg_file.write_text(yaml.safe_dump(vcfg(rounds=6, algorithm={"name": "tests.failing_algo:HoldFedProto",
+                                                                 "params": {"lam": 1.0}})))
     space_file.write_text(yaml.safe_dump({"params": LAM, "pruner": {"name": "none"},
                                           "sampler": {"name": "random", "seed": 5}}))
     storage = f"sqlite:///{tmp_path / 'study.db'}"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    hold = tmp_path / "hold"
+    hold.mkdir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+               RAYSIM_TEST_HOLD_DIR=str(hold))
     cmd = [sys.executable, "-m", "raysim.cli", "tune", str(cfg_file), "--space", str(space_file), "--trials", "6",
            "--storage", storage, "--out", str(out)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    S = optuna.trial.TrialState
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        t0 = time.time()  # wait for the state to kill in (no fixed deadline that kills anyway on a slow machine)
-        while True:
-            assert proc.poll() is None, "the study finished before it could be killed mid-trial"
-            assert time.time() - t0 < 600, "no trial started after two had finished"
+        t0 = time.time()
+        while not (hold / "holding").exists():
+            assert proc.poll() is None, "the study ended before its third trial held"
+            assert time.time() - t0 < 600, "the third trial never reached its hold"
             time.sleep(0.05)
-            try:
-                trials = optuna.load_study(study_name="tiny-tune", storage=storage).get_trials(deepcopy=False)
-            except Exception:  # the study is not created yet
-                continue
-            done = [t for t in trials if t.state == S.COMPLETE]
-            running = [t for t in trials if t.state == S.RUNNING and t.params]
-            if len(done) >= 2 and running:
-                break
         proc.send_signal(signal.SIGKILL)  # mid-trial, no cleanup
     finally:
+        proc.kill()
         proc.wait()
+    S = optuna.trial.TrialState
     before = optuna.load_study(study_name="tiny-tune", storage=storage).get_trials()
     done_before = {t.number: t.params for t in before if t.state == S.COMPLETE}
     orphans = [t for t in before if t.state == S.RUNNING]
-    assert len(done_before) >= 2 and len(orphans) == 1 and len(done_before) < 6
+    assert len(done_before) == 2 and len(orphans) == 1
     res = tune(cfg_file, yaml.safe_load(space_file.read_text()), 6, storage=storage, out_dir=out, log=QUIET)
     t = res.trials.set_index("number")
     complete = t[t["state"] == "COMPLETE"]
