@@ -85,3 +85,51 @@ def test_parsed_datasets_are_cached_read_only_and_callers_get_their_own_tensors(
         assert torch.equal(b.train.x, ref) and int(b.train.y.max()) == 9
     X, y = _mnist5k_arrays()
     assert _mnist5k_arrays()[0] is X and not X.flags.writeable and not y.flags.writeable
+
+
+def _fake_omniglot(root, alphabets=2, characters=3, drawings=12):
+    """images_background/<alphabet>/<character>/*.png, 105x105 white with one black bar whose row depends on the
+    character (Omniglot's look: black strokes on white)."""
+    from PIL import Image
+
+    for a in range(alphabets):
+        for c in range(characters):
+            d = root / "omniglot-py" / "images_background" / f"Alphabet_{a}" / f"character{c + 1:02d}"
+            d.mkdir(parents=True)
+            for k in range(drawings):
+                img = np.full((105, 105), 255, dtype=np.uint8)
+                row = 10 + 15 * c + 20 * a
+                img[row:row + 8, 10 + k:60 + k] = 0
+                Image.fromarray(img).save(d / f"{k:02d}.png")
+
+
+def test_omniglot_loader_on_a_fake_background_set(tmp_path):
+    _fake_omniglot(tmp_path)
+    ds = load_dataset("omniglot", str(tmp_path))
+    assert ds.test is None and ds.num_classes == 6 and ds.input_shape == (1, 28, 28)
+    assert ds.train.x.shape == (72, 1, 28, 28) and np.bincount(ds.train.y.numpy()).tolist() == [12] * 6
+    # labels follow the sorted (alphabet, character) order; the image is inverted: the bar (black) is now the
+    # brightest part, the background (white) the darkest, in MNIST's normalisation
+    lo, hi = -0.1307 / 0.3081, (1 - 0.1307) / 0.3081
+    first = ds.train.x[0, 0]
+    assert float(first.min()) == pytest.approx(lo, abs=1e-6) and float(first.max()) > hi - 0.5
+    bright_rows = (first > 0).any(1).nonzero().flatten().tolist()
+    assert bright_rows and all(r < 8 for r in bright_rows)  # character 1 of alphabet 0: the bar near the top
+    with pytest.raises(DataError, match="images_background"):
+        load_dataset("omniglot", str(tmp_path / "omniglot-py" / "images_background" / "Alphabet_0"))
+    with pytest.raises(DataError, match="root"):
+        load_dataset("omniglot", None)
+
+
+def test_seed001_fullsize_config_pretrains_on_omniglot(tmp_path):
+    """The shipped full-size PN-ICFL config takes Omniglot as its public pre-training set (the seed's); with a fake
+    background set and a stand-in for full MNIST it resolves and builds its public data."""
+    from raysim.config import load_config
+    from raysim.data.federated import _load_public
+
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "seed001_pnicfl" /
+                      "table2_rotated_fullsize_pnicfl.yaml")
+    assert cfg.data.public["dataset"] == "omniglot"
+    _fake_omniglot(tmp_path)
+    pub = _load_public({**cfg.data.public, "root": str(tmp_path)}, seed=1)
+    assert pub.provenance == "public" and pub.num_classes == 6 and tuple(pub.x.shape[1:]) == (1, 28, 28)

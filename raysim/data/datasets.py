@@ -273,6 +273,57 @@ def _torchvision_loader(kind: str) -> Callable:
     return load
 
 
+OMNIGLOT_NORM = (0.1307, 0.3081)  # strokes bright on black after inversion, as MNIST: MNIST's constants
+
+
+def load_omniglot(root: Optional[str]) -> LoadedDataset:
+    """Omniglot's background set (Lake et al. 2015; the 964 characters of 30 alphabets, 20 drawings each), as the
+    prototypical-network papers use it: every character a class (label = index of (alphabet, character) in sorted
+    order), images resized to 28 x 28 and inverted (strokes bright, as MNIST's), normalised with MNIST's constants.
+    ``root``: the directory holding ``images_background/`` (torchvision's ``omniglot-py/`` or the extracted
+    images_background.zip); never downloaded here. No official test split (the evaluation alphabets are other
+    classes): ``test`` is None."""
+    from pathlib import Path
+
+    from PIL import Image
+
+    if not root:
+        raise DataError("data.root", "omniglot needs a root: the directory holding images_background/ (set "
+                                     "data.public.root when it is the public set)")
+    base = Path(root).expanduser()
+    for cand in (base / "images_background", base / "omniglot-py" / "images_background"):
+        if cand.is_dir():
+            base = cand
+            break
+    else:
+        raise DataError("data.root", f"no images_background/ under {root} (Omniglot's background set: "
+                                     f"images_background/<alphabet>/<character>/*.png)")
+    classes = sorted((a.name, c.name) for a in base.iterdir() if a.is_dir() and not a.name.startswith(".")
+                     for c in a.iterdir() if c.is_dir() and not c.name.startswith("."))
+    if len(classes) < 2:
+        raise DataError("data.root", f"{base} holds {len(classes)} character folder(s); at least 2 are needed")
+    xs, ys = [], []
+    for k, (alphabet, character) in enumerate(classes):
+        files = sorted(f for f in (base / alphabet / character).iterdir() if f.suffix.lower() == ".png")
+        if not files:
+            raise DataError("data.root", f"empty character folder {base / alphabet / character}: no .png files")
+        for f in files:
+            try:
+                with Image.open(f) as im:
+                    a = np.asarray(im.convert("L").resize((28, 28), Image.BILINEAR), dtype=np.uint8)
+            except Exception as e:
+                raise DamagedFileError(f, read_problem(e), "extract Omniglot's images_background.zip again",
+                                       "data.root") from None
+            xs.append(255 - a)
+            ys.append(k)
+    x = torch.from_numpy(_normalise(np.stack(xs)[:, None], *OMNIGLOT_NORM))
+    train = ArrayDataset(x, torch.as_tensor(ys, dtype=torch.int64), len(classes), norm=OMNIGLOT_NORM)
+    alphabets = len({a for a, _ in classes})
+    return LoadedDataset("omniglot", train, None, (1, 28, 28), len(classes),
+                         f"Omniglot background set from {base}: {alphabets} alphabets, {len(classes)} characters "
+                         f"(classes), {len(ys)} images, 28x28, inverted, MNIST normalisation")
+
+
 def _multisource(root: Optional[str]) -> LoadedDataset:
     from raysim.data.multisource import load_multisource_digits
 
@@ -288,6 +339,7 @@ LOADERS: dict[str, Callable[[Optional[str]], LoadedDataset]] = {
     "mnist": _torchvision_loader("mnist"),
     "cifar10": _torchvision_loader("cifar10"),
     "cifar100": _torchvision_loader("cifar100"),
+    "omniglot": load_omniglot,
 }
 
 
