@@ -30,12 +30,14 @@ class ConfigError(ValueError):
         super().__init__(f"config error at '{field_path}': {message}")
 
     def __reduce__(self):  # crosses process boundaries (reproduce --jobs workers, Ray) intact, subclasses too
-        return (_rebuild_config_error, (type(self), dict(self.__dict__), self.args))
+        return (rebuild_error, (type(self), dict(self.__dict__), self.args))
 
 
-def _rebuild_config_error(cls, state: dict, args: tuple):
+def rebuild_error(cls, state: dict, args: tuple):
+    """Unpickle an error whose constructor takes other arguments than its message (ConfigError, DataError and
+    their subclasses): the message and the attributes as they were, no constructor call."""
     e = cls.__new__(cls)
-    ValueError.__init__(e, *args)
+    Exception.__init__(e, *args)
     e.__dict__.update(state)
     return e
 

@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from raysim.config import ConfigError
+from raysim.config import ConfigError, rebuild_error
 
 
 class DataError(ValueError):
@@ -27,15 +27,8 @@ class DataError(ValueError):
         self.field = field_path
         super().__init__(f"data error at '{field_path}': {message}")
 
-    def __reduce__(self):  # crosses process boundaries (Ray actors) intact
-        return (_rebuild_error, (type(self), dict(self.__dict__), self.args))
-
-
-def _rebuild_error(cls, state: dict, args: tuple):
-    e = cls.__new__(cls)
-    Exception.__init__(e, *args)
-    e.__dict__.update(state)
-    return e
+    def __reduce__(self):  # crosses process boundaries (Ray actors, reproduce --jobs workers) intact
+        return (rebuild_error, (type(self), dict(self.__dict__), self.args))
 
 
 class DamagedFileError(DataError):
