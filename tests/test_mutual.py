@@ -491,3 +491,52 @@ def test_lenet_is_lenet5():
     m = build_model(ArchSpec("lenet"), (1, 28, 28), 10)
     assert num_parameters(m) == 61706  # 156 + 2,416 + 48,120 + 10,164 + 850
     assert m(torch.zeros(3, 1, 28, 28)).shape == (3, 10) and m.embed_dim == 84
+
+
+def test_warm_snapshot_and_mode_equal_the_plain_copies():
+    """WarmClients.snapshot is clone_state + optimizer_state (same keys and values, copies), mode(flag) is
+    model.train(flag) for every module (BatchNorm and Dropout included), and a state loaded back reproduces the
+    live pair's next step exactly."""
+    from types import SimpleNamespace
+
+    from algorithms.mutual_ops import WarmClients
+    from raysim.training import clone_state, optimizer_state
+
+    def build(_cid):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Dropout(0.3), nn.Linear(6, 3))
+
+    task = SimpleNamespace(build_model=build, train=SimpleNamespace(weight_decay=1e-4))
+    live = WarmClients(task)
+    ctx = SimpleNamespace(client_id=2, device=torch.device("cpu"))
+    state = {"model": clone_state(build(2)), "opt": {}}
+    model, opt = live.get(state, ctx, lr=0.01)
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+
+    def step(m, o):
+        o.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        o.step()
+
+    torch.manual_seed(1)
+    step(model, opt)
+    weights, opt_state = live.snapshot(ctx)
+    want_w, want_o = clone_state(model), optimizer_state(opt, model)
+    assert list(weights) == list(want_w) and all(torch.equal(weights[k], want_w[k]) for k in want_w)
+    assert set(opt_state) == set(want_o)
+    for name, st in want_o.items():
+        assert set(opt_state[name]) == set(st) and all(torch.equal(opt_state[name][k], v) for k, v in st.items())
+    p = next(model.parameters())
+    assert weights["0.weight"].data_ptr() != p.data_ptr()  # copies, not views of the live tensors
+    for flag in (False, True):
+        live.mode(ctx, flag)
+        assert all(m.training is flag for m in model.modules())
+    # the snapshot, loaded into a fresh pair, takes the same next step as the live pair
+    live.done(ctx, {"model": weights, "opt": opt_state})
+    fresh = WarmClients(task)
+    m2, o2 = fresh.get({"model": weights, "opt": opt_state}, ctx, lr=0.01)
+    torch.manual_seed(2)
+    step(model, opt)
+    torch.manual_seed(2)
+    step(m2, o2)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), m2.state_dict().values()))
