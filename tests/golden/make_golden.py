@@ -101,6 +101,23 @@ def recorded_platform(name: str):
     return None
 
 
+def cpu_slug(p: dict) -> str:
+    """A file-name tag for a platform: ``amd-epyc``, ``intel-r-xeon-r-processor``."""
+    import re
+
+    return re.sub(r"[^a-z0-9]+", "-", p["cpu"].lower()).strip("-") or "unknown"
+
+
+def golden_tables(name: str) -> list[tuple[Path, dict]]:
+    """(table, platform it was made on) for ``name``: the main table ``<name>.parquet`` first, then the variants
+    ``<name>@<cpu>.parquet`` made by ``--variant`` on other CPUs (methods whose numbers leave the cross-CPU tolerance
+    within the golden run's three rounds, e.g. FedGen's generator, need the exact table of each CPU CI runs on)."""
+    out = [(HERE / f"{name}.parquet", recorded_platform(name))]
+    for f in sorted(HERE.glob(f"{name}@*.parquet")):
+        out.append((f, json.loads(f.with_suffix(".platform.json").read_text())))
+    return out
+
+
 def names() -> list[str]:
     from raysim.registry import ALGORITHMS
 
@@ -108,18 +125,36 @@ def names() -> list[str]:
 
 
 def main() -> None:
+    """``make_golden.py [names]``: regenerate the main tables (numbers moved on purpose): the other CPUs' variants of
+    those names are removed, being stale (other CPUs then compare within the tolerance until a variant is made there).
+    ``make_golden.py --variant names``: add this CPU's exact table beside a main table made on another CPU, from an
+    unchanged engine (the main table still guards the engine on its own CPU)."""
     from raysim.driver import run_experiment
     from raysim.results import without_timing
 
-    only = sys.argv[1:]
+    args = sys.argv[1:]
+    variant = "--variant" in args
+    only = [a for a in args if a != "--variant"]
+    if variant and not only:
+        sys.exit("make_golden.py --variant needs the names of the tables to add a variant of")
+    here = platform()
     for name in names():
         if only and name not in only:
             continue
+        if variant and recorded_platform(name) == here:
+            sys.exit(f"{name}: the main table was made on this CPU; a variant would duplicate it")
         res = run_experiment(make_config(golden_config(name)), write=False)
-        without_timing(res.table).drop(columns=["run_id"]).to_parquet(  # wall times differ run to run
-            HERE / f"{name}.parquet", index=False)
-        platform_file(name).write_text(json.dumps(platform(), indent=1) + "\n")
-        print(name, len(res.table))
+        table = without_timing(res.table).drop(columns=["run_id"])  # wall times differ run to run
+        if variant:
+            path = HERE / f"{name}@{cpu_slug(here)}.parquet"
+            table.to_parquet(path, index=False)
+            path.with_suffix(".platform.json").write_text(json.dumps(here, indent=1) + "\n")
+        else:
+            table.to_parquet(HERE / f"{name}.parquet", index=False)
+            platform_file(name).write_text(json.dumps(here, indent=1) + "\n")
+            for old in HERE.glob(f"{name}@*"):
+                old.unlink()
+        print(name, len(res.table), "(variant)" if variant else "")
 
 
 if __name__ == "__main__":
