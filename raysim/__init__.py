@@ -2,7 +2,7 @@
 from raysim.config import ConfigError, ExperimentConfig, load_config, make_config
 from raysim.data.datasets import DataError
 from raysim.registry import register_algorithm, register_dataset, register_model
-from raysim.runtime import SimulationError
+from raysim.errors import SimulationError
 
 __version__ = "0.1.0"
 

@@ -285,7 +285,7 @@ def _cmd_dry_run(cfg, args) -> int:
 
 
 def _cmd_runs(args) -> int:
-    from raysim.rundir import list_runs
+    from raysim.runs import list_runs
 
     rows = list_runs(args.dir)
     if not rows:
@@ -352,7 +352,7 @@ def main(argv=None) -> int:
             print(f"raysim: {note}", file=sys.stderr)
         return 1
     except Exception as e:
-        from raysim.runtime import SimulationError
+        from raysim.errors import SimulationError
 
         if isinstance(e, SimulationError):
             from raysim.safety import NonFiniteError

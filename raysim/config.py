@@ -21,25 +21,7 @@ from typing import Any, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A bad configuration value. ``field`` is the dotted path of the offending key."""
-
-    def __init__(self, field_path: str, message: str):
-        self.field = field_path
-        super().__init__(f"config error at '{field_path}': {message}")
-
-    def __reduce__(self):  # crosses process boundaries (reproduce --jobs workers, Ray) intact, subclasses too
-        return (rebuild_error, (type(self), dict(self.__dict__), self.args))
-
-
-def rebuild_error(cls, state: dict, args: tuple):
-    """Unpickle an error whose constructor takes other arguments than its message (ConfigError, DataError and
-    their subclasses): the message and the attributes as they were, no constructor call."""
-    e = cls.__new__(cls)
-    Exception.__init__(e, *args)
-    e.__dict__.update(state)
-    return e
+from raysim.errors import ConfigError
 
 
 # ----------------------------------------------------------------------------------------------------------------

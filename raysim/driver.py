@@ -41,7 +41,8 @@ from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
 from raysim.results import RESULTS_FILE, ROUND_TIME, STEP_TIME, ResultTable, write_parquet
 from raysim.results import final as results_final
-from raysim.runtime import ClientReport, RunSpec, SimulationError, step_token
+from raysim.errors import SimulationError
+from raysim.runtime import ClientReport, RunSpec, step_token
 from raysim.state import find_checkpoint, read_checkpoint_meta, write_checkpoint
 from raysim.steps import ALL, ClientStep, ServerStep, check_schedule, flatten
 

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from raysim.store import file_sha256
+
 COLUMNS = ["run_id", "round", "client_id", "scope", "metric", "value", "weight"]
 META_KEY = b"raysim"
 RESULTS_FILE = "results.parquet"
@@ -91,16 +93,6 @@ DIGEST_KEY = "results_sha256"
 _TABLE_FIX = ("the run's results cannot be trusted: run it again (or restore the directory from a backup), or move "
               "the directory out of the way")
 _verified: dict = {}  # (path, size, mtime_ns) -> True: a table checked once is not hashed again
-
-
-def file_sha256(path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_run_info(run_dir) -> dict | None:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from raysim import rng as rngmod
+from raysim import safety
 from raysim.algorithm import Context, LocalTraining, ModelCache, ServerUpdate, Task
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData
@@ -27,10 +28,6 @@ from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
 from raysim.store import StateStore, atomic_save, load_file
-
-
-class SimulationError(RuntimeError):
-    """The run could not go on (e.g. every sampled client failed)."""
 
 
 @dataclass
@@ -220,8 +217,6 @@ class ClientRunner:
     def _finish_update(self, rep: ClientReport, cid: int, res, token: str, uploads: dict) -> None:
         """A client update's outcome: a diverged one is a failed report (the client keeps its last state), any other
         is staged (committed later) and its upload kept."""
-        from raysim import safety  # imports SimulationError from this module
-
         rep.nonfinite = safety.check_update(res.metrics, res.upload) or ""
         if rep.nonfinite:  # a diverged update never reaches the server; the client keeps its last state
             rep.ok, rep.error = False, safety.NONFINITE_PREFIX + rep.nonfinite

@@ -8,7 +8,7 @@ Pure functions, so the round loop (and any future driver) calls them in one line
 * :func:`check_metrics` checks the server's (aggregation, evaluation) and clients' evaluation losses on the driver.
 * :func:`decide` applies ``on_nonfinite`` (``stop`` | ``skip_client``) to a round's reports.
 
-A stopped run raises :class:`NonFiniteError` (a :class:`~raysim.runtime.SimulationError`: exit code 1) whose
+A stopped run raises :class:`NonFiniteError` (a :class:`~raysim.errors.SimulationError`: exit code 1) whose
 message names the round, the client and the stage.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from raysim.runtime import SimulationError
+from raysim.errors import SimulationError
 
 NONFINITE_PREFIX = "non-finite "  # the error text of a client report whose update was discarded
 

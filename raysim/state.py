@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from raysim.store import atomic_save, load_file
+from raysim.store import atomic_save, file_sha256, load_file
 
 META = "meta.pt"
 
@@ -21,8 +21,6 @@ def write_checkpoint(path: Path, round_idx: int, backend, extra: dict) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     manifest = backend.save_checkpoint(str(tmp))
-    from raysim.results import file_sha256
-
     digests = {f.name: file_sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}  # verified before a resume
     atomic_save({"round_idx": int(round_idx), "manifest": manifest, "extra": extra, "sha256": digests}, tmp / META)
     if path.exists():

@@ -176,6 +176,17 @@ def load_tree(raw: bytes | bytearray):
     return _decode(head["tree"], data)
 
 
+def file_sha256(path) -> str:
+    """The sha256 of a file's bytes (hex), read in 1 MiB blocks."""
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def atomic_save(obj, path: Path, digest: bool = True, tree: bool = False) -> Optional[str]:
     """Write ``obj`` to ``path`` atomically; returns the sha256 of the bytes written (verified when read back), or
     None with ``digest=False``. ``tree=True``: the flat format of :func:`save_tree` when ``obj`` fits it (client

@@ -6,7 +6,7 @@ import pytest
 
 from raysim.driver import run_experiment
 from raysim.results import without_timing
-from raysim.runtime import SimulationError
+from raysim.errors import SimulationError
 from tests.conftest import register_for_test
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from raysim import results
-from raysim.runtime import SimulationError
+from raysim.errors import SimulationError
 from raysim.driver import prepare, run_experiment
 from raysim.results import without_timing
 from raysim.state import load_checkpoint

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from raysim import results, rundir, safety
+from raysim import results, rundir, runs, safety
 from raysim.cli import main
 from raysim.config import ConfigError, load_config, make_config
 from raysim.messages import Message
@@ -82,7 +82,7 @@ def test_on_nonfinite_skip_client_drops_the_update(tiny):
 
 
 def test_every_client_nonfinite_with_skip_client_stops(tiny):
-    from raysim.runtime import SimulationError
+    from raysim.errors import SimulationError
 
     cfg = tiny(rounds=2, on_nonfinite="skip_client",
                algorithm={"name": "nan_fedavg", "params": {"nan_clients": list(range(6)), "nan_round": 0}})
@@ -138,7 +138,7 @@ def test_run_index_and_report_skip_unfinished_and_hidden_dirs(tiny, tmp_path):
     assert results.run_index(tmp_path)["path"].tolist() == [str(tmp_path / "a")]
     with pytest.raises(FileNotFoundError, match="unfinished run"):
         results.load(tmp_path / "b.incomplete")
-    assert [r["path"] for r in rundir.list_runs(tmp_path)] == [str(tmp_path / "a"), str(tmp_path / "b.incomplete")]
+    assert [r["path"] for r in runs.list_runs(tmp_path)] == [str(tmp_path / "a"), str(tmp_path / "b.incomplete")]
 
 
 HOLDER = """

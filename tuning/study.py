@@ -319,7 +319,7 @@ def trial_config(base: dict, space: SearchSpace, params: dict, trial_number: int
 
 def execute_trial(trial, base: dict, space: SearchSpace, run_dir: str | Path) -> TrialOutcome:
     """Run one trial's experiment; never raises for a diverging or failing run (only for a bad config)."""
-    from raysim.runtime import SimulationError
+    from raysim.errors import SimulationError
     from raysim.driver import run_experiment
     from raysim.safety import NonFiniteError
 
@@ -368,9 +368,9 @@ def _remote_trial(storage_url: str, study_name: str, trial_id: int, base: dict, 
                               sampler=space.build_sampler())
     trial = optuna.trial.Trial(study, trial_id)
     try:  # where the trial ran (multi-node studies show it)
-        import ray
+        from raysim.backends.ray_tasks import current_node
 
-        trial.set_user_attr("node", ray.get_runtime_context().get_node_id())
+        trial.set_user_attr("node", current_node())
     except Exception:
         pass
     base = apply_overrides(base, ["backend.name=sequential"])
@@ -580,7 +580,7 @@ def _run_sequential(study, space, base, out_dir, todo, log, stop_after) -> int:
 def _run_parallel(study, space, base, out_dir, storage_url, study_name, todo, parallel, log, stop_after) -> int:
     from optuna.trial import TrialState
 
-    from raysim.backends.ray_backend import LostTask, TaskPool
+    from raysim.backends.ray_tasks import LostTask, TaskPool
 
     cfg = make_config(base)
     r = space.trial_resources

@@ -21,7 +21,8 @@ from raysim.backends import ray_serialization
 from raysim.backends.base import Backend, run_state_dir
 from raysim.config import ConfigError
 from raysim.data.federated import ClientSet, LazyClients, client_sizes
-from raysim.runtime import ClientReport, ClientRunner, ServerRunner, SimulationError
+from raysim.errors import SimulationError
+from raysim.runtime import ClientReport, ClientRunner, ServerRunner
 
 
 def _gpu_capacity(per_actor: float, gpus: float) -> int:
@@ -796,61 +797,3 @@ def _alive(actor) -> bool:
         return False
     except ray.exceptions.GetTimeoutError:  # busy, not dead
         return True
-
-
-class LostTask(RuntimeError):
-    """A task that did not fail by itself: its worker or node died (the work can be run again)."""
-
-
-class TaskPool:
-    """Plain functions as Ray tasks, each with fixed resources (used by ``tuning`` for parallel trials: one trial per
-    task, the sequential backend inside). ``wait`` returns ``(key, result, error)`` for the next finished task."""
-
-    def __init__(self, num_cpus: float, num_gpus: float, address=None, where: str = "trial_resources"):
-        release_warm_actors()  # parked run actors would hold the CPUs the tasks need
-        self._own_session = False
-        self._fns: dict = {}
-        self.pending: dict = {}
-        if not ray.is_initialized():
-            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-            env = {"PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}
-            ray.init(address=address or "local", include_dashboard=False, logging_level="ERROR", runtime_env={"env_vars": env})
-            self._own_session = True
-        res = ray.cluster_resources()
-        cpus, gpus = float(res.get("CPU", 0)), float(res.get("GPU", 0))
-        if num_gpus > 0 and gpus < num_gpus:
-            self.shutdown()
-            raise ConfigError(f"{where}.num_gpus", f"asks for {num_gpus:g} GPU per task but the Ray cluster has {gpus:g}")
-        if num_cpus > cpus:
-            self.shutdown()
-            raise ConfigError(f"{where}.num_cpus", f"asks for {num_cpus:g} CPUs per task but the Ray cluster has {cpus:g}")
-        self.num_cpus, self.num_gpus = num_cpus, num_gpus
-        self.slots = int(cpus // num_cpus) if num_cpus > 0 else 10**6
-        if num_gpus > 0:
-            self.slots = min(self.slots, _gpu_capacity(num_gpus, gpus))
-
-    def submit(self, key, fn, *args) -> None:
-        if fn not in self._fns:
-            self._fns[fn] = ray.remote(fn).options(num_cpus=self.num_cpus, num_gpus=self.num_gpus, max_retries=0)
-        self.pending[self._fns[fn].remote(*args)] = key
-
-    def wait(self):
-        done, _ = ray.wait(list(self.pending), num_returns=1)
-        key = self.pending.pop(done[0])
-        try:
-            return key, ray.get(done[0]), None
-        except ray.exceptions.RayTaskError as e:
-            cause = e.cause if isinstance(getattr(e, "cause", None), BaseException) else e
-            return key, None, cause
-        except Exception as e:  # worker or node died, object lost, cancelled ...
-            lost = LostTask(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-            lost.__cause__ = e
-            return key, None, lost
-
-    def shutdown(self) -> None:
-        for ref in list(self.pending):
-            ray.cancel(ref, force=True)
-        self.pending.clear()
-        if self._own_session:
-            ray.shutdown()
-            self._own_session = False

@@ -17,29 +17,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from raysim.config import ConfigError, rebuild_error
-
-
-class DataError(ValueError):
-    """Bad or missing data, or a partition the dataset cannot satisfy. ``field`` names the config key."""
-
-    def __init__(self, field_path: str, message: str):
-        self.field = field_path
-        super().__init__(f"data error at '{field_path}': {message}")
-
-    def __reduce__(self):  # crosses process boundaries (Ray actors, reproduce --jobs workers) intact
-        return (rebuild_error, (type(self), dict(self.__dict__), self.args))
-
-
-class DamagedFileError(DataError):
-    """A file raysim reads is damaged (truncated, bytes changed, empty), unreadable, or not a file. The message names
-    the file, what is wrong and what to do: ``cannot read PATH [(field)]: problem; fix``."""
-
-    def __init__(self, path, problem: str, fix: str, field_path: Optional[str] = None):
-        self.path, self.problem, self.fix = str(path), problem, fix
-        self.field = field_path or str(path)
-        where = f"{path} ({field_path})" if field_path else str(path)
-        ValueError.__init__(self, f"cannot read {where}: {problem}; {fix}")
+from raysim.config import ConfigError
+from raysim.errors import DamagedFileError, DataError, read_problem
 
 
 def available_memory() -> Optional[int]:
@@ -55,22 +34,6 @@ def available_memory() -> Optional[int]:
             return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         except (ValueError, OSError, AttributeError):
             return None
-
-
-def read_problem(e: BaseException) -> str:
-    """What went wrong reading a file, in a few words (for :class:`DamagedFileError`)."""
-    import zlib
-
-    if isinstance(e, IsADirectoryError):
-        return "it is a directory, not a file"
-    if isinstance(e, PermissionError):
-        return "permission denied (check its permissions)"
-    if isinstance(e, FileNotFoundError):
-        return "it does not exist"
-    if isinstance(e, (EOFError, gzip.BadGzipFile, zlib.error)):
-        return f"truncated or damaged compressed data ({type(e).__name__}: {str(e)[:120]})"
-    text = str(e).splitlines()[0][:200] if str(e) else ""
-    return f"damaged or not the expected format ({type(e).__name__}{': ' + text if text else ''})"
 
 
 @dataclass

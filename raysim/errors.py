@@ -1,0 +1,74 @@
+"""The errors every layer raises, in one module that imports nothing of raysim (so any module may import it):
+
+* :class:`ConfigError` — a bad configuration value, naming its dotted key;
+* :class:`DataError` — bad or missing data, naming the config key; :class:`DamagedFileError` — a file raysim reads
+  is damaged or unreadable, naming the file, the problem and the fix;
+* :class:`SimulationError` — the run could not go on (every sampled client failed, a run diverged).
+
+ConfigError and DataError cross process boundaries (Ray actors, ``reproduce --jobs`` workers) intact."""
+from __future__ import annotations
+
+import gzip
+from typing import Optional
+
+
+class ConfigError(ValueError):
+    """A bad configuration value. ``field`` is the dotted path of the offending key."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field = field_path
+        super().__init__(f"config error at '{field_path}': {message}")
+
+    def __reduce__(self):  # crosses process boundaries (reproduce --jobs workers, Ray) intact, subclasses too
+        return (rebuild_error, (type(self), dict(self.__dict__), self.args))
+
+
+def rebuild_error(cls, state: dict, args: tuple):
+    """Unpickle an error whose constructor takes other arguments than its message (ConfigError, DataError and
+    their subclasses): the message and the attributes as they were, no constructor call."""
+    e = cls.__new__(cls)
+    Exception.__init__(e, *args)
+    e.__dict__.update(state)
+    return e
+
+
+class DataError(ValueError):
+    """Bad or missing data, or a partition the dataset cannot satisfy. ``field`` names the config key."""
+
+    def __init__(self, field_path: str, message: str):
+        self.field = field_path
+        super().__init__(f"data error at '{field_path}': {message}")
+
+    def __reduce__(self):  # crosses process boundaries (Ray actors, reproduce --jobs workers) intact
+        return (rebuild_error, (type(self), dict(self.__dict__), self.args))
+
+
+class DamagedFileError(DataError):
+    """A file raysim reads is damaged (truncated, bytes changed, empty), unreadable, or not a file. The message names
+    the file, what is wrong and what to do: ``cannot read PATH [(field)]: problem; fix``."""
+
+    def __init__(self, path, problem: str, fix: str, field_path: Optional[str] = None):
+        self.path, self.problem, self.fix = str(path), problem, fix
+        self.field = field_path or str(path)
+        where = f"{path} ({field_path})" if field_path else str(path)
+        ValueError.__init__(self, f"cannot read {where}: {problem}; {fix}")
+
+
+def read_problem(e: BaseException) -> str:
+    """What went wrong reading a file, in a few words (for :class:`DamagedFileError`)."""
+    import zlib
+
+    if isinstance(e, IsADirectoryError):
+        return "it is a directory, not a file"
+    if isinstance(e, PermissionError):
+        return "permission denied (check its permissions)"
+    if isinstance(e, FileNotFoundError):
+        return "it does not exist"
+    if isinstance(e, (EOFError, gzip.BadGzipFile, zlib.error)):
+        return f"truncated or damaged compressed data ({type(e).__name__}: {str(e)[:120]})"
+    text = str(e).splitlines()[0][:200] if str(e) else ""
+    return f"damaged or not the expected format ({type(e).__name__}{': ' + text if text else ''})"
+
+
+class SimulationError(RuntimeError):
+    """The run could not go on (e.g. every sampled client failed)."""
