@@ -123,11 +123,13 @@ def _cmd_reproduce(args) -> int:
 
 
 def _cmd_tune(args) -> int:
-    import importlib
-
-    study = importlib.import_module("tuning.study")  # raysim does not depend on tuning; reached by name only
-    space = importlib.import_module("tuning.space").load_space(args.space)
+    # the CLI is the application layer: it may import tuning (tuning imports raysim's library, never the reverse);
+    # imported here, when a study is asked for, because Optuna takes a second to import
     from raysim.config import parse_override
+    from tuning import study
+    from tuning.space import load_space
+
+    space = load_space(args.space)
 
     first = dict(parse_override(text) for text in args.first)
     res = study.tune(args.config, space, args.trials, storage=args.storage, study_name=args.study_name,

@@ -1,0 +1,117 @@
+"""The library's dependency rule (ARCHITECTURE.md, top): imports point one way. Checked on the source, lazy imports
+(inside functions) included, since a lazy import hides a circle without removing it."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def module_imports(package: str = "raysim") -> dict[str, set[str]]:
+    """{module: the modules of ``package`` it imports anywhere in its source}."""
+    files = {}
+    for p in sorted((ROOT / package).rglob("*.py")):
+        parts = p.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        files[name] = p
+
+    def known(name: str):
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {}
+    for name, path in files.items():
+        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
+            for t in targets:
+                k = known(t)
+                if k and k != name and k != package:  # the package's __init__ (its public API) re-exports only
+                    out.add(k)
+        edges[name] = out
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_in_the_library():
+    edges = module_imports()
+    assert len(edges) > 30
+    found = cycles(edges)
+    assert not found, "import cycles:\n" + "\n".join(
+        " <-> ".join(c) + "\n    " + "\n    ".join(f"{m} -> {sorted(edges[m] & set(c))}" for m in c) for c in found)
+
+
+def test_the_cycle_finder_finds_cycles():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_only_the_backends_import_ray():
+    offenders = []
+    for folder in ("raysim", "algorithms", "envs", "tuning"):
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            if p.relative_to(ROOT).parts[:2] == ("raysim", "backends"):
+                continue
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+                if any(n == "ray" or n.startswith("ray.") for n in names):
+                    offenders.append(f"{p.relative_to(ROOT)}:{node.lineno}")
+    assert not offenders, f"ray imported outside raysim/backends/: {offenders}"
+
+
+def test_algorithms_import_only_the_contract():
+    """Methods import the contract (algorithm, steps, messages, models, training, rng, config, errors, ops, data
+    types), never the engine's machinery, the backends or the result files."""
+    allowed = {"raysim.algorithm", "raysim.steps", "raysim.messages", "raysim.models", "raysim.training",
+               "raysim.rng", "raysim.config", "raysim.errors", "raysim.ops", "raysim.data", "raysim.data.federated",
+               "raysim.data.arrays", "raysim.data.datasets", "raysim.layers"}
+    bad = []
+    for p in sorted((ROOT / "algorithms").rglob("*.py")):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                    [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            for m in mods:
+                if m.startswith("raysim") and m not in allowed and m != "raysim":
+                    bad.append(f"{p.name}:{node.lineno} {m}")
+    assert not bad, f"methods reaching past the contract: {bad}"
