@@ -268,10 +268,159 @@ def lenet(input_shape, num_classes, embed_dim: int = 84) -> SplitModel:
     return SplitModel(body, nn.Linear(embed_dim, num_classes), embed_dim)
 
 
+# -- the ImageNet-size networks of MAFML's PACS experiment (seed 003, Table 2: ResNet18, ResNet34, AlexNet, VGG11 on
+# 3 x 224 x 224). The layer structure is torchvision's (``torchvision.models.resnet18`` etc., random init as
+# torchvision's ``weights=None``), given the engine's body/head split: the body ends in the embedding (the pooled
+# features for ResNets, the second 4096-wide hidden layer for AlexNet and VGG), the head is the final Linear. The
+# parameter names match torchvision's under ``body.`` (``fc`` / ``classifier.6`` is ``head``), so a user with local
+# torchvision weights can map them across. Dropout is :class:`Dropout` (per-client generators). Widths are parameters
+# only so tests can build small copies; the defaults are torchvision's.
+
+def _min_side(input_shape, side: int, arch: str) -> None:
+    if min(input_shape[-2], input_shape[-1]) < side:
+        raise ConfigError("model.arch", f"{arch} needs images of at least {side}x{side}, got {tuple(input_shape)} "
+                                        f"(for PACS: data.dataset_params.size >= {side})")
+
+
+class _ResNetBody(nn.Module):
+    """torchvision's ResNet up to its global average pooling (no ``fc``): stem conv 7x7 stride 2 + BN + ReLU +
+    max-pool 3x3 stride 2, four stages of ``BasicBlock`` at widths w, 2w, 4w, 8w (strides 1, 2, 2, 2), pooled and
+    flattened to 8w features."""
+
+    def __init__(self, in_channels: int, blocks: tuple, width: int):
+        from torchvision.models.resnet import BasicBlock
+
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, width, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        inplanes = width
+        for k, (n, planes) in enumerate(zip(blocks, (width, 2 * width, 4 * width, 8 * width))):
+            stride = 1 if k == 0 else 2
+            layers = []
+            for b in range(n):
+                down = None
+                if b == 0 and (stride != 1 or inplanes != planes):
+                    down = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride=stride, bias=False),
+                                         nn.BatchNorm2d(planes))
+                layers.append(BasicBlock(inplanes, planes, stride=stride if b == 0 else 1, downsample=down))
+                inplanes = planes
+            setattr(self, f"layer{k + 1}", nn.Sequential(*layers))
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        for m in self.modules():  # torchvision's initialisation
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.constant_(m.weight, 1)
+                nn.init.constant_(m.bias, 0)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return torch.flatten(self.avgpool(x), 1)
+
+
+def _resnet(input_shape, num_classes, blocks, width) -> SplitModel:
+    if width < 1:
+        raise ConfigError("model.params.width", f"must be >= 1, got {width}")
+    body = _ResNetBody(input_shape[0], blocks, width)
+    return SplitModel(body, nn.Linear(8 * width, num_classes), 8 * width)
+
+
+def resnet18(input_shape, num_classes, width: int = 64) -> SplitModel:
+    """ResNet-18 (He et al. 2016) as torchvision builds it: [2, 2, 2, 2] basic blocks; embedding = the 512 pooled
+    features (8 x ``width``), head = fc. 11,180,103 parameters for 7 classes."""
+    return _resnet(input_shape, num_classes, (2, 2, 2, 2), width)
+
+
+def resnet34(input_shape, num_classes, width: int = 64) -> SplitModel:
+    """ResNet-34 as torchvision builds it: [3, 4, 6, 3] basic blocks; embedding = the 512 pooled features."""
+    return _resnet(input_shape, num_classes, (3, 4, 6, 3), width)
+
+
+class _ConvBody(nn.Module):
+    """``features`` -> adaptive average pooling -> flatten -> ``classifier`` (the hidden layers, up to the
+    embedding): torchvision's AlexNet / VGG minus the final Linear."""
+
+    def __init__(self, features: nn.Module, pool: int, classifier: nn.Module):
+        super().__init__()
+        self.features = features
+        self.avgpool = nn.AdaptiveAvgPool2d((pool, pool))
+        self.classifier = classifier
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+def alexnet(input_shape, num_classes, hidden: int = 4096, dropout: float = 0.5) -> SplitModel:
+    """AlexNet as torchvision builds it (Krizhevsky 2014, "one weird trick"): conv 11x11/4 64, pool, conv 5x5 192,
+    pool, conv 3x3 384, 256, 256, pool, adaptive pool 6x6; classifier Dropout, fc 9216 -> hidden, ReLU, Dropout,
+    fc hidden -> hidden, ReLU (the embedding); head fc hidden -> classes. Needs images of at least 63x63."""
+    _min_side(input_shape, 63, "alexnet")
+    for name, v in (("hidden", hidden),):
+        if v < 1:
+            raise ConfigError(f"model.params.{name}", f"must be >= 1, got {v}")
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError("model.params.dropout", f"must be in [0, 1), got {dropout}")
+    features = nn.Sequential(
+        nn.Conv2d(input_shape[0], 64, kernel_size=11, stride=4, padding=2), nn.ReLU(),
+        nn.MaxPool2d(kernel_size=3, stride=2),
+        nn.Conv2d(64, 192, kernel_size=5, padding=2), nn.ReLU(), nn.MaxPool2d(kernel_size=3, stride=2),
+        nn.Conv2d(192, 384, kernel_size=3, padding=1), nn.ReLU(),
+        nn.Conv2d(384, 256, kernel_size=3, padding=1), nn.ReLU(),
+        nn.Conv2d(256, 256, kernel_size=3, padding=1), nn.ReLU(), nn.MaxPool2d(kernel_size=3, stride=2))
+    classifier = nn.Sequential(Dropout(dropout), nn.Linear(256 * 6 * 6, hidden), nn.ReLU(),
+                               Dropout(dropout), nn.Linear(hidden, hidden), nn.ReLU())
+    return SplitModel(_ConvBody(features, 6, classifier), nn.Linear(hidden, num_classes), hidden)
+
+
+def vgg11(input_shape, num_classes, width: int = 64, hidden: int = 4096, dropout: float = 0.5,
+          batch_norm: bool = False) -> SplitModel:
+    """VGG-11 (Simonyan & Zisserman 2015, configuration A) as torchvision builds it: 3x3 convs at w, M, 2w, M, 4w,
+    4w, M, 8w, 8w, M, 8w, 8w, M (``batch_norm``: BN after each conv, torchvision's vgg11_bn), adaptive pool 7x7;
+    classifier fc 8w*49 -> hidden, ReLU, Dropout, fc hidden -> hidden, ReLU (the embedding); head Dropout, fc hidden
+    -> classes; torchvision's initialisation. Needs images of at least 32x32."""
+    _min_side(input_shape, 32, "vgg11")
+    for name, v in (("width", width), ("hidden", hidden)):
+        if v < 1:
+            raise ConfigError(f"model.params.{name}", f"must be >= 1, got {v}")
+    if not 0.0 <= dropout < 1.0:
+        raise ConfigError("model.params.dropout", f"must be in [0, 1), got {dropout}")
+    layers: list[nn.Module] = []
+    cin = input_shape[0]
+    for v in (1, "M", 2, "M", 4, 4, "M", 8, 8, "M", 8, 8, "M"):
+        if v == "M":
+            layers.append(nn.MaxPool2d(kernel_size=2, stride=2))
+            continue
+        layers.append(nn.Conv2d(cin, v * width, kernel_size=3, padding=1))
+        if batch_norm:
+            layers.append(nn.BatchNorm2d(v * width))
+        layers.append(nn.ReLU())
+        cin = v * width
+    classifier = nn.Sequential(nn.Linear(cin * 7 * 7, hidden), nn.ReLU(), Dropout(dropout),
+                               nn.Linear(hidden, hidden), nn.ReLU())
+    model = SplitModel(_ConvBody(nn.Sequential(*layers), 7, classifier),
+                       nn.Sequential(Dropout(dropout), nn.Linear(hidden, num_classes)), hidden)
+    for m in model.modules():  # torchvision's initialisation
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            nn.init.constant_(m.bias, 0)
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.constant_(m.weight, 1)
+            nn.init.constant_(m.bias, 0)
+        elif isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, 0, 0.01)
+            nn.init.constant_(m.bias, 0)
+    return model
+
+
 ARCHS: dict[str, Callable[..., SplitModel]] = {"cnn_mnist": cnn_mnist, "mlp": mlp, "cnn_small": cnn_small,
                                                "cnn4": cnn4, "resnet_small": resnet_small,
                                                "mobilenet_small": mobilenet_small, "fedavg_cnn": fedavg_cnn,
-                                               "mlp1": mlp1, "protonet": protonet, "lenet": lenet}
+                                               "mlp1": mlp1, "protonet": protonet, "lenet": lenet,
+                                               "resnet18": resnet18, "resnet34": resnet34, "alexnet": alexnet,
+                                               "vgg11": vgg11}
 
 # The heterogeneous zoo for 1x28x28 inputs (assign with model.per_client + assign: cycle | blocks | list | tier).
 ZOO_28 = ("cnn_mnist", "cnn4", "resnet_small", "mobilenet_small")
