@@ -174,7 +174,8 @@ class DataConfig:
     rotations: Optional[list[float]] = None  # domain shift: client i's images rotated by rotations[i % len] degrees
     val_fraction: float = 0.0  # per-client validation split carved from each client's training data (0: none)
     # MAFML's per-node four-way split {public: a, val: v, test: t} of each client's samples (private = the rest):
-    # the test split comes from the client's own samples, the public shares of all clients form the public dataset
+    # the test split comes from the client's own samples, the public shares of all clients form the public dataset.
+    # mode: dataset (PACS) takes private / val / test part from the dataset's own parts; public: a of the test part
     local_split: Optional[dict] = None
     # a server-held validation set: this many samples of the training pool (class-stratified, seeded), removed from
     # the pool before partitioning, so disjoint from every client's data and from the test set; server steps read it
@@ -202,12 +203,26 @@ class DataConfig:
         if self.local_split is not None:
             if not isinstance(self.local_split, dict):
                 raise ConfigError(_p(path, "local_split"), "must be a mapping {public: a, val: v, test: t}")
+            mode = self.local_split.get("mode", "random")
+            if mode not in ("random", "dataset"):
+                raise ConfigError(_p(path, "local_split.mode"), f"{mode!r} is not allowed; choose one of: random (each "
+                                                                f"client's samples split by the fractions), dataset "
+                                                                f"(the dataset's own train/validation/test parts)")
             for k, v in self.local_split.items():
+                if k == "mode":
+                    continue
                 if k not in ("public", "val", "test"):
-                    raise ConfigError(_p(path, f"local_split.{k}"), "unknown key; allowed: public, val, test")
+                    raise ConfigError(_p(path, f"local_split.{k}"), "unknown key; allowed: public, val, test, mode")
+                if mode == "dataset" and k != "public":
+                    raise ConfigError(_p(path, f"local_split.{k}"), "comes from the dataset's own parts with mode: "
+                                                                    "dataset (only public is a fraction: of each "
+                                                                    "client's test part); remove it")
                 if not isinstance(v, (int, float)) or not 0.0 <= float(v) < 1.0:
                     raise ConfigError(_p(path, f"local_split.{k}"), f"must be a fraction in [0, 1), got {v!r}")
-            if sum(float(v) for v in self.local_split.values()) >= 1.0:
+            if mode == "dataset" and self.rotations:
+                raise ConfigError(_p(path, "rotations"), "local_split mode: dataset takes the dataset's own domains "
+                                                         "as they are; remove data.rotations")
+            if sum(float(v) for k, v in self.local_split.items() if k != "mode") >= 1.0:
                 raise ConfigError(_p(path, "local_split"), "public + val + test must leave a private share (< 1)")
             if self.val_fraction > 0:
                 raise ConfigError(_p(path, "val_fraction"), "use local_split.val with local_split (not both)")

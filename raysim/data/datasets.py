@@ -45,6 +45,8 @@ class ArrayDataset:
     provenance: str = "pool"  # pool (split into private client data), public (may reach the server), test
     domain: Optional[torch.Tensor] = None  # int64 (N,): the source of each sample (multi-source datasets), or None
     owner: Optional[torch.Tensor] = None  # public shares (data.local_split): the client each sample came from
+    val_mask: Optional[torch.Tensor] = None  # bool (N,): the sample is in the dataset's own validation split (PACS's
+    #                                          crossval part; data.local_split.mode: dataset makes it the val share)
 
     def __len__(self) -> int:
         return int(self.y.shape[0])
@@ -53,7 +55,8 @@ class ArrayDataset:
         """The samples ``idx``; their images from ``images`` (another encoding of ``x``, e.g. uint8 pixels) if given."""
         idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
         return ArrayDataset((self.x if images is None else images)[idx], self.y[idx], self.num_classes, self.norm,
-                            domain=None if self.domain is None else self.domain[idx])
+                            domain=None if self.domain is None else self.domain[idx],
+                            val_mask=None if self.val_mask is None else self.val_mask[idx])
 
 
 @dataclass
@@ -286,6 +289,12 @@ def _multisource(root: Optional[str]) -> LoadedDataset:
     return load_multisource_digits(root)
 
 
+def _pacs(root: Optional[str], params: Optional[dict] = None, key: str = "data.root") -> LoadedDataset:
+    from raysim.data.pacs import load_pacs
+
+    return load_pacs(root, params or {}, key)
+
+
 LOADERS: dict[str, Callable[[Optional[str]], LoadedDataset]] = {
     "multisource_digits": _multisource,
     "mnist5k": load_mnist5k,
@@ -296,7 +305,9 @@ LOADERS: dict[str, Callable[[Optional[str]], LoadedDataset]] = {
     "cifar10": _torchvision_loader("cifar10"),
     "cifar100": _torchvision_loader("cifar100"),
     "omniglot": load_omniglot,
+    "pacs": _pacs,
 }
+TAKES_PARAMS = {"pacs"}  # built-in loaders called as loader(root, data.dataset_params, root key)
 
 
 FORMATS = ("npz", "imagefolder", "leaf")  # generic formats (raysim.data.formats)
@@ -311,6 +322,8 @@ def load_dataset(name: str, root: Optional[str] = None, params: Optional[dict] =
 
     params = dict(params or {})
     root_key = "data.root" if key == "data.dataset" else key.rsplit(".", 1)[0] + ".root"
+    if name in TAKES_PARAMS:
+        return LOADERS[name](root, params, root_key)
     if name in LOADERS:
         if params:
             raise DataError(f"{'data.dataset_params' if key == 'data.dataset' else key.rsplit('.', 1)[0] + '.params'}."

@@ -403,7 +403,7 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
                            groups=ds.groups if ds.test is not None else None)
     notes += part.notes
     if cfg.local_split is not None:
-        return _local_split_data(cfg, seed, ds, train_pool, part, notes)
+        return _local_split_data(cfg, seed, ds, train_pool, part, notes, test_pool, num_domains)
     # clients hold uint8 pixels (ClientData.compact) from the start: encode each pool once (when that is exact) and
     # index the encoded pool. Clients are index ranges into the pools (ClientSource): no per-client objects or tensors
     # until a client is used (a population of 100,000 costs a few bytes per client on every process)
@@ -450,15 +450,18 @@ def _domain_structure(cfg: DataConfig, train_pool: ArrayDataset, test_pool: Arra
     if train_pool.domain is not None:
         if cfg.rotations:
             raise DataError("data.rotations", f"{cfg.dataset} already has one domain per source; remove data.rotations")
-        if cfg.partition != "domain_dirichlet":
+        if cfg.partition not in ("domain_dirichlet", "domains"):
             raise DataError("data.partition", f"{cfg.dataset} holds several sources: use partition domain_dirichlet "
-                                              f"(client i draws from source i % sources)")
+                                              f"(client i draws from source i % sources) or domains (client i holds "
+                                              f"source i)")
         k = int(train_pool.domain.max()) + 1
         tr_dom, te_dom = train_pool.domain.numpy(), test_pool.domain.numpy()
     elif cfg.rotations:
         k, tr_dom, te_dom = len(cfg.rotations), None, None
     else:
         return None, None
+    if cfg.partition == "domains":
+        return k, (k, tr_dom, te_dom)
     if cfg.partition != "domain_dirichlet":
         return k, None
     if "num_domains" in params and int(params["num_domains"]) != k:
@@ -479,8 +482,62 @@ def local_split_sizes(n: int, split: dict) -> tuple[int, int, int, int]:
     return pri, pub, val, test
 
 
+def _encode_pool(x: torch.Tensor, norm, chunk: int = 1024) -> Optional[torch.Tensor]:
+    """``encode_exact`` in chunks (no second full-size float temporary: PACS's pools are GBs), or None."""
+    if norm is None:
+        return None
+    parts = []
+    for a in range(0, len(x), chunk):
+        u = encode_exact(x[a:a + chunk], norm)
+        if u is None:
+            return None
+        parts.append(u)
+    return torch.cat(parts) if parts else x.to(torch.uint8)
+
+
+def _dataset_shares(cfg: DataConfig, seed: int, train_pool: ArrayDataset, test_pool: ArrayDataset, part) -> list:
+    """``local_split.mode: dataset``: each client's shares from the dataset's own parts — private = its training-pool
+    samples outside the dataset's validation split, val = those inside it (``val_mask``), and its test-pool samples
+    split at random (stream (seed, -, client, "local-split")) into ``round(public x n)`` public and the rest test.
+    Images stay uint8 pixels when the pools encode exactly (the clients are then compact from the start)."""
+    if train_pool.val_mask is None:
+        raise DataError("data.local_split.mode", f"{cfg.dataset} has no validation split of its own; mode: dataset "
+                                                 f"is for datasets with fixed train/validation/test parts (pacs); "
+                                                 f"use mode: random")
+    u8_tr = _encode_pool(train_pool.x, train_pool.norm)
+    same = test_pool.x.data_ptr() == train_pool.x.data_ptr() and test_pool.x.shape == train_pool.x.shape
+    u8_te = (u8_tr if same else _encode_pool(test_pool.x, test_pool.norm)) if u8_tr is not None else None
+    if u8_te is None or test_pool.norm != train_pool.norm:
+        u8_tr = u8_te = None
+    x_tr_pool = train_pool.x if u8_tr is None else u8_tr
+    x_te_pool = test_pool.x if u8_te is None else u8_te
+    public = float(cfg.local_split.get("public", 0.0))
+    vm = train_pool.val_mask.numpy()
+    per = []
+    for i in range(cfg.num_clients):
+        idx, tidx = np.asarray(part.train[i], dtype=np.int64), np.asarray(part.test[i], dtype=np.int64)
+        pr, va = idx[~vm[idx]], idx[vm[idx]]
+        if len(pr) == 0:
+            raise DataError("data.partition", f"client {i} received no private (training-part) samples")
+        n_pub = int(round(public * len(tidx)))
+        if len(tidx) - n_pub <= 0:
+            raise DataError("data.local_split.public", f"client {i} has {len(tidx)} test-part sample(s); a public "
+                                                       f"share of {n_pub} leaves none to test on")
+        perm = rngmod.numpy_rng(seed, rngmod.NO_ROUND, i, "local-split").permutation(len(tidx))
+        pu, te = np.sort(tidx[perm[:n_pub]]), np.sort(tidx[perm[n_pub:]])
+        t = lambda k: torch.as_tensor(k, dtype=torch.int64)  # noqa: E731
+        per.append({"group": i, "x_tr": torch.cat([x_tr_pool[t(pr)], x_te_pool[t(pu)]]),
+                    "y_tr": torch.cat([train_pool.y[t(pr)], test_pool.y[t(pu)]]),
+                    "x_te": x_te_pool[t(te)], "y_te": test_pool.y[t(te)],
+                    "x_va": x_tr_pool[t(va)], "y_va": train_pool.y[t(va)],
+                    "x_pu": x_te_pool[t(pu)], "y_pu": test_pool.y[t(pu)],
+                    "sizes": (len(pr), n_pub, len(va), len(te))})
+    return per
+
+
 def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool: ArrayDataset, part,
-                      notes: list) -> FederatedData:
+                      notes: list, test_pool: Optional[ArrayDataset] = None,
+                      num_domains: Optional[int] = None) -> FederatedData:
     """``data.local_split``: each client's samples (after the partitioner and its rotation) split at random (stream
     (seed, -, client, "local-split")) into private / public / val / test shares, MAFML's D_pri / D_pub / D_val /
     D_test. The client trains on private + its own public share (``x_train``, in sample order); every client's
@@ -488,8 +545,9 @@ def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool:
     may read (MAFML's soft labels refer to it by index). Each client also holds all clients' test and validation
     splits with their owners (``cross_test`` / ``cross_val``), for the cross-domain metrics only."""
     split = dict(cfg.local_split)
-    per = []
-    for i in range(cfg.num_clients):
+    by_dataset = split.get("mode", "random") == "dataset"
+    per = _dataset_shares(cfg, seed, train_pool, test_pool, part) if by_dataset else []
+    for i in range(0 if by_dataset else cfg.num_clients):
         idx = np.asarray(part.train[i])
         if len(idx) == 0:
             raise DataError("data.partition_params", f"client {i} received no samples")
@@ -506,8 +564,13 @@ def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool:
                     "x_va": x[t(va)], "y_va": smp.y[t(va)], "x_pu": x[t(pu)], "y_pu": smp.y[t(pu)],
                     "sizes": (pri, pub, val, test)})
 
+    norm = train_pool.norm
+
+    def floats(x):  # uint8 pixels (mode: dataset) decoded for what every node reads as floats
+        return x if x.dtype != torch.uint8 else (x.to(dtype=torch.float32) / 255.0 - norm[0]) / norm[1]
+
     def cross(kx, ky):
-        return (torch.cat([p[kx] for p in per]), torch.cat([p[ky] for p in per]),
+        return (floats(torch.cat([p[kx] for p in per])), torch.cat([p[ky] for p in per]),
                 torch.cat([torch.full((len(p[ky]),), i, dtype=torch.int64) for i, p in enumerate(per)]))
 
     cross_test, cross_val = cross("x_te", "y_te"), cross("x_va", "y_va")
@@ -516,18 +579,27 @@ def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool:
         clients.append(ClientData(i, p["x_tr"], p["y_tr"], p["x_te"], p["y_te"], sorted(set(p["y_tr"].tolist())),
                                   ds.num_classes, train_pool.norm, x_val=p["x_va"], y_val=p["y_va"],
                                   cross_test=cross_test, cross_val=cross_val))
-    public = ArrayDataset(torch.cat([p["x_pu"] for p in per]), torch.cat([p["y_pu"] for p in per]), ds.num_classes,
+    public = ArrayDataset(floats(torch.cat([p["x_pu"] for p in per])), torch.cat([p["y_pu"] for p in per]), ds.num_classes,
                           provenance="public", owner=torch.cat([torch.full((len(p["y_pu"]),), i, dtype=torch.int64)
                                                                 for i, p in enumerate(per)]))
     test = ArrayDataset(cross_test[0], cross_test[1], ds.num_classes, provenance="test")
     sizes = sorted({p["sizes"] for p in per})
-    notes.append(f"local split {split} of each client's samples (stream (seed, -, client, 'local-split')): "
-                 f"private/public/val/test sizes {sizes}; clients train on private + own public; the public shares "
-                 f"of all clients form the public dataset ({len(public)} samples, owner per sample); the pool's test "
-                 f"split is not used")
+    if by_dataset:
+        notes.append(f"local split {split}: per client private = its training part, val = its validation part, "
+                     f"public = {split.get('public', 0.0):g} of its test part (stream (seed, -, client, "
+                     f"'local-split')), test = the rest; private/public/val/test sizes per client "
+                     f"{[p['sizes'] for p in per]}; clients train on private + own public; the public shares of all "
+                     f"clients form the public dataset ({len(public)} samples, owner per sample)")
+    else:
+        notes.append(f"local split {split} of each client's samples (stream (seed, -, client, 'local-split')): "
+                     f"private/public/val/test sizes {sizes}; clients train on private + own public; the public "
+                     f"shares of all clients form the public dataset ({len(public)} samples, owner per sample); the "
+                     f"pool's test split is not used")
     if cfg.rotations:
         notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
     domains = [p["group"] for p in per] if cfg.rotations else None  # ground truth: the driver's, never a client's
+    if domains is None and num_domains and cfg.partition == "domains":
+        domains = [i % num_domains for i in range(cfg.num_clients)]
     return FederatedData(clients, ds.num_classes, ds.input_shape, test, public, notes, domains)
 
 

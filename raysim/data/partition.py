@@ -427,6 +427,30 @@ def domain_dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: floa
     return Partition(train, test, classes, notes)
 
 
+def domains(train_y, test_y, num_clients, rng, num_classes, _domains=None) -> Partition:
+    """One client per domain of a multi-domain dataset (PACS's domains, a multi-source set's sources): client i holds
+    every training-pool and every test-pool sample of domain i, nothing drawn at random. With
+    ``data.local_split: {mode: dataset}`` the dataset's own parts then give each client its private, validation and
+    test data (MAFML's PACS nodes)."""
+    if _domains is None or _domains[1] is None:
+        raise DataError("data.partition", "domains needs a dataset whose samples carry their domain (pacs, "
+                                          "multisource_digits); for rotation domains use shared_base or "
+                                          "domain_dirichlet")
+    k, tr_dom, te_dom = _domains
+    if num_clients != k:
+        raise DataError("data.num_clients", f"partition domains gives one client per domain: the data has {k} "
+                                            f"domains, the config asks for {num_clients} clients; set "
+                                            f"data.num_clients: {k}")
+    train = [np.flatnonzero(np.asarray(tr_dom) == i) for i in range(k)]
+    test = [np.flatnonzero(np.asarray(te_dom) == i) for i in range(k)]
+    empty = [i for i, t in enumerate(train) if len(t) == 0]
+    if empty:
+        raise DataError("data.partition", f"domain {empty[0]} has no training samples")
+    classes = [sorted(set(train_y[t].tolist())) for t in train]
+    return Partition(train, test, classes, [f"domains: client i holds domain i ({k} domains), its whole training "
+                                            f"and test pools: {[len(t) for t in train]} / {[len(t) for t in test]}"])
+
+
 def natural(train_y, test_y, num_clients, rng, num_classes, _groups=None) -> Partition:
     """The data's own clients (a loader's ``groups_train`` / ``groups_test``, LEAF's writers), kept as given:
     client k holds the samples of the k-th client id (sorted), train and test. With fewer clients than ids, a
@@ -459,6 +483,7 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
     "domain_dirichlet": domain_dirichlet,
     "shared_base": shared_base,
     "natural": natural,
+    "domains": domains,
 }
 
 
