@@ -1,7 +1,7 @@
-"""PACS (Li et al., ICCV 2017): 9,991 images of 7 object classes in 4 domains — photo, art_painting, cartoon, sketch —
-with the release's fixed train / validation ("crossval") / test lists per domain. MAFML's seed 003 (Table 2) makes
-each domain a node: the train part its private data, the crossval part its validation data, 10 % of the test part its
-public share and the other 90 % its test data (``data.partition: domains`` with ``data.local_split: {mode: dataset,
+"""PACS (Li et al., ICCV 2017): 9,991 images of 7 object classes in 4 domains (photo, art_painting, cartoon, sketch)
+with the release's fixed train / validation ("crossval") / test lists per domain. MAFML's seed 003 (Table 2) makes each
+domain a node: the train part its private data, the crossval part its validation data, 10 % of the test part its public
+share and the other 90 % its test data (``data.partition: domains`` with ``data.local_split: {mode: dataset,
 public: 0.10}``).
 
 Layout read (``data.root`` = the release's top folder)::
@@ -23,10 +23,10 @@ and the places looked in.
   normalised as (p / 255 - 0.5) / 0.5. Decoded once per process into uint8 (9,991 x 3 x 224 x 224 = 1.5 GB; the
   float32 pools the loader hands on are 6.0 GB, the seed protocol's test part sharing the training images' storage);
   ``size: 112`` quarters every figure for small machines.
-* ``split``: ``seed`` (default) — the release's lists as the seed uses them. **Caveat**: in the original release
-  each domain's ``*_test_kfold.txt`` lists the whole domain (it is the target split of leave-one-domain-out), so its
-  test part contains every train and crossval image: the seed's protocol tests each node on images it trained on
-  (Table 2's in-domain BWT of 99.6-100 % says as much). ``disjoint`` — a test part without those images: the test
+* ``split``: ``seed`` (default) — the release's lists as the seed uses them. **Caveat**: in the original release each
+  domain's ``*_test_kfold.txt`` lists the whole domain (it is the target split of leave-one-domain-out), so its test
+  part contains every train and crossval image: the seed's protocol tests each node on images it trained on (Table 2's
+  in-domain BWT of 98.6-100 % (ResNet18 rows) says as much). ``disjoint`` — a test part without those images: the test
   list minus the domain's train and crossval images; where nothing is left (the original release) ``holdout`` of the
   domain's train part is held out instead (per class round(holdout x n_c), a fixed stream: part of the dataset's
   definition), removed from the private data. Public / test are then split from that part as in the seed protocol.
@@ -259,7 +259,8 @@ def load_pacs(root: Optional[str], params: dict, key: str = "data.root") -> Load
                                                        f"both must be > 0")
         train_items += [(f, lab, di, False) for f, lab in tr] + [(f, lab, di, True) for f, lab in cv]
         test_items += [(f, lab, di) for f, lab in te]
-        per_domain.append(f"{d}: {len(tr)} train / {len(cv)} crossval / {len(te)} test{' (' + note + ')' if note else ''}")
+        per_domain.append(f"{d}: {len(tr)} train / {len(cv)} crossval / {len(te)} test"
+                          + (f" ({note})" if note else ""))
     # every distinct file once: the training pool first, then test-part files outside it; the test pool is ordered
     # as those files sit there, so when it is the training images (the seed's protocol on the original release) it
     # shares their storage instead of copying 6 GB
