@@ -15,8 +15,8 @@ import pandas as pd
 import ray
 
 from raysim.config import load_config
-from raysim.driver import Callback, run_experiment
-from raysim.results import without_timing
+from raysim.engine.loop import Callback, run_experiment
+from raysim.io.results import without_timing
 
 
 class Chaos(Callback):

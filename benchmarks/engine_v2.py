@@ -13,9 +13,9 @@ import statistics
 import tempfile
 
 from raysim.config import ArchSpec, load_config
-from raysim.driver import run_experiment
+from raysim.engine.loop import run_experiment
 from raysim.models import build_model
-from raysim.store import state_nbytes
+from raysim.engine.store import state_nbytes
 from raysim.training import clone_state
 
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from raysim import results
+from raysim.io import results
 from raysim.config import load_config
-from raysim.driver import run_experiment
+from raysim.engine.loop import run_experiment
 
 CONFIGS = {"FedProto": "configs/fedproto_mnist5k.yaml", "FedAvg": "configs/fedavg_mnist5k.yaml"}
 

@@ -16,8 +16,8 @@ import time
 
 from envs import Environment, parse_env
 from raysim.config import load_config
-from raysim.runtime import ClientReport
-from raysim.driver import run_experiment
+from raysim.engine.runners import ClientReport
+from raysim.engine.loop import run_experiment
 
 
 def in_run(config: str, rounds: int, backend: str, preset: str) -> dict:

@@ -54,7 +54,7 @@ def main_() -> None:
     import shutil
 
     from raysim.config import make_config
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     print("| # | probe | command (after `raysim`) | exit | lines | traceback | tree changed | the line |")
     print("|---|---|---|---|---|---|---|---|")

@@ -44,7 +44,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import ray
     from raysim.config import make_config
-    from raysim.driver import prepare, run_experiment
+    from raysim.engine.loop import prepare, run_experiment
 
     prep = prepare(make_config(config("static", args.rounds, args.actors)))
     sizes = [int(c.y_train.numel()) for c in prep.fed_data.clients]
@@ -73,7 +73,7 @@ def main(argv=None):
           f"round ({cost - busiest:.3f} s) is the server step, payload and report traffic and driver work")
     print(f"total client work per round {work:.3f} s; moves per round: {[e['moves'] for e in log]}")
     print("per-actor measured loads (cost-aware):", [[round(x, 3) for x in e["measured_loads"]] for e in log])
-    from raysim.results import without_timing
+    from raysim.io.results import without_timing
 
     same = without_timing(out["static"].table).equals(without_timing(out["cost"].table))  # same run_id
     print(f"result tables identical: {same}")

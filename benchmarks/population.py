@@ -74,7 +74,7 @@ class _Sampler:
 
 def one(n: int, rounds: int, backend: str = "sequential") -> dict:
     from raysim.config import make_config
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     cfg = make_config({
         "name": f"pop{n}", "seed": 3, "rounds": rounds, "clients_per_round": 10,

@@ -13,8 +13,8 @@ import torch
 
 import algorithms.fedgen as fedgen
 from raysim.config import load_config
-from raysim.driver import run_experiment
-from raysim.safety import NonFiniteError
+from raysim.engine.loop import run_experiment
+from raysim.engine.safety import NonFiniteError
 
 CONFIG = "configs/seed002_fedtgp/fedgen_fmnist_zoo.yaml"
 

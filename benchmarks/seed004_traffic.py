@@ -2,7 +2,7 @@
 setup traffic (preparation models up, prototypes, generator down) is repaid versus FedAvg — read from the result
 tables of a ``raysim reproduce`` experiment (``<out>/<experiment>/<run slug>/seed<N>/``).
 
-Every traffic number comes from the tables' own accounting (``raysim.results.communication``: ``setup`` = round -1
+Every traffic number comes from the tables' own accounting (``raysim.io.results.communication``: ``setup`` = round -1
 floats, ``per_round`` = mean floats per round, up + down, all clients); accuracy is the server metric
 ``global_test_acc`` (the global model on the full test set) at the evaluated rounds.
 

@@ -22,8 +22,8 @@ import ray
 from ray.cluster_utils import Cluster
 
 from raysim.config import load_config
-from raysim.driver import Callback, run_experiment
-from raysim.results import without_timing
+from raysim.engine.loop import Callback, run_experiment
+from raysim.io.results import without_timing
 
 
 class StopNode(Callback):

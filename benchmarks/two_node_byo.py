@@ -23,9 +23,9 @@ import sys
 import ray
 from ray.cluster_utils import Cluster
 
-from raysim.results import without_timing
+from raysim.io.results import without_timing
 from raysim.config import make_config
-from raysim.driver import Callback, run_experiment
+from raysim.engine.loop import Callback, run_experiment
 
 MODULES = ["mycnn", "mydata", "mymethod"]
 

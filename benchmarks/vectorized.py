@@ -34,7 +34,7 @@ def config(backend: str, vectorize: bool, rounds: int, clients: int, samples: in
 def one(backend, vectorize, args):
     """Median seconds per round over rounds 1 .. R-2 (the first warms up, the last also evaluates)."""
     from raysim.config import make_config
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     res = run_experiment(make_config(config(backend, vectorize, args.rounds, args.clients, args.samples, args.dropout,
                                             args.algorithm)), write=False, progress=False)

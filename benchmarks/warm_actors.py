@@ -18,8 +18,8 @@ import pandas as pd  # noqa: E402
 import ray  # noqa: E402
 
 from raysim.config import make_config  # noqa: E402
-from raysim.driver import run_experiment  # noqa: E402
-from raysim.results import without_timing  # noqa: E402
+from raysim.engine.loop import run_experiment  # noqa: E402
+from raysim.io.results import without_timing  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
 
 

@@ -1,25 +1,33 @@
-"""raysim: a Ray-based simulation engine for heterogeneous federated learning."""
-from raysim.config import ConfigError, ExperimentConfig, load_config, make_config
-from raysim.data.datasets import DataError
+"""raysim: a Ray-based simulation engine for heterogeneous federated learning.
+
+The public API: :func:`run_experiment`, :func:`load_config` / :func:`make_config`, :class:`Callback`, the errors,
+the registrations, and ``raysim.results`` (the pandas helpers over result tables; the module lives in
+``raysim/io/results.py`` and is reachable as ``raysim.results`` too, as it always was)."""
+import sys as _sys
+
+from raysim.config import ExperimentConfig, load_config, make_config
+from raysim.errors import ConfigError, DataError, SimulationError
+from raysim.io import results
 from raysim.registry import register_algorithm, register_dataset, register_model
-from raysim.errors import SimulationError
+
+_sys.modules.setdefault("raysim.results", results)  # ``import raysim.results`` keeps working
 
 __version__ = "0.1.0"
 
 
 def run_experiment(*args, **kwargs):
-    from raysim.driver import run_experiment as _run
+    from raysim.engine.loop import run_experiment as _run
 
     return _run(*args, **kwargs)
 
 
 def __getattr__(name):
     if name == "Callback":  # the driver's callback base class (imported lazily: torch stays unimported until needed)
-        from raysim.driver import Callback
+        from raysim.engine.loop import Callback
 
         return Callback
     raise AttributeError(name)
 
 
 __all__ = ["Callback", "ConfigError", "DataError", "ExperimentConfig", "SimulationError", "load_config", "make_config",
-           "register_algorithm", "register_dataset", "register_model", "run_experiment", "__version__"]
+           "results", "register_algorithm", "register_dataset", "register_model", "run_experiment", "__version__"]

@@ -92,7 +92,7 @@ class Context:
     step: str = ""  # the schedule step being run
     iteration: int = 0  # repetition index inside a Repeat group
     keep: Optional[list] = None  # server side: client ids the environment let deliver (None: no environment)
-    client_store: Any = None  # server side: per-client state kept by the server (raysim.store.StateStore)
+    client_store: Any = None  # server side: per-client state kept by the server (raysim.engine.store.StateStore)
     # server side: the server-held validation set (data.server_val; ArrayDataset or None), disjoint from the clients'
     # data and the test set. SlaugFL's preparation tests the devices' models per class on it to pick each class's
     # representative. The test set is deliberately not here: only evaluation steps receive it (as an argument).

@@ -144,8 +144,8 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from raysim.report import build_report
-    from raysim.rundir import check_writable
+    from raysim.io.report import build_report
+    from raysim.io.rundir import check_writable
 
     check_writable(args.out, "--out")  # a report directory that cannot be created fails before anything is read
     try:
@@ -224,7 +224,7 @@ def _cmd_list() -> int:
 
 def _cmd_run(args) -> int:
     from raysim.config import load_config
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     overrides = list(args.overrides)
     if args.backend:
@@ -255,8 +255,8 @@ def _cmd_dry_run(cfg, args) -> int:
     import yaml
 
     from raysim.config import to_dict
-    from raysim.rundir import check_writable
-    from raysim.driver import prepare
+    from raysim.io.rundir import check_writable
+    from raysim.engine.loop import prepare
 
     prep = prepare(cfg)  # everything a run checks before it starts: config, data, models, resources
     if args.out or not args.resume:
@@ -287,7 +287,7 @@ def _cmd_dry_run(cfg, args) -> int:
 
 
 def _cmd_runs(args) -> int:
-    from raysim.runs import list_runs
+    from raysim.io.runs import list_runs
 
     rows = list_runs(args.dir)
     if not rows:
@@ -357,7 +357,7 @@ def main(argv=None) -> int:
         from raysim.errors import SimulationError
 
         if isinstance(e, SimulationError):
-            from raysim.safety import NonFiniteError
+            from raysim.engine.safety import NonFiniteError
 
             print(f"raysim: {e}" if isinstance(e, NonFiniteError) else f"raysim: simulation failed: {e}", file=sys.stderr)
             for note in _notes(e, args):

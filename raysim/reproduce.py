@@ -5,7 +5,7 @@ An experiment is declared in ``configs/<seed folder>/experiments.yaml`` (format:
 the seeds' published numbers live in one file, ``configs/seed_numbers.yaml``. Runs go to
 ``<out>/<experiment>/<run slug>/seed<N>/``; a finished run whose stored configuration hash equals the resolved one is
 reused (an interrupted reproduction resumes without redoing finished runs), one whose hash differs is an error, so a
-table never mixes configurations. The table is written by :func:`write_table`; ``raysim report`` (:func:`raysim.report
+table never mixes configurations. The table is written by :func:`write_table`; ``raysim report`` (:func:`raysim.io.report
 .build_report`) writes the usual summary and plots beside it.
 """
 from __future__ import annotations
@@ -245,8 +245,8 @@ def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool
     """Resolve every (run, seed) of ``exp``: its config (the experiment's, the run's, then ``overrides``), its target
     directory and whether it is reused, resumed or run. Raises ConfigError before anything is written when a config
     or the data is bad, or when a target holds a run of another configuration."""
-    from raysim import rundir
-    from raysim.driver import prepare
+    from raysim.io import rundir
+    from raysim.engine.loop import prepare
 
     out = Path(out) / exp.name
     planned = []
@@ -295,7 +295,7 @@ DIVERGED = "DIVERGED.json"  # in a run's working directory: the run diverged (on
 
 def _diverged(target: Path, cfg) -> Optional[str]:
     """The divergence message recorded for ``target`` when it diverged under this very config, else None."""
-    from raysim import rundir
+    from raysim.io import rundir
 
     try:
         rec = json.loads((rundir.work_path(target) / DIVERGED).read_text())
@@ -384,9 +384,9 @@ def run_one(cfg, target: Path, progress: Optional[bool]) -> tuple[str, str, floa
     resumed. A divergence is recorded beside the run's checkpoints (``DIVERGED.json``)."""
     import time
 
-    from raysim import rundir
-    from raysim.driver import run_experiment
-    from raysim.safety import NonFiniteError
+    from raysim.io import rundir
+    from raysim.engine.loop import run_experiment
+    from raysim.engine.safety import NonFiniteError
 
     t0 = time.perf_counter()
     target = Path(target)
@@ -463,7 +463,7 @@ def _wall_s(path: Path) -> float:
 
 def collect(exp: Experiment, planned: list[Planned]) -> pd.DataFrame:
     """One row per finished run: label, seed, each metric's reported value, total floats (up + down) and wall time."""
-    from raysim import results
+    from raysim.io import results
 
     rows = []
     metrics = [exp.metric, *exp.extra_metrics]
@@ -610,7 +610,7 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
                                                      "claims": claims, "runs": per_run.to_dict("records")},
                                                     indent=1, default=float))
     if report and len(per_run):
-        from raysim.report import build_report
+        from raysim.io.report import build_report
 
         client_metrics = [m for m in (exp.metric, *exp.extra_metrics) if not m.startswith("server:")]
         try:

@@ -4,8 +4,8 @@ on_actor_failure: skip records the clients as failed and goes on; stop ends with
 import pandas as pd
 import pytest
 
-from raysim.driver import run_experiment
-from raysim.results import without_timing
+from raysim.engine.loop import run_experiment
+from raysim.io.results import without_timing
 from raysim.errors import SimulationError
 from tests.conftest import register_for_test
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from raysim.cli import main
-from raysim.rundir import RunDir
+from raysim.io.rundir import RunDir
 from tests.conftest import run_cli, tiny_config
 
 # (--set overrides, field the message must name)
@@ -121,12 +121,12 @@ def test_bad_command_line(tmp_path, capsys, arg, field):
 
 
 def test_out_under_a_file_fails_before_data_loading(tmp_path, capsys, monkeypatch):
-    import raysim.driver
+    import raysim.engine.loop
 
     def no_data(*a, **k):
         raise AssertionError("data was loaded")
 
-    monkeypatch.setattr(raysim.driver, "build_federated_data", no_data)
+    monkeypatch.setattr(raysim.engine.loop, "build_federated_data", no_data)
     cfg = write(tmp_path, tiny_config())
     assert main(["run", str(cfg), "--out", str(cfg / "run")]) == 2
     err = capsys.readouterr().err
@@ -151,7 +151,7 @@ def test_out_held_by_a_running_run(tmp_path, capsys):
 
 def test_resume_of_a_different_config(tmp_path, capsys):
     from raysim.config import make_config
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     cfg = write(tmp_path, tiny_config(rounds=2, output={"progress": False, "checkpoint_every": 1}))
 
@@ -212,7 +212,7 @@ def test_population_that_cannot_fit_is_refused_before_any_data_is_built(tmp_path
     estimate and the keys to change, exit 2, nothing written; the estimate itself on a hand example."""
     from raysim.cli import main as cli_main
     from raysim.config import ConfigError, make_config
-    from raysim.driver import POPULATION_BYTES_PER_CLIENT, _check_population_memory, population_bytes
+    from raysim.engine.loop import POPULATION_BYTES_PER_CLIENT, _check_population_memory, population_bytes
     from tests.conftest import tiny_config
 
     cfg = make_config(tiny_config(data__num_clients=1000, data__partition="iid",

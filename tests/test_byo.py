@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import yaml
 
-from raysim.results import without_timing
+from raysim.io.results import without_timing
 from raysim import registry
 from raysim.cli import main
 from raysim.config import ArchSpec, ConfigError, make_config
@@ -362,7 +362,7 @@ def test_user_code_ships_to_ray_actors(ray_session, workdir):
     shipped to the actors (Ray py_modules), imported there from the shipped copy, same table as sequential."""
     import ray
 
-    from raysim.driver import Callback, run_experiment
+    from raysim.engine.loop import Callback, run_experiment
 
     digits_npz(workdir / "digits.npz")
     seen = {}

@@ -2,7 +2,7 @@
 
 import yaml
 
-from raysim import results
+from raysim.io import results
 from raysim.cli import main
 from tests.conftest import run_cli, tiny_config
 

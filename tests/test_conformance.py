@@ -8,10 +8,10 @@ import pickle
 import pandas as pd
 import pytest
 
-from raysim.driver import prepare, run_experiment
-from raysim.results import without_timing
+from raysim.engine.loop import prepare, run_experiment
+from raysim.io.results import without_timing
 from raysim.registry import ALGORITHMS
-from raysim.runtime import ClientRunner, ServerRunner
+from raysim.engine.runners import ClientRunner, ServerRunner
 from raysim.steps import CLASSIC_ROUND, EVALUATION
 
 NAMES = sorted(n for n, target in ALGORITHMS.items() if target.startswith("algorithms."))  # the shipped methods

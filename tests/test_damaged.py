@@ -16,11 +16,11 @@ import numpy as np
 import pytest
 import yaml
 
-from raysim import results
+from raysim.io import results
 from raysim.cli import main
 from raysim.config import make_config
 from raysim.data.datasets import DamagedFileError, DataError
-from raysim.driver import run_experiment
+from raysim.engine.loop import run_experiment
 from tests.conftest import tiny_config
 
 
@@ -89,7 +89,7 @@ def runs(finished, tmp_path):
 def test_finished_run_records_digests(finished):
     info = json.loads((finished / "run" / "run.json").read_text())
     assert info["results_sha256"] == results.file_sha256(finished / "run" / "results.parquet")
-    from raysim.state import find_checkpoint, read_checkpoint_meta
+    from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 
     meta = read_checkpoint_meta(find_checkpoint(finished / "run"))
     assert {"server.pt", "clients-0.pt"} <= set(meta["sha256"])
@@ -145,7 +145,7 @@ def test_old_run_without_digest_is_still_readable(runs):
 @pytest.mark.parametrize("name", ["meta.pt", "clients-0.pt", "server.pt", "server_clients.pt"])
 @pytest.mark.parametrize("damage", DAMAGES, ids=IDS)
 def test_damaged_checkpoint_is_named_before_a_resume_claims_anything(runs, name, damage, capsys):
-    from raysim.state import find_checkpoint
+    from raysim.io.checkpoints import find_checkpoint
 
     ck = find_checkpoint(runs / "bad")
     damage(ck / name)

@@ -3,11 +3,11 @@ import pandas as pd
 import pytest
 import torch
 
-from raysim import results
+from raysim.io import results
 from raysim.errors import SimulationError
-from raysim.driver import prepare, run_experiment
-from raysim.results import without_timing
-from raysim.state import load_checkpoint
+from raysim.engine.loop import prepare, run_experiment
+from raysim.io.results import without_timing
+from raysim.io.checkpoints import load_checkpoint
 from tests.conftest import register_for_test
 
 

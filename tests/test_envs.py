@@ -14,11 +14,11 @@ from envs import Environment, parse_env, resolve_round
 from envs.network import transfer_s
 from envs.participation import availability_prob
 from envs.config import AvailabilityConfig, parse_dist
-from raysim import results
+from raysim.io import results
 from raysim.config import ConfigError
-from raysim.runtime import ClientReport
-from raysim.driver import prepare, run_experiment
-from raysim.results import without_timing
+from raysim.engine.runners import ClientReport
+from raysim.engine.loop import prepare, run_experiment
+from raysim.io.results import without_timing
 
 
 

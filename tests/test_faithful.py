@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from raysim.config import ConfigError
-from raysim.driver import prepare, run_experiment
-from raysim.runtime import make_algorithm
+from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.runners import make_algorithm
 
 MNIST = {"data": {"dataset": "mnist5k", "num_clients": 4, "partition": "iid",
                   "partition_params": {"samples_per_client": 20, "test_per_client": 10}},

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 
 from raysim.config import make_config
-from raysim.driver import run_experiment
-from raysim.results import ROUND_TIME, is_timing
+from raysim.engine.loop import run_experiment
+from raysim.io.results import ROUND_TIME, is_timing
 from tests.golden.make_golden import golden_config, golden_tables, names, platform
 
 KEY = ["round", "client_id", "scope", "metric"]

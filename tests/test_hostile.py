@@ -198,7 +198,7 @@ def test_probe_not_a_ray_cluster(work, capsys):
 
 def test_probe_damaged_run_in_report_dir(work, capsys):
     """report over a directory whose only run is damaged: one line, exit 2, no report written."""
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     run_experiment(make_config(tiny_config(rounds=1)), out_dir=work / "runs" / "r")
     (work / "runs" / "r" / "results.parquet").write_bytes(b"PAR1")
@@ -211,9 +211,9 @@ def test_probe_damaged_run_in_report_dir(work, capsys):
 
 def test_probe_notices_instead_of_silence(work, capsys):
     """Values that are capped or unused say so (and the dry run still passes)."""
-    import raysim.driver
+    import raysim.engine.loop
 
-    raysim.driver._NOTICED.clear()  # notices are said once per process
+    raysim.engine.loop._NOTICED.clear()  # notices are said once per process
     code = main(["run", "c.yaml", "--dry-run", "--backend", "ray", "--set", "backend.num_actors=10",
                  "--set", "backend.num_cpus=0.01",
                  "--set", "model.per_client=[" + ", ".join(["{arch: mlp, params: {hidden: 8, embed_dim: 4}}"] * 8) + "]"])
@@ -249,7 +249,7 @@ def test_api_billion_laughs_refused_fast_with_bounded_memory(tmp_path):
 
 
 def test_api_unsafe_name_never_writes(tmp_path):
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     cfg = dataclasses.replace(make_config(tiny_config()), name="../escape")  # built without validation
     with pytest.raises(ConfigError, match="'name'"):
@@ -444,7 +444,7 @@ def test_address_answering_without_a_local_node_fails_fast(monkeypatch):
 
 @pytest.fixture(scope="module")
 def one_run(tmp_path_factory):
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     root = tmp_path_factory.mktemp("one_run")
     run_experiment(make_config(tiny_config(rounds=1)), out_dir=root / "r")
@@ -488,12 +488,12 @@ def test_disk_full_at_the_end_is_one_line_exit_1(work, monkeypatch, capsys):
     no partial run directory."""
     import errno
 
-    import raysim.driver
+    import raysim.engine.loop
 
     def full(df, path, metadata):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(raysim.driver, "write_parquet", full)
+    monkeypatch.setattr(raysim.engine.loop, "write_parquet", full)
     code = main(["run", "c.yaml", "--set", "rounds=1", "--out", "out/r"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]

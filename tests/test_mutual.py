@@ -11,8 +11,8 @@ import torch.nn as nn
 from algorithms.mutual_ops import domain_metrics, project_conflicting, weighted_kl
 from raysim.config import ConfigError, DataConfig
 from raysim.data.federated import ClientData, build_federated_data, local_split_sizes
-from raysim.driver import prepare, run_experiment
-from raysim.results import without_timing
+from raysim.engine.loop import prepare, run_experiment
+from raysim.io.results import without_timing
 
 SPLIT = {"public": 0.1, "val": 0.1, "test": 0.15}
 
@@ -299,7 +299,7 @@ def test_mafml_floats_per_iteration_and_fedavg_sync_period_by_hand():
 
 
 def test_fedavg_every_k_iterations_accounted_exactly(tiny):
-    from raysim.results import communication
+    from raysim.io.results import communication
 
     # 2 rounds of 3 iterations, an average every 2: after global iterations 1 (round 0), 3 and 5 (round 1)
     df = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2}), write=False).table
@@ -322,7 +322,7 @@ def test_fedavg_every_k_iterations_accounted_exactly(tiny):
 
 
 def test_fedavg_bandwidth_ratio_matches_the_measured_mafml_traffic(tiny):
-    from raysim.results import communication
+    from raysim.io.results import communication
 
     maf = communication(run_experiment(mutual_cfg(tiny, "mafml"), write=False).table).set_index("metric")["total"]
     maf_total = maf["up_floats"] + maf["down_floats"]
@@ -345,7 +345,7 @@ def test_fedavg_iteration_mode_resumes_exactly(tiny, tmp_path):
     run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2}, rounds=2, output=out), out_dir=tmp_path / "run")
     resumed = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2}, rounds=3, output=out),
                              resume=tmp_path / "run").table
-    from raysim.results import without_timing  # wall-time rows differ run to run
+    from raysim.io.results import without_timing  # wall-time rows differ run to run
 
     pd.testing.assert_frame_equal(without_timing(full).drop(columns="run_id").reset_index(drop=True),
                                   without_timing(resumed).drop(columns="run_id").reset_index(drop=True))
@@ -366,7 +366,7 @@ def test_fedavg_iteration_mode_bad_input(tiny, params, over, field):
 
 
 def test_select_by_validation_picks_the_best_validation_round():
-    from raysim.results import select_by_validation
+    from raysim.io.results import select_by_validation
 
     recs = []
     for r, (v, t) in enumerate([(0.5, 0.6), (0.9, 0.7), (0.9, 0.8), (0.7, 0.9)]):
@@ -382,7 +382,7 @@ def test_select_by_validation_picks_the_best_validation_round():
 # -- FML and FedKD -----------------------------------------------------------------------------------------------
 
 def test_fml_meme_is_the_equal_weight_mean_and_private_model_stays_local(tiny):
-    from raysim.runtime import ClientRunner, ServerRunner
+    from raysim.engine.runners import ClientRunner, ServerRunner
 
     cfg = mutual_cfg(tiny, "fml", {})
     prep = prepare(cfg)
@@ -446,7 +446,7 @@ def test_fedmd_protocol_and_accounting(tiny):
 
 
 def test_fedmd_consensus_is_the_mean_of_the_nodes_logits(tiny):
-    from raysim.runtime import ClientRunner, ServerRunner
+    from raysim.engine.runners import ClientRunner, ServerRunner
 
     prep = prepare(mutual_cfg(tiny, "fedmd", dict(FEDMD)))
     alg = prep.algorithm

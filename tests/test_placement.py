@@ -4,9 +4,9 @@ the durable store, and with an actor killed after moves)."""
 import pandas as pd
 import pytest
 
-from raysim.driver import run_experiment
-from raysim.results import without_timing
-from raysim.placement import CostModel, ideal, makespan, moves, plan
+from raysim.engine.loop import run_experiment
+from raysim.io.results import without_timing
+from raysim.engine.placement import CostModel, ideal, makespan, moves, plan
 from tests.conftest import register_for_test
 
 

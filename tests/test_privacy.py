@@ -2,9 +2,9 @@
 declares, never a client's data, and its size is exactly what the table accounts."""
 import pytest
 
-from raysim.driver import prepare, run_experiment
+from raysim.engine.loop import prepare, run_experiment
 from raysim.registry import ALGORITHMS
-from raysim.runtime import ServerRunner
+from raysim.engine.runners import ServerRunner
 
 NAMES = sorted(n for n, t in ALGORITHMS.items() if t.startswith("algorithms."))
 

@@ -14,10 +14,10 @@ from raysim.config import ConfigError, make_config
 from raysim.data.federated import ClientData
 from raysim.messages import Message, state_message
 from raysim.models import ZOO_28, build_model, client_archs, num_parameters
-from raysim.runtime import make_algorithm
-from raysim.driver import prepare, run_experiment
-from raysim.results import without_timing
-from raysim.state import load_checkpoint
+from raysim.engine.runners import make_algorithm
+from raysim.engine.loop import prepare, run_experiment
+from raysim.io.results import without_timing
+from raysim.io.checkpoints import load_checkpoint
 
 NEW = ["fedtgp", "fedproto_uh", "fedprox", "fedper", "lgfedavg", "fesem", "feddistill"]
 
@@ -324,7 +324,7 @@ def test_tier_assignment_and_errors():
         make_config({"model": {"assign": "tier", "tiers": [3], "per_client": [{"arch": "cnn4"}]}})
     assert e.value.field == "model.tiers"
     # without model.tiers the tiers must come from an env section's devices; with neither, prepare() says so
-    from raysim.driver import prepare
+    from raysim.engine.loop import prepare
     from tests.conftest import tiny_config
 
     with pytest.raises(ConfigError) as e:
@@ -379,7 +379,7 @@ def test_tiny_run_is_finite_and_deterministic(tiny, name):
 def test_uploads_of_one_runner_are_not_aliased(tiny, name):
     """Weights uploaded by clients of one runner must be copies, not views of the live module that the next client
     is loaded into (regression: state_message did not copy on CPU, so FedAvg averaged the last client only)."""
-    from raysim.runtime import ClientRunner, ServerRunner
+    from raysim.engine.runners import ClientRunner, ServerRunner
 
     from tests.conftest import method_overrides
 

@@ -8,8 +8,8 @@ import torch
 
 from raysim.backends.ray_backend import check_resources
 from raysim.config import ConfigError
-from raysim.driver import run_experiment
-from raysim.results import without_timing
+from raysim.engine.loop import run_experiment
+from raysim.io.results import without_timing
 from tests.conftest import register_for_test
 
 
@@ -59,7 +59,7 @@ def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tin
     import ray
 
     from raysim.backends.ray_backend import _WARM, release_warm_actors
-    from raysim.driver import Callback
+    from raysim.engine.loop import Callback
 
     class Ids(Callback):
         def on_run_start(self, run):

@@ -10,11 +10,11 @@ import pytest
 import yaml
 
 from tests.conftest import tiny_config
-from raysim import results
+from raysim.io import results
 from raysim.cli import main
 from raysim.config import ConfigError
-from raysim.report import build_report
-from raysim.results import ResultTable, write_parquet
+from raysim.io.report import build_report
+from raysim.io.results import ResultTable, write_parquet
 from raysim.sweep import parse_seeds
 
 # Fixture: setting "a" with seeds 1 and 2, setting "b" with seed 1; 2 clients, rounds 0..2, evaluated at 0 and 2.
@@ -106,7 +106,7 @@ def test_report_keeps_runs_with_the_same_id_apart(tmp_path):
     for sub in ("x", "y"):  # the same three runs written twice
         (tmp_path / sub).mkdir()
         write_fixture(tmp_path / sub)
-    from raysim.report import load_runs
+    from raysim.io.report import load_runs
 
     df, index = load_runs([tmp_path / "x", tmp_path / "y"])
     assert index["run_id"].is_unique and len(index) == 6 and df["run_id"].nunique() == 6
@@ -138,7 +138,7 @@ def test_run_seeds_one_table_per_run(tmp_path, capsys):
         assert results.load_metadata(d)["config"]["seed"] == int(d[-1])
     # each seed's table equals a single run with that seed
     from raysim.config import make_config
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     ref = run_experiment(make_config(tiny_config(rounds=2, seed=4)), write=False, progress=False)
     got = results.load(tmp_path / "runs" / "seed4")
@@ -146,10 +146,10 @@ def test_run_seeds_one_table_per_run(tmp_path, capsys):
 
 
 def test_simulated_time_axis_comes_from_the_environment_rows(tmp_path):
-    from raysim import results
+    from raysim.io import results
     from raysim.config import make_config
-    from raysim.report import find_time_metric
-    from raysim.driver import run_experiment
+    from raysim.io.report import find_time_metric
+    from raysim.engine.loop import run_experiment
 
     r = run_experiment(make_config(tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"})), write=False)
     df = r.table

@@ -82,7 +82,7 @@ def test_reproduce_table_reuse_and_mismatch(tmp_path, capsys):
     fp = runs[runs["label"] == "FedProto (λ=1)"]
     assert (fp["floats"] > 0).all()
     # the table's numbers are the runs' own: mean over clients at the last round, x 100
-    from raysim import results
+    from raysim.io import results
 
     got = []
     for seed in (1, 2):
@@ -161,7 +161,7 @@ def test_a_diverged_run_is_a_result_named_in_the_table_and_not_rerun(tmp_path, c
 
 def test_jobs_run_side_by_side_with_the_numbers_of_one_at_a_time(tmp_path, capsys):
     """--jobs 2: each run in its own process; every run's table equals the one-at-a-time run's."""
-    from raysim import results
+    from raysim.io import results
 
     root = _write_root(tmp_path)
     tables = {}
@@ -180,7 +180,7 @@ def test_jobs_run_side_by_side_with_the_numbers_of_one_at_a_time(tmp_path, capsy
 def test_a_run_another_process_holds_is_left_to_it(tmp_path, capsys):
     """Two raysim reproduce processes on one --out share the work: a run whose working directory is locked by a
     live run is skipped (named as not finished), not an error; once free, the next reproduction runs it."""
-    from raysim import rundir
+    from raysim.io import rundir
 
     root = _write_root(tmp_path)
     out = tmp_path / "out"
@@ -216,7 +216,7 @@ def test_a_run_finished_by_another_process_after_planning_is_reused_not_redone(t
 def test_config_errors_cross_process_boundaries_intact():
     import pickle
 
-    from raysim.rundir import RunDirBusy
+    from raysim.io.rundir import RunDirBusy
 
     for e in (ConfigError("a.b", "bad value"), RunDirBusy("--out", "held")):
         back = pickle.loads(pickle.dumps(e))

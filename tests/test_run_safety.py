@@ -15,11 +15,14 @@ import pytest
 import torch
 import yaml
 
-from raysim import results, rundir, runs, safety
+from raysim.io import results
+from raysim.io import rundir
+from raysim.io import runs
+from raysim.engine import safety
 from raysim.cli import main
 from raysim.config import ConfigError, load_config, make_config
 from raysim.messages import Message
-from raysim.driver import run_experiment
+from raysim.engine.loop import run_experiment
 from tests.conftest import register_for_test, tiny_config
 
 
@@ -144,7 +147,7 @@ def test_run_index_and_report_skip_unfinished_and_hidden_dirs(tiny, tmp_path):
 HOLDER = """
 import os, sys, time
 from raysim.config import load_config
-from raysim.driver import run_experiment
+from raysim.engine.loop import run_experiment
 def hold(round_idx, table):  # the run stays in its first round until the test has tried the second run
     while not os.path.exists(sys.argv[3]):
         time.sleep(0.02)
@@ -176,7 +179,7 @@ def test_simultaneous_runs_into_one_out(tmp_path):
 KILLER = """
 import os, signal, sys
 from raysim.config import load_config
-from raysim.driver import run_experiment
+from raysim.engine.loop import run_experiment
 def die(round_idx, table):
     if round_idx == 4:
         os.kill(os.getpid(), signal.SIGKILL)
@@ -204,10 +207,10 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, capsys):
 
 
 def test_ctrl_c_keeps_checkpoints_and_prints_the_resume_command(tmp_path, capsys, monkeypatch):
-    import raysim.driver
+    import raysim.engine.loop
 
     cfg = write(tmp_path, tiny_config(rounds=4, output={"progress": False, "checkpoint_every": 1}))
-    real = raysim.driver.run_experiment
+    real = raysim.engine.loop.run_experiment
 
     def interrupted(*a, **k):
         def ctrl_c(round_idx, table):
@@ -216,12 +219,12 @@ def test_ctrl_c_keeps_checkpoints_and_prints_the_resume_command(tmp_path, capsys
             return False
         return real(*a, callback=ctrl_c, **k)
 
-    monkeypatch.setattr(raysim.driver, "run_experiment", interrupted)
+    monkeypatch.setattr(raysim.engine.loop, "run_experiment", interrupted)
     assert main(["run", str(cfg), "--out", str(tmp_path / "run"), "--set", "eval.every=1"]) == 130
     err = capsys.readouterr().err
     assert f"raysim run {cfg} --set eval.every=1 --resume {tmp_path / 'run.incomplete'}" in err
     assert json.loads((tmp_path / "run.incomplete" / "run.json").read_text())["status"] == "interrupted"
-    monkeypatch.setattr(raysim.driver, "run_experiment", real)
+    monkeypatch.setattr(raysim.engine.loop, "run_experiment", real)
     # the intended name works too, and the run finishes into it
     assert main(["run", str(cfg), "--set", "eval.every=1", "--resume", str(tmp_path / "run"), "--no-progress"]) == 0
     assert sorted(x.name for x in tmp_path.iterdir()) == ["c.yaml", "run"]
@@ -308,7 +311,7 @@ def test_report_labels_several_metrics_per_client_and_missing_metric(tiny, tmp_p
 
 WATCHED_DRIVER = """
 import subprocess, sys, time
-from raysim import ray_watchdog
+from raysim.backends import ray_watchdog
 child = subprocess.Popen(["bash", "-c", "exec -a ray::FakeWorker sleep 60"])
 ray_watchdog.start()
 print(child.pid, flush=True)
@@ -356,7 +359,7 @@ def test_divergence_error_survives_pickling():
     unpickle before: its constructor takes the event, not the message)."""
     import pickle
 
-    from raysim.safety import NonFinite, NonFiniteError
+    from raysim.engine.safety import NonFinite, NonFiniteError
 
     e = pickle.loads(pickle.dumps(NonFiniteError(NonFinite(3, 1, "update", "train_loss=nan"))))
     assert isinstance(e, NonFiniteError) and e.event.round_idx == 3

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from raysim.config import make_config
-from raysim.driver import prepare, run_experiment
-from raysim.results import without_timing
-from raysim.state import load_checkpoint
+from raysim.engine.loop import prepare, run_experiment
+from raysim.io.results import without_timing
+from raysim.io.checkpoints import load_checkpoint
 from raysim.steps import ClientStep, Repeat, ServerStep, flatten
-from raysim.store import StateStore
+from raysim.engine.store import StateStore
 from tests.conftest import register_for_test
 
 
@@ -36,7 +36,7 @@ def test_wall_time_rows_per_round_and_step(tiny, tmp_path):
     """round_s per round (round -1: the setup phase) and step_s@<step> per step of the round's schedule (a Repeat's
     iterations summed) and of the evaluation, scope total; without_timing drops exactly them; results.timing pivots
     them; they travel through the written table."""
-    from raysim import results
+    from raysim.io import results
 
     cfg = toy(tiny, rounds=2)
     res = run_experiment(cfg, out_dir=tmp_path / "run")
@@ -145,7 +145,7 @@ def test_store_spills_lru_and_commits_only_when_told(tmp_path):
 
 def test_cnn_mnist_state_bytes(tiny):
     """FedProto's client state for cnn_mnist: its weights, float32 (21,840 parameters -> 87,360 bytes)."""
-    from raysim.store import state_nbytes
+    from raysim.engine.store import state_nbytes
     from raysim.training import clone_state
 
     from raysim.models import build_model
@@ -215,7 +215,7 @@ def test_client_data_stays_uint8_in_runners_and_decodes_exactly():
 
 
 def test_setup_bytes_count_in_totals_not_in_rounds(tiny):
-    from raysim import results
+    from raysim.io import results
 
     df = run_experiment(toy(tiny), write=False).table
     c = results.communication(df).set_index("metric")
@@ -226,7 +226,7 @@ def test_setup_bytes_count_in_totals_not_in_rounds(tiny):
 
 
 def test_user_callbacks_see_every_round_and_can_stop(tiny):
-    from raysim.driver import Callback
+    from raysim.engine.loop import Callback
 
     class Logger(Callback):
         def __init__(self):
@@ -275,7 +275,7 @@ def test_checkpoint_from_two_actors_resumes_on_one_runner(ray_session, tiny, tmp
 
 
 def test_new_state_is_committed_only_when_the_driver_says_so(tiny):
-    from raysim.runtime import ClientRunner, ServerRunner
+    from raysim.engine.runners import ClientRunner, ServerRunner
     from raysim.steps import CLASSIC_ROUND
 
     prep = prepare(tiny(algorithm={"name": "local", "params": {}}))

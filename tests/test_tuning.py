@@ -17,10 +17,10 @@ import pytest
 import yaml
 
 from tests.conftest import tiny_config
-from raysim import results
+from raysim.io import results
 from raysim.cli import main
 from raysim.config import ConfigError, load_config
-from raysim.results import ResultTable
+from raysim.io.results import ResultTable
 from tuning.space import apply_params, check_against_config, parse_space
 from tuning.study import RoundMonitor, counted, nonfinite_loss, objective_value, open_storage, tune
 
@@ -321,7 +321,7 @@ def test_cli_tune_bad_space_exit_code_2(tmp_path, capsys):
 
 @pytest.mark.ray
 def test_parallel_trials_on_ray_match_in_process_runs(tmp_path, ray_session):
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     space = {"params": LAM, "pruner": {"name": "none"}, "sampler": {"name": "random", "seed": 1},
              "trial_resources": {"num_cpus": 1, "num_gpus": 0.5}}  # the session declares 2 fake GPUs (no CUDA used)

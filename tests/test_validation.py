@@ -81,8 +81,8 @@ def test_val_fraction_checked():
 
 def test_evaluate_reports_val_metrics(tmp_path):
     from tests.conftest import tiny_config
-    from raysim import results
-    from raysim.driver import run_experiment
+    from raysim.io import results
+    from raysim.engine.loop import run_experiment
 
     cfg = make_config(tiny_config(rounds=1, data__val_fraction=0.2))
     res = run_experiment(cfg, out_dir=tmp_path / "r")
@@ -118,7 +118,7 @@ def test_objective_reads_val_unless_allowed():
 
 def test_study_records_seeds_and_report_warns(tmp_path, capsys):
     from raysim.cli import main
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
     from tests.conftest import tiny_config
     from tuning.study import tune
 
@@ -149,8 +149,8 @@ def test_decoded_cache_admits_while_there_is_room_and_hits_on_cyclic_visits():
     """backend.decoded_cache_mb: clients are admitted while they fit and then stay (a round visits clients in the same
     order, so least-recently-used eviction would never hit once the population exceeds the budget); a cached copy is
     exactly the decoded data; 0 disables the cache."""
-    from raysim.driver import prepare
-    from raysim.runtime import ClientRunner, _data_nbytes
+    from raysim.engine.loop import prepare
+    from raysim.engine.runners import ClientRunner, _data_nbytes
     from tests.conftest import tiny_config
 
     prep = prepare(make_config(tiny_config(data__dataset="mnist5k", data__partition="iid",

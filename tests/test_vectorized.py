@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from raysim.config import ConfigError, make_config
-from raysim.driver import prepare, run_experiment
-from raysim.results import without_timing
-from raysim.vectorized import _Optimizer
+from raysim.engine.loop import prepare, run_experiment
+from raysim.io.results import without_timing
+from raysim.engine.vectorized import _Optimizer
 from raysim.config import TrainConfig
 
 KEYS = ["round", "client_id", "scope", "metric"]

@@ -1,6 +1,6 @@
 """Optuna studies over raysim experiments (``raysim tune``).
 
-One trial = one run of :func:`raysim.driver.run_experiment` with the trial's values set by dotted config key. Its
+One trial = one run of :func:`raysim.engine.loop.run_experiment` with the trial's values set by dotted config key. Its
 intermediate values are reported to Optuna after every evaluated round (through the round loop's ``callback``) so a
 pruner can stop it; its objective is read back from the run's Parquet table. The driver owns every trial's lifecycle
 (``study.ask`` ... ``study.tell``); a trial body runs in-process, or, with ``parallel > 1``, as one Ray task per trial
@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import pandas as pd
 import yaml
 
-from raysim import results
+from raysim.io import results
 from raysim.config import ConfigError, apply_overrides, check_path_component, load_config_dict, make_config, to_dict
 from raysim.data.datasets import DataError
 from tuning.space import SearchSpace, apply_params, check_against_config, parse_space, resolve_objective
@@ -320,8 +320,8 @@ def trial_config(base: dict, space: SearchSpace, params: dict, trial_number: int
 def execute_trial(trial, base: dict, space: SearchSpace, run_dir: str | Path) -> TrialOutcome:
     """Run one trial's experiment; never raises for a diverging or failing run (only for a bad config)."""
     from raysim.errors import SimulationError
-    from raysim.driver import run_experiment
-    from raysim.safety import NonFiniteError
+    from raysim.engine.loop import run_experiment
+    from raysim.engine.safety import NonFiniteError
 
     t0 = time.perf_counter()
     params = space.suggest(trial)  # the values the driver already drew (stored in the trial)
@@ -428,7 +428,7 @@ def recover_stale(study, log: Callable = print) -> int:
             study.enqueue_trial(dict(t.params), user_attrs={"retry_of": t.number})
         run_dir = t.user_attrs.get("run_dir")
         if run_dir:  # the killed run's unfinished directory (<name>.incomplete; .tmp-<name> before)
-            from raysim.rundir import work_path
+            from raysim.io.rundir import work_path
 
             shutil.rmtree(work_path(Path(run_dir)), ignore_errors=True)
             shutil.rmtree(Path(run_dir).parent / f".tmp-{Path(run_dir).name}", ignore_errors=True)

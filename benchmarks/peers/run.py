@@ -67,7 +67,7 @@ def _client_round(model, global_w, x, y, batch, gen):
 
 def _data(w, rounds):
     from raysim.config import make_config
-    from raysim.driver import prepare
+    from raysim.engine.loop import prepare
 
     prep = prepare(make_config(config(w, rounds)))
     clients = [c.to("cpu") for c in prep.fed_data.clients]  # decoded float images, as raysim trains on
@@ -125,7 +125,7 @@ def plain(w, rounds, processes) -> list[float]:
 # -- raysim ---------------------------------------------------------------------------------------------------------
 def raysim_rounds(w, rounds, backend, vectorize, threads=1) -> list[float]:
     from raysim.config import make_config
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     res = run_experiment(make_config(config(w, rounds, backend, vectorize, threads)), write=False, progress=False)
     return res.timing["round_s"][:-1]  # the last round also evaluates

@@ -18,7 +18,7 @@ HERE = Path(__file__).resolve().parent
 def run(rounds: int = 10, backends=("sequential", "ray"), algorithms=("fedavg", "fedproto"),
         datasets=("npz", "loader"), out: str | None = None, verbose: bool = True) -> list[dict]:
     import raysim
-    from raysim.driver import run_experiment
+    from raysim.engine.loop import run_experiment
 
     old = os.getcwd()
     os.chdir(HERE)  # the user's modules live in the working directory
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="write the run directories here (default: nothing written)")
     args = ap.parse_args(argv)
     rows = run(args.rounds, tuple(args.backends.split(",")), out=args.out)
-    from raysim.results import without_timing  # wall-time rows differ run to run
+    from raysim.io.results import without_timing  # wall-time rows differ run to run
 
     by = {(r["backend"], r["algorithm"], r["data"]): without_timing(r["table"]).drop(columns="run_id") for r in rows}
     for (b, a, d), t in by.items():

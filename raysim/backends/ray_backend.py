@@ -15,14 +15,14 @@ import numpy as np
 
 import ray
 
-from raysim import ray_watchdog
+from raysim.backends import ray_watchdog
 from raysim.backends import ray_serialization
 
 from raysim.backends.base import Backend, run_state_dir
 from raysim.config import ConfigError
 from raysim.data.federated import ClientSet, LazyClients, client_sizes
 from raysim.errors import SimulationError
-from raysim.runtime import ClientReport, ClientRunner, ServerRunner
+from raysim.engine.runners import ClientReport, ClientRunner, ServerRunner
 
 
 def _gpu_capacity(per_actor: float, gpus: float) -> int:
@@ -396,7 +396,7 @@ class RayBackend(Backend):
     # -- cost-aware placement (backend.balance: cost) ---------------------------------------------------------------
     def _cost_model(self):
         from raysim.models import arch_key
-        from raysim.placement import CostModel
+        from raysim.engine.placement import CostModel
 
         task = self.spec.task
         keys = [arch_key(a) for a in task.archs]
@@ -412,7 +412,7 @@ class RayBackend(Backend):
         """Place a training step's clients by predicted cost; move the clients whose actor changes (their data and
         committed state go actor to actor through the object store; the old actor forgets them only once the new
         one holds them, so a move interrupted by an actor's death loses nothing)."""
-        from raysim.placement import moves, plan
+        from raysim.engine.placement import moves, plan
 
         costs = {c: self.cost.predict(step.name, c) for c in client_ids}
         new = plan(costs, self.assignment, len(self.actors))
@@ -561,7 +561,7 @@ class RayBackend(Backend):
         return upload_refs, sorted(reports, key=lambda r: r.client_id)
 
     def _log_balance(self, reports, step_name: str) -> None:
-        from raysim.placement import ideal
+        from raysim.engine.placement import ideal
 
         n = len(self.actors)
         measured, pred = [0.0] * n, [0.0] * n
@@ -716,7 +716,7 @@ class _ClientActor(ClientRunner):
             clients = ClientSet(source, clients)
         elif len(clients) and isinstance(clients[0], int):  # client ids: build their data here, from the config
             from raysim.data.federated import build_federated_data
-            from raysim.runtime import enter_run
+            from raysim.engine.runners import enter_run
 
             enter_run(spec)  # the user's registered loaders, the driver's working directory
 

@@ -6,7 +6,7 @@ import os
 import shutil
 
 from raysim.backends.base import Backend, run_state_dir
-from raysim.runtime import ClientRunner, ServerRunner
+from raysim.engine.runners import ClientRunner, ServerRunner
 
 
 class SequentialBackend(Backend):

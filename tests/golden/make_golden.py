@@ -129,8 +129,8 @@ def main() -> None:
     those names are removed, being stale (other CPUs then compare within the tolerance until a variant is made there).
     ``make_golden.py --variant names``: add this CPU's exact table beside a main table made on another CPU, from an
     unchanged engine (the main table still guards the engine on its own CPU)."""
-    from raysim.driver import run_experiment
-    from raysim.results import without_timing
+    from raysim.engine.loop import run_experiment
+    from raysim.io.results import without_timing
 
     args = sys.argv[1:]
     variant = "--variant" in args

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from raysim.store import file_sha256
+from raysim.engine.store import file_sha256
 
 COLUMNS = ["run_id", "round", "client_id", "scope", "metric", "value", "weight"]
 META_KEY = b"raysim"
@@ -176,7 +176,7 @@ def read_table_metadata(f) -> dict:
 
 def _result_files(paths) -> list[Path]:
     """The result files of finished runs: unfinished (``*.incomplete``) and hidden directories are never runs."""
-    from raysim.rundir import is_listed_run_path, is_unfinished_name
+    from raysim.io.rundir import is_listed_run_path, is_unfinished_name
 
     if isinstance(paths, (str, Path)):
         paths = [paths]

@@ -3,7 +3,7 @@ backend calls them in-process; the Ray backend wraps the very same classes as ac
 identical code.
 
 A :class:`ClientRunner` hosts a fixed group of virtual clients: their data (compact, on CPU; moved to the device per
-step) and a :class:`~raysim.store.StateStore` of their states (created lazily, spilled to disk beyond
+step) and a :class:`~raysim.engine.store.StateStore` of their states (created lazily, spilled to disk beyond
 ``backend.state_memory_mb``). ``run_client_step`` runs one step of the schedule for some of its clients, one after
 another, each inside a failure guard; new states stay *pending* until the driver calls ``commit`` (the step's reports
 have reached it). A :class:`ServerRunner` holds the server state (and a store for server-side per-client state) and
@@ -20,14 +20,14 @@ from typing import Any, Optional
 import torch
 
 from raysim import rng as rngmod
-from raysim import safety
+from raysim.engine import safety
 from raysim.algorithm import Context, LocalTraining, ModelCache, ServerUpdate, Task
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData
 from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
-from raysim.store import StateStore, atomic_save, load_file
+from raysim.engine.store import StateStore, atomic_save, load_file
 
 
 @dataclass
@@ -43,7 +43,7 @@ class ClientReport:
     traceback: str = ""
     seconds: float = 0.0  # wall time (diagnostic only; never in the result table)
     iteration: int = 0
-    nonfinite: str = ""  # what was NaN/inf in the update (raysim.safety); the update was discarded
+    nonfinite: str = ""  # what was NaN/inf in the update (raysim.engine.safety); the update was discarded
 
 
 def resolve_device(name: str) -> torch.device:
@@ -229,10 +229,10 @@ class ClientRunner:
     def _run_vectorized(self, step: ClientStep, payload, round_idx: int, iteration: int,
                         client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
         """``backend.vectorize``: ``client_init`` per client, the local training of every client whose method opts
-        in (``vectorizable``) batched per architecture (:mod:`raysim.vectorized`), ``client_final`` per client;
+        in (``vectorizable``) batched per architecture (:mod:`raysim.engine.vectorized`), ``client_final`` per client;
         every client keeps its own failure guard. Clients that do not opt in run the per-client loop."""
         from raysim.algorithm import ClientUpdate
-        from raysim.vectorized import check_model, vmap_local_sgd
+        from raysim.engine.vectorized import check_model, vmap_local_sgd
 
         alg, cfg = self.algorithm, self.spec.task.train
         token = step_token(round_idx, step, iteration)

@@ -67,7 +67,7 @@ def is_listed_run_path(path: Path, root: Optional[Path] = None) -> bool:
 
 
 def has_checkpoints(path: Path) -> bool:
-    from raysim.state import find_checkpoint
+    from raysim.io.checkpoints import find_checkpoint
 
     return find_checkpoint(Path(path)) is not None
 

@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from raysim.store import atomic_save, file_sha256, load_file
+from raysim.engine.store import atomic_save, file_sha256, load_file
 
 META = "meta.pt"
 

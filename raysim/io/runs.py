@@ -1,16 +1,16 @@
 """The ``raysim runs`` listing: the run directories below a folder (finished and unfinished), one row each (name,
 algorithm, dataset, rounds done/planned, final accuracy, status, path); a damaged run is a row saying so, never an
-error that hides the others. Reads what :mod:`raysim.rundir` (the run-directory lifecycle) and
-:mod:`raysim.results` (the tables) write."""
+error that hides the others. Reads what :mod:`raysim.io.rundir` (the run-directory lifecycle) and
+:mod:`raysim.io.results` (the tables) write."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from raysim import results
+from raysim.io import results
 from raysim.config import YamlBoundsError, yaml_load
 from raysim.errors import ConfigError, DamagedFileError, read_problem
-from raysim.rundir import INCOMPLETE, holder
+from raysim.io.rundir import INCOMPLETE, holder
 
 
 

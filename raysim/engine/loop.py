@@ -32,18 +32,19 @@ import pandas as pd
 import yaml
 
 from raysim import rng as rngmod
-from raysim import rundir, safety
+from raysim.io import rundir
+from raysim.engine import safety
 from raysim.algorithm import Task
 from raysim.backends import make_backend, preflight
 from raysim.config import ConfigError, ExperimentConfig, check_path_component, from_dict, to_dict
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
-from raysim.results import RESULTS_FILE, ROUND_TIME, STEP_TIME, ResultTable, write_parquet
-from raysim.results import final as results_final
+from raysim.io.results import RESULTS_FILE, ROUND_TIME, STEP_TIME, ResultTable, write_parquet
+from raysim.io.results import final as results_final
 from raysim.errors import SimulationError
-from raysim.runtime import ClientReport, RunSpec, step_token
-from raysim.state import find_checkpoint, read_checkpoint_meta, write_checkpoint
+from raysim.engine.runners import ClientReport, RunSpec, step_token
+from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta, write_checkpoint
 from raysim.steps import ALL, ClientStep, ServerStep, check_schedule, flatten
 
 COMM_METRICS = ("up_floats", "up_bytes", "down_floats", "down_bytes")
@@ -123,7 +124,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                 raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
                                                        "executor runs whole epochs); use local_epochs")
             if cfg.backend.vectorize:
-                from raysim.vectorized import check_model
+                from raysim.engine.vectorized import check_model
 
                 check_model(built, spec.arch)
     algorithm = algo_cls(params, task)
@@ -577,7 +578,7 @@ def run_loop(run: Run, callbacks: list[Callback]) -> None:
 # callbacks
 
 class RunDirectory(Callback):
-    """Writes the run directory (see :mod:`raysim.rundir`): the run is built in the visible, locked
+    """Writes the run directory (see :mod:`raysim.io.rundir`): the run is built in the visible, locked
     ``<name>.incomplete`` (claimed before the backend starts) and renamed to ``<name>`` when it finishes, with
     results.parquet, config.yaml and run.json. A run that stops keeps ``<name>.incomplete`` when it holds checkpoints
     (resumable) or diverged (its run.json says where); otherwise it is removed."""
@@ -748,7 +749,7 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
     shards = [manifest.get("server")] + list(manifest.get("clients") or [])
     if (ck / "server_clients.pt").exists():
         shards.append("server_clients.pt")
-    from raysim.store import load_file
+    from raysim.engine.store import load_file
 
     for name in shards:  # every shard must load before a run directory is claimed (a damaged one: one line)
         if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):

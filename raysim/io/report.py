@@ -1,5 +1,5 @@
 """``raysim report RUN_DIR...``: a Markdown summary over seeds and PNG plots of accuracy vs round, vs bytes
-communicated and vs simulated time, from the runs' Parquet tables (numbers via :mod:`raysim.results`).
+communicated and vs simulated time, from the runs' Parquet tables (numbers via :mod:`raysim.io.results`).
 
 Settings are labelled by algorithm and the config keys that differ between the settings compared; rounds are counted
 as rounds completed everywhere (table and plots); bands are ± the sample std over seeds."""
@@ -11,7 +11,7 @@ from typing import Callable, Optional
 import numpy as np
 import pandas as pd
 
-from raysim import results
+from raysim.io import results
 
 # a round's simulated duration (summed into the time axis): the environment layer writes ``sim_round_s`` (scope env);
 # the other names are accepted for tables from elsewhere; --time-metric overrides
