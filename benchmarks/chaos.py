@@ -15,7 +15,8 @@ import pandas as pd
 import ray
 
 from raysim.config import load_config
-from raysim.engine.loop import Callback, run_experiment
+from raysim.engine.callbacks import Callback
+from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 
 

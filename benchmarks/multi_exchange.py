@@ -242,7 +242,8 @@ def main():
     torch.set_num_threads(1)
     import statistics
 
-    from raysim.engine.loop import prepare, run_experiment
+    from raysim.engine.prepare import prepare
+    from raysim.engine.loop import run_experiment
 
     methods = [m for m in args.methods.split(",") if m]
     backends = [b for b in args.backends.split(",") if b]

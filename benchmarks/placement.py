@@ -44,7 +44,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     import ray
     from raysim.config import make_config
-    from raysim.engine.loop import prepare, run_experiment
+    from raysim.engine.prepare import prepare
+    from raysim.engine.loop import run_experiment
 
     prep = prepare(make_config(config("static", args.rounds, args.actors)))
     sizes = [int(c.y_train.numel()) for c in prep.fed_data.clients]

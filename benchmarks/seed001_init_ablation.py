@@ -13,7 +13,7 @@ from sklearn.metrics import adjusted_rand_score
 from algorithms.pnicfl import cluster_distances, e_step, embed_all, kmeans_init, user_embedding
 from raysim.algorithm import Context
 from raysim.config import load_config
-from raysim.engine.loop import prepare
+from raysim.engine.prepare import prepare
 from raysim.engine.runners import ModelCache
 
 

@@ -25,7 +25,8 @@ from ray.cluster_utils import Cluster
 
 from raysim.io.results import without_timing
 from raysim.config import make_config
-from raysim.engine.loop import Callback, run_experiment
+from raysim.engine.callbacks import Callback
+from raysim.engine.loop import run_experiment
 
 MODULES = ["mycnn", "mydata", "mymethod"]
 

@@ -23,7 +23,7 @@ def run_experiment(*args, **kwargs):
 
 def __getattr__(name):
     if name == "Callback":  # the driver's callback base class (imported lazily: torch stays unimported until needed)
-        from raysim.engine.loop import Callback
+        from raysim.engine.callbacks import Callback
 
         return Callback
     raise AttributeError(name)

@@ -256,7 +256,7 @@ def _cmd_dry_run(cfg, args) -> int:
 
     from raysim.config import to_dict
     from raysim.io.rundir import check_writable
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
 
     prep = prepare(cfg)  # everything a run checks before it starts: config, data, models, resources
     if args.out or not args.resume:

@@ -246,7 +246,7 @@ def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool
     directory and whether it is reused, resumed or run. Raises ConfigError before anything is written when a config
     or the data is bad, or when a target holds a run of another configuration."""
     from raysim.io import rundir
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
 
     out = Path(out) / exp.name
     planned = []

@@ -42,7 +42,8 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int], out_dir: Optional[str | P
               progress: Optional[bool] = None, log: Callable = print):
     """Run ``cfg`` once per seed. ``out_dir``: a parent directory that receives one ``seed<N>`` directory per run
     (default: each run's own ``output.dir/<run id>``, the run id already names the seed). Returns the RunResults."""
-    from raysim.engine.loop import prepare, run_experiment
+    from raysim.engine.prepare import prepare
+    from raysim.engine.loop import run_experiment
 
     cfgs = [replace(cfg, seed=int(s)) for s in seeds]
     for c in cfgs:  # every seed's data and partition are checked before the first run starts

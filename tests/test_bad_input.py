@@ -121,12 +121,12 @@ def test_bad_command_line(tmp_path, capsys, arg, field):
 
 
 def test_out_under_a_file_fails_before_data_loading(tmp_path, capsys, monkeypatch):
-    import raysim.engine.loop
+    import raysim.engine.prepare
 
     def no_data(*a, **k):
         raise AssertionError("data was loaded")
 
-    monkeypatch.setattr(raysim.engine.loop, "build_federated_data", no_data)
+    monkeypatch.setattr(raysim.engine.prepare, "build_federated_data", no_data)
     cfg = write(tmp_path, tiny_config())
     assert main(["run", str(cfg), "--out", str(cfg / "run")]) == 2
     err = capsys.readouterr().err
@@ -212,7 +212,7 @@ def test_population_that_cannot_fit_is_refused_before_any_data_is_built(tmp_path
     estimate and the keys to change, exit 2, nothing written; the estimate itself on a hand example."""
     from raysim.cli import main as cli_main
     from raysim.config import ConfigError, make_config
-    from raysim.engine.loop import POPULATION_BYTES_PER_CLIENT, _check_population_memory, population_bytes
+    from raysim.engine.prepare import POPULATION_BYTES_PER_CLIENT, _check_population_memory, population_bytes
     from tests.conftest import tiny_config
 
     cfg = make_config(tiny_config(data__num_clients=1000, data__partition="iid",

@@ -362,7 +362,8 @@ def test_user_code_ships_to_ray_actors(ray_session, workdir):
     shipped to the actors (Ray py_modules), imported there from the shipped copy, same table as sequential."""
     import ray
 
-    from raysim.engine.loop import Callback, run_experiment
+    from raysim.engine.callbacks import Callback
+    from raysim.engine.loop import run_experiment
 
     digits_npz(workdir / "digits.npz")
     seen = {}

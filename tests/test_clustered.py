@@ -190,7 +190,7 @@ def test_pnicfl_m_step_uses_the_e_steps_embeddings(tiny):
     ones the E-step used), not embeddings recomputed after it; 'updated' keeps the post-update variant."""
     from algorithms.pnicfl import estep_embeddings
     from raysim.algorithm import Context
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
     from raysim.messages import Message
 
     cfg = pn_cfg(tiny, params={"num_clusters": 2, "pretrain_episodes": 0})
@@ -336,7 +336,7 @@ def test_ifca_seed_protocol_picks_the_cluster_on_the_held_out_share(tiny):
     round 0 (the K initial models) and compared with the run's choice and its reported loss."""
     from algorithms.ifca import holdout_split, model_losses
     from raysim import rng as rngmod
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
 
     # by hand: 10 samples, 20 % -> 2 held out, chosen by the seeded permutation; the rest trains
     tr, ho = holdout_split(10, 0.2, np.random.default_rng(3))

@@ -3,7 +3,7 @@ import pytest
 
 from raysim.config import ConfigError, make_config
 from raysim.data import DataError
-from raysim.engine.loop import prepare
+from raysim.engine.prepare import prepare
 from tests.conftest import tiny_config
 
 

@@ -8,7 +8,8 @@ import pickle
 import pandas as pd
 import pytest
 
-from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.prepare import prepare
+from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 from raysim.registry import ALGORITHMS
 from raysim.engine.runners import ClientRunner, ServerRunner

@@ -5,7 +5,8 @@ import torch
 
 from raysim.io import results
 from raysim.errors import SimulationError
-from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.prepare import prepare
+from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 from raysim.io.checkpoints import load_checkpoint
 from tests.conftest import register_for_test

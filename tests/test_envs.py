@@ -17,7 +17,8 @@ from envs.config import AvailabilityConfig, parse_dist
 from raysim.io import results
 from raysim.config import ConfigError
 from raysim.engine.runners import ClientReport
-from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.prepare import prepare
+from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 
 

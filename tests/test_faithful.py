@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from raysim.config import ConfigError
-from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.prepare import prepare
+from raysim.engine.loop import run_experiment
 from raysim.engine.runners import make_algorithm
 
 MNIST = {"data": {"dataset": "mnist5k", "num_clients": 4, "partition": "iid",

@@ -48,7 +48,7 @@ def test_scaffold_one_full_batch_step_gives_the_local_gradient():
     """With one plain-SGD step on the full batch, y = x - lr (g(x) + c - c_i), so option II gives c_i+ = g(x):
     the correction has the right sign and K_eff is right."""
     from algorithms.scaffold import Scaffold
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
     from raysim.engine.runners import ClientRunner, ServerRunner
     from raysim.messages import state_message
 
@@ -202,7 +202,7 @@ def test_mode_seeking_diversity_by_hand():
 
 def _generator_floats(params):
     from algorithms.slaugfl import SlaugFL
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
 
     prep = prepare(make_config(tiny_config(algorithm={"name": "slaugfl", "params": params}, data__server_val=100)))
     gen = prep.algorithm.make_generator() if hasattr(prep, "algorithm") else SlaugFL(prep.spec.params, prep.spec.task).make_generator()
@@ -238,7 +238,8 @@ class _Tripwire:
 def test_slaugfl_never_reads_the_test_set_before_the_final_evaluation(monkeypatch, tmp_path, scenario):
     """Issue 21: the representatives are chosen on the server-held validation set; the reported test set is read only
     by the final evaluation (every sample access to it is logged with the server step that made it)."""
-    import raysim.engine.loop as driver
+    import raysim.engine.prepare as driver
+    from raysim.engine.loop import run_experiment
     from raysim.io import results
     from raysim.engine.runners import ServerRunner
 
@@ -265,7 +266,7 @@ def test_slaugfl_never_reads_the_test_set_before_the_final_evaluation(monkeypatc
     over = {"data__public": {"dataset": "synthetic", "size": 300}} if scenario == 1 else {}
     cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": {**SLAUG, "scenario": scenario}}, rounds=3,
                                   eval={"every": 100}, data__server_val=60, **over))
-    driver.run_experiment(cfg, out_dir=tmp_path / "run")
+    run_experiment(cfg, out_dir=tmp_path / "run")
     assert test_reads and set(test_reads) == {(2, "evaluate_server", "evaluate")}  # the final evaluation only
     assert (-1, "prep_select", "train") in val_reads  # the selection read the validation set
     meta = results.load_metadata(tmp_path / "run")
@@ -323,7 +324,7 @@ def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
 
 
 def test_slaugfl_pf_prototypes_come_from_synthetic_data_only():
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
     from raysim.ops import class_prototypes
     from raysim.engine.runners import ClientRunner, ServerRunner
     from raysim.steps import flatten
@@ -420,7 +421,7 @@ def test_fedgen_losses_by_hand():
 
 def test_fedgen_generator_downloaded_every_round_after_the_first():
     from algorithms.fedgen import FedGen
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
 
     t = run("fedgen")
     prep = prepare(make_config(tiny_config(algorithm={"name": "fedgen", "params": {}})))
@@ -451,7 +452,7 @@ def test_fedgen_ht_ensemble_by_hand():
 
 def test_fedgen_ht_shares_heads_and_the_generator_only():
     from algorithms.fedgen_ht import FedGenHt
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
 
     t = run("fedgen_ht", {"gen_steps": 3})
     prep = prepare(make_config(tiny_config(algorithm={"name": "fedgen_ht", "params": {}})))
@@ -485,7 +486,7 @@ def test_supcon_by_hand():
 
 
 def test_vhl_generator_once_and_the_same_virtual_data_everywhere():
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
     from raysim.engine.runners import ClientRunner, ServerRunner
     from raysim.steps import flatten
 

@@ -211,9 +211,9 @@ def test_probe_damaged_run_in_report_dir(work, capsys):
 
 def test_probe_notices_instead_of_silence(work, capsys):
     """Values that are capped or unused say so (and the dry run still passes)."""
-    import raysim.engine.loop
+    import raysim.engine.prepare
 
-    raysim.engine.loop._NOTICED.clear()  # notices are said once per process
+    raysim.engine.prepare._NOTICED.clear()  # notices are said once per process
     code = main(["run", "c.yaml", "--dry-run", "--backend", "ray", "--set", "backend.num_actors=10",
                  "--set", "backend.num_cpus=0.01",
                  "--set", "model.per_client=[" + ", ".join(["{arch: mlp, params: {hidden: 8, embed_dim: 4}}"] * 8) + "]"])
@@ -488,12 +488,12 @@ def test_disk_full_at_the_end_is_one_line_exit_1(work, monkeypatch, capsys):
     no partial run directory."""
     import errno
 
-    import raysim.engine.loop
+    import raysim.engine.callbacks
 
     def full(df, path, metadata):
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
-    monkeypatch.setattr(raysim.engine.loop, "write_parquet", full)
+    monkeypatch.setattr(raysim.engine.callbacks, "write_parquet", full)
     code = main(["run", "c.yaml", "--set", "rounds=1", "--out", "out/r"])
     err = capsys.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.strip()]

@@ -323,9 +323,9 @@ def test_fedavg_cap_is_100_times_mafmls_floats(tree):
     from algorithms.mafml import floats_per_iteration
 
     try:
-        from raysim.engine.loop import prepare
+        from raysim.engine.prepare import prepare
     except ImportError:  # before the engine/ package
-        from raysim.engine.loop import prepare
+        from raysim.engine.prepare import prepare
     p = prepare(load_config(CONFIGS / "pacs_fedavg.yaml", [f"data.root={tree}", "data.dataset_params.size=32"]))
     k, P, m = p.algorithm.sync_period, p.algorithm.model_floats(), floats_per_iteration(4, 7, 32)
     assert (k, P, m) == (251, 11_189_703, 3_600)

@@ -3,7 +3,8 @@ their state, clients without test data skipped, iid with replacement for populat
 import pytest
 
 from raysim.config import ConfigError, make_config
-from raysim.engine.loop import eval_clients, prepare, run_experiment
+from raysim.engine.loop import eval_clients, run_experiment
+from raysim.engine.prepare import prepare
 from raysim.engine.runners import ClientRunner
 from raysim.steps import EVALUATION
 

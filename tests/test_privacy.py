@@ -2,7 +2,8 @@
 declares, never a client's data, and its size is exactly what the table accounts."""
 import pytest
 
-from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.prepare import prepare
+from raysim.engine.loop import run_experiment
 from raysim.registry import ALGORITHMS
 from raysim.engine.runners import ServerRunner
 

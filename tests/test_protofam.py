@@ -15,7 +15,8 @@ from raysim.data.federated import ClientData
 from raysim.messages import Message, state_message
 from raysim.models import ZOO_28, build_model, client_archs, num_parameters
 from raysim.engine.runners import make_algorithm
-from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.prepare import prepare
+from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 from raysim.io.checkpoints import load_checkpoint
 
@@ -324,7 +325,7 @@ def test_tier_assignment_and_errors():
         make_config({"model": {"assign": "tier", "tiers": [3], "per_client": [{"arch": "cnn4"}]}})
     assert e.value.field == "model.tiers"
     # without model.tiers the tiers must come from an env section's devices; with neither, prepare() says so
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
     from tests.conftest import tiny_config
 
     with pytest.raises(ConfigError) as e:

@@ -59,7 +59,7 @@ def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tin
     import ray
 
     from raysim.backends.ray_backend import _WARM, release_warm_actors
-    from raysim.engine.loop import Callback
+    from raysim.engine.callbacks import Callback
 
     class Ids(Callback):
         def on_run_start(self, run):

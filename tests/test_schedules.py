@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from raysim.config import make_config
-from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.prepare import prepare
+from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 from raysim.io.checkpoints import load_checkpoint
 from raysim.steps import ClientStep, Repeat, ServerStep, flatten
@@ -226,7 +227,7 @@ def test_setup_bytes_count_in_totals_not_in_rounds(tiny):
 
 
 def test_user_callbacks_see_every_round_and_can_stop(tiny):
-    from raysim.engine.loop import Callback
+    from raysim.engine.callbacks import Callback
 
     class Logger(Callback):
         def __init__(self):

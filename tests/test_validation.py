@@ -149,7 +149,7 @@ def test_decoded_cache_admits_while_there_is_room_and_hits_on_cyclic_visits():
     """backend.decoded_cache_mb: clients are admitted while they fit and then stay (a round visits clients in the same
     order, so least-recently-used eviction would never hit once the population exceeds the budget); a cached copy is
     exactly the decoded data; 0 disables the cache."""
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
     from raysim.engine.runners import ClientRunner, _data_nbytes
     from tests.conftest import tiny_config
 

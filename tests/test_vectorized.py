@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from raysim.config import ConfigError, make_config
-from raysim.engine.loop import prepare, run_experiment
+from raysim.engine.prepare import prepare
+from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 from raysim.engine.vectorized import _Optimizer
 from raysim.config import TrainConfig

@@ -1,6 +1,6 @@
 """Optuna studies over raysim experiments (``raysim tune``).
 
-One trial = one run of :func:`raysim.engine.loop.run_experiment` with the trial's values set by dotted config key. Its
+One trial = one run of :func:`raysim.run_experiment` with the trial's values set by dotted config key. Its
 intermediate values are reported to Optuna after every evaluated round (through the round loop's ``callback``) so a
 pruner can stop it; its objective is read back from the run's Parquet table. The driver owns every trial's lifecycle
 (``study.ask`` ... ``study.tell``); a trial body runs in-process, or, with ``parallel > 1``, as one Ray task per trial

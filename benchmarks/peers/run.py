@@ -67,7 +67,7 @@ def _client_round(model, global_w, x, y, batch, gen):
 
 def _data(w, rounds):
     from raysim.config import make_config
-    from raysim.engine.loop import prepare
+    from raysim.engine.prepare import prepare
 
     prep = prepare(make_config(config(w, rounds)))
     clients = [c.to("cpu") for c in prep.fed_data.clients]  # decoded float images, as raysim trains on

@@ -258,7 +258,7 @@ class FederatedData:
     public: Optional[ArrayDataset] = None
     notes: list[str] = field(default_factory=list)
     # the ground-truth domain of every client (rotation index or data source), or None. Known to the driver's
-    # evaluation (ARI of a method's clustering, raysim.engine.loop.ClusterAgreement), never to the algorithm: it is not
+    # evaluation (ARI of a method's clustering, raysim.engine.callbacks.ClusterAgreement), never to the algorithm: it is not
     # part of ClientData, so no client_update or aggregate can see it.
     domains: Optional[list[int]] = None
     # data.server_val: the server-held validation set (carved from the training pool before partitioning), or None

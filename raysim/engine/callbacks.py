@@ -1,0 +1,188 @@
+"""The run's callbacks: everything around the round loop is one. ``run_experiment(cfg, callbacks=[...])`` adds yours
+(e.g. a TensorBoard or MLflow logger reading ``run.table``):
+
+    on_run_start(run)                      after the backend started (and a resume restored its states)
+    on_setup_end(run)                      after the setup schedule ran (only for methods that have one)
+    on_round_end(run, round_idx, evaluated) -> stop?   after every round (and its evaluation)
+    on_run_end(run, result)                after the last round (called in reverse order of registration)
+    on_run_error(run, exc)                 when the run failed (reverse order)
+
+Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`,
+:class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it),
+:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains)."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Callable, Optional
+
+import numpy as np
+import yaml
+
+from raysim.io import rundir
+from raysim.engine import safety
+from raysim.config import to_dict
+from raysim.io.results import RESULTS_FILE, ResultTable, write_parquet
+from raysim.io.checkpoints import find_checkpoint, write_checkpoint
+from raysim.engine.record import SETUP_ROUND, Run, RunResult
+
+
+class Callback:
+    def on_run_start(self, run: Run) -> None: ...
+
+    def on_setup_end(self, run: Run) -> None: ...
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool) -> Optional[bool]: ...
+
+    def on_run_end(self, run: Run, result: RunResult) -> None: ...
+
+    def on_run_error(self, run: Run, exc: BaseException) -> None: ...
+
+
+class RunDirectory(Callback):
+    """Writes the run directory (see :mod:`raysim.io.rundir`): the run is built in the visible, locked
+    ``<name>.incomplete`` (claimed before the backend starts) and renamed to ``<name>`` when it finishes, with
+    results.parquet, config.yaml and run.json. A run that stops keeps ``<name>.incomplete`` when it holds checkpoints
+    (resumable) or diverged (its run.json says where); otherwise it is removed."""
+
+    def __init__(self, rd: "rundir.RunDir"):
+        self.rd = rd
+
+    def on_run_start(self, run: Run) -> None:
+        run.dir, run.final_dir = self.rd.work, self.rd.final
+
+    def on_run_end(self, run: Run, result: RunResult) -> None:
+        cfg, d = run.cfg, self.rd.work
+        digest = write_parquet(result.table, d / RESULTS_FILE, result.metadata)
+        (d / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        summary = {"status": "finished", **{k: v for k, v in result.metadata.items() if k != "config"}}
+        t = run.timing
+        summary["timing"] = {"setup_s": t["setup_s"], "setup_phase_s": t["setup_phase_s"],
+                             "total_round_s": float(np.sum(t["round_s"])),
+                             "mean_round_s": float(np.mean(t["round_s"])) if t["round_s"] else math.nan,
+                             "total_env_s": float(np.sum(t["env_s"])), "backend": cfg.backend.name}
+        summary["store"] = getattr(run, "store_stats", [])
+        summary["failures"] = run.failures
+        summary["results_sha256"] = digest  # verified whenever the table is read (results.check_table)
+        (d / "run.json").write_text(json.dumps(summary, indent=1, default=str))
+        result.out_dir = self.rd.finalise()
+
+    def on_run_error(self, run: Run, exc: BaseException) -> None:
+        rd, cfg = self.rd, run.cfg
+        resumable = find_checkpoint(rd.work) is not None
+        status = ("diverged" if isinstance(exc, safety.NonFiniteError) else
+                  "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed")
+        keep = resumable or status == "diverged"
+        if keep:
+            info = {"status": status, "run_id": run.run_id, "config_hash": cfg.config_hash(), "seed": cfg.seed,
+                    "error": (str(exc).splitlines() or [type(exc).__name__])[0], "resumable": resumable,
+                    "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures]}
+            if isinstance(exc, safety.NonFiniteError):
+                info["nonfinite"] = exc.event.record()
+            (rd.work / "run.json").write_text(json.dumps(info, indent=1, default=str))
+        kept = rd.abandon(keep)
+        if kept is not None and hasattr(exc, "add_note"):
+            if resumable:
+                exc.add_note(f"checkpoints kept in {kept}; continue with: raysim run CONFIG --resume {kept}")
+            else:
+                exc.add_note(f"no result table was written; {kept / 'run.json'} records where the run stopped")
+
+
+class Checkpointer(Callback):
+    """Every ``every`` rounds (and after the setup phase, and at the end) the backend writes state shards and the
+    driver writes the checkpoint's meta (result rows so far, failure log, environment state, config hash)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def _save(self, run: Run, name: str, round_idx: int) -> None:
+        write_checkpoint(run.dir / "checkpoints" / name, round_idx, run.backend, run.checkpoint_extra())
+
+    def on_setup_end(self, run: Run) -> None:
+        if self.every:
+            self._save(run, "setup", SETUP_ROUND)
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        if self.every and (round_idx + 1) % self.every == 0:
+            self._save(run, f"round_{round_idx:05d}", round_idx)
+        return None
+
+    def on_run_end(self, run: Run, result: RunResult) -> None:
+        self._save(run, "final", run.round_idx)
+
+
+class ProgressBar(Callback):
+    def __init__(self):
+        self.bar = None
+
+    def on_run_start(self, run: Run) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=run.cfg.rounds, desc=f"{run.cfg.algorithm.name} [{run.cfg.backend.name}]", unit="round",
+                        file=sys.stderr)
+        if run.start_round:
+            self.bar.update(run.start_round)
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        post = {}
+        for m in ("test_acc", "test_acc_proto"):
+            v = run.table.latest(m)
+            if v is not None:
+                post[m.replace("test_", "")] = f"{v:.4f}"
+        if run.env is not None:
+            post["sim"] = f"{run.env.sim_time:.0f}s"
+        self.bar.set_postfix(post, refresh=False)
+        self.bar.update(1)
+        return None
+
+    def _close(self):
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def on_run_end(self, run, result):
+        self._close()
+
+    def on_run_error(self, run, exc):
+        self._close()
+
+
+class ClusterAgreement(Callback):
+    """ARI of a clustered method's assignment against the ground-truth domains, after every evaluated round.
+
+    The driver alone holds the domains (``FederatedData.domains``: rotation index or data source); the methods never
+    see them. A clustered method reports each evaluated client's cluster as the client metric ``cluster``; this
+    callback reads those rows and writes scikit-learn's ``adjusted_rand_score(domains, clusters)`` over the evaluated
+    clients as the server-scope metric ``ari`` (weight: the number of clients). It runs before the checkpointer, so
+    checkpoints (and a resume) carry the row."""
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        domains = run.prep.fed_data.domains
+        if not evaluated or domains is None:
+            return None
+        clusters = {}
+        for row in reversed(run.table.rows):
+            if row[1] != round_idx:
+                break
+            if row[3] == "client" and row[4] == "cluster":
+                clusters[row[2]] = int(row[5])
+        if clusters:
+            from sklearn.metrics import adjusted_rand_score
+
+            ids = sorted(clusters)
+            ari = adjusted_rand_score([domains[c] for c in ids], [clusters[c] for c in ids])
+            run.table.add(round_idx, -1, "server", "ari", float(ari), len(ids))
+        return None
+
+
+class EvalCallback(Callback):
+    """``fn(round_idx, table) -> stop?`` after every evaluated round (the tuning monitor's interface)."""
+
+    def __init__(self, fn: Callable[[int, ResultTable], bool]):
+        self.fn = fn
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        return bool(self.fn(round_idx, run.table)) if evaluated else None
+
+

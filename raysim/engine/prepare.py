@@ -1,0 +1,218 @@
+"""Validation and preparation, once, on the driver, before anything runs: algorithm and model parameters, the
+population's memory, the data (loading and partitioning), the algorithm against the task, the resources the backend
+needs. The typed Params travel to the runners in the :class:`~raysim.engine.runners.RunSpec`, which never parse or
+validate again."""
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from typing import Any, Callable, Optional
+
+
+from raysim.io import rundir
+from raysim.algorithm import Task
+from raysim.backends import preflight
+from raysim.config import ConfigError, ExperimentConfig, from_dict
+from raysim.data.federated import FederatedData, build_federated_data
+from raysim.models import client_archs
+from raysim.registry import algorithm_class, algorithm_target, make_environment
+from raysim.engine.runners import RunSpec
+from raysim.steps import check_schedule
+
+
+@dataclass
+class Prepared:
+    cfg: ExperimentConfig
+    fed_data: FederatedData
+    task: Task
+    spec: RunSpec
+    env: Any = None  # envs.Environment when the config has an env section
+    algorithm: Any = None  # a driver-side instance (schedules only; never trained)
+    models: dict = field(default_factory=dict)  # arch key -> {"params": count, "embed_dim": size or None}
+
+
+def prepare(cfg: ExperimentConfig) -> Prepared:
+    """Everything that can be checked before a run starts, cheapest first: algorithm and model parameters, then the
+    data (loading and partitioning), then the algorithm against the task, then the resources the backend needs.
+    The typed Params travel to the runners, which never parse or validate again."""
+    from raysim.adapt import WholeModel, describe, resolve_factory, suggest_embedding
+    from raysim.models import ARCHS, arch_key, arch_params, build_model
+
+    algo_cls = algorithm_class(cfg.algorithm.name)
+    params = from_dict(algo_cls.Params, dict(cfg.algorithm.params or {}), "algorithm.params")
+    specs = [("model", cfg.model)] if cfg.model.per_client is None else [
+        (f"model.per_client[{i}]", s) for i, s in enumerate(cfg.model.per_client)]
+    for path, spec in specs:
+        if spec.arch not in ARCHS:
+            resolve_factory(spec.arch, f"{path}.arch")  # a user model: its import path resolves (built below)
+            continue
+        for k in spec.params:
+            if k not in arch_params(spec.arch):
+                raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
+                                                         f"{', '.join(arch_params(spec.arch))}")
+    _notice_dropped(cfg)
+    _check_population_memory(cfg)
+    fed = build_federated_data(cfg.data, cfg.seed)
+    env = make_environment(cfg, fed)  # None without an env section
+    env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
+    archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
+    task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
+                fed.public, cfg.data.val_fraction, len(fed.server_val) if fed.server_val is not None else 0)
+    models = {}  # arch key -> {"params": count, "embed_dim": size or None}
+    for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
+        if arch_key(spec) not in models:
+            path = "model" if cfg.model.per_client is None else _per_client_path(cfg.model, spec, i)
+            _check_model_size(spec, task, path)
+            try:
+                built = build_model(spec, task.input_shape, task.num_classes, path)
+            except (TypeError, ValueError, RuntimeError) as e:
+                if isinstance(e, ConfigError):
+                    raise
+                raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
+            models[arch_key(spec)] = describe(built)
+            if isinstance(built, WholeModel) and algo_cls.needs_embedding:
+                hint = suggest_embedding(built)
+                raise ConfigError(f"{path}.embedding",
+                                  f"{cfg.algorithm.name} needs the model's embedding, and {spec.arch} has no known "
+                                  f"body/head split: set {path}.embedding to the layer whose output is the embedding"
+                                  f"{f' (e.g. {hint!r}, the input of the last linear layer)' if hint else ''}, or give "
+                                  f"the module `features` (input -> embedding) and `classifier` (embedding -> logits) "
+                                  f"attributes, or return a raysim.models.SplitModel")
+            if cfg.backend.vectorize and cfg.train.local_steps is not None:
+                raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
+                                                       "executor runs whole epochs); use local_epochs")
+            if cfg.backend.vectorize:
+                from raysim.engine.vectorized import check_model
+
+                check_model(built, spec.arch)
+    algorithm = algo_cls(params, task)
+    algorithm.validate()
+    for where, sched in (("schedule()", algorithm.schedule()), ("setup_schedule()", algorithm.setup_schedule()),
+                         ("evaluation_schedule()", algorithm.evaluation_schedule())):
+        check_schedule(sched, algorithm, where)
+    preflight(cfg)
+    if env is not None:
+        env.bind(task)
+    from raysim import registry, usercode
+
+    code = usercode.code_to_ship(cfg) if cfg.backend.name == "ray" else ()
+    spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params, registry=registry.snapshot(),
+                   code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd())
+    return Prepared(cfg, fed, task, spec, env, algorithm, models)
+
+
+def _per_client_path(model_cfg, spec, i: int) -> str:
+    """The per_client entry an architecture came from (its index in the list)."""
+    for k, s in enumerate(model_cfg.per_client):
+        if s.arch == spec.arch and dict(s.params) == dict(spec.params):
+            return f"model.per_client[{k}]"
+    return f"model.per_client[{i % len(model_cfg.per_client)}]"
+
+
+def _available_bytes() -> Optional[int]:
+    from raysim.data.datasets import available_memory
+
+    return available_memory()
+
+
+POPULATION_BYTES_PER_CLIENT = 256  # CSR offsets of train/test/val (24 B), the runners' masks, the driver's per-client
+#                                    bookkeeping (sizes, domains, placement), with room to spare
+POPULATION_SHARE = 0.5  # of the free memory a population's index data may take (the data pools and models need the rest)
+
+
+def population_bytes(cfg: ExperimentConfig) -> int:
+    """Estimate of the memory a population's client bookkeeping takes on the driver before any data is built:
+    per-client index arrays (8 bytes per sample index; partitioners that draw ``samples_per_client`` /
+    ``test_per_client`` per client, with replacement across clients) plus a fixed per-client overhead. Partitioners
+    that split a pool give each sample to one client: their index data is bounded by the pool (not counted)."""
+    p = dict(cfg.data.partition_params or {})
+    per = 0
+    for key in ("samples_per_client", "test_per_client"):
+        v = p.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            per += int(v)
+    return int(cfg.data.num_clients) * (8 * per + POPULATION_BYTES_PER_CLIENT)
+
+
+def _check_population_memory(cfg: ExperimentConfig, avail: Optional[int] = None) -> None:
+    """Refuse, before any data is built, a population whose client bookkeeping alone would not fit in half of this
+    machine's free memory, with the estimate and the keys to change."""
+    need = population_bytes(cfg)
+    avail = _available_bytes() if avail is None else avail
+    if avail is not None and need > POPULATION_SHARE * avail:
+        p = cfg.data.partition_params or {}
+        per = " x ".join(f"{k} {p[k]}" for k in ("samples_per_client", "test_per_client") if k in p)
+        raise ConfigError("data.num_clients", f"{cfg.data.num_clients:,} clients" + (f" ({per})" if per else "")
+                          + f" need about {need / 2**30:,.1f} GiB for their index data and bookkeeping alone, more "
+                          f"than half of the {avail / 2**30:,.1f} GiB free here; lower data.num_clients"
+                          + (" or data.partition_params.samples_per_client / test_per_client" if per else ""))
+
+
+def _check_model_size(spec, task: Task, path: str) -> None:
+    """Count the architecture's parameters without allocating them (torch's meta device) and refuse a model whose
+    weights, gradients and optimiser state (4 copies of float32) would not fit in this machine's free memory."""
+    import torch
+
+    from raysim.models import build_model
+
+    try:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in build_model(spec, task.input_shape, task.num_classes, path).parameters())
+    except ConfigError:
+        raise
+    except Exception:  # an architecture that cannot be built on the meta device is built (and checked) for real
+        return
+    need, avail = 16 * n, _available_bytes()
+    if avail is not None and need > avail:
+        raise ConfigError(f"{path}.params", f"{spec.arch} with {spec.params} has {n:,} parameters: about "
+                                            f"{need / 2**30:,.1f} GiB for weights, gradients and optimiser state, "
+                                            f"more than the {avail / 2**30:,.1f} GiB free here; make it smaller")
+
+
+_NOTICED: set = set()
+
+
+def _notice_once(message: str) -> None:
+    if message not in _NOTICED:  # prepare runs again per seed and per trial: say it once
+        _NOTICED.add(message)
+        rundir.notice(message)
+
+
+def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _notice_once) -> None:
+    """Values the run caps or leaves unused get one line each (never silently)."""
+    n = cfg.data.num_clients
+    per = cfg.model.per_client
+    if per is not None and cfg.model.assign in ("cycle", "blocks") and len(per) > n:
+        unused = [f"{i}: {s.arch}" for i, s in enumerate(per) if i >= n]
+        notify(f"note: model.per_client lists {len(per)} architectures but data.num_clients is {n}: entries "
+               f"{', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''} are not used")
+    tiers = cfg.model.tiers
+    if cfg.model.assign == "tier" and tiers is not None and len(tiers) > n:
+        notify(f"note: model.tiers lists {len(tiers)} tiers but data.num_clients is {n}: the last {len(tiers) - n} "
+               f"are not used")
+    rot = cfg.data.rotations
+    if rot is not None and len(rot) > n:
+        notify(f"note: data.rotations lists {len(rot)} angles but data.num_clients is {n}: the last {len(rot) - n} "
+               f"are not used")
+    if cfg.backend.name == "ray" and cfg.backend.num_actors > n:
+        notify(f"note: backend.num_actors={cfg.backend.num_actors} exceeds data.num_clients={n}: {n} client actors "
+               f"are started (one client each)")
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for pkg in ("raysim", "torch", "ray", "numpy", "pandas", "pyarrow"):
+        try:
+            out[pkg] = importlib_metadata.version(pkg)
+        except importlib_metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def resume_hash(cfg: ExperimentConfig) -> str:
+    """The identity a checkpoint is checked against: everything that changes the numbers except ``rounds``."""
+    return cfg.config_hash(drop=("rounds",))
+
+
