@@ -8,7 +8,9 @@ import sys as _sys
 from raysim.config import ExperimentConfig, load_config, make_config
 from raysim.errors import ConfigError, DataError, SimulationError
 from raysim.io import results
-from raysim.registry import register_algorithm, register_dataset, register_model
+from raysim.data.datasets import register_dataset
+from raysim.models import register_model
+from raysim.registry import register_algorithm
 
 _sys.modules.setdefault("raysim.results", results)  # ``import raysim.results`` keeps working
 

@@ -32,6 +32,8 @@ import torch
 import torch.nn as nn
 
 from raysim.config import ArchSpec, ConfigError
+from raysim.layers import Dropout, SplitModel, num_parameters
+from raysim.registry import MODELS, check_signature, is_import_path, resolve
 
 _HEAD_NAMES = ("fc", "classifier", "heads", "head")
 
@@ -80,8 +82,6 @@ def _probe(input_shape) -> torch.Tensor:
 
 def replace_dropout(module: nn.Module) -> nn.Module:
     """``nn.Dropout`` / ``nn.Dropout2d`` -> :class:`raysim.models.Dropout` (generator-driven masks), in place."""
-    from raysim.models import Dropout
-
     for name, child in list(module.named_children()):
         if type(child) in (nn.Dropout, nn.Dropout2d):
             setattr(module, name, Dropout(child.p, channelwise=type(child) is nn.Dropout2d))
@@ -115,8 +115,6 @@ class _Tracer(torch.fx.Tracer):
         self.leaves = set(leaves)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        from raysim.models import Dropout
-
         return isinstance(m, Dropout) or qualname in self.leaves or super().is_leaf_module(m, qualname)
 
 
@@ -213,8 +211,6 @@ def suggest_embedding(model: nn.Module) -> Optional[str]:
     last = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), nn.Linear)]
     if not last or not last[-1].all_input_nodes:
         return None
-    from raysim.models import Dropout
-
     src = last[-1].all_input_nodes[0]
     while src.op == "call_module" and isinstance(gm.get_submodule(src.target), Dropout) and src.all_input_nodes:
         src = src.all_input_nodes[0]  # the embedding is taken before dropout
@@ -241,9 +237,6 @@ def _check_logits(model: nn.Module, input_shape, num_classes: int, key: str, wha
 
 def build_user_model(factory: Callable, spec: ArchSpec, input_shape, num_classes: int, path: str) -> nn.Module:
     """A user module from ``factory``, adapted to the engine's interface (see the module docstring)."""
-    from raysim.models import SplitModel
-    from raysim.registry import check_signature
-
     input_shape = tuple(input_shape)
     params = dict(spec.params)
     name = getattr(factory, "__qualname__", repr(factory))
@@ -321,26 +314,21 @@ def _unique_call(gm, target: str) -> bool:
     return sum(1 for n in gm.graph.nodes if n.op == "call_module" and n.target == target) == 1
 
 
-def resolve_factory(arch: str, key: str) -> Optional[Callable]:
-    """The factory of a registered name or import path, or None for a zoo name."""
-    from raysim.models import ARCHS
-    from raysim.registry import MODELS, is_import_path, resolve
-
-    if arch in ARCHS:
+def resolve_factory(arch: str, key: str, zoo) -> Optional[Callable]:
+    """The factory of a registered name or import path, or None for a name of the ``zoo`` (raysim.models.ARCHS)."""
+    if arch in zoo:
         return None
     if arch in MODELS:
         return resolve(MODELS[arch], key, "factory")
     if is_import_path(arch):
         return resolve(arch, key, "factory")
     extra = f", {', '.join(MODELS)}" if MODELS else ""
-    raise ConfigError(key, f"{arch!r} is not allowed; choose one of: {', '.join(ARCHS)}{extra}, or an import path "
+    raise ConfigError(key, f"{arch!r} is not allowed; choose one of: {', '.join(zoo)}{extra}, or an import path "
                            f"package.module:factory")
 
 
 def describe(model: nn.Module) -> dict[str, Any]:
     """Parameter count and embedding size of a built model (the dry run's per-client line)."""
-    from raysim.models import SplitModel, num_parameters
-
     return {"params": num_parameters(model),
             "embed_dim": int(model.embed_dim) if isinstance(model, SplitModel) else None}
 

@@ -31,7 +31,7 @@ import torch
 
 from raysim import rng as rngmod
 from raysim.config import ArchSpec, ConfigError, TrainConfig
-from raysim.data.datasets import ArrayDataset
+from raysim.data.arrays import ArrayDataset
 from raysim.data.federated import ClientData
 from raysim.messages import Payload
 from raysim.models import SplitModel, arch_key, build_model

@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from raysim.config import ConfigError
-from raysim.data.datasets import DataError
+from raysim.errors import DataError
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""Model zoo. Every model is ``body`` (feature extractor -> embedding of size ``embed_dim``) + ``head``
+"""Model zoo (the building blocks, Dropout and SplitModel, are in :mod:`raysim.layers`; user models are adapted by
+:mod:`raysim.adapt`). Every model is ``body`` (feature extractor -> embedding of size ``embed_dim``) + ``head``
 (classifier on the embedding), so prototype methods (embedding), FedPer / LG-FedAvg (body vs head split) and
 heterogeneous clients (different bodies, one embedding size) share one interface:
 
@@ -13,90 +14,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from raysim.adapt import build_user_model, resolve_factory
 from raysim.config import ArchSpec, ConfigError, ModelConfig
-
-
-class Dropout(nn.Module):
-    """Dropout whose masks come from an explicit generator (``self.generator``, set by the executor per client step)
-    instead of torch's global RNG, so a client's masks are a function of (seed, round, client) on any backend, looped
-    or batched. ``channelwise=True`` drops whole channels (Dropout2d). Without a generator: torch's global RNG."""
-
-    def __init__(self, p: float = 0.5, channelwise: bool = False):
-        super().__init__()
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability must be in [0, 1], got {p}")
-        self.p, self.channelwise = float(p), channelwise
-        self.generator = None
-
-    def forward(self, x):
-        if not self.training or self.p == 0.0:
-            return x
-        if self.p == 1.0:
-            return x * 0.0
-        shape = (x.shape[0], x.shape[1]) + (1,) * (x.dim() - 2) if self.channelwise else x.shape
-        if _MASKS.replay is not None:  # vectorised executor: this client's mask, drawn beforehand (raysim.engine.vectorized)
-            mask = next(_MASKS.replay)
-        else:
-            if _MASKS.record is not None:  # shape probe: which masks one forward draws, in call order
-                _MASKS.record.append((tuple(shape), x.dtype, self.p))
-            mask = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p, generator=self.generator)
-        return x * mask * (1.0 / (1.0 - self.p))
-
-    def extra_repr(self) -> str:
-        return f"p={self.p}, channelwise={self.channelwise}"
-
-
-class _MaskChannel:
-    """Where :class:`Dropout` takes its masks from: its generator (default), a replay iterator (the vectorised
-    executor feeds each client's pre-drawn masks), or its generator while recording the masks' shapes (a probe)."""
-
-    replay = None
-    record = None
-
-
-_MASKS = _MaskChannel()
-
-
-def dropout_masks_of(forward) -> list:
-    """Run ``forward()`` recording the (shape, dtype, p) of every dropout mask it draws, in call order."""
-    _MASKS.record = []
-    try:
-        forward()
-        return list(_MASKS.record)
-    finally:
-        _MASKS.record = None
-
-
-class replay_masks:
-    """Context manager: every :class:`Dropout` forward inside takes the next of ``masks`` instead of drawing."""
-
-    def __init__(self, masks):
-        self.masks = masks
-
-    def __enter__(self):
-        _MASKS.replay = iter(self.masks)
-
-    def __exit__(self, *exc):
-        _MASKS.replay = None
-
-
-def set_dropout_generator(model: nn.Module, generator) -> None:
-    for m in model.modules():
-        if isinstance(m, Dropout):
-            m.generator = generator
-
-
-class SplitModel(nn.Module):
-    def __init__(self, body: nn.Module, head: nn.Module, embed_dim: int):
-        super().__init__()
-        self.body = body
-        self.head = head
-        self.embed_dim = embed_dim
-
-    def forward(self, x, return_embedding: bool = False):
-        z = self.body(x)
-        logits = self.head(z)
-        return (logits, z) if return_embedding else logits
+from raysim.layers import (Dropout, SplitModel, dropout_masks_of, num_parameters, replay_masks,
+                           set_dropout_generator)
+from raysim.registry import MODELS
 
 
 class _CNNMnistBody(nn.Module):
@@ -434,9 +356,8 @@ def build_model(spec: ArchSpec, input_shape, num_classes, path: str = "model") -
     """A zoo model, or the user's (a registered name or an import path ``package.module:factory``, adapted by
     :mod:`raysim.adapt`: a SplitModel, or a WholeModel when its embedding is unknown)."""
     if spec.arch not in ARCHS:
-        from raysim.adapt import build_user_model, resolve_factory
-
-        return build_user_model(resolve_factory(spec.arch, f"{path}.arch"), spec, input_shape, num_classes, path)
+        return build_user_model(resolve_factory(spec.arch, f"{path}.arch", ARCHS), spec, input_shape, num_classes,
+                                path)
     if getattr(spec, "embedding", None) is not None:
         raise ConfigError(f"{path}.embedding", f"{spec.arch} is a zoo model with its own body/head split; "
                                                f"embedding is for user models")
@@ -472,5 +393,14 @@ def arch_key(spec: ArchSpec) -> str:
     return spec.arch + repr(sorted(spec.params.items())) + ("" if emb is None else f"@{emb}")
 
 
-def num_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def register_model(name: str, factory) -> None:
+    """Register a model factory under ``name`` (then ``model.arch: name``): ``"module.path:factory"`` or the
+    callable itself, ``factory(input_shape, num_classes, **model.params) -> nn.Module``. The name travels to every
+    runner (raysim.registry)."""
+    if name in ARCHS or ":" in name:
+        raise ValueError(f"cannot register a model as {name!r}: a zoo name or an import path")
+    MODELS[name] = factory
+
+
+__all__ = ["ARCHS", "ZOO_28", "Dropout", "SplitModel", "arch_key", "arch_params", "build_model", "client_archs",
+           "dropout_masks_of", "num_parameters", "register_model", "replay_masks", "set_dropout_generator"]

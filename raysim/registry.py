@@ -1,6 +1,8 @@
 """Name registry: the only way the engine reaches the method modules (``"fedproto"`` -> ``algorithms.fedproto``),
 and the user's own methods, models and datasets: by import path (``"package.module:Name"``) or registered by name
-(:func:`register_algorithm`, :func:`register_model`, :func:`register_dataset`). User registrations travel to every
+(:func:`register_algorithm`; ``raysim.register_model`` and ``raysim.register_dataset`` live beside the zoo and the
+loaders they check names against, :mod:`raysim.models` and :mod:`raysim.data.datasets`, and fill :data:`MODELS` and
+:data:`DATASETS` here). User registrations travel to every
 runner in the ``RunSpec`` (:func:`snapshot` / :func:`install`), so a name registered on the driver resolves on every
 actor of a cluster too."""
 from __future__ import annotations
@@ -11,7 +13,7 @@ import os
 import sys
 from typing import Any, Callable, Union
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 ALGORITHMS: dict[str, str] = {
     "local": "algorithms.local:Local",
@@ -64,27 +66,6 @@ def register_algorithm(name: str, target: str) -> None:
     """Register ``"module.path:ClassName"`` under ``name`` (for methods that live outside this repository)."""
     ALGORITHMS[name] = target
     USER_ALGORITHMS[name] = target
-
-
-def register_model(name: str, factory: Union[str, Callable]) -> None:
-    """Register a model factory under ``name`` (then ``model.arch: name``): ``"module.path:factory"`` or the
-    callable itself, ``factory(input_shape, num_classes, **model.params) -> nn.Module``."""
-    from raysim.models import ARCHS
-
-    if name in ARCHS or ":" in name:
-        raise ValueError(f"cannot register a model as {name!r}: a zoo name or an import path")
-    MODELS[name] = factory
-
-
-def register_dataset(name: str, loader: Union[str, Callable]) -> None:
-    """Register a dataset loader under ``name`` (then ``data.dataset: name``): ``"module.path:loader"`` or the
-    callable itself, ``loader(root, **data.dataset_params) -> mapping`` with x_train, y_train, x_test, y_test
-    (optionally groups_train, groups_test, num_classes)."""
-    from raysim.data.datasets import FORMATS, LOADERS
-
-    if name in LOADERS or name in FORMATS or ":" in name:
-        raise ValueError(f"cannot register a dataset as {name!r}: a built-in name, a format or an import path")
-    DATASETS[name] = loader
 
 
 def snapshot() -> dict:
@@ -167,15 +148,20 @@ def check_signature(fn: Callable, args: tuple, kwargs: dict, key: str, params_ke
 def algorithm_target(name: str) -> str:
     if name not in ALGORITHMS:
         if is_import_path(name):
-            from raysim.algorithm import Algorithm
-
             cls = resolve(name, "algorithm.name", "Class")
-            if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+            if not _is_algorithm_class(cls):
                 raise ConfigError("algorithm.name", f"{name!r} is not a subclass of raysim.algorithm.Algorithm")
             return name
         raise ConfigError("algorithm.name", f"{name!r} is not allowed; choose one of: {', '.join(sorted(ALGORITHMS))}, "
                                             f"or an import path package.module:Class")
     return ALGORITHMS[name]
+
+
+def _is_algorithm_class(obj) -> bool:
+    """``obj`` is a subclass of raysim.algorithm.Algorithm (checked by name along its MRO: the registry sits below the
+    contract and does not import it)."""
+    return isinstance(obj, type) and any(f"{k.__module__}.{k.__qualname__}" == "raysim.algorithm.Algorithm"
+                                         for k in obj.__mro__)
 
 
 def load_target(target: str):

@@ -17,10 +17,11 @@ import torch.nn as nn
 import yaml
 
 from raysim.io.results import without_timing
+import raysim
 from raysim import registry
 from raysim.cli import main
 from raysim.config import ArchSpec, ConfigError, make_config
-from raysim.data.datasets import DataError
+from raysim.errors import DataError
 from raysim.data.federated import build_federated_data
 from raysim.models import SplitModel, build_model
 
@@ -242,12 +243,11 @@ def test_register_model_and_dataset_and_algorithm_by_import_path(workdir):
     import mycnn
     import mydata
 
-    registry.register_model("my_cnn", mycnn.small_cnn)  # a callable
-    registry.register_dataset("my_digits", "mydata:digits")  # an import path
+    raysim.register_model("my_cnn", mycnn.small_cnn)  # a callable
+    raysim.register_dataset("my_digits", "mydata:digits")  # an import path
     base = byo_config(rounds=1)
     base["model"]["arch"] = "my_cnn"
     base["data"].update(dataset="my_digits", root=None)
-    import raysim
     a = raysim.run_experiment(make_config(base), write=False)
     b = raysim.run_experiment(make_config(byo_config(rounds=1, data__dataset="mydata:digits", data__root=None)),
                               write=False)
@@ -257,7 +257,7 @@ def test_register_model_and_dataset_and_algorithm_by_import_path(workdir):
     assert (c.table["metric"] == "clients_averaged").any()  # the user's aggregate ran
     assert mydata.digits is not None
     with pytest.raises(ValueError):
-        registry.register_model("cnn_mnist", mycnn.small_cnn)  # zoo names stay the zoo's
+        raysim.register_model("cnn_mnist", mycnn.small_cnn)  # zoo names stay the zoo's
 
 
 # -- visible and checked -------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from raysim.config import ConfigError, make_config
-from raysim.data.datasets import DataError
+from raysim.errors import DataError
 from raysim.data.federated import ClientData, build_federated_data
 from raysim.data.partition import domain_dirichlet
 from raysim.engine.loop import run_experiment

@@ -19,7 +19,7 @@ import yaml
 from raysim.io import results
 from raysim.cli import main
 from raysim.config import make_config
-from raysim.data.datasets import DamagedFileError, DataError
+from raysim.errors import DamagedFileError, DataError
 from raysim.engine.loop import run_experiment
 from tests.conftest import tiny_config
 

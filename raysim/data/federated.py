@@ -11,8 +11,10 @@ import torch
 
 from raysim import rng as rngmod
 from raysim.config import DataConfig
-from raysim.data.datasets import ArrayDataset, DataError, LoadedDataset, load_dataset
+from raysim.data.arrays import ArrayDataset, LoadedDataset
+from raysim.data.datasets import load_dataset
 from raysim.data.partition import load_split_files, run_partitioner
+from raysim.errors import DataError
 
 
 def encode_exact(x: torch.Tensor, norm: tuple) -> Optional[torch.Tensor]:

@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from raysim.data.arrays import ArrayDataset, LoadedDataset, mnist5k_arrays, sklearn_digits_arrays
+
 SOURCES = ["mnist", "digits28 (for USPS)", "inverted mnist (for SVHN)", "noisy mnist (for SIGN)"]
 MEAN, STD = 0.1307, 0.3081
 
@@ -55,12 +57,11 @@ def digits_to_28(images: np.ndarray) -> np.ndarray:
 
 @functools.lru_cache(maxsize=2)  # built once per process (about 10 s); callers only index it (subset copies)
 def load_multisource_digits(root: Optional[str] = None, test_fraction: float = 0.2):
-    from raysim.data.datasets import ArrayDataset, LoadedDataset, _mnist5k_arrays, _sklearn_digits
 
-    X, y = _mnist5k_arrays()  # parsed once per process, shared with mnist5k and digits
+    X, y = mnist5k_arrays()  # parsed once per process, shared with mnist5k and digits
     order = np.argsort(y, kind="stable")
     m, my = X[order].reshape(-1, 28, 28).astype(np.float32) / 255.0, y[order].astype(np.int64)
-    d_images, d_target = _sklearn_digits()
+    d_images, d_target = sklearn_digits_arrays()
     dorder = np.argsort(d_target, kind="stable")
     g, gy = digits_to_28(d_images[dorder]), d_target[dorder].astype(np.int64)
     r = np.random.default_rng(20240613)  # fixed: part of the dataset's definition

@@ -47,7 +47,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from raysim.data.datasets import ArrayDataset, LoadedDataset
+from raysim.data.arrays import ArrayDataset, LoadedDataset
 from raysim.errors import DamagedFileError, DataError, read_problem
 
 DOMAINS = ("photo", "art_painting", "cartoon", "sketch")  # Table 2's column order: node i = DOMAINS[i]

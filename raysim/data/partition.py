@@ -12,7 +12,7 @@ from typing import Callable
 
 import numpy as np
 
-from raysim.data.datasets import DataError
+from raysim.errors import DataError
 
 
 @dataclass
@@ -551,7 +551,7 @@ def _read_npz_data(path) -> dict:
 def _load_npz(path, what: str) -> tuple[np.ndarray, np.ndarray]:
     from pathlib import Path
 
-    from raysim.data.datasets import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, read_problem
 
     if not Path(path).exists():
         raise DataError(_field("root"), f"missing {what} file {path}")
@@ -588,7 +588,7 @@ def load_split_files(params: dict, num_clients: int) -> FileSplit:
     cfg_path = root / "config.json"
     if not cfg_path.exists():
         raise DataError(_field("root"), f"missing {cfg_path} (PFLlib writes num_clients and num_classes there)")
-    from raysim.data.datasets import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, read_problem
 
     try:
         meta = json.loads(cfg_path.read_text())

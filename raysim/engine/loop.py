@@ -201,7 +201,7 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
         raise ConfigError("resume", f"no checkpoints under {path} (runs keep them with output.checkpoint_every > 0)")
     meta = read_checkpoint_meta(ck)
     if not isinstance(meta, dict) or not isinstance(meta.get("extra"), dict):
-        from raysim.data.datasets import DamagedFileError
+        from raysim.errors import DamagedFileError
 
         raise DamagedFileError(ck / "meta.pt", "it does not hold a raysim checkpoint's meta",
                                f"remove {ck} to resume from the checkpoint before it, or start the run again")
@@ -215,12 +215,12 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
 
     for name in shards:  # every shard must load before a run directory is claimed (a damaged one: one line)
         if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):
-            from raysim.data.datasets import DamagedFileError
+            from raysim.errors import DamagedFileError
 
             raise DamagedFileError(ck / META_NAME, f"it lists a shard {name!r} that is not a file name in {ck}",
                                    f"remove {ck} to resume from the checkpoint before it, or start the run again")
         if not (ck / name).is_file():
-            from raysim.data.datasets import DamagedFileError
+            from raysim.errors import DamagedFileError
 
             raise DamagedFileError(ck / str(name), "a shard the checkpoint's meta.pt lists is missing",
                                    f"remove {ck} to resume from the checkpoint before it, or start the run again")
@@ -296,7 +296,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
 
 
 def _restore(run: Run, ck_dir: Path, meta: dict) -> None:
-    from raysim.data.datasets import DamagedFileError
+    from raysim.errors import DamagedFileError
 
     try:
         _restore_from(run, ck_dir, meta)

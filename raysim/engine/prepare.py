@@ -46,7 +46,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         (f"model.per_client[{i}]", s) for i, s in enumerate(cfg.model.per_client)]
     for path, spec in specs:
         if spec.arch not in ARCHS:
-            resolve_factory(spec.arch, f"{path}.arch")  # a user model: its import path resolves (built below)
+            resolve_factory(spec.arch, f"{path}.arch", ARCHS)  # a user model: its import path resolves (built below)
             continue
         for k in spec.params:
             if k not in arch_params(spec.arch):

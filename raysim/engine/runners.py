@@ -98,7 +98,7 @@ def enter_run(spec: RunSpec) -> None:
 
 
 def _failure(rep: ClientReport, e: BaseException) -> None:
-    from raysim.data.datasets import DamagedFileError
+    from raysim.errors import DamagedFileError
 
     if isinstance(e, DamagedFileError):  # a damaged state file is not the client's failure: the run stops, naming it
         raise e

@@ -226,7 +226,7 @@ def load_file(path: Path, sha256: Optional[str] = None):
     import hashlib
     import io
 
-    from raysim.data.datasets import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, read_problem
 
     path = Path(path)
     try:

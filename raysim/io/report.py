@@ -217,7 +217,7 @@ def tuning_seeds(directory) -> set[int]:
     try:
         t = pd.read_parquet(path)
     except Exception as e:
-        from raysim.data.datasets import DamagedFileError, read_problem
+        from raysim.errors import DamagedFileError, read_problem
 
         raise DamagedFileError(path, read_problem(e), "run the study again (raysim tune exports it) or leave out "
                                                       "--tuned-on", "--tuned-on") from None

