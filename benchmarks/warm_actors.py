@@ -33,7 +33,7 @@ def main():
              runtime_env={"env_vars": {"PYTHONPATH": root}})
     print(f"ray.init {time.perf_counter() - t0:.2f} s", flush=True)
     if args.warm:
-        from raysim.backends.ray_backend import keep_actors_warm
+        from raysim.backends.ray_actors import keep_actors_warm
 
         keep_actors_warm(True)
     for i, (algo, actors) in enumerate([("fedavg", 2), ("fedavg", 2), ("fedproto", 2), ("fedproto", 1)]):

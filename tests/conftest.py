@@ -100,7 +100,7 @@ def ray_session():
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": root}})
-    from raysim.backends.ray_backend import keep_actors_warm
+    from raysim.backends.ray_actors import keep_actors_warm
 
     keep_actors_warm(True)  # each run reuses the previous run's actor processes when their resources match
     yield ray

@@ -310,13 +310,13 @@ BAD = [  # (config overrides as dotted=value, the key the one-line message names
 
 @pytest.mark.parametrize("over,key,fragment", BAD, ids=[f"{b[1]}:{b[2][:24]}" for b in BAD])
 def test_bad_user_input_is_one_line_before_ray(workdir, capsys, monkeypatch, over, key, fragment):
-    from raysim.backends import ray_backend
+    from raysim.backends import ray_backend, ray_preflight
 
     def no_ray(*a, **k):
         raise AssertionError("a Ray process was about to start")
 
     monkeypatch.setattr(ray_backend.RayBackend, "start", no_ray)
-    monkeypatch.setattr(ray_backend, "preflight_resources", lambda cfg: None)
+    monkeypatch.setattr(ray_preflight, "preflight_resources", lambda cfg: None)
     digits_npz(workdir / "digits.npz")
     cfg = byo_config(backend={"name": "ray", "num_actors": 1}, **over)
     (workdir / "c.yaml").write_text(yaml.safe_dump(cfg))

@@ -402,7 +402,7 @@ def test_shared_base_and_domain_dirichlet_boundaries():
 @pytest.mark.ray
 def test_a_real_ray_gcs_passes_the_address_check(ray_session):
     """The HTTP/2 probe of backend.address accepts a real Ray head (the session's local cluster)."""
-    from raysim.backends.ray_backend import check_address
+    from raysim.backends.ray_preflight import check_address
 
     address = ray_session.get_runtime_context().gcs_address
     t0 = time.perf_counter()
@@ -415,7 +415,7 @@ def test_address_answering_without_a_local_node_fails_fast(monkeypatch):
     machine: ray.init could only time out, so the check says what to do at once."""
     import ray._private.services as services
 
-    from raysim.backends.ray_backend import check_address
+    from raysim.backends.ray_preflight import check_address
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))

@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 import torch
 
-from raysim.backends.ray_backend import check_resources
+from raysim.backends.ray_preflight import check_resources
 from raysim.config import ConfigError
 from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
@@ -58,7 +58,7 @@ def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tin
     returns their resources to the cluster."""
     import ray
 
-    from raysim.backends.ray_backend import _WARM, release_warm_actors
+    from raysim.backends.ray_actors import WARM, release_warm_actors
     from raysim.engine.callbacks import Callback
 
     class Ids(Callback):
@@ -72,11 +72,11 @@ def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tin
 
     seq = without_timing(run_experiment(tiny(rounds=2), write=False).table)
     first, t_first = run(num_actors=2, num_cpus=1)  # fresh or parked processes, whatever the session holds
-    assert len(_WARM["client"]) == 2 and len(_WARM["server"]) == 1  # parked after the run
+    assert len(WARM["client"]) == 2 and len(WARM["server"]) == 1  # parked after the run
     again, t_again = run(num_actors=2, num_cpus=1)
     assert again == first  # the same actors served the second run
     one, t_one = run(num_actors=1, num_cpus=1)  # fewer actors of the same resources: nothing new started
-    assert set(one) < set(first) and len(_WARM["client"]) == 2
+    assert set(one) < set(first) and len(WARM["client"]) == 2
     other, t_other = run(num_actors=1, num_cpus=0.5)  # other resources: the parked client actors are ended
     assert len(set(other) & set(first)) == 1  # the server (same resources) was reused; the client actor is new
     for t in (t_first, t_again, t_one, t_other):

@@ -1,4 +1,6 @@
-"""Execution backends behind one small interface. Only ``raysim.backends.ray_backend`` imports ray."""
+"""Execution backends behind one small interface. Only the ``raysim.backends.ray_*`` modules import ray (ray_backend:
+the backend; ray_actors: the actors and the warm pool; ray_preflight: resource, address and runtime-env checks;
+ray_tasks: plain Ray tasks for tuning's parallel trials; ray_watchdog, ray_serialization)."""
 from __future__ import annotations
 
 from raysim.backends.base import Backend
@@ -18,7 +20,7 @@ def make_backend(name: str, spec, fed_data) -> Backend:
 def preflight(cfg) -> None:
     """Checks that must pass before a run starts (e.g. the GPUs a config asks for exist)."""
     if cfg.backend.name == "ray":
-        from raysim.backends.ray_backend import preflight_resources
+        from raysim.backends.ray_preflight import preflight_resources
 
         preflight_resources(cfg)
     elif cfg.backend.num_gpus or cfg.backend.server_num_gpus:

@@ -7,7 +7,6 @@ server actor, never through the driver) and small reports (metrics, message size
 """
 from __future__ import annotations
 
-import math
 import os
 import shutil
 
@@ -15,264 +14,15 @@ import numpy as np
 
 import ray
 
-from raysim.backends import ray_watchdog
-from raysim.backends import ray_serialization
-
+from raysim.backends import ray_serialization, ray_watchdog
 from raysim.backends.base import Backend, run_state_dir
-from raysim.config import ConfigError
-from raysim.data.federated import ClientSet, LazyClients, client_sizes
+from raysim.backends.ray_actors import WARM, ClientActor, ServerActor, alive, release_warm_actors, take_warm
+from raysim.backends.ray_preflight import (ADDRESS_FIX, actor_runtime_env, address_error, check_address,
+                                          check_node_resources, check_resources, code_runtime_env)
+from raysim.data.federated import LazyClients
+from raysim.engine.placement import cost_model, ideal, moves, plan
+from raysim.engine.runners import ClientReport
 from raysim.errors import SimulationError
-from raysim.engine.runners import ClientReport, ClientRunner, ServerRunner
-
-
-def _gpu_capacity(per_actor: float, gpus: float) -> int:
-    if per_actor <= 0:
-        return 10**9
-    if per_actor <= 1:
-        return int(math.floor(gpus + 1e-9)) * int(math.floor(1 / per_actor + 1e-9)) + (
-            int(math.floor((gpus % 1) / per_actor + 1e-9)) if gpus % 1 else 0)
-    return int(math.floor(gpus / per_actor + 1e-9))
-
-
-# -- warm actors between runs -----------------------------------------------------------------------------------------
-# Starting an actor starts a Python worker process that imports torch, raysim and the method (seconds each, more on a
-# loaded machine); a run on Ray starts a server actor and n client actors. Within one Ray session that the caller
-# started (ray.init before run_experiment: a notebook, a loop over seeds, the test suite), keep_actors_warm() parks the
-# actors of a finished run and hands them to the next run whose actors ask for the same resources: reset() rebuilds
-# the runner in the same process (a new algorithm, model cache, store and data, exactly as a fresh actor's
-# constructor), so the table is the one fresh actors give. Parked actors keep their CPU/GPU reservations: a run whose
-# actors differ ends the parked ones before starting its own, TaskPool ends them, release_warm_actors() ends them.
-_WARM = {"on": False, "client": [], "server": []}  # parked: (resource key, actor handle)
-
-
-def keep_actors_warm(on: bool = True) -> None:
-    """Reuse the actors of finished runs in this Ray session (see above); ``False`` also ends the parked ones."""
-    _WARM["on"] = bool(on)
-    if not on:
-        release_warm_actors()
-
-
-def release_warm_actors() -> int:
-    """End every parked actor (their resources return to the cluster); returns how many."""
-    parked = _WARM["client"] + _WARM["server"]
-    _WARM["client"], _WARM["server"] = [], []
-    for _, a in parked:
-        try:
-            ray.kill(a)
-        except Exception:
-            pass
-    return len(parked)
-
-
-def _take_warm(kind: str, key, n: int) -> list:
-    """Up to n parked actors of ``kind`` with resource key ``key`` (removed from the park); parked actors of
-    ``kind`` with other keys are ended (they cannot serve this run), those with ``key`` stay parked."""
-    same = [a for k, a in _WARM[kind] if k == key]
-    for k, a in _WARM[kind]:
-        if k != key:
-            try:
-                ray.kill(a)
-            except Exception:
-                pass
-    _WARM[kind] = [(key, a) for a in same[n:]]
-    return same[:n]
-
-
-def check_node_resources(cfg, nodes: list[dict]) -> None:
-    """Per node: an actor must fit on at least one alive node (a cluster of small nodes cannot host a big actor)."""
-    b = cfg.backend
-    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
-    if not alive:
-        return
-    if not any(r.get("CPU", 0) + 1e-9 >= b.num_cpus and r.get("GPU", 0) + 1e-9 >= b.num_gpus for r in alive):
-        biggest = max(alive, key=lambda r: r.get("CPU", 0))
-        raise ConfigError("backend.num_cpus", f"a client actor asks for {b.num_cpus:g} CPU / {b.num_gpus:g} GPU, but no "
-                                              f"node of the Ray cluster has that much (largest: {biggest.get('CPU', 0):g} "
-                                              f"CPU, {biggest.get('GPU', 0):g} GPU)")
-
-
-def code_runtime_env(address) -> dict:
-    """How raysim's code reaches the workers: on a local cluster the checkout's path (PYTHONPATH); on an existing
-    cluster (``backend.address``) also Ray's ``py_modules`` (the packages are uploaded and unpacked on every node)."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}}
-    if address:
-        import importlib
-
-        env["py_modules"] = [os.path.dirname(importlib.import_module(m).__file__)
-                             for m in ("raysim", "algorithms", "envs", "tuning")]
-    return env
-
-
-def actor_runtime_env(spec, address) -> dict | None:
-    """The client and server actors' runtime environment when the user's code must reach them (``backend.code``,
-    paths from :mod:`raysim.usercode`): Ray ``py_modules`` (or ``working_dir``), uploaded once per content hash
-    and unpacked on every node. An actor's ``py_modules`` replace the job's, so raysim's own packages are listed
-    again on a ``backend.address`` cluster."""
-    code = spec.cfg.backend.code
-    if code != "working_dir" and not spec.code:
-        return None
-    own = code_runtime_env(address).get("py_modules", [])
-    if code == "working_dir":
-        env = {"working_dir": os.getcwd()}
-        if own:
-            env["py_modules"] = own
-    else:
-        env = {"py_modules": own + list(spec.code)}
-    return _upload(env)
-
-
-def _upload(env: dict) -> dict:
-    """Local paths -> package URIs in the cluster's storage. An actor's runtime_env takes URIs only (local paths
-    are for ``ray.init``), so the driver uploads them with the function ``ray.init`` itself uses for a job's
-    runtime_env (content-hashed: an unchanged module is uploaded once per cluster)."""
-    import tempfile
-
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
-
-    scratch = tempfile.mkdtemp(prefix="raysim-code-")
-    try:
-        env = upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch)
-        return upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _machine_memory() -> float:
-    """Bytes of memory this machine has available (0 when unknown)."""
-    try:
-        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-    except (ValueError, OSError, AttributeError):
-        return 0.0
-
-
-def check_resources(cfg, cpus: float, gpus: float, where: str, memory: float = 0.0) -> None:
-    """Fail fast where Ray would leave actors pending forever, or where the client actors' in-memory state stores
-    (backend.state_memory_mb each) cannot fit in ``memory`` bytes (0: unknown, not checked)."""
-    b = cfg.backend
-    n = min(b.num_actors, cfg.data.num_clients)
-    store = n * b.state_memory_mb * 2**20
-    if memory > 0 and store > memory:
-        raise ConfigError("backend.state_memory_mb",
-                          f"{n} client actors x {b.state_memory_mb} MB of in-memory client states = "
-                          f"{store / 2**30:.1f} GiB, more than the {memory / 2**30:.1f} GiB {where} has for them; "
-                          f"lower backend.state_memory_mb (states beyond it spill to backend.state_dir; 0 spills all, "
-                          f"same table)")
-    need_gpu_actors = n if b.num_gpus > 0 else 0
-    if b.num_gpus > 0 or b.server_num_gpus > 0:
-        if gpus <= 0:
-            raise ConfigError("backend.num_gpus" if b.num_gpus > 0 else "backend.server_num_gpus",
-                              f"asks for GPUs but {where} has none (torch.cuda.is_available() is False and no GPUs are "
-                              f"declared to Ray); set backend.num_gpus: 0 and backend.server_num_gpus: 0")
-        # pack client actors, then the server, onto whole GPUs
-        if need_gpu_actors > _gpu_capacity(b.num_gpus, gpus) or (
-                b.num_gpus * need_gpu_actors + b.server_num_gpus > gpus + 1e-9):
-            raise ConfigError("backend.num_gpus", f"{n} client actors"
-                                                  f"{' (backend.num_actors capped at data.num_clients)' if n < b.num_actors else ''}"
-                                                  f" x {b.num_gpus} GPU"
-                                                  f"{' + server ' + str(b.server_num_gpus) if b.server_num_gpus else ''}"
-                                                  f" do not fit on the {gpus:g} GPU(s) of {where}")
-    need_cpu = n * b.num_cpus + b.server_num_cpus
-    if need_cpu > cpus + 1e-9:
-        capped = f" (backend.num_actors={b.num_actors} capped at data.num_clients)" if n < b.num_actors else ""
-        raise ConfigError("backend.num_actors", f"{n} actors{capped} x {b.num_cpus} CPU + server {b.server_num_cpus} CPU = "
-                                                f"{need_cpu:g} CPUs, but {where} has {cpus:g}; lower backend.num_actors "
-                                                f"or backend.num_cpus (fractions allowed)")
-
-
-_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
-_ADDRESS_FIX = ("use the address that 'ray start --head' printed on the head node (the --address=HOST:PORT of its "
-                "'ray start' line), or leave backend.address out to start a local cluster")
-
-
-def _address_error(message: str) -> ConfigError:
-    return ConfigError("backend.address", message)
-
-
-def check_address(address: str, timeout_s: float) -> None:
-    """Fail within ``timeout_s`` (one ConfigError naming backend.address) unless ``address`` reaches a running Ray
-    cluster: the host resolves, the port accepts a connection, and what listens there answers as Ray's GCS does
-    (gRPC over HTTP/2). ``auto`` must find a cluster started on this machine; ``ray://`` (Ray Client) is checked up
-    to the connection."""
-    import socket
-
-    addr = str(address).strip()
-    if addr == "auto":
-        from ray._private.services import canonicalize_bootstrap_address
-
-        try:
-            found = canonicalize_bootstrap_address("auto")
-        except Exception:
-            found = None
-        if not found:
-            raise _address_error(f"'auto' found no Ray cluster started on this machine; start one with 'ray start "
-                                 f"--head' or {_ADDRESS_FIX}")
-        addr = found
-    client = addr.startswith("ray://")
-    hostport = addr[len("ray://"):] if client else addr
-    if "://" in hostport or "/" in hostport:
-        raise _address_error(f"{address!r} is not HOST:PORT (or ray://HOST:PORT); {_ADDRESS_FIX}")
-    host, sep, port = hostport.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _address_error(f"{address!r} is not HOST:PORT (e.g. 10.0.0.5:6379); {_ADDRESS_FIX}")
-    try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
-    except socket.gaierror as e:
-        raise _address_error(f"unknown host {host!r} in {address!r} ({e.strerror or e}); {_ADDRESS_FIX}") from None
-    except (socket.timeout, TimeoutError):
-        raise _address_error(f"{host}:{port} did not answer within {timeout_s:g} s (backend.connect_timeout_s); is "
-                             f"the head node up and reachable from here? {_ADDRESS_FIX}") from None
-    except OSError as e:
-        raise _address_error(f"no Ray cluster at {host}:{port} ({e.strerror or e}); {_ADDRESS_FIX}") from None
-    if client:
-        sock.close()
-        return
-    try:  # Ray's GCS is a gRPC server: it answers an HTTP/2 client preface with a SETTINGS frame
-        sock.settimeout(timeout_s)
-        sock.sendall(_HTTP2_PREFACE)
-        head = b""
-        while len(head) < 9:
-            chunk = sock.recv(9 - len(head))
-            if not chunk:
-                break
-            head += chunk
-    except OSError:
-        head = b""
-    finally:
-        sock.close()
-    if len(head) < 9 or head[3] != 0x04:
-        raise _address_error(f"{host}:{port} accepts connections but is not a Ray cluster's GCS (no answer as one "
-                             f"within {timeout_s:g} s, backend.connect_timeout_s); {_ADDRESS_FIX}")
-    try:  # a driver joins through a raylet on its own machine: with none here, ray.init could only time out
-        from ray._private.services import find_node_ids
-
-        local = find_node_ids()
-    except Exception:
-        local = None
-    if local is not None and not local:
-        raise _address_error(f"{host}:{port} answers as a Ray head, but no Ray node runs on this machine, and a driver "
-                             f"joins a cluster through a node of its own machine: join it first with 'ray start "
-                             f"--address={host}:{port}', or reach it through Ray Client (backend.address: "
-                             f"ray://{host}:10001)")
-
-
-def preflight_resources(cfg) -> None:
-    """Before starting anything: for a local cluster Ray would start with, check what this machine has; for an
-    existing cluster (backend.address), that it answers."""
-    if cfg.backend.address:  # checked even when this process already holds a Ray session
-        check_address(cfg.backend.address, cfg.backend.connect_timeout_s)
-        return  # resources are checked against the live cluster in RayBackend.start
-    if ray.is_initialized():  # this process's session (a notebook, a loop over runs): its cluster's resources
-        res = ray.cluster_resources()
-        check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
-                        float(res.get("memory", 0)))
-        return
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    check_resources(cfg, float(os.cpu_count() or 1), float(gpus), "this machine", _machine_memory())
 
 
 class RayBackend(Backend):
@@ -297,8 +47,8 @@ class RayBackend(Backend):
                     ray.init(address=b.address, **kwargs)
                 except Exception as e:  # reached, but the driver cannot join (e.g. the head announces another address)
                     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-                    raise _address_error(f"reached {b.address} but could not join the Ray cluster there "
-                                         f"({type(e).__name__}: {first}); {_ADDRESS_FIX}") from None
+                    raise address_error(f"reached {b.address} but could not join the Ray cluster there "
+                                         f"({type(e).__name__}: {first}); {ADDRESS_FIX}") from None
             else:
                 ray.init(address="local", dashboard_host="127.0.0.1", **kwargs)  # never exposed beyond loopback unless configured
                 self._watchdog = ray_watchdog.start()  # the local cluster exits with this driver, even on kill -9
@@ -330,13 +80,13 @@ class RayBackend(Backend):
         renv = actor_runtime_env(self.spec, b.address)
         extra = {"runtime_env": renv} if renv else {}
         self.shipped = list(self.spec.code) + ([os.getcwd()] if b.code == "working_dir" else [])
-        Server = ray.remote(_ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
+        Server = ray.remote(ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
                                                   max_concurrency=1, scheduling_strategy=here, **extra)
-        self._Client = ray.remote(_ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
+        self._Client = ray.remote(ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
                                                         scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT",
                                                         **extra)
         self._warm_keys = None
-        if _WARM["on"] and not self._own_session and not b.address:
+        if WARM["on"] and not self._own_session and not b.address:
             self._warm_keys = (("client", b.num_cpus, b.num_gpus, b.placement, repr(renv)),
                                ("server", b.server_num_cpus, b.server_num_gpus, repr(renv)))
         self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test),
@@ -344,7 +94,7 @@ class RayBackend(Backend):
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit issued
         self._unsent: list = [[] for _ in range(n)]  # per actor: commits not sent yet (they ride on its next step call)
         self._unconfirmed: list = [[] for _ in range(n)]  # per actor: commits issued since its last call that returned
-        self.cost = self._cost_model() if b.balance == "cost" and n > 1 else None
+        self.cost = cost_model(self.spec.task, self.fed_data) if b.balance == "cost" and n > 1 else None
         self._warm: set = set()  # (actor, step name) pairs that have run once
         self.balance_log: list[dict] = []  # per balanced step: predicted/measured per-actor loads, moves
         ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
@@ -366,7 +116,7 @@ class RayBackend(Backend):
         warm_server, warm_clients = [], []
         if self._warm_keys is not None:
             ck, sk = self._warm_keys
-            warm_clients, warm_server = _take_warm("client", ck, n), _take_warm("server", sk, 1)
+            warm_clients, warm_server = take_warm("client", ck, n), take_warm("server", sk, 1)
         else:
             release_warm_actors()
         server, reset = None, []
@@ -394,26 +144,10 @@ class RayBackend(Backend):
         return server, clients
 
     # -- cost-aware placement (backend.balance: cost) ---------------------------------------------------------------
-    def _cost_model(self):
-        from raysim.models import arch_key
-        from raysim.engine.placement import CostModel
-
-        task = self.spec.task
-        keys = [arch_key(a) for a in task.archs]
-        index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
-        params = {}
-        for cid, k in enumerate(keys):
-            if index[k] not in params:
-                params[index[k]] = sum(p.numel() for p in task.build_model(cid).parameters())
-        samples = dict(enumerate(client_sizes(self.fed_data.clients, "train")))
-        return CostModel(samples, {cid: index[k] for cid, k in enumerate(keys)}, params)
-
     def _rebalance(self, step, client_ids, where: str) -> None:
         """Place a training step's clients by predicted cost; move the clients whose actor changes (their data and
         committed state go actor to actor through the object store; the old actor forgets them only once the new
         one holds them, so a move interrupted by an actor's death loses nothing)."""
-        from raysim.engine.placement import moves, plan
-
         costs = {c: self.cost.predict(step.name, c) for c in client_ids}
         new = plan(costs, self.assignment, len(self.actors))
         todo = moves(self.assignment, new)
@@ -440,7 +174,7 @@ class RayBackend(Backend):
                     except ray.exceptions.RayError:
                         continue
                     gone = sorted(c for c, (_, d) in todo.items() if d == b)
-                    if _alive(self.actors[b]):
+                    if alive(self.actors[b]):
                         self.actors[b].forget_clients.remote(gone)
                 return
             for a, cs in by_src.items():
@@ -561,8 +295,6 @@ class RayBackend(Backend):
         return upload_refs, sorted(reports, key=lambda r: r.client_id)
 
     def _log_balance(self, reports, step_name: str) -> None:
-        from raysim.engine.placement import ideal
-
         n = len(self.actors)
         measured, pred = [0.0] * n, [0.0] * n
         seconds = {}
@@ -610,7 +342,7 @@ class RayBackend(Backend):
                     has_payload, metrics = ray.get(info_ref)
                     return (payload_ref if has_payload else None), metrics
                 except ray.exceptions.RayError as e:
-                    if not _alive(self.server):
+                    if not alive(self.server):
                         raise SimulationError(f"the server actor died in round {round_idx}, step '{step.name}' "
                                               f"({type(e).__name__}); the server state lives only there, so the run "
                                               f"stops (resume from its last checkpoint with --resume)") from None
@@ -628,7 +360,7 @@ class RayBackend(Backend):
         try:
             has_payload, metrics = ray.get(info_ref)
         except ray.exceptions.RayError as e:
-            if not _alive(self.server):
+            if not alive(self.server):
                 raise SimulationError(f"the server actor died in round {round_idx}, step '{step.name}' "
                                       f"({type(e).__name__}); the server state lives only there, so the run stops "
                                       f"(resume from its last checkpoint with --resume)") from None
@@ -641,7 +373,7 @@ class RayBackend(Backend):
         gone. Recreate the dead client actors and run their share of the last client step again (their states are
         still the committed ones from before it), then hand the fresh uploads to the server step."""
         step, payload, round_idx, iteration, groups = self._last_client_step
-        redo = sorted({k for ref, k in self._upload_actor.items() if ref in uploads and not _alive(self.actors[k])})
+        redo = sorted({k for ref, k in self._upload_actor.items() if ref in uploads and not alive(self.actors[k])})
         if not redo:
             raise error
         for k in redo:
@@ -693,10 +425,10 @@ class RayBackend(Backend):
                 pass
         keys = getattr(self, "_warm_keys", None)
         for a, ref in zip(actors, closed):
-            if keys is not None and _WARM["on"] and ray.is_initialized():
+            if keys is not None and WARM["on"] and ray.is_initialized():
                 try:
                     ray.get(ref, timeout=0)  # closed cleanly: park it for the next run (keep_actors_warm)
-                    _WARM["server" if a is self.server else "client"].append(
+                    WARM["server" if a is self.server else "client"].append(
                         (keys[1] if a is self.server else keys[0], a))
                     continue
                 except Exception:
@@ -707,93 +439,3 @@ class RayBackend(Backend):
         if self._own_session:
             ray.shutdown()
             ray_watchdog.stop(self._watchdog)
-
-
-class _ClientActor(ClientRunner):
-    def __init__(self, spec, clients, name="clients", source=None):
-        ray_serialization.register()
-        if source is not None:  # client ids into the shared pools
-            clients = ClientSet(source, clients)
-        elif len(clients) and isinstance(clients[0], int):  # client ids: build their data here, from the config
-            from raysim.data.federated import build_federated_data
-            from raysim.engine.runners import enter_run
-
-            enter_run(spec)  # the user's registered loaders, the driver's working directory
-
-            fed = build_federated_data(spec.cfg.data, spec.cfg.seed)
-            clients = (fed.clients.view(clients) if isinstance(fed.clients, LazyClients)
-                       else [fed.clients[i] for i in clients])
-        super().__init__(spec, clients, name)
-
-    def reset(self, spec, clients, name="clients", source=None) -> bool:
-        """Host another run's clients in this process (keep_actors_warm): as a new actor would."""
-        self.__init__(spec, clients, name, source)
-        return True
-
-    def close(self) -> None:
-        if self.store is not None:
-            super().close()
-        self.data, self.store = {}, None  # a parked actor holds no client data or states
-        self._forget_decoded(list(self._decoded))
-        self.models = self.algorithm = None
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def module_files(self, names) -> dict:
-        """Where this actor imported the named modules from (diagnostics: was the user's code shipped?)."""
-        import sys
-
-        return {n: getattr(sys.modules.get(n), "__file__", None) for n in names}
-
-    def commit_and_discard(self, client_ids, token=None):
-        self.commit(client_ids, token)
-        self.discard()
-
-    def run_client_step(self, step, payload, round_idx, iteration, client_ids, pre=()):
-        """``pre``: the driver's commits not sent yet (carried by this call, carried out first, in order)."""
-        for group, token in pre:
-            self.commit_and_discard(group, token)
-        return super().run_client_step(step, payload, round_idx, iteration, client_ids)
-
-
-class _ServerActor(ServerRunner):
-    def __init__(self, *args, **kwargs):
-        ray_serialization.register()
-        super().__init__(*args, **kwargs)
-
-    def reset(self, *args, **kwargs) -> bool:
-        """Serve another run (keep_actors_warm): as a new actor would."""
-        self.__init__(*args, **kwargs)
-        return True
-
-    def close(self) -> None:
-        if self.client_store is not None:
-            super().close()
-        self.state, self.client_store, self.global_test = None, None, None
-        self.models = self.algorithm = None
-
-    def node_id(self) -> str:
-        return ray.get_runtime_context().get_node_id()
-
-    def run_server_step_ref(self, step, round_idx, iteration, failures, *upload_groups, keep=None):
-        payload, metrics = self.run_server_step(step, round_idx, iteration, failures, *upload_groups, keep=keep)
-        return payload, (payload is not None, metrics)
-
-    def run_server_step_ahead(self, step, round_idx, iteration, prior_failures, n, *refs, keep=None):
-        """The server step submitted right behind a client step: ``refs`` = n upload groups, then the n report
-        lists of the same calls; the failures are the driver's list so far plus the failed reports, exactly as the
-        driver computes them."""
-        failed = {(r.client_id, r.error) for reps in refs[n:] for r in reps if not r.ok}
-        failures = sorted(set(map(tuple, prior_failures)) | failed)
-        return self.run_server_step_ref(step, round_idx, iteration, failures, *refs[:n], keep=keep)
-
-
-def _alive(actor) -> bool:
-    try:
-        ray.get(actor.ready.remote(), timeout=60)
-        return True
-    except ray.exceptions.RayActorError:
-        return False
-    except ray.exceptions.GetTimeoutError:  # busy, not dead
-        return True

@@ -6,7 +6,8 @@ import os
 
 import ray
 
-from raysim.backends.ray_backend import _gpu_capacity, release_warm_actors
+from raysim.backends.ray_actors import release_warm_actors
+from raysim.backends.ray_preflight import gpu_capacity
 from raysim.errors import ConfigError
 
 
@@ -44,7 +45,7 @@ class TaskPool:
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.slots = int(cpus // num_cpus) if num_cpus > 0 else 10**6
         if num_gpus > 0:
-            self.slots = min(self.slots, _gpu_capacity(num_gpus, gpus))
+            self.slots = min(self.slots, gpu_capacity(num_gpus, gpus))
 
     def submit(self, key, fn, *args) -> None:
         if fn not in self._fns:

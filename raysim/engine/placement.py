@@ -121,3 +121,19 @@ def ideal(costs: dict[int, float], n: int) -> float:
 def moves(old: dict[int, int], new: dict[int, int]) -> dict[int, tuple[int, int]]:
     """client -> (from actor, to actor) for every client whose actor changes."""
     return {c: (old[c], k) for c, k in new.items() if old[c] != k}
+
+
+def cost_model(task, fed_data) -> "CostModel":
+    """The cost model of a run's clients: training samples, architecture (one index per distinct arch_key) and its
+    parameter count (each architecture built once)."""
+    from raysim.data.federated import client_sizes
+    from raysim.models import arch_key
+
+    keys = [arch_key(a) for a in task.archs]
+    index = {k: i for i, k in enumerate(dict.fromkeys(keys))}
+    params = {}
+    for cid, k in enumerate(keys):
+        if index[k] not in params:
+            params[index[k]] = sum(p.numel() for p in task.build_model(cid).parameters())
+    samples = dict(enumerate(client_sizes(fed_data.clients, "train")))
+    return CostModel(samples, {cid: index[k] for cid, k in enumerate(keys)}, params)

@@ -1,0 +1,218 @@
+"""What a Ray run checks before it starts anything: the resources the actors ask for against the cluster's (CPUs,
+GPUs, memory for the client-state store, per node), the cluster address (reachable, a Ray head, joinable), and the
+runtime environment that ships raysim's code (and the user's) to the workers."""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+
+import ray
+
+from raysim.errors import ConfigError
+
+
+def gpu_capacity(per_actor: float, gpus: float) -> int:
+    if per_actor <= 0:
+        return 10**9
+    if per_actor <= 1:
+        return int(math.floor(gpus + 1e-9)) * int(math.floor(1 / per_actor + 1e-9)) + (
+            int(math.floor((gpus % 1) / per_actor + 1e-9)) if gpus % 1 else 0)
+    return int(math.floor(gpus / per_actor + 1e-9))
+
+
+def check_node_resources(cfg, nodes: list[dict]) -> None:
+    """Per node: an actor must fit on at least one alive node (a cluster of small nodes cannot host a big actor)."""
+    b = cfg.backend
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
+    if not alive:
+        return
+    if not any(r.get("CPU", 0) + 1e-9 >= b.num_cpus and r.get("GPU", 0) + 1e-9 >= b.num_gpus for r in alive):
+        biggest = max(alive, key=lambda r: r.get("CPU", 0))
+        raise ConfigError("backend.num_cpus", f"a client actor asks for {b.num_cpus:g} CPU / {b.num_gpus:g} GPU, but no "
+                                              f"node of the Ray cluster has that much (largest: {biggest.get('CPU', 0):g} "
+                                              f"CPU, {biggest.get('GPU', 0):g} GPU)")
+
+
+def code_runtime_env(address) -> dict:
+    """How raysim's code reaches the workers: on a local cluster the checkout's path (PYTHONPATH); on an existing
+    cluster (``backend.address``) also Ray's ``py_modules`` (the packages are uploaded and unpacked on every node)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p)}}
+    if address:
+        import importlib
+
+        env["py_modules"] = [os.path.dirname(importlib.import_module(m).__file__)
+                             for m in ("raysim", "algorithms", "envs", "tuning")]
+    return env
+
+
+def actor_runtime_env(spec, address) -> dict | None:
+    """The client and server actors' runtime environment when the user's code must reach them (``backend.code``,
+    paths from :mod:`raysim.usercode`): Ray ``py_modules`` (or ``working_dir``), uploaded once per content hash
+    and unpacked on every node. An actor's ``py_modules`` replace the job's, so raysim's own packages are listed
+    again on a ``backend.address`` cluster."""
+    code = spec.cfg.backend.code
+    if code != "working_dir" and not spec.code:
+        return None
+    own = code_runtime_env(address).get("py_modules", [])
+    if code == "working_dir":
+        env = {"working_dir": os.getcwd()}
+        if own:
+            env["py_modules"] = own
+    else:
+        env = {"py_modules": own + list(spec.code)}
+    return upload_working_dir(env)
+
+
+def upload_working_dir(env: dict) -> dict:
+    """Local paths -> package URIs in the cluster's storage. An actor's runtime_env takes URIs only (local paths
+    are for ``ray.init``), so the driver uploads them with the function ``ray.init`` itself uses for a job's
+    runtime_env (content-hashed: an unchanged module is uploaded once per cluster)."""
+    import tempfile
+
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    scratch = tempfile.mkdtemp(prefix="raysim-code-")
+    try:
+        env = upload_py_modules_if_needed(dict(env), include_gitignore=True, scratch_dir=scratch)
+        return upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def machine_memory() -> float:
+    """Bytes of memory this machine has available (0 when unknown)."""
+    try:
+        return float(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def check_resources(cfg, cpus: float, gpus: float, where: str, memory: float = 0.0) -> None:
+    """Fail fast where Ray would leave actors pending forever, or where the client actors' in-memory state stores
+    (backend.state_memory_mb each) cannot fit in ``memory`` bytes (0: unknown, not checked)."""
+    b = cfg.backend
+    n = min(b.num_actors, cfg.data.num_clients)
+    store = n * b.state_memory_mb * 2**20
+    if memory > 0 and store > memory:
+        raise ConfigError("backend.state_memory_mb",
+                          f"{n} client actors x {b.state_memory_mb} MB of in-memory client states = "
+                          f"{store / 2**30:.1f} GiB, more than the {memory / 2**30:.1f} GiB {where} has for them; "
+                          f"lower backend.state_memory_mb (states beyond it spill to backend.state_dir; 0 spills all, "
+                          f"same table)")
+    need_gpu_actors = n if b.num_gpus > 0 else 0
+    if b.num_gpus > 0 or b.server_num_gpus > 0:
+        if gpus <= 0:
+            raise ConfigError("backend.num_gpus" if b.num_gpus > 0 else "backend.server_num_gpus",
+                              f"asks for GPUs but {where} has none (torch.cuda.is_available() is False and no GPUs are "
+                              f"declared to Ray); set backend.num_gpus: 0 and backend.server_num_gpus: 0")
+        # pack client actors, then the server, onto whole GPUs
+        if need_gpu_actors > gpu_capacity(b.num_gpus, gpus) or (
+                b.num_gpus * need_gpu_actors + b.server_num_gpus > gpus + 1e-9):
+            raise ConfigError("backend.num_gpus", f"{n} client actors"
+                                                  f"{' (backend.num_actors capped at data.num_clients)' if n < b.num_actors else ''}"
+                                                  f" x {b.num_gpus} GPU"
+                                                  f"{' + server ' + str(b.server_num_gpus) if b.server_num_gpus else ''}"
+                                                  f" do not fit on the {gpus:g} GPU(s) of {where}")
+    need_cpu = n * b.num_cpus + b.server_num_cpus
+    if need_cpu > cpus + 1e-9:
+        capped = f" (backend.num_actors={b.num_actors} capped at data.num_clients)" if n < b.num_actors else ""
+        raise ConfigError("backend.num_actors", f"{n} actors{capped} x {b.num_cpus} CPU + server {b.server_num_cpus} CPU = "
+                                                f"{need_cpu:g} CPUs, but {where} has {cpus:g}; lower backend.num_actors "
+                                                f"or backend.num_cpus (fractions allowed)")
+
+
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+ADDRESS_FIX = ("use the address that 'ray start --head' printed on the head node (the --address=HOST:PORT of its "
+                "'ray start' line), or leave backend.address out to start a local cluster")
+
+
+def address_error(message: str) -> ConfigError:
+    return ConfigError("backend.address", message)
+
+
+def check_address(address: str, timeout_s: float) -> None:
+    """Fail within ``timeout_s`` (one ConfigError naming backend.address) unless ``address`` reaches a running Ray
+    cluster: the host resolves, the port accepts a connection, and what listens there answers as Ray's GCS does
+    (gRPC over HTTP/2). ``auto`` must find a cluster started on this machine; ``ray://`` (Ray Client) is checked up
+    to the connection."""
+    import socket
+
+    addr = str(address).strip()
+    if addr == "auto":
+        from ray._private.services import canonicalize_bootstrap_address
+
+        try:
+            found = canonicalize_bootstrap_address("auto")
+        except Exception:
+            found = None
+        if not found:
+            raise address_error(f"'auto' found no Ray cluster started on this machine; start one with 'ray start "
+                                 f"--head' or {ADDRESS_FIX}")
+        addr = found
+    client = addr.startswith("ray://")
+    hostport = addr[len("ray://"):] if client else addr
+    if "://" in hostport or "/" in hostport:
+        raise address_error(f"{address!r} is not HOST:PORT (or ray://HOST:PORT); {ADDRESS_FIX}")
+    host, sep, port = hostport.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise address_error(f"{address!r} is not HOST:PORT (e.g. 10.0.0.5:6379); {ADDRESS_FIX}")
+    try:
+        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+    except socket.gaierror as e:
+        raise address_error(f"unknown host {host!r} in {address!r} ({e.strerror or e}); {ADDRESS_FIX}") from None
+    except (socket.timeout, TimeoutError):
+        raise address_error(f"{host}:{port} did not answer within {timeout_s:g} s (backend.connect_timeout_s); is "
+                             f"the head node up and reachable from here? {ADDRESS_FIX}") from None
+    except OSError as e:
+        raise address_error(f"no Ray cluster at {host}:{port} ({e.strerror or e}); {ADDRESS_FIX}") from None
+    if client:
+        sock.close()
+        return
+    try:  # Ray's GCS is a gRPC server: it answers an HTTP/2 client preface with a SETTINGS frame
+        sock.settimeout(timeout_s)
+        sock.sendall(HTTP2_PREFACE)
+        head = b""
+        while len(head) < 9:
+            chunk = sock.recv(9 - len(head))
+            if not chunk:
+                break
+            head += chunk
+    except OSError:
+        head = b""
+    finally:
+        sock.close()
+    if len(head) < 9 or head[3] != 0x04:
+        raise address_error(f"{host}:{port} accepts connections but is not a Ray cluster's GCS (no answer as one "
+                             f"within {timeout_s:g} s, backend.connect_timeout_s); {ADDRESS_FIX}")
+    try:  # a driver joins through a raylet on its own machine: with none here, ray.init could only time out
+        from ray._private.services import find_node_ids
+
+        local = find_node_ids()
+    except Exception:
+        local = None
+    if local is not None and not local:
+        raise address_error(f"{host}:{port} answers as a Ray head, but no Ray node runs on this machine, and a driver "
+                             f"joins a cluster through a node of its own machine: join it first with 'ray start "
+                             f"--address={host}:{port}', or reach it through Ray Client (backend.address: "
+                             f"ray://{host}:10001)")
+
+
+def preflight_resources(cfg) -> None:
+    """Before starting anything: for a local cluster Ray would start with, check what this machine has; for an
+    existing cluster (backend.address), that it answers."""
+    if cfg.backend.address:  # checked even when this process already holds a Ray session
+        check_address(cfg.backend.address, cfg.backend.connect_timeout_s)
+        return  # resources are checked against the live cluster in RayBackend.start
+    if ray.is_initialized():  # this process's session (a notebook, a loop over runs): its cluster's resources
+        res = ray.cluster_resources()
+        check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
+                        float(res.get("memory", 0)))
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    check_resources(cfg, float(os.cpu_count() or 1), float(gpus), "this machine", machine_memory())
