@@ -6,155 +6,18 @@ any Ray process is started.
 """
 from __future__ import annotations
 
-import copy
 import dataclasses
-import difflib
 import hashlib
 import json
-import re
-import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import yaml
-
 from raysim.errors import ConfigError
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# generic dataclass <- dict conversion with type checking
-
-
-def _type_name(tp) -> str:
-    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
-
-
-def _coerce(value: Any, tp: Any, path: str) -> Any:
-    origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        allowed = " or ".join(_type_name(a) for a in args)
-        raise ConfigError(path, f"expected {allowed}, got {value!r}")
-    if dataclasses.is_dataclass(tp):
-        if isinstance(value, tp):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping of {tp.__name__} fields, got {value!r}")
-        return from_dict(tp, value, path)
-    if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(path, f"expected a list, got {value!r}")
-        inner = args[0] if args else Any
-        out = [_coerce(v, inner, f"{path}[{i}]") for i, v in enumerate(value)]
-        return tuple(out) if origin is tuple else out
-    if origin is dict or tp is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(path, f"expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(path, f"expected true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(path, f"expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            return float(value)  # e.g. a quoted "1e-3"
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(path, f"expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(path, f"expected a string, got {value!r}")
-        return value
-    return value
-
-
-def from_dict(cls, data: dict, path: str = ""):
-    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise :class:`ConfigError`."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(path or cls.__name__, f"expected a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    for key in data:
-        if key not in fields:
-            where = f"{path}.{key}" if path else str(key)
-            close = difflib.get_close_matches(str(key), list(fields), n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(where, f"unknown key{hint}; allowed keys: {', '.join(sorted(fields))}")
-    kwargs = {}
-    for name, f in fields.items():
-        where = f"{path}.{name}" if path else name
-        if name in data:
-            kwargs[name] = _coerce(data[name], hints[name], where)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(where, "is required")
-    obj = cls(**kwargs)
-    check = getattr(obj, "check", None)
-    if check is not None:
-        check(path)
-    return obj
-
-
-def to_dict(obj) -> dict:
-    return json.loads(json.dumps(dataclasses.asdict(obj), default=str))
-
-
-def choice(path: str, value: Any, allowed) -> None:
-    allowed = list(allowed)
-    if value not in allowed:
-        raise ConfigError(path, f"{value!r} is not allowed; choose one of: {', '.join(map(str, allowed))}")
-
-
-def positive(path: str, value, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(path, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
-
-
-# a config value that becomes part of a file or directory name (the run name, a study name): letters, digits and
-# . _ + - : = only, starting with a letter or digit (no separators, no hidden names, no '..'), at most 100 characters
-_SAFE_COMPONENT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+:=-]{0,99}$")
-
-
-def check_path_component(field_path: str, value) -> str:
-    """``value`` may become part of a path: refuse separators, ``..``, hidden names, control characters and anything
-    outside a portable character set (ConfigError naming ``field_path``)."""
-    if not isinstance(value, str) or not _SAFE_COMPONENT.match(value) or ".." in value:
-        raise ConfigError(field_path, f"{value!r} is not a safe name: it becomes part of a directory name, so use "
-                                      f"1-100 letters, digits and . _ + - : = (starting with a letter or digit; no path "
-                                      f"separators, no '..')")
-    return value
-
-
-def _p(path: str, name: str) -> str:
-    return f"{path}.{name}" if path else name
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the experiment configuration
+from raysim.registry import algorithm_class
+from raysim.fields import _p, check_path_component, choice, from_dict, positive, to_dict
+from raysim.yamlio import (MAX_YAML_BYTES, YamlBoundsError, apply_overrides, load_config_dict, load_yaml_mapping,
+                           parse_override, read_text_file, set_dotted, yaml_error_text, yaml_load)
 
 
 MAX_CLIENTS = 10_000_000  # per-client arrays of this length still fit in memory
@@ -478,225 +341,12 @@ def _algorithm_param_diff(alg: "AlgorithmConfig") -> dict:
     """The algorithm's parameters that differ from the method's defaults (raw values when the method is unknown)."""
     params = dict(alg.params or {})
     try:
-        from raysim.registry import algorithm_class
-
         cls = algorithm_class(alg.name)
         defaults = json.loads(json.dumps(dataclasses.asdict(cls.Params()), default=str))
         typed = json.loads(json.dumps(dataclasses.asdict(from_dict(cls.Params, params, "algorithm.params")), default=str))
     except Exception:
         return params
     return {k: v for k, v in typed.items() if defaults.get(k, object()) != v}
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# loading
-
-
-# PyYAML follows YAML 1.1, whose float pattern needs a dot and a signed exponent: ``1e-3`` and ``1E6`` load as
-# strings. This loader adds YAML 1.2's float syntax, so every float field accepts them (files and --set alike).
-_FLOAT_RE = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$"
-                       r"|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$")
-_YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
-
-
-class YamlLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``1e-3``, ``5E-4``, ``1e6`` as floats (YAML 1.2)."""
-
-
-YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
-
-
-MAX_YAML_BYTES = 1 << 20  # config and search-space files (a config is a few KB)
-MAX_YAML_VALUES = 100_000  # values in the document once aliases are expanded (a 'billion laughs' stays far below)
-MAX_YAML_DEPTH = 32  # nesting of mappings and lists
-
-
-class YamlBoundsError(yaml.YAMLError):
-    """A YAML document that is too large once expanded, or nested too deeply."""
-
-
-def _check_bounds(data, source: str) -> None:
-    """Walk the loaded document as the tree it stands for (aliases expanded), giving up after MAX_YAML_VALUES values
-    or below MAX_YAML_DEPTH levels: a document of nested aliases is refused in O(limit) time and memory, before
-    anything copies or serialises it."""
-    count = 0
-    stack = [(data, 0)]
-    while stack:
-        node, depth = stack.pop()
-        count += 1
-        if count > MAX_YAML_VALUES:
-            raise YamlBoundsError(f"{source}: expands to more than {MAX_YAML_VALUES:,} values (nested YAML aliases, "
-                                  f"a 'billion laughs' document?); raysim refuses it — write the values out")
-        if isinstance(node, dict):
-            children = list(node.keys()) + list(node.values())
-        elif isinstance(node, (list, tuple)):
-            children = node
-        else:
-            continue
-        if depth >= MAX_YAML_DEPTH:
-            raise YamlBoundsError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep; raysim refuses it")
-        stack.extend((c, depth + 1) for c in children)
-
-
-def yaml_load(text: str, source: str = "<string>"):
-    """Parse YAML text with :class:`YamlLoader`; ``source`` names the file in error messages. The document is
-    bounded: at most MAX_YAML_BYTES of text, MAX_YAML_VALUES values with aliases expanded, MAX_YAML_DEPTH levels."""
-    import io
-
-    if len(text) > MAX_YAML_BYTES:
-        raise YamlBoundsError(f"{source}: {len(text):,} characters, more than the {MAX_YAML_BYTES:,} a config may hold")
-    stream = io.StringIO(text)
-    stream.name = source  # PyYAML's marks name the stream's ``name``
-    depth = 0  # the parser is iterative (the composer recurses): refuse deep nesting before composing
-    for event in yaml.parse(stream, Loader=YamlLoader):
-        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
-            depth += 1
-            if depth > MAX_YAML_DEPTH:
-                raise YamlBoundsError(f"{source}: nested more than {MAX_YAML_DEPTH} levels deep; raysim refuses it")
-        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
-            depth -= 1
-    stream = io.StringIO(text)
-    stream.name = source
-    try:
-        data = yaml.load(stream, Loader=YamlLoader)
-    except RecursionError:
-        raise YamlBoundsError(f"{source}: nested too deeply to parse; raysim refuses it") from None
-    _check_bounds(data, source)
-    return data
-
-
-def yaml_error_text(e: yaml.YAMLError, source: str) -> str:
-    """A YAML error in one line: where (file, line, column) and what."""
-    if isinstance(e, YamlBoundsError):
-        return str(e)
-    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-    where = f"{source}, line {mark.line + 1}, column {mark.column + 1}" if mark is not None else source
-    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
-    return f"{where}: {what}".replace("\n", " ")
-
-
-def parse_override(text: str) -> tuple[str, Any]:
-    if "=" not in text:
-        raise ConfigError(text, "an override must look like dotted.key=value")
-    key, raw = text.split("=", 1)
-    key = key.strip()
-    if not key:
-        raise ConfigError(text, "an override needs a key before '='")
-    try:
-        value = yaml_load(raw, "--set") if raw.strip() else ""
-    except YamlBoundsError as e:
-        raise ConfigError(key, str(e)) from None
-    except yaml.YAMLError:
-        value = raw
-    return key, value
-
-
-def set_dotted(data: dict, key: str, value) -> dict:
-    """A copy of the config dict ``data`` with ``key`` (dotted) set to ``value``; sections are created as needed."""
-    data = copy.deepcopy(data or {})
-    node = data
-    parts = key.split(".")
-    for i, part in enumerate(parts[:-1]):
-        nxt = node.get(part)
-        if nxt is None:
-            nxt = node[part] = {}
-        if not isinstance(nxt, dict):
-            raise ConfigError(".".join(parts[: i + 1]), f"is a value, not a section; cannot set {key}")
-        node = nxt
-    node[parts[-1]] = value
-    return data
-
-
-def apply_overrides(data: dict, overrides: list[str] | None, notify=None) -> dict:
-    """``data`` with every ``dotted.key=value`` override applied. When an override changes ``algorithm.name``, the
-    ``algorithm.params`` that the new method does not have are dropped and ``notify`` (default: one line on stderr)
-    says which: the file's parameters were written for the file's method."""
-    data = json.loads(json.dumps(data or {}))
-    before = (data.get("algorithm") or {}).get("name") if isinstance(data.get("algorithm"), dict) else None
-    for text in overrides or []:
-        data = set_dotted(data, *parse_override(text))
-    algo = data.get("algorithm")
-    if isinstance(algo, dict) and algo.get("name") != before and isinstance(algo.get("params"), dict):
-        explicit = {k.split(".", 2)[2] for k, _ in map(parse_override, overrides or [])
-                    if k.startswith("algorithm.params.") and k.count(".") >= 2}
-        algo["params"] = _drop_foreign_params(before, algo.get("name"), algo["params"], explicit, notify)
-    return data
-
-
-def _drop_foreign_params(old: str, new: str, params: dict, explicit: set, notify) -> dict:
-    try:
-        from raysim.registry import algorithm_class
-
-        allowed = {f.name for f in dataclasses.fields(algorithm_class(new).Params)}
-    except Exception:  # an unknown name is reported, naming algorithm.name, when the config is built
-        return params
-    dropped = [k for k in params if k not in allowed and k not in explicit]
-    if dropped:
-        kept = [k for k in params if k not in dropped]
-        (notify or _stderr_notice)(
-            f"algorithm.name changed from {old} to {new}: dropped algorithm.params {', '.join(dropped)} "
-            f"({new} has no such parameters){'; kept ' + ', '.join(kept) if kept else ''}")
-    return {k: v for k, v in params.items() if k not in dropped}
-
-
-def _stderr_notice(message: str) -> None:
-    print(f"raysim: note: {message}", file=sys.stderr)
-
-
-def read_text_file(path: str | Path, field_name: str, max_bytes: int = MAX_YAML_BYTES, what: str = "file") -> str:
-    """The text of a small file the user named (config, search space): one ConfigError naming ``field_name`` and the
-    file when it is missing, a directory or not a regular file, unreadable, too large, or not UTF-8 text."""
-    import os
-    import stat
-
-    path = Path(path)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise ConfigError(field_name, f"file not found: {path}") from None
-    except OSError as e:
-        raise ConfigError(field_name, f"cannot read {path}: {e.strerror or e}") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ConfigError(field_name, f"{path} is a directory; give the {what} inside it")
-    if not stat.S_ISREG(st.st_mode):
-        raise ConfigError(field_name, f"{path} is not a regular file; give a YAML {what}")
-    if st.st_size > max_bytes:
-        raise ConfigError(field_name, f"{path} is {st.st_size:,} bytes, more than the {max_bytes:,} a {what} may "
-                                      f"hold; is it the right file?")
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(max_bytes + 1)
-    except OSError as e:
-        raise ConfigError(field_name, f"cannot read {path}: {e.strerror or e}; check its permissions") from None
-    if b"\0" in raw:
-        raise ConfigError(field_name, f"{path} is a binary file, not a YAML {what} (damaged or the wrong file)")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(field_name, f"{path} is not UTF-8 text (byte {e.start}); damaged or the wrong file") from None
-
-
-def load_yaml_mapping(path: str | Path, field_name: str = "CONFIG", what: str = "config") -> dict:
-    """A YAML file holding a mapping; errors name ``field_name`` (the argument that gave the path) and the file."""
-    path = Path(path)
-    text = read_text_file(path, field_name, what=what)
-    try:
-        data = yaml_load(text, str(path))
-    except YamlBoundsError as e:
-        raise ConfigError(field_name, str(e)) from None
-    except yaml.YAMLError as e:
-        raise ConfigError(field_name, f"not valid YAML: {yaml_error_text(e, str(path))}") from None
-    if data is None:
-        raise ConfigError(field_name, f"{path} is empty (no settings); write the {what} into it"
-                                      + (" (a config of defaults: name: experiment)" if what == "config" else ""))
-    if not isinstance(data, dict):
-        raise ConfigError(field_name, f"{path} must hold a mapping at the top level, got {type(data).__name__} "
-                                      f"(damaged or the wrong file?)")
-    return data
-
-
-def load_config_dict(path: str | Path) -> dict:
-    return load_yaml_mapping(path, "CONFIG")
 
 
 OLD_VALUES = {("on_client_failure", "raise"): "stop"}  # (key, a value's old name) -> its name now, still accepted
@@ -712,3 +362,12 @@ def make_config(data: dict | None = None, overrides: list[str] | None = None, no
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     return make_config(load_config_dict(path), overrides)
+
+
+# the public names of the configuration layer (the sections here; dict <-> dataclass in raysim.fields; YAML and
+# overrides in raysim.yamlio): importable from raysim.config as before
+__all__ = ["AlgorithmConfig", "ArchSpec", "BackendConfig", "ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig",
+           "MAX_YAML_BYTES", "ModelConfig", "OutputConfig", "TrainConfig", "YamlBoundsError", "apply_overrides",
+           "check_path_component", "choice", "from_dict", "load_config", "load_config_dict", "load_yaml_mapping",
+           "make_config", "parse_override", "positive", "read_text_file", "set_dotted", "to_dict", "yaml_error_text",
+           "yaml_load"]
