@@ -87,6 +87,7 @@ def _add_reproduce(sub) -> None:
 
 def _cmd_reproduce(args) -> int:
     from raysim import reproduce as rp
+    from raysim.reproduce_table import write_table
     from raysim.sweep import parse_seeds
 
     root = args.configs or rp.CONFIGS_ROOT
@@ -116,7 +117,7 @@ def _cmd_reproduce(args) -> int:
         e = exps[name]
         if not args.report_only:
             rp.execute(plans[name], jobs=args.jobs)
-        path = rp.write_table(e, plans[name], args.out, numbers, report=not args.no_report)
+        path = write_table(e, plans[name], args.out, numbers, report=not args.no_report)
         print(path.read_text())
         print(f"table: {path}")
     return 0

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from raysim import reproduce as rp
+from raysim.reproduce_table import run_value
 from raysim.cli import main
 from raysim.config import ConfigError
 from tests.conftest import tiny_config
@@ -58,14 +59,14 @@ def test_run_value_by_hand():
             rows.append(("r", rnd, cid, "client", "val_acc", w, 1.0))
     rows.append(("r", 2, -1, "server", "ari", 0.75, 1.0))
     df = pd.DataFrame(rows, columns=["run_id", "round", "client_id", "scope", "metric", "value", "weight"])
-    assert rp.run_value(df, "test_acc") == pytest.approx(0.6)  # last round: (0.5 + 0.7) / 2
+    assert run_value(df, "test_acc") == pytest.approx(0.6)  # last round: (0.5 + 0.7) / 2
     # per run: val means 0.3, 0.25, 0.275 -> round 0 -> (0.2 + 0.4) / 2
-    assert rp.run_value(df, "test_acc", "val_acc") == pytest.approx(0.3)
+    assert run_value(df, "test_acc", "val_acc") == pytest.approx(0.3)
     # per client: client 0 best at round 0 (0.5) -> 0.2; client 1 best at round 2 (0.35) -> 0.7
-    assert rp.run_value(df, "test_acc", "val_acc", "client") == pytest.approx(0.45)
-    assert rp.run_value(df, "ari") == pytest.approx(0.75) and rp.run_value(df, "server:ari") == 0.75
+    assert run_value(df, "test_acc", "val_acc", "client") == pytest.approx(0.45)
+    assert run_value(df, "ari") == pytest.approx(0.75) and run_value(df, "server:ari") == 0.75
     with pytest.raises(ConfigError, match="test_loss"):
-        rp.run_value(df, "test_loss")
+        run_value(df, "test_loss")
 
 
 def test_reproduce_table_reuse_and_mismatch(tmp_path, capsys):
