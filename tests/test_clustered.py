@@ -11,7 +11,7 @@ import torch
 from raysim.config import ConfigError, make_config
 from raysim.errors import DataError
 from raysim.data.federated import ClientData, build_federated_data
-from raysim.data.partition import domain_dirichlet
+from raysim.data.skew import domain_dirichlet
 from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 
@@ -47,7 +47,7 @@ def test_domain_dirichlet_draws_each_domain_from_the_whole_base_set():
 
 
 def test_domain_dirichlet_classes_per_client_gives_users_3_to_5_classes():
-    from raysim.data.partition import user_label_counts
+    from raysim.data.skew import user_label_counts
 
     y = np.repeat(np.arange(10), 400)
     ty = np.repeat(np.arange(10), 200)

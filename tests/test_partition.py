@@ -4,7 +4,8 @@ import pytest
 
 from raysim.config import make_config
 from raysim.data import DataError, build_federated_data
-from raysim.data.partition import dirichlet, iid, nway_kshot
+from raysim.data.partition import dirichlet, iid
+from raysim.data.skew import nway_kshot
 
 
 def labels(per_class=100, classes=10):

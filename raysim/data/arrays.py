@@ -11,7 +11,7 @@ import it."""
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -85,3 +85,31 @@ def sklearn_digits_arrays() -> tuple[np.ndarray, np.ndarray]:
     images.flags.writeable = False
     target.flags.writeable = False
     return images, target
+
+
+# -- partitions (raysim.data.partition, raysim.data.skew, raysim.data.splitfiles) ---------------------------------
+
+@dataclass
+class Partition:
+    train: list[np.ndarray]  # per client: indices into the train pool
+    test: list[np.ndarray]  # per client: indices into the test pool (its local test set)
+    classes: list[list[int]]  # per client: classes it holds
+    notes: list[str] = field(default_factory=list)
+
+
+def by_class(labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
+    """Indices of each class, shuffled with ``rng`` (a deterministic function of the seed)."""
+    return [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]
+
+
+def param_field(name: str) -> str:
+    return f"data.partition_params.{name}"
+
+
+def need_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) and not (
+            isinstance(value, float) and value.is_integer()):
+        raise DataError(param_field(name), f"must be a whole number, got {value!r}")
+    if value < minimum:
+        raise DataError(param_field(name), f"must be {'> 0' if minimum == 1 else f'>= {minimum}'}, got {value}")
+    return int(value)

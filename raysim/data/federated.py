@@ -13,7 +13,8 @@ from raysim import rng as rngmod
 from raysim.config import DataConfig
 from raysim.data.arrays import ArrayDataset, LoadedDataset
 from raysim.data.datasets import load_dataset
-from raysim.data.partition import load_split_files, run_partitioner
+from raysim.data.partition import run_partitioner
+from raysim.data.splitfiles import load_split_files
 from raysim.errors import DataError
 
 
