@@ -316,3 +316,12 @@ def check_against_config(space: SearchSpace, base: dict) -> None:
                 from_dict(algo.Params, dict(c.algorithm.params), "algorithm.params")
             except ConfigError as e:
                 raise ConfigError(f"space.params.{key}", f"value {v!r} is not a valid config value: {e}") from None
+
+
+def trial_config(base: dict, space: SearchSpace, params: dict, trial_number: int):
+    """The config dict of one trial: ``params`` set by dotted key on ``base``; with ``trial_seed: trial`` the seed
+    is the base seed plus the trial number."""
+    seed = None
+    if space.trial_seed == "trial":
+        seed = int(make_config(base).seed) + int(trial_number)
+    return apply_params(base, params, seed)
