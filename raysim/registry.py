@@ -45,15 +45,25 @@ ALGORITHMS: dict[str, str] = {
 }
 
 
-ENVIRONMENT = "envs:Environment"  # the simulated environment (device, network, participation, clock)
+# the simulated environment (device, network, participation, clock): an implementation of the engine's declared
+# protocol (raysim.engine.environment.Environment), registered like a method: the environment layer (envs/) imports
+# raysim, never the reverse, so the engine reaches it by this name
+ENVIRONMENT = {"target": "envs:Environment"}
+
+
+def register_environment(target: str) -> None:
+    """Use another environment implementation (``"module.path:Class"`` with ``Class.from_experiment(cfg, fed_data)``
+    returning an object of the engine's Environment protocol) for configs with an ``env`` section."""
+    if not is_import_path(target):
+        raise ValueError(f"{target!r} is not an import path package.module:Class")
+    ENVIRONMENT["target"] = target
 
 
 def make_environment(cfg, fed_data):
-    """The run's simulated environment, or None when the config has no ``env`` section (envs is imported lazily)."""
+    """The run's simulated environment, or None when the config has no ``env`` section."""
     if cfg.env is None:
         return None
-    module, cls = ENVIRONMENT.split(":")
-    return getattr(importlib.import_module(module), cls).from_experiment(cfg, fed_data)
+    return resolve(ENVIRONMENT["target"], "env", "Class").from_experiment(cfg, fed_data)
 
 
 _BUILTIN_ALGORITHMS = frozenset(ALGORITHMS)

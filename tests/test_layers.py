@@ -115,3 +115,27 @@ def test_algorithms_import_only_the_contract():
                 if m.startswith("raysim") and m not in allowed and m != "raysim":
                     bad.append(f"{p.name}:{node.lineno} {m}")
     assert not bad, f"methods reaching past the contract: {bad}"
+
+
+def test_the_environment_is_reached_through_the_declared_protocol():
+    """envs.Environment satisfies the engine's protocol; an implementation lacking a method is refused naming env."""
+    import pytest
+
+    from raysim.engine.environment import Environment, check_environment
+    from raysim.errors import ConfigError
+
+    from envs import Environment as Impl
+
+    assert all(callable(getattr(Impl, m)) for m in ("archs", "bind", "select", "outcome", "summary", "state_dict",
+                                                     "load_state_dict"))
+
+    class Partial:
+        sim_time = 0.0
+
+        def select(self, round_idx, target=None):
+            return []
+
+    assert not isinstance(Partial(), Environment)
+    with pytest.raises(ConfigError, match="env.*lacks archs, bind, outcome"):
+        check_environment(Partial())
+    check_environment(None)

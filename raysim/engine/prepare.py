@@ -18,6 +18,7 @@ from raysim.config import ConfigError, ExperimentConfig, from_dict
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
+from raysim.engine.environment import check_environment
 from raysim.engine.runners import RunSpec
 from raysim.steps import check_schedule
 
@@ -56,6 +57,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     _check_population_memory(cfg)
     fed = build_federated_data(cfg.data, cfg.seed)
     env = make_environment(cfg, fed)  # None without an env section
+    check_environment(env)
     env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
     archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
