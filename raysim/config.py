@@ -179,7 +179,7 @@ class DataConfig:
     local_split: Optional[dict] = None
     # a server-held validation set: this many samples of the training pool (class-stratified, seeded), removed from
     # the pool before partitioning, so disjoint from every client's data and from the test set; server steps read it
-    # as ctx.server_val (0: none). The test set reaches only evaluation steps.
+    # as ctx.server_data["server_val"] when the method declares it (0: none). The test set reaches only evaluation steps.
     server_val: int = 0
 
     def check(self, path: str) -> None:
