@@ -18,7 +18,8 @@ State is explicit and picklable (dicts of tensors), per-client randomness comes 
 or — later — vectorised.
 
 Methods with more than one exchange per round (MAFML, FedMD) override ``schedule()``; methods with a phase before
-round 1 (SlaugFL, PN-ICFL) return one from ``setup_schedule()``; its steps run once, at round index -1.
+round 1 (SlaugFL, PN-ICFL) return one from ``setup_schedule()``; its steps run once, at round index -1, starting with
+the empty payload ``{}``. Client steps get a :class:`Context`, server steps a :class:`ServerContext`.
 """
 from __future__ import annotations
 

@@ -13,8 +13,8 @@ reports, user loggers — is a :class:`Callback`:
 
 Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`,
 :class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it),
-:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains, when the data
-has domains and the method reports clusters: ``Algorithm.reports_clusters``). Pass your own
+:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains, when
+the data has domains and the method reports clusters: ``Algorithm.reports_clusters``). Pass your own
 with ``run_experiment(cfg, callbacks=[...])`` (e.g. a TensorBoard or MLflow logger reading ``run.table``).
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Checkpoints as directories of shards: ``checkpoints/<name>/`` holds ``server.pt`` (server state), one
 ``clients-<k>.pt`` per client runner (client id -> state, written by the runner itself, never gathered on the driver)
-and ``meta.pt`` (round, manifest, result rows, failure log, environment state, config hash), written last. The directory is built as ``<name>.tmp`` and renamed when
-complete, so a checkpoint that exists is whole. Client states are keyed by client id, so a checkpoint restores into
-any number of actors."""
+and ``meta.pt`` (round, manifest, result rows, failure log, environment state, config hash), written last. The
+directory is built as ``<name>.tmp`` and renamed when complete, so a checkpoint that exists is whole. Client states
+are keyed by client id, so a checkpoint restores into any number of actors."""
 from __future__ import annotations
 
 import shutil
