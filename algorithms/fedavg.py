@@ -181,7 +181,7 @@ class FedAvg(LocalTraining):
         return ClientUpdate(new, upload, {"train_loss": float(loss.detach())})
 
     def average_due(self, server_state, uploads, ctx: Context) -> ServerUpdate:
-        ids = [i for i in sorted(uploads) if uploads[i] and (ctx.keep is None or i in ctx.keep)]
+        ids = [i for i in sorted(uploads) if uploads[i]]
         if not self._due(ctx.round_idx, ctx.iteration) or not ids:
             return ServerUpdate(server_state, {}, {})
         new = {"model": sample_weighted_average(uploads, ids)}

@@ -86,7 +86,7 @@ class FedDistill(Algorithm):
         counts = torch.zeros(c, dtype=torch.int64)
         lam, temp = self.params.lam, self.params.temperature
 
-        def loss_fn(m, xb, yb):
+        def loss_fn(m, xb, yb, epoch):
             nonlocal sums, counts
             logits = m(xb)
             s, n = class_mean_logits(logits, yb, c)

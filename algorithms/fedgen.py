@@ -122,7 +122,7 @@ class FedGen(FedAvg):
         gen = aux["gen"]
         p, bsz = self.params, self.task.train.batch_size
 
-        def loss_fn(model, xb, yb):
+        def loss_fn(model, xb, yb, epoch):
             logits, _ = model(xb, return_embedding=True)
             ce = F.cross_entropy(logits, yb)
             if gen is None:

@@ -134,7 +134,7 @@ class FedGenHt(LGFedAvg):
         gen = aux["gen"]
         p, nb = self.params, self._batch()
 
-        def loss_fn(model, xb, yb):
+        def loss_fn(model, xb, yb, epoch):
             ce = F.cross_entropy(model(xb), yb)
             if gen is None:
                 return ce, {"ce": ce.detach()}

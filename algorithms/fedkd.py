@@ -72,6 +72,7 @@ def decompress(msg: Message, like: dict) -> dict:
 
 class FedKD(Algorithm):
     name = "fedkd"
+    headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = ("Wu et al., Communication-efficient federated learning via knowledge distillation, Nature "
              "Communications 2022 (HtFLlib's FedKD)")
 

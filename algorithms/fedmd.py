@@ -14,7 +14,6 @@ its logits to the consensus with the mean absolute error, ``digest_epochs`` epoc
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +33,7 @@ from raysim.training import clone_state, minibatches, optimizer_state
 class FedMD(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "fedmd"
+    headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = "Li & Wang, FedMD: Heterogenous Federated Learning via Model Distillation, arXiv:1910.03581, 2019"
 
     def declared_uploads(self):
@@ -61,7 +61,7 @@ class FedMD(Algorithm):
         require_public_shares(self, self.name)
 
     def setup_schedule(self):
-        return (ServerStep("setup_start"), ClientStep("transfer", clients=ALL), ServerStep("setup_done"))
+        return (ClientStep("transfer", clients=ALL), ServerStep("setup_done"))
 
     def schedule(self):
         return (ClientStep("logits", clients=ALL), ServerStep("consensus"),
@@ -75,9 +75,6 @@ class FedMD(Algorithm):
         idx = np.sort(r.choice(n, size=k, replace=False)) if k < n else np.arange(n)
         return {"align": Message("alignment_indices", {"idx": torch.as_tensor(idx, dtype=torch.int64)})}
 
-    def setup_start(self, server_state, uploads, ctx: Context) -> ServerUpdate:
-        return ServerUpdate(server_state, {})  # transfer learning needs nothing from the server
-
     def setup_done(self, server_state, uploads, ctx: Context) -> ServerUpdate:
         return ServerUpdate(server_state, None)
 
@@ -90,8 +87,7 @@ class FedMD(Algorithm):
         return ServerUpdate(server_state, {"consensus": Message("consensus_logits", {"idx": idx, "logits": mean})})
 
     def next_round(self, server_state, uploads, ctx: Context) -> ServerUpdate:
-        nxt = dataclasses.replace(ctx, round_idx=ctx.round_idx + 1, failures=[], step="broadcast", keep=None)
-        return ServerUpdate(server_state, self.broadcast(server_state, nxt))
+        return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()))
 
     # -- client -------------------------------------------------------------------------------------------------
     def init_client_state(self, ctx: Context):

@@ -21,7 +21,7 @@ from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import ConfigError, choice
 from raysim.messages import Message
 from raysim.ops import aggregate_prototypes, class_prototypes, nearest_prototype, prototype_regulariser
-from raysim.training import accuracy, clone_state, forward_all
+from raysim.training import accuracy, clone_state, epoch_count, forward_all
 
 
 class FedProto(LocalTraining):
@@ -29,6 +29,7 @@ class FedProto(LocalTraining):
         return {"prototypes"}
 
     name = "fedproto"
+    headline = ("test_acc", "test_acc_proto")  # own classifier, nearest global prototype
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
 
     @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class FedProto(LocalTraining):
         lam = self.params.lam
         use_protos = bool(mask.any()) and lam > 0
 
-        def loss_fn(model, xb, yb):
+        def loss_fn(model, xb, yb, epoch):
             logits, z = model(xb, return_embedding=True)
             if pu is None:
                 ce = F.cross_entropy(logits, yb)
@@ -119,7 +120,7 @@ class FedProto(LocalTraining):
                 lab = yb >= 0
                 z, yb = z[lab], yb[lab]
             if collect is not None:
-                collect(z.detach(), yb)
+                collect(z.detach(), yb, epoch)
             if not use_protos or yb.numel() == 0:
                 return ce, {**parts, "proto": 0.0}
             reg = prototype_regulariser(z, yb, protos, mask)
@@ -133,18 +134,13 @@ class FedProto(LocalTraining):
         pu = fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed,
                              self.params.pu_split, self.params.labelled_classes, self.params.pu_min_class)
         aux = {"protos": protos, "mask": mask, "pu": pu, "collect": None}
-        on_epoch = None
         if self.params.proto_collect == "during_train":
             # official code: embeddings of the last local epoch, in train mode while the weights move (one optimiser
             # for all epochs: momentum carries on into the collecting epoch)
-            aux["collect"] = {"on": False, "z": [], "y": []}
-
-            def last_epoch_on(epoch, epochs):
-                aux["collect"]["on"] = epoch == epochs - 1
-
-            on_epoch = last_epoch_on
+            cfg = self.task.train
+            aux["collect"] = {"epoch": epoch_count(cfg, data.num_train, cfg.local_epochs) - 1, "z": [], "y": []}
         # unlabelled samples carry UNLABELLED, not their label
-        return LocalStart(y=None if pu is None else pu.y_obs, aux=aux, on_epoch=on_epoch)
+        return LocalStart(y=None if pu is None else pu.y_obs, aux=aux)
 
     def objective(self, start: LocalStart):
         a = start.aux
@@ -152,8 +148,8 @@ class FedProto(LocalTraining):
         if a["collect"] is not None:
             box = a["collect"]
 
-            def collect_on(z, y):
-                if box["on"]:
+            def collect_on(z, y, epoch):  # a side effect: such a client is not vectorizable
+                if epoch == box["epoch"]:
                     box["z"].append(z)
                     box["y"].append(y)
 
@@ -161,8 +157,8 @@ class FedProto(LocalTraining):
         return self.make_loss(a["protos"], a["mask"], collect, pu=a["pu"])
 
     def vectorizable(self, start: LocalStart) -> bool:
-        # the global prototypes come from the broadcast; FedPU's view is per client and during_train collects
-        # embeddings as a side effect: those run in the per-client loop
+        # the global prototypes come from the broadcast; FedPU's view is per client and during_train collects the
+        # last epoch's embeddings as a side effect of the objective (not pure): those run in the per-client loop
         return start.aux["pu"] is None and start.aux["collect"] is None
 
     def client_final(self, model, start, payload, state, data, ctx: Context):

@@ -31,11 +31,11 @@ class FedProx(FedAvg):
         global_w = start.aux["global"]
         anchors = None
 
-        def loss_fn(model, xb, yb):
+        def loss_fn(model, xb, yb, epoch):
             nonlocal anchors
             if anchors is None:  # the global weights, in the order of model.parameters()
                 anchors = [global_w[n].to(p.device).detach() for n, p in model.named_parameters()]
-            loss, parts = base(model, xb, yb)
+            loss, parts = base(model, xb, yb, epoch)
             prox = proximal_term(list(model.parameters()), anchors, mu)
             return loss + prox, {**parts, "prox": prox.detach()}
 

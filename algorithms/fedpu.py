@@ -104,9 +104,10 @@ def pu_objective(logits: torch.Tensor, y_obs: torch.Tensor, view: PUView, pu_wei
 
 
 def pu_ce_loss(view: PUView, pu_weight: float):
-    """A ``loss_fn(model, xb, yb)`` for train_epochs where yb are observed labels (FedAvg / FedProx with FedPU)."""
+    """A ``loss_fn(model, xb, yb, epoch)`` for the training loops where yb are observed labels (FedAvg / FedProx with
+    FedPU)."""
 
-    def loss_fn(model, xb, yb):
+    def loss_fn(model, xb, yb, epoch):
         return pu_objective(model(xb), yb, view, pu_weight)
 
     return loss_fn

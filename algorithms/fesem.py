@@ -74,6 +74,7 @@ class FeSEM(Algorithm):
         return {"weights"}
 
     name = "fesem"
+    reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = "Xie et al., Multi-Center Federated Learning: Clients Clustering for Better Personalization, WWW Journal 2023"
 
     @dataclass(frozen=True)

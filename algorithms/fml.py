@@ -48,6 +48,7 @@ class SharedModel:
 class FML(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "fml"
+    headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = "Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020 (HtFLlib's FML)"
 
     def declared_uploads(self):

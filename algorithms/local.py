@@ -10,7 +10,8 @@ from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.training import clone_state
 
 
-def ce_loss(model, xb, yb):
+def ce_loss(model, xb, yb, epoch: int = 0):
+    """Plain cross-entropy, a loss function of the training loops (the epoch does not enter it)."""
     return F.cross_entropy(model(xb), yb), {}
 
 

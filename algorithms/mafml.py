@@ -89,6 +89,7 @@ class PublicShares:
 class MAFML(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "mafml"
+    headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = ("Zhou et al., Model-agnostic federated mutual learning (MAFML), 2023 — seed 003, Algorithm 1, "
              "eq. (1)-(7)")
 

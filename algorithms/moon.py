@@ -81,7 +81,7 @@ class Moon(FedAvg):
         glob, prev = start.aux["glob"], start.aux["prev"]
         mu, tau = self.params.mu, self.params.tau
 
-        def loss_fn(model, xb, yb):
+        def loss_fn(model, xb, yb, epoch):
             logits, z = model(xb, return_embedding=True)
             ce = F.cross_entropy(logits, yb)
             with torch.no_grad():

@@ -22,11 +22,13 @@ from raysim.algorithm import ClientUpdate, Context
 
 class Ind(Local):
     name = "ind"
+    headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = "Baseline IND of MAFML's seed (Zhou et al. 2023, §4.1.1): each node alone on its private + public data"
 
 
 class Agg(Local):
     name = "agg"
+    headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = ("Baseline AGG of MAFML's seed (Zhou et al. 2023, §4.1.1): own private + public data plus every other "
              "node's public share, CE only")
 

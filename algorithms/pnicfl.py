@@ -229,6 +229,7 @@ def embed_all(body, x: torch.Tensor, batch: int = 1024) -> torch.Tensor:
 
 class PNICFL(Algorithm):
     name = "pnicfl"
+    reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = ("PN-ICFL: prototypical-network-based iterative clustered federated learning (seed 001); Snell et al., "
              "Prototypical Networks for Few-shot Learning, NeurIPS 2017")
 
@@ -378,7 +379,7 @@ class PNICFL(Algorithm):
     def m_step(self, state, uploads, ctx: Context) -> ServerUpdate:
         ids = sorted(uploads)
         metrics = {}
-        if ids and (ctx.keep is None or ctx.keep):
+        if ids:  # the delivered uploads (empty when nobody delivered)
             if self.params.m_step_embeddings == "updated":
                 u = torch.stack([uploads[i]["embedding"]["u"] for i in ids]).to(torch.float32)
                 counts = torch.stack([uploads[i]["embedding"]["counts"] for i in ids])
@@ -390,10 +391,7 @@ class PNICFL(Algorithm):
             state = {**state, "theta": theta, "E": E, "mask": mask}
             sizes = torch.bincount(torch.as_tensor(a), minlength=self.params.num_clusters)
             metrics = {"largest_cluster": float(sizes.max()), "clusters_used": float((sizes > 0).sum())}
-        import dataclasses
-
-        nxt = dataclasses.replace(ctx, round_idx=ctx.round_idx + 1, failures=[], step="broadcast", keep=None)
-        return ServerUpdate(state, self.broadcast(state, nxt), metrics)
+        return ServerUpdate(state, self.broadcast(state, ctx.next_round()), metrics)
 
     # -- client -------------------------------------------------------------------------------------------------
     def _embedding_message(self, body, data) -> Message:

@@ -100,8 +100,8 @@ class Scaffold(FedAvg):
     def objective(self, start: LocalStart):
         corr = start.aux["correction"]
 
-        def loss_fn(model, xb, yb):
-            loss, parts = ce_loss(model, xb, yb)
+        def loss_fn(model, xb, yb, epoch):
+            loss, parts = ce_loss(model, xb, yb, epoch)
             # d/dy <c - c_i, y> = c - c_i: the corrected gradient g + c - c_i (the term itself is not a loss value)
             lin = sum((corr[n].detach() * p).sum() for n, p in model.named_parameters())
             return loss + lin - lin.detach(), parts  # the value stays the CE loss

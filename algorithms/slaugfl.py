@@ -7,7 +7,7 @@ IEEE TMC 2024; seed 004, reference §5; public code mobinets/SlaugFL for the col
    a C-output copy of the model for ``prep_epochs`` epochs from a common seeded initialisation with early stopping on
    validation accuracy (patience ``prep_patience``; the best epoch's weights are kept) and uploads the model plus its
    validation class counts (int64; how the server "judges whether the device holds the target class", seed §IV-B3).
-2. ``prep_select`` (server): every model is tested per class on the server-held validation set (``ctx.server_val``,
+2. ``prep_select`` (server): every model is tested per class on the server-held validation set (``server_data``:
    ``data.server_val`` samples carved from the training pool before partitioning: disjoint from every device's data
    and from the reported test set, which no setup or training step can read). The seed tests on "the global test
    set"; that would pick representatives on the numbers it then reports, so it is not offered. For each class c the
@@ -56,7 +56,7 @@ from algorithms.fedavg import sample_weighted_average
 from algorithms.generators import ACGANDiscriminator, ACGANGenerator, ProtoGenerator
 from algorithms.local import ce_loss
 from raysim import rng as rngmod
-from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
+from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerContext, ServerUpdate
 from raysim.config import ConfigError, choice, positive
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
@@ -69,6 +69,8 @@ class SlaugFL(LocalTraining):
     name = "slaugfl"
     paper = ("Liu et al., SlaugFL: Efficient Edge Federated Learning with Selective GAN-based Data Augmentation, "
              "IEEE TMC 2024")
+
+    server_data = ("server_val",)  # the representatives are chosen on it (prep_select)
 
     def declared_uploads(self):
         return {"weights", "num_samples", "prototypes", "class_counts"}
@@ -117,10 +119,6 @@ class SlaugFL(LocalTraining):
 
     def validate(self):
         self.require_homogeneous()
-        if self.task.server_val_size <= 0:
-            raise ConfigError("data.server_val", "slaugfl's preparation tests every device's model per class on a "
-                              "server-held validation set to pick the representatives; set data.server_val to its "
-                              "size (e.g. 1000; carved from the training pool, disjoint from the test set)")
         if len(self.task.input_shape) != 3:
             raise ConfigError("data.dataset", f"slaugfl's generators make images (C, H, W); the input shape is "
                                               f"{self.task.input_shape}")
@@ -164,7 +162,7 @@ class SlaugFL(LocalTraining):
 
     # -- schedules ----------------------------------------------------------------------------------------------------
     def setup_schedule(self):
-        return (ServerStep("prep_begin"), ClientStep("prep_train", clients=ALL), ServerStep("prep_select"),
+        return (ClientStep("prep_train", clients=ALL), ServerStep("prep_select"),
                 ClientStep("prep_prototypes", clients=ALL), ServerStep("prep_generator"),
                 ClientStep("prep_augment", clients=ALL))
 
@@ -183,13 +181,8 @@ class SlaugFL(LocalTraining):
                                                           "mask": server_state["mask"].clone()})
         return out
 
-    def prep_begin(self, state, uploads, ctx: Context):
-        return ServerUpdate(state, {})
-
-    def prep_select(self, state, uploads, ctx: Context):
-        val = ctx.server_val
-        if val is None or len(val) == 0:
-            raise RuntimeError("slaugfl's preparation needs the server-held validation set (data.server_val)")
+    def prep_select(self, state, uploads, ctx: ServerContext):
+        val = ctx.server_data["server_val"]
         x, y = val.x.to(ctx.device), val.y.to(ctx.device)
         ids = sorted(uploads)
         c = self.task.num_classes
@@ -219,7 +212,7 @@ class SlaugFL(LocalTraining):
             return {"request": Message("prototype_request", {"classes": req[key]})} if key in req else {}
         return payload
 
-    def prep_generator(self, state, uploads, ctx: Context):
+    def prep_generator(self, state, uploads, ctx: ServerContext):
         c, d = self.task.num_classes, self.embed_dim()
         protos, mask = torch.zeros(c, d), torch.zeros(c, dtype=torch.bool)
         for cid in sorted(uploads):
@@ -236,7 +229,7 @@ class SlaugFL(LocalTraining):
             m.eval()
             m.requires_grad_(False)
             models[k] = m
-        norm = ctx.server_val.norm if ctx.server_val is not None else None  # pixel normalisation (metadata only)
+        norm = ctx.server_data["server_val"].norm  # pixel normalisation (metadata only)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "slaug_gen_init"))
             gen = self.make_generator().to(ctx.device)
@@ -439,7 +432,7 @@ class SlaugFL(LocalTraining):
         p, c = self.params, self.task.num_classes
         protos, mask = start.aux["protos"], start.aux["mask"]
 
-        def loss_fn(model, xb, yb):
+        def loss_fn(model, xb, yb, epoch):
             logits, z = model(xb, return_embedding=True)
             return gen_ops.dual_calibration_loss(logits, z, yb, c, protos, mask, p.lam_syn, p.lam_sep, p.beta)
 

@@ -145,15 +145,14 @@ class VHL(LocalTraining):
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(payload["model"].tensors)
         vx, vy = (state or {}).get("vx"), (state or {}).get("vy")
-        epoch = {"e": 0}
         aux = {"vx": None if vx is None else vx.to(ctx.device), "vy": None if vy is None else vy.to(ctx.device),
-               "rng": ctx.generator("virtual_batches"), "epoch": epoch}
-        return LocalStart(aux=aux, on_epoch=lambda e, _n: epoch.__setitem__("e", e))
+               "rng": ctx.generator("virtual_batches")}
+        return LocalStart(aux=aux)
 
     def objective(self, start: LocalStart):
         aux, p, c = start.aux, self.params, self.task.num_classes
 
-        def loss_fn(model, xb, yb):
+        def loss_fn(model, xb, yb, epoch):
             if aux["vx"] is None:
                 logits = model(xb)
                 ce = F.cross_entropy(logits, yb)
@@ -166,7 +165,7 @@ class VHL(LocalTraining):
             ce_v = F.cross_entropy(logits[n:], vy + c)
             loss = ce + p.alpha * ce_v
             parts = {"ce": ce.detach(), "ce_virtual": ce_v.detach()}
-            if aux["epoch"]["e"] < p.align_epochs:
+            if epoch < p.align_epochs:
                 l_cls = supcon(torch.cat([z[:n], z[n:].detach()]), torch.cat([yb, vy]), p.temperature, anchors=n)
                 l_noise = supcon(z[n:], vy, p.temperature)
                 loss = loss + p.lam_cls * l_cls + p.lam_noise * l_noise

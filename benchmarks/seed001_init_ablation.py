@@ -11,7 +11,7 @@ import torch
 from sklearn.metrics import adjusted_rand_score
 
 from algorithms.pnicfl import cluster_distances, e_step, embed_all, kmeans_init, user_embedding
-from raysim.algorithm import Context
+from raysim.algorithm import ServerContext
 from raysim.config import load_config
 from raysim.engine.prepare import prepare
 from raysim.engine.runners import ModelCache
@@ -21,8 +21,8 @@ def main() -> None:
     cfg = load_config(sys.argv[1], sys.argv[2:])
     prep = prepare(cfg)
     algo, task = prep.algorithm, prep.task
-    ctx = Context(round_idx=-1, client_id=-1, seed=cfg.seed, device="cpu", task=task, models=ModelCache(task, "cpu"),
-                  step="pretrain")
+    ctx = ServerContext(round_idx=-1, client_id=-1, seed=cfg.seed, device="cpu", task=task,
+                        models=ModelCache(task, "cpu"), step="pretrain")
     st = algo.init_server_state(ctx)
     if algo.params.pretrain_episodes:
         st = algo.pretrain(st, None, ctx).state

@@ -18,7 +18,8 @@ State is explicit and picklable (dicts of tensors), per-client randomness comes 
 or — later — vectorised.
 
 Methods with more than one exchange per round (MAFML, FedMD) override ``schedule()``; methods with a phase before
-round 1 (SlaugFL, PN-ICFL) return one from ``setup_schedule()``; its steps run once, at round index -1.
+round 1 (SlaugFL, PN-ICFL) return one from ``setup_schedule()``; its steps run once, at round index -1, starting with
+the empty payload ``{}``. Client steps get a :class:`Context`, server steps a :class:`ServerContext`.
 """
 from __future__ import annotations
 
@@ -52,7 +53,6 @@ class Task:
     rounds: int
     public: Optional[ArrayDataset] = None
     val_fraction: float = 0.0  # data.val_fraction: whether clients hold a validation split (its size only)
-    server_val_size: int = 0  # data.server_val: the size of the server-held validation set (its size only)
 
     def build_model(self, client_id: int) -> SplitModel:
         return build_model(self.archs[client_id], self.input_shape, self.num_classes)
@@ -80,7 +80,8 @@ class ModelCache:
 
 @dataclass
 class Context:
-    """Per-call context: who, when, where, and the derived random streams."""
+    """What every step sees: who, when, where, and the derived random streams. A client step gets exactly this; a
+    server step gets a :class:`ServerContext`."""
 
     round_idx: int
     client_id: int  # rngmod.SERVER on the server
@@ -88,15 +89,8 @@ class Context:
     device: Any
     task: Task
     models: Optional[ModelCache] = None
-    failures: list = field(default_factory=list)  # server side: (client_id, reason) of the round's failed clients
     step: str = ""  # the schedule step being run
     iteration: int = 0  # repetition index inside a Repeat group
-    keep: Optional[list] = None  # server side: client ids the environment let deliver (None: no environment)
-    client_store: Any = None  # server side: per-client state kept by the server (raysim.engine.store.StateStore)
-    # server side: the server-held validation set (data.server_val; ArrayDataset or None), disjoint from the clients'
-    # data and the test set. SlaugFL's preparation tests the devices' models per class on it to pick each class's
-    # representative. The test set is deliberately not here: only evaluation steps receive it (as an argument).
-    server_val: Any = None
 
     def _purpose(self, purpose: str) -> str:
         # streams of the classic steps keep their names; other steps and repetitions get their own streams
@@ -117,6 +111,33 @@ class Context:
         """The cached live module for a client's architecture (load its weights before use)."""
         cid = self.client_id if client_id is None else client_id
         return self.models.get(self.task.archs[cid])
+
+
+# the server-held data sets a method may declare in ``Algorithm.server_data``: name -> (the config field that provides
+# it, what to set it to). Validated before a run; only declared ones reach the server runner
+SERVER_DATA = {
+    # carved class-stratified from the training pool before partitioning: disjoint from the clients' data and the
+    # test set (the test set reaches evaluation steps only, as their argument)
+    "server_val": ("data.server_val", "its size in samples (e.g. 1000; carved class-stratified from the training "
+                                      "pool, disjoint from the clients' data and the test set)"),
+}
+
+
+@dataclass
+class ServerContext(Context):
+    """What a server step sees: the common context, the round's failed clients and the server-held data the method
+    declared (``Algorithm.server_data``).
+
+    A server step's ``uploads`` are the delivered ones: the engine has already dropped those of clients the
+    environment let drop out or arrive late (:mod:`envs`), so the step never needs to know who was kept; when
+    nobody delivered, ``uploads`` is empty."""
+
+    failures: list = field(default_factory=list)  # (client_id, reason) of the round's failed clients
+    server_data: dict = field(default_factory=dict)  # name (in Algorithm.server_data) -> ArrayDataset
+
+    def next_round(self) -> "ServerContext":
+        """The context of the next round's broadcast (a round's last server step builds the next payload with it)."""
+        return dataclasses.replace(self, round_idx=self.round_idx + 1, failures=[], step="broadcast")
 
 
 @dataclass
@@ -145,7 +166,6 @@ class LocalStart:
     x: Any = None  # None: data.x_train; else the inputs to train on (SlaugFL: the client's own data plus its one-off
     # synthetic augmentation, kept in the client's state and never sent anywhere)
     aux: dict = field(default_factory=dict)
-    on_epoch: Any = None  # optional hook(epoch, epochs) called before each local epoch
 
 
 class Algorithm:
@@ -158,6 +178,15 @@ class Algorithm:
     # user model without a known split (raysim.adapt.WholeModel) is refused for such methods when a run is prepared.
     # Methods that only use logits and whole state dicts set it to False.
     needs_embedding: ClassVar[bool] = True
+    # the server-held data sets the server steps read (names in SERVER_DATA, e.g. ("server_val",)): a config without
+    # one is refused before the run (a ConfigError naming its field); only these reach the server, as
+    # ``ctx.server_data[name]``
+    server_data: ClassVar[tuple] = ()
+    # the client metrics the progress bar shows (the latest evaluated mean of each the run has reported)
+    headline: ClassVar[tuple] = ("test_acc",)
+    # whether evaluate_client reports each client's cluster as the metric ``cluster``: with ground-truth domains in
+    # the data (FederatedData.domains) the driver then adds the ARI of the assignment (ClusterAgreement)
+    reports_clusters: ClassVar[bool] = False
 
     def declared_uploads(self) -> Optional[set]:
         """The message kinds this method's clients may send to the server (the privacy boundary: tests check that
@@ -194,31 +223,30 @@ class Algorithm:
     def evaluation_schedule(self) -> tuple:
         return EVALUATION
 
-    def initial_payload(self, server_state: Any, ctx: Context) -> Payload:
+    def initial_payload(self, server_state: Any, ctx: ServerContext) -> Payload:
         """The payload the round ``ctx.round_idx`` starts with, built from the server state alone (run start and
         resume). Must equal what the previous round's last server step left."""
         return self.broadcast(server_state, ctx)
 
-    def classic_aggregate(self, server_state: Any, uploads: dict, ctx: Context) -> ServerUpdate:
-        """The default schedule's server step: ``aggregate`` (skipped when the environment let nobody deliver),
-        then ``broadcast`` of the next round's payload."""
+    def classic_aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> ServerUpdate:
+        """The default schedule's server step: ``aggregate`` of the delivered uploads (skipped when nobody
+        delivered), then ``broadcast`` of the next round's payload."""
         metrics = {}
-        if ctx.keep is None or ctx.keep:
+        if uploads:
             server_state, metrics = self.aggregate(server_state, uploads, ctx)
-        nxt = dataclasses.replace(ctx, round_idx=ctx.round_idx + 1, failures=[], step="broadcast", keep=None)
-        return ServerUpdate(server_state, self.broadcast(server_state, nxt), dict(metrics))
+        return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()), dict(metrics))
 
     # -- server -------------------------------------------------------------------------------------------------
-    def init_server_state(self, ctx: Context) -> Any:
+    def init_server_state(self, ctx: ServerContext) -> Any:
         return {}
 
-    def broadcast(self, server_state: Any, ctx: Context) -> Payload:
+    def broadcast(self, server_state: Any, ctx: ServerContext) -> Payload:
         return {}
 
-    def aggregate(self, server_state: Any, uploads: dict, ctx: Context) -> tuple[Any, dict]:
+    def aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> tuple[Any, dict]:
         return server_state, {}
 
-    def evaluate_server(self, server_state: Any, test: ArrayDataset, ctx: Context) -> dict:
+    def evaluate_server(self, server_state: Any, test: ArrayDataset, ctx: ServerContext) -> dict:
         return {}
 
     # -- client -------------------------------------------------------------------------------------------------
@@ -242,8 +270,9 @@ class LocalTraining(Algorithm):
 
     * ``client_init(model, payload, state, data, ctx) -> LocalStart``: load the starting weights into the live
       ``model`` and unpack what the objective needs from the payload;
-    * ``objective(start) -> loss_fn(model, xb, yb) -> (loss, parts)``: the local objective, a pure function of the
-      model's parameters, buffers and dropout generator, the batch, and the payload-derived ``start.aux``;
+    * ``objective(start) -> loss_fn(model, xb, yb, epoch) -> (loss, parts)``: the local objective, a pure function
+      of the model's parameters, buffers and dropout generator, the batch, the local epoch (0-based) and the
+      payload-derived ``start.aux``;
     * ``client_final(model, start, payload, state, data, ctx) -> (new_state, upload)``.
 
     The per-client loop (:func:`raysim.training.local_sgd`) runs the steps with explicit generators (batch order
@@ -267,8 +296,8 @@ class LocalTraining(Algorithm):
     def vectorizable(self, start: LocalStart) -> bool:
         """Opt-in to the vectorised executor (``backend.vectorize``): True promises that ``objective(start)`` depends
         only on what every client of the step shares (the broadcast payload), so that one loss function serves a
-        group of clients trained together, and that it has no side effects (no ``on_epoch``). Default False: the
-        client runs in the per-client loop."""
+        group of clients trained together, and that it is pure (no side effects, no generator or other state of its
+        own; the epoch comes as an argument). Default False: the client runs in the per-client loop."""
         return False
 
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
@@ -281,7 +310,7 @@ class LocalTraining(Algorithm):
         y = data.y_train if start.y is None else start.y
         x = data.x_train if start.x is None else start.x
         metrics, opt_state = local_sgd(model, self.objective(start), x, y, cfg, ctx.generator("batches"),
-                                       ctx.generator("dropout", device=ctx.device), opt_state, on_epoch=start.on_epoch)
+                                       ctx.generator("dropout", device=ctx.device), opt_state)
         new_state, upload = self.client_final(model, start, payload, state, data, ctx)
         if cfg.persist_optimizer:
             new_state = {**(new_state or {}), "opt": opt_state}

@@ -41,8 +41,9 @@ class DataConfig:
     # mode: dataset (PACS) takes private / val / test part from the dataset's own parts; public: a of the test part
     local_split: Optional[dict] = None
     # a server-held validation set: this many samples of the training pool (class-stratified, seeded), removed from
-    # the pool before partitioning, so disjoint from every client's data and from the test set; server steps read it
-    # as ctx.server_val (0: none). The test set reaches only evaluation steps.
+    # the pool before partitioning, so disjoint from every client's data and from the test set; server steps of a
+    # method that declares it read it as ctx.server_data["server_val"] (0: none). The test set reaches only evaluation
+    # steps.
     server_val: int = 0
 
     def check(self, path: str) -> None:

@@ -16,10 +16,11 @@ The driver walks the schedule; backends only know the two primitives "run a clie
 "run a server step". Every message a step moves is accounted per client, per direction, per payload kind and per
 step name. Evaluation is a schedule of the same steps (:data:`EVALUATION`).
 
-The round's payload at the start of round ``t`` is ``initial_payload(server_state, t)`` when a run starts or resumes,
-and otherwise whatever the previous round's server steps left; so the last server step of a round must leave what
-``initial_payload`` would build from the same server state (the default schedule's ``aggregate`` step ends with
-``broadcast``), which is what makes a resumed run equal an uninterrupted one.
+A setup schedule starts with the empty payload ``{}``. The round's payload at the start of round ``t`` is
+``initial_payload(server_state, t)`` when a run starts or resumes, and otherwise whatever the previous round's server
+steps left; so the last server step of a round must leave what ``initial_payload`` would build from the same server
+state (the default schedule's ``aggregate`` step ends with ``broadcast``), which is what makes a resumed run equal an
+uninterrupted one.
 """
 from __future__ import annotations
 

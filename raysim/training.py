@@ -1,8 +1,9 @@
 """Local training and evaluation helpers shared by the methods (tensor slicing, no DataLoader overhead).
 
 :func:`local_sgd` is the per-client loop executor, the reference that a vectorised executor must match: minibatch
-SGD/Adam on ``objective(model, xb, yb) -> (loss, parts)``, where ``model`` is a forward under the client's
-parameters, buffers and dropout generator. Randomness is explicit (a batch-order generator and a dropout generator,
+SGD/Adam on a loss function ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, where ``model`` is a forward under the
+client's parameters, buffers and dropout generator and ``epoch`` the 0-based local epoch of the batch (every loss
+function of the training loops has this signature; most ignore the epoch). Randomness is explicit (a batch-order generator and a dropout generator,
 both derived from (seed, round, client)); optimiser state comes in and goes out as a plain dict keyed by parameter
 name, so it can live in the client's state (``train.persist_optimizer``) or across the repeated steps of a round.
 """
@@ -51,11 +52,11 @@ def load_optimizer_state(opt: torch.optim.Optimizer, model: nn.Module, state: di
 
 def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
               batch_generator: torch.Generator, dropout_generator: Optional[torch.Generator] = None,
-              opt_state: Optional[dict] = None, epochs: Optional[int] = None, lr: Optional[float] = None,
-              on_epoch: Optional[Callable[[int, int], None]] = None) -> tuple[dict, dict]:
-    """``epochs`` (default ``cfg.local_epochs``) of minibatch training of the live ``model``. Returns (mean losses as
-    ``train_*`` metrics, the optimiser state after the last step). ``on_epoch(epoch, epochs)`` runs before each
-    epoch (FedProto collects embeddings during the last one)."""
+              opt_state: Optional[dict] = None, epochs: Optional[int] = None,
+              lr: Optional[float] = None) -> tuple[dict, dict]:
+    """``epochs`` (default ``cfg.local_epochs``) of minibatch training of the live ``model`` with the loss function
+    ``objective(model, xb, yb, epoch)``. Returns (mean losses as ``train_*`` metrics, the optimiser state after the
+    last step)."""
     from raysim.models import set_dropout_generator
 
     set_dropout_generator(model, dropout_generator)
@@ -64,7 +65,7 @@ def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.T
         if opt_state:
             load_optimizer_state(opt, model, opt_state)
         metrics = _train_loop(model, x, y, cfg, batch_generator, objective, opt,
-                              cfg.local_epochs if epochs is None else epochs, on_epoch)
+                              cfg.local_epochs if epochs is None else epochs)
         return metrics, optimizer_state(opt, model)
     finally:
         set_dropout_generator(model, None)
@@ -73,7 +74,8 @@ def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.T
 def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, generator: torch.Generator,
                  loss_fn: Callable, optimizer: Optional[torch.optim.Optimizer] = None, epochs: Optional[int] = None,
                  dropout_generator: Optional[torch.Generator] = None) -> dict:
-    """Run ``epochs`` of minibatch training with ``loss_fn(model, xb, yb) -> (loss, parts dict)``; returns mean losses."""
+    """Run ``epochs`` of minibatch training with ``loss_fn(model, xb, yb, epoch) -> (loss, parts dict)``; returns mean
+    losses."""
     from raysim.models import set_dropout_generator
 
     set_dropout_generator(model, dropout_generator)
@@ -84,26 +86,32 @@ def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainC
         set_dropout_generator(model, None)
 
 
-def _train_loop(model, x, y, cfg, generator, loss_fn, opt, epochs: int, on_epoch=None) -> dict:
+def epoch_count(cfg, n: int, epochs: int) -> int:
+    """How many epochs the training loop runs over ``n`` samples: ``epochs``, or with ``cfg.local_steps`` enough
+    epochs for that many steps (the loop stops after the last step, possibly inside the last epoch)."""
+    limit = getattr(cfg, "local_steps", None)
+    if limit is None:
+        return epochs
+    return -(-int(limit) * cfg.batch_size // max(int(n), 1)) + 1
+
+
+def _train_loop(model, x, y, cfg, generator, loss_fn, opt, epochs: int) -> dict:
     model.train()
     totals: dict[str, float] = {}
     steps = 0
     idx_device = x.device
     limit = getattr(cfg, "local_steps", None)  # exactly this many steps: epochs continued as needed
-    if limit is not None:
-        epochs = -(-int(limit) * cfg.batch_size // max(int(y.shape[0]), 1)) + 1
+    epochs = epoch_count(cfg, int(y.shape[0]), epochs)
     for epoch in range(epochs):
         if limit is not None and steps >= limit:
             break
-        if on_epoch is not None:
-            on_epoch(epoch, epochs)
         for idx in minibatches(int(y.shape[0]), cfg.batch_size, generator):
             if limit is not None and steps >= limit:
                 break
             idx = idx.to(idx_device)
             xb, yb = x[idx], y[idx]
             opt.zero_grad(set_to_none=True)
-            loss, parts = loss_fn(model, xb, yb)
+            loss, parts = loss_fn(model, xb, yb, epoch)
             loss.backward()
             opt.step()
             steps += 1

@@ -189,14 +189,14 @@ def test_pnicfl_m_step_uses_the_e_steps_embeddings(tiny):
     """The seed's Algorithm 1 / §3.4: the server aggregates the u_i the users sent before their local update (the
     ones the E-step used), not embeddings recomputed after it; 'updated' keeps the post-update variant."""
     from algorithms.pnicfl import estep_embeddings
-    from raysim.algorithm import Context
+    from raysim.algorithm import ServerContext
     from raysim.engine.prepare import prepare
     from raysim.messages import Message
 
     cfg = pn_cfg(tiny, params={"num_clusters": 2, "pretrain_episodes": 0})
     prep = prepare(cfg)
     algo, task = prep.algorithm, prep.task
-    ctx = Context(round_idx=0, client_id=-1, seed=cfg.seed, device="cpu", task=task, step="assign")
+    ctx = ServerContext(round_idx=0, client_id=-1, seed=cfg.seed, device="cpu", task=task, step="assign")
     state = algo.init_server_state(ctx)
     C, d = state["E"].shape[1:]
     # users 0 and 1 each hold one class; E-step embeddings u, post-update embeddings u' = u + 10
@@ -213,7 +213,7 @@ def test_pnicfl_m_step_uses_the_e_steps_embeddings(tiny):
     theta = {k: v.clone() for k, v in state["theta"].items()}
     upd = {i: {"model": Message("weights", theta), "num_samples": Message("num_samples", {"n": torch.tensor([10])}),
                "embedding": Message("user_embedding", {"u": u[i] + 10.0, "counts": counts[i]})} for i in (0, 1)}
-    mctx = Context(round_idx=0, client_id=-1, seed=cfg.seed, device="cpu", task=task, step="aggregate")
+    mctx = ServerContext(round_idx=0, client_id=-1, seed=cfg.seed, device="cpu", task=task, step="aggregate")
     E = algo.m_step(state, upd, mctx).state["E"]
     assert E[k0, 0].tolist() == [1.0] * d and E[k1, 1].tolist() == [3.0] * d  # the E-step's u, not u' = u + 10
     import dataclasses

@@ -142,7 +142,7 @@ def test_old_run_without_digest_is_still_readable(runs):
 
 # -- checkpoints -----------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["meta.pt", "clients-0.pt", "server.pt", "server_clients.pt"])
+@pytest.mark.parametrize("name", ["meta.pt", "clients-0.pt", "server.pt"])
 @pytest.mark.parametrize("damage", DAMAGES, ids=IDS)
 def test_damaged_checkpoint_is_named_before_a_resume_claims_anything(runs, name, damage, capsys):
     from raysim.io.checkpoints import find_checkpoint

@@ -281,7 +281,7 @@ def test_fedtgp_margin_default_is_the_seeds_formula(tiny):
     """Seed 002 section 5 part 2: delta(t) = min(max_{c != c'} ||Q^c - Q^c'||, tau). Centre distances by hand:
     d01 = 3, d02 = 4, d12 = 5 -> the seed's delta = 5; the official code's max_c min_{c'} gap = max(3, 3, 4) = 4."""
     import raysim.rng as rngmod
-    from raysim.algorithm import Context
+    from raysim.algorithm import ServerContext
 
     from algorithms.fedtgp import FedTGP
 
@@ -290,7 +290,7 @@ def test_fedtgp_margin_default_is_the_seeds_formula(tiny):
     for params in ({"server_epochs": 0}, {"server_epochs": 0, "margin": "code"},
                    {"server_epochs": 0, "margin_threshold": 4.5}, {"server_epochs": 0, "margin": "paper"}):
         algo, prep = _algo(tiny, "fedtgp", params)
-        ctx = Context(0, rngmod.SERVER, prep.task.seed, torch.device("cpu"), prep.task)
+        ctx = ServerContext(0, rngmod.SERVER, prep.task.seed, torch.device("cpu"), prep.task)
         ups = _tgp_uploads(prep.task.build_model(0).embed_dim)
         _, m = algo.aggregate(algo.init_server_state(ctx), ups, ctx)
         margins[tuple(sorted(params.items()))] = m["tgp_margin"]

@@ -326,15 +326,15 @@ def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
 def test_slaugfl_pf_prototypes_come_from_synthetic_data_only():
     from raysim.engine.prepare import prepare
     from raysim.ops import class_prototypes
-    from raysim.engine.runners import ClientRunner, ServerRunner
+    from raysim.engine.runners import ClientRunner, ServerRunner, server_data
     from raysim.steps import flatten
 
     cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": SLAUG}, data__server_val=100))
     prep = prepare(cfg)
-    server = ServerRunner(prep.spec, prep.fed_data.global_test, prep.fed_data.server_val)
+    server = ServerRunner(prep.spec, prep.fed_data.global_test, server_data(prep.spec, prep.fed_data))
     clients = ClientRunner(prep.spec, prep.fed_data.clients)
     ids = clients.client_ids()
-    payload, uploads = None, {}
+    payload, uploads = {}, {}  # a setup schedule starts with an empty payload
     for step, it in flatten(server.algorithm.setup_schedule()):
         if hasattr(step, "clients"):
             uploads, reports = clients.run_client_step(step, payload, -1, it, ids)
@@ -500,7 +500,7 @@ def test_vhl_generator_once_and_the_same_virtual_data_everywhere():
     for r in range(3):
         k = total(t, "participants", r)
         assert total(t, "up_floats", r) == k * w and total(t, "down_floats", r) == k * w
-    payload = None
+    payload = {}
     for step, it in flatten(server.algorithm.setup_schedule()):
         if hasattr(step, "clients"):
             clients.run_client_step(step, payload, -1, it, clients.client_ids())

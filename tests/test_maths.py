@@ -373,7 +373,7 @@ def test_fedpu_ce_loss_through_a_model_with_set_logits():
     with torch.no_grad():
         model.weight.copy_(torch.eye(3))  # model(x) = x
     x = logits.clone().requires_grad_(True)  # model(x) = x: the gradient wrt x is the gradient wrt the logits
-    loss, parts = pu_ce_loss(view, 1.5)(model, x, y_obs)
+    loss, parts = pu_ce_loss(view, 1.5)(model, x, y_obs, 0)
     assert float(loss.detach()) == pytest.approx(ce + 1.5 * pu, abs=1e-5)
     loss.backward()
     # row 0 (labelled 0, p = 1/3 each): CE gives (p - onehot) / |P| = (-1/3, 1/6, 1/6); -w L_Pc gives

@@ -216,18 +216,20 @@ def test_mafml_sequential_equals_ray_one_actor_per_node(ray_session, tiny):
 # -- engine: train.local_steps -----------------------------------------------------------------------------------
 
 def test_local_steps_runs_exactly_that_many_steps():
+    """Exactly local_steps batches; the loss function receives each batch's local epoch."""
     from raysim.config import TrainConfig
     from raysim.training import train_epochs
 
     calls = []
 
-    def loss_fn(m, xb, yb):
-        calls.append(len(yb))
+    def loss_fn(m, xb, yb, epoch):
+        calls.append((epoch, len(yb)))
         return m(xb).sum() * 0.0, {}
 
     model = nn.Linear(2, 2)
     x, y = torch.zeros(10, 2), torch.zeros(10, dtype=torch.long)
-    for steps, want in ((3, [4, 4, 2]), (7, [4, 4, 2, 4, 4, 2, 4]), (1, [4])):
+    for steps, want in ((3, [(0, 4), (0, 4), (0, 2)]), (7, [(0, 4), (0, 4), (0, 2), (1, 4), (1, 4), (1, 2), (2, 4)]),
+                        (1, [(0, 4)])):
         calls.clear()
         train_epochs(model, x, y, TrainConfig(batch_size=4, local_steps=steps), torch.Generator().manual_seed(0),
                      loss_fn)

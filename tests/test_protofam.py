@@ -9,7 +9,7 @@ import torch
 from algorithms.fedtgp import PrototypeGenerator, train_generator
 from algorithms.proto_ops import UNLABELLED, min_pairwise_distance, tgp_margin
 from raysim import rng as rngmod
-from raysim.algorithm import Context
+from raysim.algorithm import Context, ServerContext
 from raysim.config import ConfigError, make_config
 from raysim.data.federated import ClientData
 from raysim.messages import Message, state_message
@@ -32,7 +32,7 @@ def make_algo(tiny, name, params=None, **over):
 
 
 def sctx(task, round_idx=0):
-    return Context(round_idx, rngmod.SERVER, task.seed, torch.device("cpu"), task)
+    return ServerContext(round_idx, rngmod.SERVER, task.seed, torch.device("cpu"), task)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -111,7 +111,7 @@ def test_fedprox_loss_adds_the_proximal_term(tiny):
     loss_fn = algo.objective(LocalStart(aux={"view": None, "global": state_message("weights", glob).tensors}))
     x = torch.randn(4, *prep.task.input_shape)
     y = torch.tensor([0, 1, 0, 1])
-    loss, parts = loss_fn(model, x, y)
+    loss, parts = loss_fn(model, x, y, 0)
     n = num_parameters(model)
     assert float(parts["prox"]) == pytest.approx(0.5 / 2 * n * 0.01, rel=1e-4)
     assert float((loss - parts["prox"]).detach()) == pytest.approx(float(torch.nn.functional.cross_entropy(model(x), y).detach()), rel=1e-5)

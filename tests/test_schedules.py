@@ -121,7 +121,7 @@ def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
     ck = load_checkpoint(resumed.out_dir / "checkpoints" / "final")
     assert ck["server_state"]["setup_runs"] == 1  # the setup phase ran once, never again on resume
     sampled = rows(full, "up_floats").query("round >= 0")["client_id"].unique()
-    assert sorted(ck["server_client_states"]) == sorted(sampled.tolist())  # server-side per-client store
+    assert sorted(ck["server_state"]["last"]) == sorted(sampled.tolist())  # per-client state kept by the server
 
 
 def test_store_spills_lru_and_commits_only_when_told(tmp_path):
@@ -266,7 +266,7 @@ def test_checkpoint_from_two_actors_resumes_on_one_runner(ray_session, tiny, tmp
     with pytest.raises(KeyboardInterrupt):
         run_experiment(toy(tiny, backend={"name": "ray", "num_actors": 2}, **over), out_dir=tmp_path / "a", callback=crash)
     assert sorted(p.name for p in (tmp_path / "a.incomplete" / "checkpoints" / "round_00001").iterdir()) == [
-        "clients-0.pt", "clients-1.pt", "meta.pt", "server.pt", "server_clients.pt"]
+        "clients-0.pt", "clients-1.pt", "meta.pt", "server.pt"]
     seq = run_experiment(toy(tiny, **over), resume=tmp_path / "a.incomplete").table
     pd.testing.assert_frame_equal(without_timing(full), without_timing(seq))
     with pytest.raises(KeyboardInterrupt):

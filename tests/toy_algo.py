@@ -39,7 +39,8 @@ class ToyTwoExchange(Algorithm):
 
     # -- server -------------------------------------------------------------------------------------------------
     def init_server_state(self, ctx):
-        return {"g": torch.zeros(4), "total_n": torch.zeros((), dtype=torch.int64), "setup_runs": 0, "acc": torch.zeros(())}
+        return {"g": torch.zeros(4), "total_n": torch.zeros((), dtype=torch.int64), "setup_runs": 0, "acc": torch.zeros(()),
+                "last": {}}
 
     def broadcast(self, state, ctx):
         return {"g": Message("global_vector", {"g": state["g"].clone()})}
@@ -54,22 +55,21 @@ class ToyTwoExchange(Algorithm):
 
     def combine(self, state, uploads, ctx):
         s = sum(float(u["stat"]["s"][0]) for u in uploads.values())
-        for cid, u in uploads.items():  # server-side per-client state: each client's last statistic
-            ctx.client_store.put(cid, {"last": u["stat"]["s"].clone()})
+        # server-side per-client state, in the server state: each client's last statistic
+        last = {**state["last"], **{cid: u["stat"]["s"].clone() for cid, u in uploads.items()}}
         c = torch.tensor([s, float(len(uploads)), 0.0, 0.0, 0.0])
-        return ServerUpdate(state, {"combined": Message("combined", {"c": c})}, {"combine_sum": s})
+        return ServerUpdate({**state, "last": last}, {"combined": Message("combined", {"c": c})}, {"combine_sum": s})
 
     def merge(self, state, uploads, ctx):
         r = sum(float(u["r"]["r"][0]) for u in uploads.values())
         return ServerUpdate({**state, "acc": state["acc"] + r}, None, {f"merge_{ctx.iteration}": r})
 
     def finish(self, state, uploads, ctx):
-        seen = ctx.client_store.client_ids()  # every client the server has heard from so far
-        last = sum(float(ctx.client_store.get(c)["last"][0]) for c in seen)
+        seen = sorted(state["last"])  # every client the server has heard from so far
+        last = sum(float(state["last"][c][0]) for c in seen)
         g = state["g"] + torch.tensor([0.1, 0.2, 0.3 + 0.001 * last, float(state["total_n"]) + len(seen)]) * 0.01
         new = {**state, "g": g}
-        nxt = type(ctx)(**{**ctx.__dict__, "round_idx": ctx.round_idx + 1})
-        return ServerUpdate(new, self.broadcast(new, nxt))
+        return ServerUpdate(new, self.broadcast(new, ctx.next_round()))
 
     # -- client -------------------------------------------------------------------------------------------------
     def init_client_state(self, ctx):

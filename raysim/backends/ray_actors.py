@@ -112,9 +112,8 @@ class ServerActor(ServerRunner):
         return True
 
     def close(self) -> None:
-        if self.client_store is not None:
-            super().close()
-        self.state, self.client_store, self.global_test = None, None, None
+        super().close()
+        self.state, self.global_test, self.server_data = None, None, None
         self.models = self.algorithm = None
 
     def node_id(self) -> str:

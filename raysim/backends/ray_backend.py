@@ -21,7 +21,7 @@ from raysim.backends.ray_preflight import (ADDRESS_FIX, actor_runtime_env, addre
                                           check_node_resources, check_resources, code_runtime_env)
 from raysim.data.federated import LazyClients
 from raysim.engine.placement import cost_model, ideal, moves, plan
-from raysim.engine.runners import ClientReport
+from raysim.engine.runners import ClientReport, server_data
 from raysim.errors import SimulationError
 
 
@@ -90,7 +90,7 @@ class RayBackend(Backend):
             self._warm_keys = (("client", b.num_cpus, b.num_gpus, b.placement, repr(renv)),
                                ("server", b.server_num_cpus, b.server_num_gpus, repr(renv)))
         self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test),
-                                                      ray.put(self.fed_data.server_val))
+                                                      ray.put(server_data(self.spec, self.fed_data)))
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit issued
         self._unsent: list = [[] for _ in range(n)]  # per actor: commits not sent yet (they ride on its next step call)
         self._unconfirmed: list = [[] for _ in range(n)]  # per actor: commits issued since its last call that returned
@@ -108,7 +108,7 @@ class RayBackend(Backend):
             return ids
         return [self.fed_data.clients[cid].compact() for cid in ids]
 
-    def _start_actors(self, Server, global_test_ref, server_val_ref):
+    def _start_actors(self, Server, global_test_ref, server_data_ref):
         """The server actor and the client actors: parked ones with the same resources reset for this run
         (keep_actors_warm), new ones for the rest; parked actors that do not fit this run are ended first, so that
         their reservations do not hold up the new ones."""
@@ -121,7 +121,7 @@ class RayBackend(Backend):
             release_warm_actors()
         server, reset = None, []
         for a in warm_server:
-            reset.append(("server", a, a.reset.remote(self._spec_ref, global_test_ref, server_val_ref)))
+            reset.append(("server", a, a.reset.remote(self._spec_ref, global_test_ref, server_data_ref)))
         clients: list = [None] * n
         for k, a in enumerate(warm_clients):
             reset.append((k, a, a.reset.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)))
@@ -137,7 +137,7 @@ class RayBackend(Backend):
         if server is None or any(c is None for c in clients):
             release_warm_actors()  # same-resource actors left parked could hold up the new ones
         if server is None:
-            server = Server.remote(self._spec_ref, global_test_ref, server_val_ref)
+            server = Server.remote(self._spec_ref, global_test_ref, server_data_ref)
         for k in range(n):
             if clients[k] is None:
                 clients[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)

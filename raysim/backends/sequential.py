@@ -6,7 +6,7 @@ import os
 import shutil
 
 from raysim.backends.base import Backend, run_state_dir
-from raysim.engine.runners import ClientRunner, ServerRunner
+from raysim.engine.runners import ClientRunner, ServerRunner, server_data
 
 
 class SequentialBackend(Backend):
@@ -18,7 +18,7 @@ class SequentialBackend(Backend):
 
     def start(self) -> None:
         self.spec, self._state_dir = run_state_dir(self.spec)
-        self.server = ServerRunner(self.spec, self.fed_data.global_test, self.fed_data.server_val)
+        self.server = ServerRunner(self.spec, self.fed_data.global_test, server_data(self.spec, self.fed_data))
         self.clients = ClientRunner(self.spec, self.fed_data.clients)
 
     def initial_payload(self, round_idx):

@@ -9,7 +9,8 @@
 
 Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`,
 :class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it),
-:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains)."""
+:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains, registered
+when the data has domains and the method reports clusters)."""
 from __future__ import annotations
 
 import json
@@ -113,8 +114,12 @@ class Checkpointer(Callback):
 
 
 class ProgressBar(Callback):
-    def __init__(self):
+    """A tqdm bar over the rounds; its postfix shows the latest evaluated value of each headline metric of the method
+    (``Algorithm.headline``, e.g. ``test_acc`` as ``acc``) the run has reported, and the simulated time."""
+
+    def __init__(self, headline: tuple = ("test_acc",)):
         self.bar = None
+        self.headline = tuple(headline)
 
     def on_run_start(self, run: Run) -> None:
         from tqdm.auto import tqdm
@@ -126,10 +131,10 @@ class ProgressBar(Callback):
 
     def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
         post = {}
-        for m in ("test_acc", "test_acc_proto"):
+        for m in self.headline:
             v = run.table.latest(m)
             if v is not None:
-                post[m.replace("test_", "")] = f"{v:.4f}"
+                post[m.removeprefix("test_")] = f"{v:.4f}"
         if run.env is not None:
             post["sim"] = f"{run.env.sim_time:.0f}s"
         self.bar.set_postfix(post, refresh=False)
@@ -154,8 +159,9 @@ class ClusterAgreement(Callback):
     The driver alone holds the domains (``FederatedData.domains``: rotation index or data source); the methods never
     see them. A clustered method reports each evaluated client's cluster as the client metric ``cluster``; this
     callback reads those rows and writes scikit-learn's ``adjusted_rand_score(domains, clusters)`` over the evaluated
-    clients as the server-scope metric ``ari`` (weight: the number of clients). It runs before the checkpointer, so
-    checkpoints (and a resume) carry the row."""
+    clients as the server-scope metric ``ari`` (weight: the number of clients). The driver registers it only when the
+    data has domains and the method reports clusters (``Algorithm.reports_clusters``). It runs before the
+    checkpointer, so checkpoints (and a resume) carry the row."""
 
     def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
         domains = run.prep.fed_data.domains

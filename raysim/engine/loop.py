@@ -13,7 +13,8 @@ reports, user loggers — is a :class:`Callback`:
 
 Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`,
 :class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it),
-:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains). Pass your own
+:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains, when
+the data has domains and the method reports clusters: ``Algorithm.reports_clusters``). Pass your own
 with ``run_experiment(cfg, callbacks=[...])`` (e.g. a TensorBoard or MLflow logger reading ``run.table``).
 """
 from __future__ import annotations
@@ -209,8 +210,6 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
     manifest = meta.get("manifest") or {}
     shards = [manifest.get("server")] + list(manifest.get("clients") or [])
-    if (ck / "server_clients.pt").exists():
-        shards.append("server_clients.pt")
     from raysim.engine.store import load_file
 
     for name in shards:  # every shard must load before a run directory is claimed (a damaged one: one line)
@@ -253,19 +252,22 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         write = True
     elif write:
         rd = rundir.RunDir.claim(target, where)
-    cbs: list[Callback] = [ClusterAgreement()]  # first: its rows belong to the round the checkpointer saves
+    cbs: list[Callback] = []
+    if prep.fed_data.domains is not None and prep.algorithm.reports_clusters:
+        cbs.append(ClusterAgreement())  # first: its rows belong to the round the checkpointer saves
+    started: list[Callback] = []  # the claimed directory is cleaned up on any error
     if rd is not None:
         (rd.work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        cbs += [RunDirectory(rd), Checkpointer(cfg.output.checkpoint_every)]
+        started.append(RunDirectory(rd))
+        cbs += [started[0], Checkpointer(cfg.output.checkpoint_every)]
     if cfg.output.progress if progress is None else progress:
-        cbs.append(ProgressBar())
+        cbs.append(ProgressBar(prep.algorithm.headline))
     if callback is not None:
         cbs.append(EvalCallback(callback))
     cbs += list(callbacks or [])
 
     backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)
     run = Run(prep, backend, run_id)
-    started: list[Callback] = cbs[1:2] if rd is not None else []  # the claimed directory is cleaned up on any error
     try:
         t0 = time.perf_counter()
         backend.start()

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 
 from raysim.io import rundir
-from raysim.algorithm import Task
+from raysim.algorithm import SERVER_DATA, Task
 from raysim.backends import preflight
 from raysim.config import ConfigError, ExperimentConfig, from_dict
 from raysim.data.federated import FederatedData, build_federated_data
@@ -53,6 +53,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
             if k not in arch_params(spec.arch):
                 raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
                                                          f"{', '.join(arch_params(spec.arch))}")
+    _check_server_data(cfg, algo_cls)
     _notice_dropped(cfg)
     _check_population_memory(cfg)
     fed = build_federated_data(cfg.data, cfg.seed)
@@ -61,7 +62,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     env_tiers = env is not None and cfg.model.assign == "tier" and getattr(cfg.model, "tiers", None) is None
     archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
-                fed.public, cfg.data.val_fraction, len(fed.server_val) if fed.server_val is not None else 0)
+                fed.public, cfg.data.val_fraction)
     models = {}  # arch key -> {"params": count, "embed_dim": size or None}
     for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
         if arch_key(spec) not in models:
@@ -101,8 +102,25 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
 
     code = usercode.code_to_ship(cfg) if cfg.backend.name == "ray" else ()
     spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params, registry=registry.snapshot(),
-                   code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd())
+                   code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd(),
+                   server_data=tuple(algo_cls.server_data))
     return Prepared(cfg, fed, task, spec, env, algorithm, models)
+
+
+def _check_server_data(cfg: ExperimentConfig, algo_cls) -> None:
+    """Every server-held data set the method declares (``Algorithm.server_data``) is configured: one ConfigError
+    naming the config field that provides it, before any data is loaded."""
+    for name in algo_cls.server_data:
+        if name not in SERVER_DATA:
+            raise TypeError(f"{algo_cls.__name__}.server_data names {name!r}; the server-held data sets are "
+                            f"{', '.join(sorted(SERVER_DATA))}")
+        path, hint = SERVER_DATA[name]
+        value = cfg
+        for part in path.split("."):
+            value = getattr(value, part)
+        if not value:
+            raise ConfigError(path, f"{cfg.algorithm.name} needs the server-held data set {name!r} (its server steps "
+                                    f"read it); set {path} to {hint}")
 
 
 def _per_client_path(model_cfg, spec, i: int) -> str:

@@ -165,7 +165,7 @@ class Run:
         self.round_idx = -1  # the last finished round
         self.start_round = 0
         self.setup_done = prep.algorithm.setup_schedule() is None
-        self.payload = None
+        self.payload = {}  # the current payload; a setup schedule starts with an empty one
         self.dir: Optional[Path] = None  # the directory being written (RunDirectory)
         self.final_dir: Optional[Path] = None
         self.stopped_early = False

@@ -6,7 +6,7 @@ A :class:`ClientRunner` hosts a fixed group of virtual clients: their data (comp
 step) and a :class:`~raysim.engine.store.StateStore` of their states (created lazily, spilled to disk beyond
 ``backend.state_memory_mb``). ``run_client_step`` runs one step of the schedule for some of its clients, one after
 another, each inside a failure guard; new states stay *pending* until the driver calls ``commit`` (the step's reports
-have reached it). A :class:`ServerRunner` holds the server state (and a store for server-side per-client state) and
+have reached it). A :class:`ServerRunner` holds the server state and the server-held data the method declared, and
 runs server steps.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from raysim import rng as rngmod
 from raysim.engine import safety
-from raysim.algorithm import Context, LocalTraining, ModelCache, ServerUpdate, Task
+from raysim.algorithm import Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData
 from raysim.messages import payload_sizes
@@ -69,6 +69,7 @@ class RunSpec:
     registry: dict = field(default_factory=dict)  # the driver's user registrations (raysim.registry.snapshot)
     code: tuple = ()  # user module files / package directories shipped to the actors (raysim.usercode)
     cwd: Optional[str] = None  # the driver's working directory (relative data paths resolve against it)
+    server_data: tuple = ()  # the server-held data sets the method declared (Algorithm.server_data; validated)
 
 
 def _setup_process(cfg: ExperimentConfig) -> torch.device:
@@ -249,7 +250,7 @@ class ClientRunner:
                 rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
                 model = alg.live_model(ctx)
                 start = alg.client_init(model, down, state, data, ctx)
-                if alg.vectorizable(start) and start.on_epoch is None:
+                if alg.vectorizable(start):
                     check_model(model)
                     params = {n: p.detach().clone() for n, p in model.named_parameters()}
                     opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
@@ -364,27 +365,31 @@ def _purpose(step, iteration: int) -> str:
     return base if iteration == 0 else f"{base}#{iteration}"
 
 
-class ServerRunner:
-    """Holds the server state (and server-side per-client state); runs server steps."""
+def server_data(spec: RunSpec, fed_data) -> dict:
+    """The server-held data sets the run's method declared (``spec.server_data``), by name: what a backend ships to
+    the server runner (nothing else of the data reaches it but the test set, for evaluation steps)."""
+    return {name: getattr(fed_data, name) for name in spec.server_data}
 
-    def __init__(self, spec: RunSpec, global_test=None, server_val=None):
+
+class ServerRunner:
+    """Holds the server state; runs server steps."""
+
+    def __init__(self, spec: RunSpec, global_test=None, server_data: Optional[dict] = None):
         enter_run(spec)
         self.spec = spec
         self.device = _setup_process(spec.cfg)
         self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
         self.global_test = global_test  # read only by evaluation steps (passed as their argument)
-        self.server_val = server_val  # data.server_val: what train/setup server steps may validate on (ctx.server_val)
-        mem = spec.cfg.backend.state_memory_mb * 2**20
-        directory = Path(spec.state_dir) / "server" if spec.state_dir else None
-        self.client_store = StateStore(mem, directory, "server")
+        # the declared server-held data (RunSpec.server_data): what train/setup server steps may read (ctx.server_data)
+        self.server_data = dict(server_data or {})
         rngmod.seed_torch_global(spec.cfg.seed, rngmod.NO_ROUND, rngmod.SERVER, "init")
         self.state = self.algorithm.init_server_state(self._ctx(rngmod.NO_ROUND))
 
-    def _ctx(self, round_idx: int, failures=None, step: str = "", iteration: int = 0, keep=None) -> Context:
-        return Context(round_idx, rngmod.SERVER, self.spec.cfg.seed, self.device, self.spec.task, self.models,
-                       list(failures or []), step=step, iteration=iteration, keep=keep, client_store=self.client_store,
-                       server_val=self.server_val)
+    def _ctx(self, round_idx: int, failures=None, step: str = "", iteration: int = 0) -> ServerContext:
+        return ServerContext(round_idx, rngmod.SERVER, self.spec.cfg.seed, self.device, self.spec.task, self.models,
+                             step=step, iteration=iteration, failures=list(failures or []),
+                             server_data=dict(self.server_data))
 
     def initial_payload(self, round_idx: int):
         return self.algorithm.initial_payload(self.state, self._ctx(round_idx, step="broadcast"))
@@ -392,9 +397,10 @@ class ServerRunner:
     def run_server_step(self, step: ServerStep, round_idx: int, iteration: int, failures: list, *upload_groups,
                         keep: Optional[list] = None):
         """Returns (payload or None, metrics). ``keep``: the client ids whose uploads reach the algorithm (the
-        environment drops late/dropped ones); uploads are sorted by client id, whatever the actor layout."""
+        environment drops late/dropped ones: the step sees the delivered uploads only); uploads are sorted by client
+        id, whatever the actor layout."""
         fn = getattr(self.algorithm, step.method)
-        ctx = self._ctx(round_idx, failures, step.name, iteration, keep)
+        ctx = self._ctx(round_idx, failures, step.name, iteration)
         rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, rngmod.SERVER, _purpose(step, iteration))
         if step.mode == "evaluate":
             if self.global_test is None:
@@ -412,26 +418,20 @@ class ServerRunner:
             raise TypeError(f"{type(self.algorithm).__name__}.{step.method} must return a ServerUpdate, got "
                             f"{type(out).__name__}")
         self.state = out.state
-        self.client_store.commit()
         return out.payload, dict(out.metrics)
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self, path: str) -> None:
         atomic_save({"state": _to_cpu(self.state)}, Path(path))
-        self.client_store.save_shard(Path(path).with_name("server_clients.pt"))
 
     def load(self, path: str) -> None:
         self.state = _to_device(load_file(Path(path))["state"], self.device)
-        shard = Path(path).with_name("server_clients.pt")
-        self.client_store.clear()
-        if shard.exists():
-            self.client_store.load_shard(shard)
 
     def ready(self) -> bool:
         return True
 
     def close(self) -> None:
-        self.client_store.close()
+        """Nothing to release (the client runner's counterpart closes its state store)."""
 
 
 def _map_tensors(obj, fn):

@@ -6,17 +6,19 @@ It runs the same three functions as the per-client loop (:func:`raysim.training.
 :class:`raysim.algorithm.LocalTraining`: ``client_init`` per client (loads its starting weights, unpacks the
 payload), one ``objective`` for the whole group, ``client_final`` per client. A method opts in with
 ``LocalTraining.vectorizable(start)``: True promises that the objective built from ``start`` depends only on what
-every client of the step shares (the broadcast payload), so one loss function serves the group.
+every client of the step shares (the broadcast payload), so one loss function serves the group, and that it is pure
+(the local epoch is an argument; no side effects, no generator of its own), so it can be traced by ``vmap``.
 
 Exactness rules (what makes the table equal to the loop's within the stated tolerance, not bit for bit):
 
 * **batches** — each client draws its batch order from its own ``"batches"`` generator exactly as the loop does (one
   ``randperm`` per epoch), so its batches are the loop's. Clients with different data sizes have different batch
   counts and a smaller last batch: at every step the executor groups the clients that still train by their batch
-  size and runs one batched computation per group (no padding, so every client's loss is the mean over exactly its
-  own batch, as in the loop); a client that has finished its steps keeps its weights.
+  size and local epoch (the loss function receives the epoch, as in the loop) and runs one batched computation per
+  group (no padding, so every client's loss is the mean over exactly its own batch, as in the loop); a client that
+  has finished its steps keeps its weights.
 * **dropout** — each client's masks are drawn from its own ``"dropout"`` generator with the same calls, shapes and
-  order as in the loop (shapes found by a probe forward per batch size), then fed to the batched forward
+  order as in the loop (shapes found by a probe forward per batch size and epoch), then fed to the batched forward
   (``models.replay_masks``): the masks are the loop's masks.
 * **optimisers** — SGD (momentum, weight decay) and Adam (weight decay, bias correction) are applied to the stacked
   tensors with torch's own update formulas; per-client state (momentum buffers, Adam moments and step counts) goes in
@@ -179,7 +181,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
                    dropout_generators: list[torch.Generator], opt_states: list[Optional[dict]],
                    epochs: Optional[int] = None, lr: Optional[float] = None) -> tuple[list[dict], list[dict], list[dict]]:
     """Train K clients of one architecture together. ``params[k]``: client k's starting parameters (name ->
-    tensor); ``loss_fn(model, xb, yb) -> (loss, parts)``, shared by the group. Returns per client (trained
+    tensor); ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained
     parameters, ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client."""
     k = len(params)
     epochs = cfg.local_epochs if epochs is None else epochs
@@ -191,56 +193,60 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
     buffers = {n: b for n, b in model.named_buffers()}
     opt = _Optimizer(cfg, stacked, opt_states, lr)
 
-    # each client's batches, drawn from its own generator exactly as the loop draws them (one randperm per epoch)
+    # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm per
+    # epoch)
     plans = []
     for i in range(k):
         n = int(ys[i].shape[0])
-        plans.append([idx for _ in range(epochs) for idx in minibatches(n, cfg.batch_size, batch_generators[i])])
+        plans.append([(e, idx) for e in range(epochs) for idx in minibatches(n, cfg.batch_size, batch_generators[i])])
     steps = max((len(p) for p in plans), default=0)
 
-    probes: dict[int, list] = {}  # batch size -> the dropout masks one forward draws: (shape, dtype, p)
+    probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws: (shape, dtype, p)
 
-    def probe(b: int, i: int) -> list:
-        if b not in probes:
+    def probe(b: int, epoch: int, i: int) -> list:
+        if (b, epoch) not in probes:
             fm = _FunctionalModel(model, {**{n: stacked[n][i] for n in names}, **{n: t[i] for n, t in frozen.items()}},
                                   buffers)
-            x0, y0 = xs[i][plans[i][0][:b]], ys[i][plans[i][0][:b]]
+            x0, y0 = xs[i][plans[i][0][1][:b]], ys[i][plans[i][0][1][:b]]
             with torch.no_grad():  # draws from a throw-away generator: the clients' streams are untouched
                 g = torch.Generator(device=x0.device)
                 from raysim.models import set_dropout_generator
                 set_dropout_generator(model, g)
                 try:
-                    probes[b] = dropout_masks_of(lambda: loss_fn(fm, x0, y0))
+                    probes[b, epoch] = dropout_masks_of(lambda: loss_fn(fm, x0, y0, epoch))
                 finally:
                     set_dropout_generator(model, None)
-        return probes[b]
+        return probes[b, epoch]
 
-    def one(p, fz, xb, yb, masks):
+    def one(p, fz, xb, yb, masks, epoch):
         with replay_masks(masks):
-            loss, parts = loss_fn(_FunctionalModel(model, {**p, **fz}, buffers), xb, yb)
+            loss, parts = loss_fn(_FunctionalModel(model, {**p, **fz}, buffers), xb, yb, epoch)
         parts = {key: (v if torch.is_tensor(v) else torch.tensor(float(v))).detach() for key, v in parts.items()}
         return loss, (loss.detach(), parts)
 
-    grad_fn = torch.func.vmap(torch.func.grad(one, has_aux=True), in_dims=(0, 0, 0, 0, 0))
+    grad_fn = torch.func.vmap(torch.func.grad(one, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
     totals: list[dict] = [{} for _ in range(k)]
     counts = [0] * k
     model.train()
     for s in range(steps):
-        by_size: dict[int, list[int]] = {}
+        # clients that still train, grouped by batch size and epoch (the loss function receives the epoch: one value
+        # per batched computation)
+        by_size: dict[tuple, list[int]] = {}
         for i in range(k):
             if s < len(plans[i]):
-                by_size.setdefault(int(plans[i][s].numel()), []).append(i)
-        for b, group in by_size.items():
-            spec = probe(b, group[0])
-            xb = torch.stack([xs[i][plans[i][s].to(xs[i].device)] for i in group])
-            yb = torch.stack([ys[i][plans[i][s].to(ys[i].device)] for i in group])
+                e, idx = plans[i][s]
+                by_size.setdefault((int(idx.numel()), e), []).append(i)
+        for (b, e), group in by_size.items():
+            spec = probe(b, e, group[0])
+            xb = torch.stack([xs[i][plans[i][s][1].to(xs[i].device)] for i in group])
+            yb = torch.stack([ys[i][plans[i][s][1].to(ys[i].device)] for i in group])
             masks = [torch.stack([torch.empty(shape, device=xb.device, dtype=dt).bernoulli_(
                 1.0 - p, generator=dropout_generators[i]) for i in group]) for shape, dt, p in spec]
             rows = torch.as_tensor(group)
             whole = len(group) == k
             sub = stacked if whole else {n: t[rows] for n, t in stacked.items()}
             fz = frozen if whole else {n: t[rows] for n, t in frozen.items()}
-            grads, (loss, parts) = grad_fn(sub, fz, xb, yb, masks)
+            grads, (loss, parts) = grad_fn(sub, fz, xb, yb, masks, e)
             opt.step(stacked, grads, rows, whole)
             for j, i in enumerate(group):
                 counts[i] += 1

@@ -1,9 +1,8 @@
-"""Checkpoints as directories of shards: ``checkpoints/<name>/`` holds ``server.pt`` (server state),
-``server_clients.pt`` (server-side per-client state), one ``clients-<k>.pt`` per client runner (client id -> state,
-written by the runner itself, never gathered on the driver) and ``meta.pt`` (round, manifest, result rows, failure
-log, environment state, config hash), written last. The directory is built as ``<name>.tmp`` and renamed when
-complete, so a checkpoint that exists is whole. Client states are keyed by client id, so a checkpoint restores into
-any number of actors."""
+"""Checkpoints as directories of shards: ``checkpoints/<name>/`` holds ``server.pt`` (server state), one
+``clients-<k>.pt`` per client runner (client id -> state, written by the runner itself, never gathered on the driver)
+and ``meta.pt`` (round, manifest, result rows, failure log, environment state, config hash), written last. The
+directory is built as ``<name>.tmp`` and renamed when complete, so a checkpoint that exists is whole. Client states
+are keyed by client id, so a checkpoint restores into any number of actors."""
 from __future__ import annotations
 
 import shutil
@@ -49,13 +48,11 @@ def read_checkpoint_meta(ck_dir: Path) -> dict:
 
 def load_checkpoint(ck_dir: Path) -> dict:
     """A whole checkpoint assembled in memory (for inspection and tests): round_idx, server_state, client_states
-    (client id -> state), server_client_states, extra."""
+    (client id -> state), extra."""
     ck_dir = Path(ck_dir)
     meta = read_checkpoint_meta(ck_dir)
     clients = {}
     for f in meta["manifest"]["clients"]:
         clients.update(load_file(ck_dir / f))
-    server_clients = load_file(ck_dir / "server_clients.pt") if (ck_dir / "server_clients.pt").exists() else {}
     return {"round_idx": meta["round_idx"], "server_state": load_file(ck_dir / meta["manifest"]["server"])["state"],
-            "client_states": dict(sorted(clients.items())), "server_client_states": server_clients,
-            "extra": meta["extra"]}
+            "client_states": dict(sorted(clients.items())), "extra": meta["extra"]}
