@@ -19,15 +19,18 @@ from typing import Any, Optional
 
 import torch
 
+from raysim import registry
 from raysim import rng as rngmod
-from raysim.engine import safety
-from raysim.algorithm import Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task
+from raysim.algorithm import ClientUpdate, Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task
 from raysim.config import ConfigError, ExperimentConfig
-from raysim.data.federated import ClientData
+from raysim.data.federated import ClientData, ClientSet, LazyClients
+from raysim.engine import safety
+from raysim.engine.vectorized import check_model, vmap_local_sgd
 from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
 from raysim.engine.store import StateStore, atomic_save, load_file
+from raysim.errors import DamagedFileError
 
 
 @dataclass
@@ -87,8 +90,6 @@ def enter_run(spec: RunSpec) -> None:
     import os
     import sys
 
-    from raysim import registry
-
     if spec.code:  # the user code shipped to this actor (Ray py_modules) comes first: every node runs the driver's
         # copy, even where Ray also put the driver's working directory on the path (a one-machine cluster)
         shipped = [p for p in sys.path if "py_modules_files" in p]
@@ -96,14 +97,6 @@ def enter_run(spec: RunSpec) -> None:
     registry.install(spec.registry)
     if spec.cwd and os.path.isdir(spec.cwd) and os.getcwd() != spec.cwd:
         os.chdir(spec.cwd)
-
-
-def _failure(rep: ClientReport, e: BaseException) -> None:
-    from raysim.errors import DamagedFileError
-
-    if isinstance(e, DamagedFileError):  # a damaged state file is not the client's failure: the run stops, naming it
-        raise e
-    rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
 
 
 def _data_nbytes(d: ClientData) -> int:
@@ -119,8 +112,6 @@ class ClientRunner:
         self.device = _setup_process(spec.cfg)
         self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
-        from raysim.data.federated import ClientSet, LazyClients
-
         if isinstance(clients, LazyClients):  # index ranges into shared pools; a client is built when used
             self.data = clients.view()
         elif isinstance(clients, ClientSet):
@@ -208,12 +199,20 @@ class ClientRunner:
                     self._finish_update(rep, cid, fn(down, state, self._data(cid), ctx),
                                         step_token(round_idx, step, iteration), uploads)
             except Exception as e:  # a failing client is a value, not a crashed pool
-                _failure(rep, e)
-                self.store.discard([cid])
-                uploads.pop(cid, None)
+                self._fail(rep, cid, e, uploads)
             rep.seconds = time.perf_counter() - t0
             reports.append(rep)
         return uploads, reports
+
+    def _fail(self, rep: ClientReport, cid: int, e: BaseException, uploads: Optional[dict] = None) -> None:
+        """A client's step failed: the report says why, its staged state and its upload are dropped. A damaged state
+        file is not the client's failure: the run stops, naming it."""
+        if isinstance(e, DamagedFileError):
+            raise e
+        rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
+        self.store.discard([cid])
+        if uploads is not None:
+            uploads.pop(cid, None)
 
     def _finish_update(self, rep: ClientReport, cid: int, res, token: str, uploads: dict) -> None:
         """A client update's outcome: a diverged one is a failed report (the client keeps its last state), any other
@@ -232,9 +231,6 @@ class ClientRunner:
         """``backend.vectorize``: ``client_init`` per client, the local training of every client whose method opts
         in (``vectorizable``) batched per architecture (:mod:`raysim.engine.vectorized`), ``client_final`` per client;
         every client keeps its own failure guard. Clients that do not opt in run the per-client loop."""
-        from raysim.algorithm import ClientUpdate
-        from raysim.engine.vectorized import check_model, vmap_local_sgd
-
         alg, cfg = self.algorithm, self.spec.task.train
         token = step_token(round_idx, step, iteration)
         uploads, reports, pending, groups = {}, {}, {}, {}
@@ -260,9 +256,7 @@ class ClientRunner:
                     rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
                     self._finish_update(rep, cid, alg.client_update(down, state, data, ctx), token, uploads)
             except Exception as e:
-                _failure(rep, e)
-                self.store.discard([cid])
-                uploads.pop(cid, None)
+                self._fail(rep, cid, e, uploads)
                 pending.pop(cid, None)
             rep.seconds += time.perf_counter() - t0
         for model, cids in groups.values():
@@ -279,8 +273,7 @@ class ClientRunner:
                     [it[0].generator("dropout", device=it[0].device) for it in items], [it[6] for it in items])
             except Exception as e:  # the batched computation failed: every client in it failed with the error
                 for c in cids:
-                    _failure(reports[c], e)
-                    self.store.discard([c])
+                    self._fail(reports[c], c, e)
                 continue
             share = (time.perf_counter() - t0) / len(cids)
             for j, c in enumerate(cids):
@@ -296,9 +289,7 @@ class ClientRunner:
                         new_state = {**(new_state or {}), "opt": opt_states[j]}
                     self._finish_update(rep, c, ClientUpdate(new_state, upload, metrics[j]), token, uploads)
                 except Exception as e:
-                    _failure(rep, e)
-                    self.store.discard([c])
-                    uploads.pop(c, None)
+                    self._fail(rep, c, e, uploads)
                 rep.seconds += share + time.perf_counter() - t1
         return uploads, [reports[c] for c in client_ids]
 
