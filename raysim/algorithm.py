@@ -99,10 +99,7 @@ class Context:
     server_val: Any = None
 
     def _purpose(self, purpose: str) -> str:
-        # streams of the classic steps keep their names; other steps and repetitions get their own streams
-        if self.step and self.step not in ("update", "evaluate", "init", "aggregate", "broadcast", "evaluate_server"):
-            purpose = f"{purpose}@{self.step}"
-        return f"{purpose}#{self.iteration}" if self.iteration else purpose
+        return rngmod.stream_name(purpose, self.step, self.iteration)
 
     def rng(self, purpose: str) -> np.random.Generator:
         return rngmod.numpy_rng(self.seed, self.round_idx, self.client_id, self._purpose(purpose))
