@@ -77,3 +77,56 @@ def test_no_legacy_run_directory_names():
     assert not hasattr(rundir, "LEGACY_TMP")
     assert not rundir.is_unfinished_name(Path(".tmp-run"))
     assert rundir.intended_path(Path("a/run.incomplete")) == Path("a/run")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FedPU's options: one definition
+
+
+PU_FIELDS = ("positive_rate", "pu_weight", "pu_split", "labelled_classes", "pu_min_class")
+
+
+def test_pu_params_are_defined_once_and_shared():
+    import dataclasses
+
+    from algorithms import fedpu
+    from raysim.registry import algorithm_class
+
+    assert tuple(f.name for f in dataclasses.fields(fedpu.PUParams)) == PU_FIELDS
+    for name in ("fedavg", "fedprox", "fedproto", "fedproto_uh", "fedtgp"):
+        params = algorithm_class(name).Params
+        assert issubclass(params, fedpu.PUParams), name
+        assert {f.name: f.default for f in dataclasses.fields(params) if f.name in PU_FIELDS} == {
+            f.name: f.default for f in dataclasses.fields(fedpu.PUParams)}
+    defined = [f"{p.name}:{i}" for p in sorted((ROOT / "algorithms").glob("*.py")) if p.name != "fedpu.py"
+               for i, line in enumerate(p.read_text().splitlines(), 1)
+               if re.match(r"\s+(positive_rate|pu_weight|pu_split|labelled_classes|pu_min_class)\s*:", line)]
+    assert not defined, f"FedPU options defined outside algorithms/fedpu.py: {defined}"
+
+
+@pytest.mark.parametrize("name", ["fedavg", "fedproto", "fedtgp"])
+def test_pu_options_stay_flat_keys_and_are_checked(name):
+    from raysim.config import ConfigError, from_dict
+    from raysim.registry import algorithm_class
+
+    cls = algorithm_class(name).Params
+    p = from_dict(cls, {"positive_rate": 0.5, "pu_split": "held", "pu_min_class": 3}, "algorithm.params")
+    assert (p.positive_rate, p.pu_split, p.pu_min_class, p.pu_weight) == (0.5, "held", 3, 1.0)
+    for bad, field in (({"positive_rate": 0.0}, "positive_rate"), ({"pu_split": "x"}, "pu_split"),
+                       ({"pu_weight": -1.0}, "pu_weight"), ({"labelled_classes": -1}, "labelled_classes"),
+                       ({"pu_min_class": -2}, "pu_min_class")):
+        with pytest.raises(ConfigError) as e:
+            from_dict(cls, bad, "algorithm.params")
+        assert e.value.field == f"algorithm.params.{field}"
+
+
+def test_pu_options_keep_the_config_hash():
+    from raysim.config import make_config
+
+    base = {"name": "h", "algorithm": {"name": "fedproto", "params": {"positive_rate": 0.5, "pu_weight": 0.0}}}
+    cfg = make_config(base)
+    # default-valued keys do not count; the PU keys are flat algorithm.params keys of the identity
+    assert cfg.identity_dict()["algorithm.params.positive_rate"] == 0.5
+    assert "algorithm.params.pu_split" not in cfg.identity_dict()
+    assert make_config({**base, "algorithm": {"name": "fedproto", "params": {
+        "positive_rate": 0.5, "pu_weight": 0.0, "pu_split": "seed"}}}).config_hash() == cfg.config_hash()
