@@ -35,12 +35,13 @@ import torch.nn.functional as F
 from algorithms import fedpu
 from algorithms.local import ce_loss
 from algorithms.mutual_ops import domain_metrics, random_batch
+from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
 from raysim.config import ConfigError
 from raysim.messages import Message, payload_sizes, state_message
 from raysim.ops import weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
-from raysim.training import (accuracy, clone_state, forward_all, load_optimizer_state, make_optimizer,
+from raysim.training import (accuracy, clone_state, forward_all, make_optimizer,
                              optimizer_state)
 
 
@@ -103,7 +104,7 @@ class FedAvg(LocalTraining):
     # -- iteration mode: an average every k iterations ----------------------------------------------------------
     def model_floats(self) -> int:
         """P: the floats one node's weights message carries, as the accounting counts them."""
-        with torch.random.fork_rng(devices=[]):
+        with rngmod.keep_global_rng():
             model = self.task.build_model(0)
         return payload_sizes({"m": state_message("weights", model.state_dict())})["weights"][0]
 
@@ -156,9 +157,8 @@ class FedAvg(LocalTraining):
         cfg = self.task.train
         model = ctx.model()
         model.load_state_dict(state["model"])
-        opt = make_optimizer(model.parameters(), cfg)
-        if cfg.persist_optimizer and state["opt"]:
-            load_optimizer_state(opt, model, state["opt"])
+        opt = make_optimizer(model.parameters(), cfg, state=state["opt"] if cfg.persist_optimizer else None,
+                             model=model)
         idx = random_batch(data.num_train, cfg.batch_size, ctx.generator("batches")).to(data.y_train.device)
         set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
         model.train()

@@ -5,6 +5,7 @@ same numbers whichever backend, actor or process executes a client, and a resume
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 
@@ -53,6 +54,24 @@ def torch_generator(seed: int, round_idx: int, client_id: int, purpose: str, dev
     g = torch.Generator(device=device)
     g.manual_seed(derive_seed(seed, round_idx, client_id, purpose))
     return g
+
+
+@contextlib.contextmanager
+def init_seed(seed: int, purpose: str, round_idx: int = NO_ROUND, client_id: int = SERVER):
+    """Inside the block torch's global RNG (which ``nn.init`` draws from when a module is built) is pinned to the
+    stream (seed, round, client, purpose); after it the caller's CPU stream continues where it was. The methods'
+    one way to make seeded initial weights: ``with rng.init_seed(task.seed, "tgp_init"): gen = Generator(...)``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(seed, round_idx, client_id, purpose))
+        yield
+
+
+@contextlib.contextmanager
+def keep_global_rng():
+    """torch's global CPU RNG restored after the block: building a module whose weights are loaded afterwards (a
+    cache filled on first use) never moves the caller's random stream."""
+    with torch.random.fork_rng(devices=[]):
+        yield
 
 
 def seed_torch_global(seed: int, round_idx: int, client_id: int, purpose: str) -> None:
