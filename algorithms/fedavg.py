@@ -35,12 +35,13 @@ import torch.nn.functional as F
 from algorithms import fedpu
 from algorithms.local import ce_loss
 from algorithms.mutual_ops import domain_metrics, random_batch
+from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
 from raysim.config import ConfigError
 from raysim.messages import Message, payload_sizes, state_message
 from raysim.ops import weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
-from raysim.training import (accuracy, clone_state, forward_all, load_optimizer_state, make_optimizer,
+from raysim.training import (accuracy, clone_state, forward_all, make_optimizer,
                              optimizer_state)
 
 
@@ -64,19 +65,13 @@ class FedAvg(LocalTraining):
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
 
     @dataclass(frozen=True)
-    class Params:
-        positive_rate: float = 1.0  # FedPU: share of each positive class's samples that keep their label
-        pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
-        pu_split: str = "seed"  # FedPU: seed (labelled_classes of the held classes; rate 1 = all) | official | held
-        labelled_classes: int = 2  # FedPU seed/official split: positive classes per client (seeded subset; 0 = all)
-        pu_min_class: int = 40  # FedPU seed/official split: a positive class keeps labels only with >= this many
+    class Params(fedpu.PUParams):  # FedPU's options (positive_rate, pu_weight, ...) + the iteration mode's
         sync_every: int = 0  # iteration mode: average every k iterations (train.local_steps per round); 0: classic
         bandwidth_ratio: float = 0.0  # iteration mode: k from a budget of this many times MAFML's floats (1: matched)
         eval_model: str = "global"  # iteration mode: test the last average (global) or each node's weights (local)
 
         def check(self, path):
-            fedpu.check_params(path, self.positive_rate, self.pu_weight, self.pu_split, self.labelled_classes,
-                               self.pu_min_class)
+            super().check(path)
             if int(self.sync_every) != self.sync_every or self.sync_every < 0:
                 raise ConfigError(f"{path}.sync_every", f"must be an integer >= 0 (0: classic rounds), got "
                                                         f"{self.sync_every!r}")
@@ -109,7 +104,7 @@ class FedAvg(LocalTraining):
     # -- iteration mode: an average every k iterations ----------------------------------------------------------
     def model_floats(self) -> int:
         """P: the floats one node's weights message carries, as the accounting counts them."""
-        with torch.random.fork_rng(devices=[]):
+        with rngmod.keep_global_rng():
             model = self.task.build_model(0)
         return payload_sizes({"m": state_message("weights", model.state_dict())})["weights"][0]
 
@@ -162,9 +157,8 @@ class FedAvg(LocalTraining):
         cfg = self.task.train
         model = ctx.model()
         model.load_state_dict(state["model"])
-        opt = make_optimizer(model.parameters(), cfg)
-        if cfg.persist_optimizer and state["opt"]:
-            load_optimizer_state(opt, model, state["opt"])
+        opt = make_optimizer(model.parameters(), cfg, state=state["opt"] if cfg.persist_optimizer else None,
+                             model=model)
         idx = random_batch(data.num_train, cfg.batch_size, ctx.generator("batches")).to(data.y_train.device)
         set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
         model.train()
@@ -194,8 +188,7 @@ class FedAvg(LocalTraining):
         return {"model": state_message("weights", server_state["model"])}
 
     def pu_view(self, data):
-        return fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed,
-                             self.params.pu_split, self.params.labelled_classes, self.params.pu_min_class)
+        return fedpu.make_view(data, self.task.num_classes, self.task.seed, self.params)
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(payload["model"].tensors)

@@ -80,8 +80,7 @@ class FedFomo(Algorithm):
         return {"P": torch.eye(n, dtype=torch.float64), "models": {}}
 
     def init_client_state(self, ctx: Context):
-        with torch.random.fork_rng(devices=[]):  # every client starts from the same model
-            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "fomo_init"))
+        with rngmod.init_seed(self.task.seed, "fomo_init"):  # every client starts from the same model
             return {"model": clone_state(self.task.build_model(ctx.client_id))}
 
     def broadcast(self, state, ctx: Context):

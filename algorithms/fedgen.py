@@ -29,7 +29,7 @@ from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalStart
 from raysim.config import positive
 from raysim.messages import state_message
-from raysim.training import clone_state
+from raysim.training import clone_state, make_optimizer
 
 
 def fedgen_diversity(eps: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -77,10 +77,6 @@ class FedGen(FedAvg):
                 from raysim.config import ConfigError
                 raise ConfigError(f"{path}.decay", f"must be in (0, 1], got {self.decay}")
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self._mods = {}
-
     def pu_view(self, data):
         return None
 
@@ -88,12 +84,8 @@ class FedGen(FedAvg):
         p = self.params
         return FeatureGenerator(self.task.num_classes, self.task.build_model(0).embed_dim, p.hidden, p.noise_dim)
 
-    def _module(self, key, make, device):
-        return gen_ops.cached_module(self._mods, key, make, device)
-
     def init_server_state(self, ctx: Context):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "fedgen_init"))
+        with rngmod.init_seed(self.task.seed, "fedgen_init"):
             gen = self.make_generator()
         return {"model": clone_state(self.task.build_model(0)), "generator": clone_state(gen),
                 "trained": torch.zeros((), dtype=torch.bool)}
@@ -108,7 +100,7 @@ class FedGen(FedAvg):
         model.load_state_dict(payload["model"].tensors)
         aux = {"gen": None}
         if "generator" in payload:
-            gen = self._module("gen", self.make_generator, ctx.device)
+            gen = ctx.models.get("gen", self.make_generator)
             gen.load_state_dict(payload["generator"].tensors)
             gen.eval()
             gen.requires_grad_(False)
@@ -159,16 +151,16 @@ class FedGen(FedAvg):
         classes = torch.nonzero(held > 0, as_tuple=False).flatten().to(ctx.device)
         heads = []
         for j, i in enumerate(ids):
-            m = self._module(("client", j), lambda: self.task.build_model(0), ctx.device)
+            m = ctx.models.get(("client", j), lambda: self.task.build_model(0))
             m.load_state_dict(uploads[i]["model"].tensors)
             m.eval()
             m.requires_grad_(False)
             heads.append(m.head)
-        gen = self._module("server_gen", self.make_generator, ctx.device)
+        gen = ctx.models.get("server_gen", self.make_generator)
         gen.load_state_dict(server_state["generator"])
         gen.train()
         p = self.params
-        opt = torch.optim.Adam(gen.parameters(), lr=p.gen_lr)
+        opt = make_optimizer(gen.parameters(), kind="adam", lr=p.gen_lr)
         g = ctx.generator("fedgen_server", ctx.device)
         last = 0.0
         for _ in range(p.gen_steps):

@@ -40,7 +40,7 @@ from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalStart
 from raysim.config import ConfigError, positive
 from raysim.messages import Message, state_message
-from raysim.training import clone_state
+from raysim.training import clone_state, make_optimizer
 
 
 def ensemble_logits(heads: list, weights: list, z: torch.Tensor) -> torch.Tensor:
@@ -75,10 +75,6 @@ class FedGenHt(LGFedAvg):
             for k in ("gen_steps", "gen_lr", "noise_dim", "hidden"):
                 positive(f"{path}.{k}", getattr(self, k))
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self._mods = {}
-
     def validate(self):
         super().validate()
         if self._batch() < 2:
@@ -95,8 +91,7 @@ class FedGenHt(LGFedAvg):
 
     def init_server_state(self, ctx: Context):
         state = super().init_server_state(ctx)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "fedgen_init"))
+        with rngmod.init_seed(self.task.seed, "fedgen_init"):
             gen = self.make_generator()
         state.update({"generator": clone_state(gen),
                       # per client, the label counts it uploaded (rows of clients not heard from yet stay 0)
@@ -121,7 +116,7 @@ class FedGenHt(LGFedAvg):
         self.load(model, payload, state)
         if "generator" not in payload:
             return LocalStart(aux={"gen": None})
-        gen = gen_ops.cached_module(self._mods, "gen", self.make_generator, ctx.device)
+        gen = ctx.models.get("gen", self.make_generator)
         gen.load_state_dict(payload["generator"].tensors)  # every step: its BatchNorm's running stats move below
         gen.train()  # as HtFLlib calls it: each generated batch normalised by its own statistics
         gen.requires_grad_(False)
@@ -165,16 +160,16 @@ class FedGenHt(LGFedAvg):
         weights = [c / sum(n) for c in n]
         heads = []
         for j, i in enumerate(ids):
-            m = gen_ops.cached_module(self._mods, ("head", j), lambda: self.task.build_model(0).head, ctx.device)
+            m = ctx.models.get(("head", j), lambda: self.task.build_model(0).head)
             m.load_state_dict({k[len("head."):]: v for k, v in uploads[i]["shared"].tensors.items()})
             m.eval()
             m.requires_grad_(False)
             heads.append(m)
-        gen = gen_ops.cached_module(self._mods, "server_gen", self.make_generator, ctx.device)
+        gen = ctx.models.get("server_gen", self.make_generator)
         gen.load_state_dict(server_state["generator"])
         gen.train()
         p = self.params
-        opt = torch.optim.Adam(gen.parameters(), lr=p.gen_lr)  # a fresh one every round, as HtFLlib
+        opt = make_optimizer(gen.parameters(), kind="adam", lr=p.gen_lr)  # a fresh one every round, as HtFLlib
         g = ctx.generator("fedgen_server", ctx.device)
         freq = self.label_freq({"label_counts": counts}).to(torch.float32).to(ctx.device)
         last = 0.0

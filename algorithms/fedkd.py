@@ -25,13 +25,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from algorithms.fedavg import sample_counts
-from algorithms.fml import SharedModel
-from algorithms.mutual_ops import adam_or_sgd, domain_metrics, step_batches
+from algorithms.fml import shared_model
+from algorithms.mutual_ops import domain_metrics, step_batches
+from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import ConfigError, positive
 from raysim.messages import Message
 from raysim.ops import weighted_average_states
-from raysim.training import clone_state, optimizer_state
+from raysim.training import clone_state, make_optimizer, optimizer_state
 
 
 def svd_keep(s: torch.Tensor, energy: float) -> int:
@@ -99,10 +100,6 @@ class FedKD(Algorithm):
                 positive(f"{path}.mentee_lr", self.mentee_lr)
             positive(f"{path}.clip", self.clip)
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self.shared = SharedModel(task)
-
     def energy(self, round_idx: int) -> float:
         p = self.params
         r = p.ramp_rounds or self.task.rounds
@@ -132,15 +129,15 @@ class FedKD(Algorithm):
         cfg, p = self.task.train, self.params
         model = ctx.model()
         model.load_state_dict(state["model"])
-        mentee = self.shared.get(ctx.device)
+        mentee = shared_model(self.task, ctx)
         mentee.load_state_dict(decompress(payload["mentee"], mentee.state_dict()))
-        with torch.random.fork_rng(devices=[]):
+        with rngmod.keep_global_rng():  # its weights are loaded below
             w_h = nn.Linear(mentee.embed_dim, model.embed_dim, bias=False).to(ctx.device)
         w_h.load_state_dict(state["w_h"])
         keep = cfg.persist_optimizer
-        opt = adam_or_sgd(model.parameters(), cfg, state=state["opt"] if keep else None, model=model)
-        opt_g = adam_or_sgd(mentee.parameters(), cfg, p.mentee_lr, state["opt_g"] if keep else None, mentee)
-        opt_w = adam_or_sgd(w_h.parameters(), cfg, state=state["opt_w"] if keep else None, model=w_h)
+        opt = make_optimizer(model.parameters(), cfg, state=state["opt"] if keep else None, model=model)
+        opt_g = make_optimizer(mentee.parameters(), cfg, p.mentee_lr, state["opt_g"] if keep else None, mentee)
+        opt_w = make_optimizer(w_h.parameters(), cfg, state=state["opt_w"] if keep else None, model=w_h)
         for m in (model, mentee):
             m.train()
         tot, steps = {"loss": 0.0, "loss_mentee": 0.0}, 0

@@ -20,14 +20,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from algorithms.mafml import PublicShares, require_public_shares
-from algorithms.mutual_ops import adam_or_sgd, domain_metrics, step_batches
+from algorithms.mafml import public_shares, require_public_shares
+from algorithms.mutual_ops import domain_metrics, step_batches
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import positive
 from raysim.messages import Message
 from raysim.steps import ALL, ClientStep, ServerStep
-from raysim.training import clone_state, minibatches, optimizer_state
+from raysim.training import clone_state, make_optimizer, minibatches, optimizer_state
 
 
 class FedMD(Algorithm):
@@ -52,10 +52,6 @@ class FedMD(Algorithm):
                 positive(f"{path}.{k}", getattr(self, k))
             for k in ("transfer_public_epochs", "transfer_private_epochs"):
                 positive(f"{path}.{k}", getattr(self, k), allow_zero=True)
-
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self.shares = PublicShares(task) if task.public is not None and task.public.owner is not None else None
 
     def validate(self):
         require_public_shares(self, self.name)
@@ -106,8 +102,8 @@ class FedMD(Algorithm):
         cfg, p = self.task.train, self.params
         model = ctx.model()
         model.load_state_dict(state["model"])
-        opt = adam_or_sgd(model.parameters(), cfg)
-        px, py, _ = self.shares.get(ctx.device)
+        opt = make_optimizer(model.parameters(), cfg)
+        px, py, _ = public_shares(self.task, ctx)
         model.train()
         gen = ctx.generator("batches")
         self._ce_epochs(model, opt, px, py, p.transfer_public_epochs, gen)
@@ -117,7 +113,7 @@ class FedMD(Algorithm):
     def logits(self, payload, state, data, ctx: Context) -> ClientUpdate:
         model = ctx.model()
         model.load_state_dict(state["model"])
-        px, _, _ = self.shares.get(ctx.device)
+        px, _, _ = public_shares(self.task, ctx)
         idx = payload["align"]["idx"]
         model.eval()
         with torch.no_grad():
@@ -131,9 +127,9 @@ class FedMD(Algorithm):
         keep = cfg.persist_optimizer
         model.train()
         metrics = {}
-        opt_d = adam_or_sgd(model.parameters(), cfg, state=state["opt_digest"] if keep else None, model=model)
+        opt_d = make_optimizer(model.parameters(), cfg, state=state["opt_digest"] if keep else None, model=model)
         if "consensus" in payload:
-            px, _, _ = self.shares.get(ctx.device)
+            px, _, _ = public_shares(self.task, ctx)
             x = px[payload["consensus"]["idx"].to(px.device)]
             target = payload["consensus"]["logits"].to(ctx.device)
             gen = ctx.generator("digest")
@@ -147,7 +143,7 @@ class FedMD(Algorithm):
                     opt_d.step()
                     tot, n = tot + float(loss.detach()), n + 1
             metrics["train_digest_mae"] = tot / max(n, 1)
-        opt = adam_or_sgd(model.parameters(), cfg, state=state["opt"] if keep else None, model=model)
+        opt = make_optimizer(model.parameters(), cfg, state=state["opt"] if keep else None, model=model)
         tot, n = 0.0, 0
         for idx in step_batches(data.num_train, cfg, ctx.generator("batches")):
             idx = idx.to(data.y_train.device)

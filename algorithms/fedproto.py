@@ -33,20 +33,14 @@ class FedProto(LocalTraining):
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
 
     @dataclass(frozen=True)
-    class Params:
+    class Params(fedpu.PUParams):  # FedPU's options (positive_rate, pu_weight, ...) + FedProto's
         lam: float = 1.0  # weight of the prototype regulariser (official `ld`)
         proto_agg: str = "weighted"  # weighted (paper) | mean (official code)
         proto_collect: str = "after"  # after: eval-mode pass after training | during_train: last epoch (official)
         restrict_local_classes: bool = True  # prototype inference among the client's own classes (official)
-        positive_rate: float = 1.0  # FedPU: share of each positive class's samples that keep their label
-        pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
-        pu_split: str = "seed"  # FedPU: seed (labelled_classes of the held classes; rate 1 = all) | official | held
-        labelled_classes: int = 2  # FedPU seed/official split: positive classes per client (seeded subset; 0 = all)
-        pu_min_class: int = 40  # FedPU seed/official split: a positive class keeps labels only with >= this many
 
         def check(self, path):
-            fedpu.check_params(path, self.positive_rate, self.pu_weight, self.pu_split, self.labelled_classes,
-                               self.pu_min_class)
+            super().check(path)
             choice(f"{path}.proto_agg", self.proto_agg, ["weighted", "mean"])
             choice(f"{path}.proto_collect", self.proto_collect, ["after", "during_train"])
             if self.lam < 0:
@@ -131,8 +125,7 @@ class FedProto(LocalTraining):
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(state["model"])
         protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, data.y_train.device)
-        pu = fedpu.make_view(data, self.task.num_classes, self.params.positive_rate, self.task.seed,
-                             self.params.pu_split, self.params.labelled_classes, self.params.pu_min_class)
+        pu = fedpu.make_view(data, self.task.num_classes, self.task.seed, self.params)
         aux = {"protos": protos, "mask": mask, "pu": pu, "collect": None}
         if self.params.proto_collect == "during_train":
             # official code: embeddings of the last local epoch, in train mode while the weights move (one optimiser

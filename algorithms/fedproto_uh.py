@@ -87,10 +87,6 @@ class FedProtoUH(FedProto):
             if self.scale <= 0:
                 raise ConfigError(f"{path}.scale", f"must be > 0, got {self.scale}")
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self._live: dict[str, SplitModel] = {}
-
     def validate(self):
         super().validate()
         d = self.embed_dim()
@@ -107,9 +103,7 @@ class FedProtoUH(FedProto):
                         self.params.head)
 
     def live_model(self, ctx):
-        base = ctx.model()
-        key = arch_key(self.task.archs[ctx.client_id])
-        if key not in self._live or self._live[key].body[0] is not base.body:
-            self._live[key] = uh_model(base, self.head_weight(), self.params.scale, self.params.learn_scale,
-                                       self.params.head).to(ctx.device)
-        return self._live[key]
+        base = ctx.model()  # the fixed head on the runner's live body (both in ctx.models)
+        return ctx.models.get(("uh", arch_key(self.task.archs[ctx.client_id])),
+                              lambda: uh_model(base, self.head_weight(), self.params.scale, self.params.learn_scale,
+                                               self.params.head))

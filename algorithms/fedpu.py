@@ -55,18 +55,33 @@ class PUView:
 PU_SPLITS = ("seed", "official", "held")
 
 
-def check_params(path: str, positive_rate: float, pu_weight: float, split: str = "seed", labelled_classes: int = 2,
-                 min_class: int = 40) -> None:
-    if split not in PU_SPLITS:
-        raise ConfigError(f"{path}.pu_split", f"{split!r} is not allowed; choose one of: {', '.join(PU_SPLITS)}")
-    if labelled_classes < 0:
-        raise ConfigError(f"{path}.labelled_classes", f"must be >= 0 (0: all held classes), got {labelled_classes}")
-    if min_class < 0:
-        raise ConfigError(f"{path}.pu_min_class", f"must be >= 0, got {min_class}")
-    if not 0.0 < positive_rate <= 1.0:
-        raise ConfigError(f"{path}.positive_rate", f"must be in (0, 1], got {positive_rate}")
-    if pu_weight < 0:
-        raise ConfigError(f"{path}.pu_weight", f"must be >= 0, got {pu_weight}")
+@dataclass(frozen=True)
+class PUParams:
+    """FedPU's options. The methods that offer the setting (FedAvg and FedProx, the FedProto family) derive their
+    ``Params`` from this class, so the options stay flat keys of ``algorithm.params`` (``positive_rate: 0.5``) and
+    count in the config hash exactly as before; ``check`` of a derived Params calls ``super().check(path)``."""
+
+    positive_rate: float = 1.0  # FedPU: share of each positive class's samples that keep their label
+    pu_weight: float = 1.0  # FedPU: weight of the PU loss (only active when positive_rate < 1)
+    pu_split: str = "seed"  # FedPU: seed (labelled_classes of the held classes; rate 1 = all) | official | held
+    labelled_classes: int = 2  # FedPU seed/official split: positive classes per client (seeded subset; 0 = all)
+    pu_min_class: int = 40  # FedPU seed/official split: a positive class keeps labels only with >= this many
+
+    def check(self, path):
+        check_params(path, self)
+
+
+def check_params(path: str, pu: PUParams) -> None:
+    if pu.pu_split not in PU_SPLITS:
+        raise ConfigError(f"{path}.pu_split", f"{pu.pu_split!r} is not allowed; choose one of: {', '.join(PU_SPLITS)}")
+    if pu.labelled_classes < 0:
+        raise ConfigError(f"{path}.labelled_classes", f"must be >= 0 (0: all held classes), got {pu.labelled_classes}")
+    if pu.pu_min_class < 0:
+        raise ConfigError(f"{path}.pu_min_class", f"must be >= 0, got {pu.pu_min_class}")
+    if not 0.0 < pu.positive_rate <= 1.0:
+        raise ConfigError(f"{path}.positive_rate", f"must be in (0, 1], got {pu.positive_rate}")
+    if pu.pu_weight < 0:
+        raise ConfigError(f"{path}.pu_weight", f"must be >= 0, got {pu.pu_weight}")
 
 
 def positive_classes(classes, labelled_classes: int, seed: int, client_id: int) -> list[int]:
@@ -78,19 +93,19 @@ def positive_classes(classes, labelled_classes: int, seed: int, client_id: int) 
     return sorted(int(c) for c in r.choice(classes, size=labelled_classes, replace=False))
 
 
-def make_view(data, num_classes: int, positive_rate: float, seed: int, split: str = "seed",
-              labelled_classes: int = 2, min_class: int = 40) -> Optional[PUView]:
+def make_view(data, num_classes: int, seed: int, pu: PUParams) -> Optional[PUView]:
     """The client's PU view, or None when every label is kept (positive_rate = 1 with the ``seed`` or ``held``
-    split)."""
-    if positive_rate >= 1.0 and split in ("seed", "held"):
+    split). ``pu``: the method's Params (a PUParams)."""
+    rate, split = pu.positive_rate, pu.pu_split
+    if rate >= 1.0 and split in ("seed", "held"):
         return None
     r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, data.client_id, "pu_split")
     if split == "held":
-        y_obs, prior, positive = pu_split(data.y_train, data.classes, num_classes, positive_rate, r)
+        y_obs, prior, positive = pu_split(data.y_train, data.classes, num_classes, rate, r)
     else:
-        pos = positive_classes(data.classes, labelled_classes, seed, data.client_id)
-        y_obs, prior, positive = pu_split(data.y_train, pos, num_classes, positive_rate, r,
-                                          min_class_samples=min_class, at_least_one=False)
+        pos = positive_classes(data.classes, pu.labelled_classes, seed, data.client_id)
+        y_obs, prior, positive = pu_split(data.y_train, pos, num_classes, rate, r,
+                                          min_class_samples=pu.pu_min_class, at_least_one=False)
     return PUView(y_obs, prior, positive)
 
 

@@ -27,6 +27,7 @@ from algorithms.proto_ops import pairwise_distances, tgp_contrastive_loss, tgp_m
 from raysim import rng as rngmod
 from raysim.config import ConfigError, choice, positive
 from raysim.messages import Message
+from raysim.training import make_optimizer
 
 
 class PrototypeGenerator(nn.Module):
@@ -45,7 +46,7 @@ def train_generator(gen: PrototypeGenerator, feats: torch.Tensor, labels: torch.
                     batch_size: int, lr: float, rng: torch.Generator) -> list[float]:
     """``epochs`` passes of SGD over the uploaded (prototype, class) pairs, shuffled with ``rng``; returns the mean
     loss per epoch. Each step regenerates all C global prototypes and applies the contrastive loss to the batch."""
-    opt = torch.optim.SGD(gen.parameters(), lr=lr)
+    opt = make_optimizer(gen.parameters(), kind="sgd", lr=lr)
     all_classes = torch.arange(gen.embedding.num_embeddings, device=feats.device)
     gen.train()
     history = []
@@ -97,8 +98,7 @@ class FedTGP(FedProto):
         return PrototypeGenerator(self.task.num_classes, d, self.params.hidden_dim or d)
 
     def init_server_state(self, ctx):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "tgp_init"))
+        with rngmod.init_seed(self.task.seed, "tgp_init"):
             gen = self.make_generator()
         d = self.embed_dim()
         return {"generator": {k: v.detach().clone() for k, v in gen.state_dict().items()},

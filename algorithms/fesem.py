@@ -96,12 +96,10 @@ class FeSEM(Algorithm):
         seed, k = self.task.seed, self.params.num_clusters
         centres = []
         for j in range(k):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(rngmod.derive_seed(seed, rngmod.NO_ROUND, rngmod.SERVER, f"fesem_centre_{j}"))
+            with rngmod.init_seed(seed, f"fesem_centre_{j}"):
                 centres.append(clone_state(self.task.build_model(0)))
         if self.params.init == "clients":
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(rngmod.derive_seed(seed, rngmod.NO_ROUND, rngmod.SERVER, "fesem_shared"))
+            with rngmod.init_seed(seed, "fesem_shared"):
                 shared = clone_state(self.task.build_model(0))
             return {"centres": centres, "shared": shared, "live": False,
                     "assign": torch.full((self.task.num_clients,), -1, dtype=torch.int64)}

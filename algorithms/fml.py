@@ -17,12 +17,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms.mutual_ops import adam_or_sgd, domain_metrics, step_batches
+from algorithms.mutual_ops import domain_metrics, step_batches
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import ConfigError
 from raysim.messages import state_message
 from raysim.ops import weighted_average_states
-from raysim.training import clone_state, optimizer_state
+from raysim.training import clone_state, make_optimizer, optimizer_state
 
 
 def kl(student_logits, teacher_logits):
@@ -31,18 +31,10 @@ def kl(student_logits, teacher_logits):
                     reduction="batchmean")
 
 
-class SharedModel:
-    """A runner-local live module for the shared (meme / mentee) model, separate from the private model's."""
-
-    def __init__(self, task):
-        self.task, self._m = task, {}
-
-    def get(self, device):
-        key = str(device)
-        if key not in self._m:
-            with torch.random.fork_rng(devices=[]):
-                self._m[key] = self.task.build_model(0).to(device)
-        return self._m[key]
+def shared_model(task, ctx):
+    """The runner's live module for the shared (meme / mentee) model (client 0's architecture), separate from the
+    private model's."""
+    return ctx.models.get("shared", lambda: task.build_model(0))
 
 
 class FML(Algorithm):
@@ -68,10 +60,6 @@ class FML(Algorithm):
             if self.clip <= 0:
                 raise ConfigError(f"{path}.clip", f"must be > 0, got {self.clip}")
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self.shared = SharedModel(task)
-
     def init_server_state(self, ctx: Context):
         return {"meme": clone_state(self.task.build_model(0))}
 
@@ -91,11 +79,11 @@ class FML(Algorithm):
         cfg, p = self.task.train, self.params
         model = ctx.model()
         model.load_state_dict(state["model"])
-        meme = self.shared.get(ctx.device)
+        meme = shared_model(self.task, ctx)
         meme.load_state_dict(payload["meme"].tensors)
         keep = cfg.persist_optimizer
-        opt = adam_or_sgd(model.parameters(), cfg, state=state["opt"] if keep else None, model=model)
-        opt_m = adam_or_sgd(meme.parameters(), cfg, state=state["opt_meme"] if keep else None, model=meme)
+        opt = make_optimizer(model.parameters(), cfg, state=state["opt"] if keep else None, model=model)
+        opt_m = make_optimizer(meme.parameters(), cfg, state=state["opt_meme"] if keep else None, model=meme)
         model.train()
         meme.train()
         tot, steps = {"loss": 0.0, "loss_meme": 0.0}, 0

@@ -18,15 +18,6 @@ import torch.nn.functional as F
 from raysim.messages import Message
 
 
-def cached_module(cache: dict, key, make, device) -> torch.nn.Module:
-    """``cache[(key, device)]``, built by ``make()`` on first use without moving the caller's random stream."""
-    key = (key, str(device))
-    if key not in cache:
-        with torch.random.fork_rng(devices=[]):
-            cache[key] = make().to(device)
-    return cache[key]
-
-
 def label_counts_message(data, num_classes: int) -> Message:
     """A client's training-label counts (int64, one per class), as FedGen's clients upload them."""
     return Message("class_counts", {"counts": torch.bincount(data.y_train.cpu(), minlength=num_classes).to(torch.int64)})

@@ -21,6 +21,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from algorithms import gen_ops
+from raysim.ops import class_prototypes
+from raysim.training import clone_state, make_optimizer
+
 
 def _fit(x: torch.Tensor, hw: tuple) -> torch.Tensor:
     return x if tuple(x.shape[-2:]) == tuple(hw) else F.interpolate(x, size=hw, mode="bilinear", align_corners=False)
@@ -121,3 +125,75 @@ class VirtualGenerator(nn.Module):
     def forward(self, noise: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         h = self.fc(self.class_means[y] + 0.5 * noise).view(-1, self.ch, self.s, self.s)
         return _fit(self.net(h), self.hw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# SlaugFL's generator training (reference §5.3, §5.4): plain functions of the generator, its training data, the
+# method's Params (gen_steps, gen_batch, gen_lr, and gen_noise / lam_div or gan_noise) and an explicit torch generator
+
+
+def train_proto_generator(gen: ProtoGenerator, protos: torch.Tensor, mask: torch.Tensor, embed, p,
+                          g: torch.Generator, norm=None) -> tuple[dict, dict]:
+    """Scenario 2: ``p.gen_steps`` Adam(0.5, 0.999) steps of the prototype-guided generator. Per batch of labels y
+    drawn among the classes with a prototype (``mask``) and noise z: L_proto = MSE(per-label mean of
+    ``embed(x, y)``, protos[those labels]), x = G(z, y) in the task's input space (``norm``), plus the mode-seeking
+    diversity loss lam_div / (l_z + 1e-5). ``embed(x, y)``: the embeddings of x, each under the representative model
+    of its label. Returns (the generator's weights, the losses' means over the last 10 steps)."""
+    device = protos.device
+    classes = torch.nonzero(mask, as_tuple=False).flatten().to(device)
+    opt = make_optimizer(gen.parameters(), kind="adam", lr=p.gen_lr, betas=(0.5, 0.999))
+    gen.train()
+    lp = ld = 0.0
+    for step in range(p.gen_steps):
+        y = classes[torch.randint(len(classes), (p.gen_batch,), generator=g, device=device)]
+        z = torch.randn(p.gen_batch, p.gen_noise, generator=g, device=device)
+        raw = gen(z, y)
+        present, means, _ = class_prototypes(embed(gen_ops.to_input_space(raw, norm), y), y, protos.shape[0])
+        l_proto = F.mse_loss(means, protos[present])
+        l_div = gen_ops.diversity_loss(raw, z, p.lam_div)
+        opt.zero_grad(set_to_none=True)
+        (l_proto + l_div).backward()
+        opt.step()
+        if step >= p.gen_steps - 10:  # mean over the last 10 steps
+            lp, ld = lp + float(l_proto.detach()) / 10, ld + float(l_div.detach()) / 10
+    return clone_state(gen), {"gen_proto_loss": lp, "gen_div_loss": ld, "gen_steps": float(p.gen_steps)}
+
+
+def train_acgan(gen: ACGANGenerator, disc: ACGANDiscriminator, x: torch.Tensor, y: torch.Tensor, p,
+                g: torch.Generator, norm=None) -> tuple[dict, dict]:
+    """Scenario 1: ``p.gen_steps`` alternating Adam(0.5, 0.999) steps of an ACGAN on the labelled data (x, y) (the
+    filtered candidates, in the task's input space): the discriminator on a real batch and a generated one of
+    labels drawn among y's classes (0.5 x the mean of the real and fake (BCE + CE) terms), then the generator
+    (0.5 x (BCE + CE) of its batch judged real). Returns (the generator's weights, the losses' means over the last
+    10 steps)."""
+    device = x.device
+    opt_g = make_optimizer(gen.parameters(), kind="adam", lr=p.gen_lr, betas=(0.5, 0.999))
+    opt_d = make_optimizer(disc.parameters(), kind="adam", lr=p.gen_lr, betas=(0.5, 0.999))
+    classes = torch.unique(y)
+    gen.train()
+    disc.train()
+    bce = F.binary_cross_entropy_with_logits
+    ld_sum = lg_sum = 0.0
+    for step in range(p.gen_steps):
+        b = min(p.gen_batch, len(y))
+        idx = torch.randint(len(y), (b,), generator=g, device=device)
+        xr, yr = x[idx], y[idx]
+        z = torch.randn(b, p.gan_noise, generator=g, device=device)
+        yg = classes[torch.randint(len(classes), (b,), generator=g, device=device)]
+        fake = gen_ops.to_input_space(gen(z, yg), norm)
+        ones, zeros = torch.ones(b, device=device), torch.zeros(b, device=device)
+        adv_r, aux_r = disc(xr)
+        adv_f, aux_f = disc(fake.detach())
+        l_d = 0.5 * (0.5 * (bce(adv_r, ones) + F.cross_entropy(aux_r, yr))
+                     + 0.5 * (bce(adv_f, zeros) + F.cross_entropy(aux_f, yg)))
+        opt_d.zero_grad(set_to_none=True)
+        l_d.backward()
+        opt_d.step()
+        adv_g, aux_g = disc(fake)
+        l_g = 0.5 * (bce(adv_g, ones) + F.cross_entropy(aux_g, yg))
+        opt_g.zero_grad(set_to_none=True)
+        l_g.backward()
+        opt_g.step()
+        if step >= p.gen_steps - 10:
+            ld_sum, lg_sum = ld_sum + float(l_d.detach()) / 10, lg_sum + float(l_g.detach()) / 10
+    return clone_state(gen), {"gan_d_loss": ld_sum, "gan_g_loss": lg_sum, "gen_steps": float(p.gen_steps)}

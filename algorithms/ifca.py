@@ -42,7 +42,7 @@ from raysim.config import ConfigError, choice, positive
 from raysim.messages import Message, state_message
 from raysim.models import set_dropout_generator
 from raysim.ops import weighted_average_states
-from raysim.training import accuracy, clone_state, forward_all, train_epochs
+from raysim.training import accuracy, clone_state, forward_all, make_optimizer, train_epochs
 
 
 @torch.no_grad()
@@ -120,8 +120,7 @@ class IFCA(Algorithm):
     def init_server_state(self, ctx: Context):
         models = []
         for k in range(self.params.num_clusters):
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, f"ifca_model_{k}"))
+            with rngmod.init_seed(self.task.seed, f"ifca_model_{k}"):
                 models.append(clone_state(self.task.build_model(0)))
         return {"models": models}
 
@@ -149,7 +148,7 @@ class IFCA(Algorithm):
         model.load_state_dict(states[k])
         p = self.params
         if p.protocol == "official":
-            opt = torch.optim.SGD(model.parameters(), lr=p.lr)
+            opt = make_optimizer(model.parameters(), kind="sgd", lr=p.lr)
             set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
             try:
                 model.train()

@@ -71,19 +71,16 @@ def floats_per_iteration(num_clients: int, num_classes: int, public_batch: int) 
     return n * (up + down)
 
 
-class PublicShares:
-    """The public dataset on a device (cached per runner): x, y and each node's global indices."""
+def public_shares(task, ctx):
+    """The public dataset on the runner's device (kept in the runner's cache, ``ctx.models``): x, y and each node's
+    global indices."""
 
-    def __init__(self, task):
-        self.task, self._cache = task, {}
+    def make():
+        pub = task.public
+        own = [torch.nonzero(pub.owner == i).flatten() for i in range(task.num_clients)]
+        return pub.x.to(ctx.device), pub.y.to(ctx.device), own
 
-    def get(self, device):
-        key = str(device)
-        if key not in self._cache:
-            pub = self.task.public
-            own = [torch.nonzero(pub.owner == i).flatten() for i in range(self.task.num_clients)]
-            self._cache[key] = (pub.x.to(device), pub.y.to(device), own)
-        return self._cache[key]
+    return ctx.models.get("public_shares", make)
 
 
 class MAFML(Algorithm):
@@ -113,7 +110,6 @@ class MAFML(Algorithm):
 
     def __init__(self, params, task):
         super().__init__(params, task)
-        self.shares = PublicShares(task) if task.public is not None and task.public.owner is not None else None
         self.live = WarmClients(task)  # each node's model and Adam kept warm across its steps (same numbers)
 
     def validate(self):
@@ -157,7 +153,7 @@ class MAFML(Algorithm):
         g_loc = flat_grad(model).detach().clone()
         opt.step()
         # soft labels and batch accuracy on a batch of the node's own public share
-        px, py, own = self.shares.get(ctx.device)
+        px, py, own = public_shares(self.task, ctx)
         mine = own[ctx.client_id]
         pick = mine[random_batch(len(mine), self.params.public_batch or cfg.batch_size, gen).to(mine.device)]
         self.live.mode(ctx, False)
@@ -191,7 +187,7 @@ class MAFML(Algorithm):
         if not teachers:
             return ClientUpdate(state, {}, {})
         model, opt = self.live.get(state, ctx, self.params.public_lr or cfg.lr)
-        px, py, _ = self.shares.get(ctx.device)
+        px, py, _ = public_shares(self.task, ctx)
         g_loc = state["g_loc"].to(ctx.device)
         groups = [[t] for t in teachers] if self.params.per_teacher else [teachers]
         fired, kls, ces = [], [], []

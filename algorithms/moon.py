@@ -48,25 +48,16 @@ class Moon(FedAvg):
             positive(f"{path}.mu", self.mu, allow_zero=True)
             positive(f"{path}.tau", self.tau)
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self._frozen = {}  # arch key -> (global module, previous module): runner-local, not state
-
     def pu_view(self, data):
         return None
 
     def _frozen_pair(self, ctx: Context):
+        """The runner's frozen live modules for the global and the previous model (weights loaded by the caller)."""
         from raysim.models import arch_key
 
-        spec = self.task.archs[ctx.client_id]
-        key = (arch_key(spec), str(ctx.device))
-        if key not in self._frozen:
-            with torch.random.fork_rng(devices=[]):  # never move the client's random stream
-                pair = tuple(self.task.build_model(ctx.client_id).to(ctx.device) for _ in range(2))
-            for m in pair:
-                m.requires_grad_(False)
-            self._frozen[key] = pair
-        return self._frozen[key]
+        key = arch_key(self.task.archs[ctx.client_id])
+        return tuple(ctx.models.get((role, key), lambda: self.task.build_model(ctx.client_id).requires_grad_(False))
+                     for role in ("moon_global", "moon_prev"))
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(payload["model"].tensors)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.local import Local
-from algorithms.mafml import PublicShares, require_public_shares
+from algorithms.mafml import public_shares, require_public_shares
 from raysim.algorithm import ClientUpdate, Context
 
 
@@ -36,10 +36,6 @@ class Agg(Local):
     class Params:
         pass
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self.shares = PublicShares(task) if task.public is not None and task.public.owner is not None else None
-
     def validate(self):
         require_public_shares(self, self.name)
 
@@ -49,7 +45,7 @@ class Agg(Local):
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
         from raysim.training import local_sgd
 
-        px, py, own = self.shares.get(ctx.device)
+        px, py, own = public_shares(self.task, ctx)
         others = torch.cat([own[j] for j in range(self.task.num_clients) if j != ctx.client_id])
         x = torch.cat([data.x_train, px[others]])
         y = torch.cat([data.y_train, py[others]])

@@ -14,7 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from raysim.training import accuracy, forward_all
+from raysim import rng as rngmod
+from raysim.training import accuracy, forward_all, make_optimizer
 
 
 def project_conflicting(g_pub: torch.Tensor, g_loc: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -90,16 +91,6 @@ def step_batches(n: int, cfg, generator: torch.Generator):
             yield idx
 
 
-def adam_or_sgd(params, cfg, lr=None, state=None, model=None):
-    """The run's optimiser (train.optimizer) over ``params``, with a saved state loaded (by ``model``'s names)."""
-    from raysim.training import load_optimizer_state, make_optimizer
-
-    opt = make_optimizer(params, cfg, lr)
-    if state and model is not None:
-        load_optimizer_state(opt, model, state)
-    return opt
-
-
 class WarmClients:
     """Live (model, Adam optimiser) pairs of the clients a runner used last, kept across the steps and iterations of
     a round so that a step whose client state is the very one this cache produced last time skips loading it
@@ -123,9 +114,9 @@ class WarmClients:
         cid = ctx.client_id
         entry = self._live.pop(cid, None)
         if entry is None:
-            with torch.random.fork_rng(devices=[]):  # building draws from the global RNG: leave it alone
+            with rngmod.keep_global_rng():  # building draws from the global RNG: leave it alone
                 model = self.task.build_model(cid).to(ctx.device)
-            opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=self.task.train.weight_decay)
+            opt = make_optimizer(model.parameters(), self.task.train, lr, kind="adam")
             entry = [model, opt, None, None, _Layout(model)]
         model, opt, weights, opt_state, _ = entry
         if state["model"] is not weights:

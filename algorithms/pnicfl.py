@@ -311,7 +311,7 @@ class PNICFL(Algorithm):
         body = model.body
         x, y = pub.x.to(ctx.device), pub.y
         classes = sorted(torch.unique(y).tolist())
-        opt = torch.optim.Adam(body.parameters(), lr=p.pretrain_lr)
+        opt = make_optimizer(body.parameters(), kind="adam", lr=p.pretrain_lr)
         r = ctx.rng("pretrain")
         set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
         losses, accs = [], []

@@ -47,17 +47,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from algorithms import gen_ops
 from algorithms.fedavg import sample_weighted_average
-from algorithms.generators import ACGANDiscriminator, ACGANGenerator, ProtoGenerator
+from algorithms.generators import (ACGANDiscriminator, ACGANGenerator, ProtoGenerator, train_acgan,
+                                   train_proto_generator)
 from algorithms.local import ce_loss
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerContext, ServerUpdate
 from raysim.config import ConfigError, choice, positive
+from raysim.data.class_folders import load_class_folders
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
 from raysim.ops import aggregate_prototypes, class_prototypes
@@ -113,10 +114,6 @@ class SlaugFL(LocalTraining):
             if self.candidate_delta is not None and not 0.0 <= self.candidate_delta <= 2.0:
                 raise ConfigError(f"{path}.candidate_delta", f"a cosine distance lies in [0, 2], got {self.candidate_delta}")
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self._models = {}  # runner-local live modules (2C-output models, generators, representative models)
-
     def validate(self):
         self.require_homogeneous()
         if len(self.task.input_shape) != 3:
@@ -130,17 +127,14 @@ class SlaugFL(LocalTraining):
                 raise ConfigError("algorithm.params.candidate_dir", "scenario 1 needs candidate data: set "
                                   "candidate_dir (one sub-folder per class index) or data.public (a labelled dataset)")
 
-    # -- modules ------------------------------------------------------------------------------------------------------
-    def _module(self, key, make, device):
-        return gen_ops.cached_module(self._models, key, make, device)
-
-    def _model2c(self, client_id: int, device):
+    # -- modules (the runner's live ones in ctx.models) -----------------------------------------------------------------
+    def _model2c(self, client_id: int, ctx: Context):
         spec = self.task.archs[client_id]
         c2 = 2 * self.task.num_classes
-        return self._module(("2c", arch_key(spec)), lambda: build_model(spec, self.task.input_shape, c2), device)
+        return ctx.models.get(("2c", arch_key(spec)), lambda: build_model(spec, self.task.input_shape, c2))
 
     def live_model(self, ctx: Context):
-        return self._model2c(ctx.client_id, ctx.device)
+        return self._model2c(ctx.client_id, ctx)
 
     def make_generator(self):
         p, t = self.params, self.task
@@ -156,8 +150,7 @@ class SlaugFL(LocalTraining):
 
     def _prep_init(self) -> dict:
         """The common initial weights of the preparation models (derived from the seed; nothing is sent)."""
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "slaug_prep_init"))
+        with rngmod.init_seed(self.task.seed, "slaug_prep_init"):
             return clone_state(self.task.build_model(0))
 
     # -- schedules ----------------------------------------------------------------------------------------------------
@@ -224,66 +217,31 @@ class SlaugFL(LocalTraining):
         rep[~mask] = -1  # a representative that did not deliver its prototype
         models = {}
         for k in sorted({int(r) for r in rep if int(r) >= 0}):
-            m = self._module(("rep", k), lambda k=k: self.task.build_model(k), ctx.device)
+            m = ctx.models.get(("rep", k), lambda k=k: self.task.build_model(k))
             m.load_state_dict(state["rep_models"][k])
             m.eval()
             m.requires_grad_(False)
             models[k] = m
         norm = ctx.server_data["server_val"].norm  # pixel normalisation (metadata only)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "slaug_gen_init"))
+        with rngmod.init_seed(self.task.seed, "slaug_gen_init"):
             gen = self.make_generator().to(ctx.device)
         g = ctx.generator("gen", ctx.device)
         if not bool(mask.any()):
-            metrics = {"gen_steps": 0.0}
+            gsd, metrics = clone_state(gen), {"gen_steps": 0.0}
         elif self.params.scenario == 2:
-            metrics = self._train_proto_generator(gen, protos.to(ctx.device), mask, rep, models, norm, g, ctx)
+            gsd, metrics = train_proto_generator(gen, protos.to(ctx.device), mask,
+                                                 lambda x, y: features_by_label(x, y, rep, models), self.params, g, norm)
         else:
-            metrics = self._train_acgan(gen, protos.to(ctx.device), mask, rep, models, norm, g, ctx)
-        gsd = clone_state(gen)
+            gsd, metrics = self._scenario1(gen, protos.to(ctx.device), mask, rep, models, norm, g, ctx)
         new = {**state, "generator": gsd, "rep_models": {}, "rep_protos": protos, "rep_mask": mask}
         return ServerUpdate(new, {"generator": state_message("generator", gsd)}, metrics)
-
-    def _features_by_rep(self, x, y, rep, models):
-        """Embeddings of x, each under the representative model of its label."""
-        owner = rep.to(x.device)[y]
-        parts, order = [], []
-        for k, m in models.items():
-            idx = torch.nonzero(owner == k, as_tuple=False).flatten()
-            if len(idx):
-                _, z = m(x[idx], return_embedding=True)
-                parts.append(z)
-                order.append(idx)
-        z = torch.cat(parts)
-        return z[torch.argsort(torch.cat(order))]
-
-    def _train_proto_generator(self, gen, protos, mask, rep, models, norm, g, ctx):
-        p = self.params
-        classes = torch.nonzero(mask, as_tuple=False).flatten().to(ctx.device)
-        opt = torch.optim.Adam(gen.parameters(), lr=p.gen_lr, betas=(0.5, 0.999))
-        gen.train()
-        lp = ld = 0.0
-        for step in range(p.gen_steps):
-            y = classes[torch.randint(len(classes), (p.gen_batch,), generator=g, device=ctx.device)]
-            z = torch.randn(p.gen_batch, p.gen_noise, generator=g, device=ctx.device)
-            raw = gen(z, y)
-            feats = self._features_by_rep(gen_ops.to_input_space(raw, norm), y, rep, models)
-            present, means, _ = class_prototypes(feats, y, self.task.num_classes)
-            l_proto = F.mse_loss(means, protos[present])
-            l_div = gen_ops.diversity_loss(raw, z, p.lam_div)
-            opt.zero_grad(set_to_none=True)
-            (l_proto + l_div).backward()
-            opt.step()
-            if step >= p.gen_steps - 10:  # mean over the last 10 steps
-                lp, ld = lp + float(l_proto.detach()) / 10, ld + float(l_div.detach()) / 10
-        return {"gen_proto_loss": lp, "gen_div_loss": ld, "gen_steps": float(p.gen_steps)}
 
     # -- scenario 1 ---------------------------------------------------------------------------------------------------
     def candidates(self, device, norm):
         """The candidate data in the task's input space: (x, y)."""
         p, t = self.params, self.task
         if p.candidate_dir is not None:
-            x, y = load_image_folder(p.candidate_dir, t.input_shape, t.num_classes)  # pixels in [0, 1]
+            x, y = load_class_folders(p.candidate_dir, t.input_shape, t.num_classes)  # pixels in [0, 1]
         else:
             pub = t.public
             x, y = pub.x.clone(), pub.y.clone()
@@ -302,8 +260,9 @@ class SlaugFL(LocalTraining):
             x = x * 2.0 - 1.0
         return x.to(device), y.to(device)
 
-    def _train_acgan(self, gen, protos, mask, rep, models, norm, g, ctx):
-        p, c = self.params, self.task.num_classes
+    def _scenario1(self, gen, protos, mask, rep, models, norm, g, ctx):
+        """Filter the candidates class by class (seed eq. 11) under the representative models, train an ACGAN."""
+        p = self.params
         x_all, y_all = self.candidates(ctx.device, norm)
         keep_x, keep_y = [], []
         for cls in torch.nonzero(mask, as_tuple=False).flatten().tolist():
@@ -316,42 +275,12 @@ class SlaugFL(LocalTraining):
             keep_x.append(x_all[idx[kept]])
             keep_y.append(y_all[idx[kept]])
         if not keep_x:
-            return {"candidates_kept": 0.0, "gen_steps": 0.0}
+            return clone_state(gen), {"candidates_kept": 0.0, "gen_steps": 0.0}
         xs, ys = torch.cat(keep_x), torch.cat(keep_y)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "slaug_disc_init"))
-            disc = ACGANDiscriminator(c, self.task.input_shape, p.disc_channels).to(ctx.device)
-        opt_g = torch.optim.Adam(gen.parameters(), lr=p.gen_lr, betas=(0.5, 0.999))
-        opt_d = torch.optim.Adam(disc.parameters(), lr=p.gen_lr, betas=(0.5, 0.999))
-        classes = torch.unique(ys)
-        gen.train()
-        disc.train()
-        bce = F.binary_cross_entropy_with_logits
-        ld_sum = lg_sum = 0.0
-        for step in range(p.gen_steps):
-            b = min(p.gen_batch, len(ys))
-            idx = torch.randint(len(ys), (b,), generator=g, device=ctx.device)
-            xr, yr = xs[idx], ys[idx]
-            z = torch.randn(b, p.gan_noise, generator=g, device=ctx.device)
-            yg = classes[torch.randint(len(classes), (b,), generator=g, device=ctx.device)]
-            fake = gen_ops.to_input_space(gen(z, yg), norm)
-            ones, zeros = torch.ones(b, device=ctx.device), torch.zeros(b, device=ctx.device)
-            adv_r, aux_r = disc(xr)
-            adv_f, aux_f = disc(fake.detach())
-            l_d = 0.5 * (0.5 * (bce(adv_r, ones) + F.cross_entropy(aux_r, yr))
-                         + 0.5 * (bce(adv_f, zeros) + F.cross_entropy(aux_f, yg)))
-            opt_d.zero_grad(set_to_none=True)
-            l_d.backward()
-            opt_d.step()
-            adv_g, aux_g = disc(fake)
-            l_g = 0.5 * (bce(adv_g, ones) + F.cross_entropy(aux_g, yg))
-            opt_g.zero_grad(set_to_none=True)
-            l_g.backward()
-            opt_g.step()
-            if step >= p.gen_steps - 10:
-                ld_sum, lg_sum = ld_sum + float(l_d.detach()) / 10, lg_sum + float(l_g.detach()) / 10
-        return {"candidates_kept": float(len(ys)), "candidates_total": float(len(y_all)), "gan_d_loss": ld_sum,
-                "gan_g_loss": lg_sum, "gen_steps": float(p.gen_steps)}
+        with rngmod.init_seed(self.task.seed, "slaug_disc_init"):
+            disc = ACGANDiscriminator(self.task.num_classes, self.task.input_shape, p.disc_channels).to(ctx.device)
+        gsd, metrics = train_acgan(gen, disc, xs, ys, p, g, norm)
+        return gsd, {"candidates_kept": float(len(ys)), "candidates_total": float(len(y_all)), **metrics}
 
     # -- client: preparation ------------------------------------------------------------------------------------------
     def _val_split(self, n: int, ctx: Context):
@@ -405,7 +334,7 @@ class SlaugFL(LocalTraining):
 
     def prep_augment(self, payload, state, data, ctx: Context):
         c = self.task.num_classes
-        gen = self._module(("gen",), self.make_generator, ctx.device)
+        gen = ctx.models.get("gen", self.make_generator)
         gen.load_state_dict(payload["generator"].tensors)
         gen.eval()
         per = self.params.syn_per_class or max(1, data.num_train // c)
@@ -464,49 +393,32 @@ class SlaugFL(LocalTraining):
         return new, {}
 
     # -- evaluation ---------------------------------------------------------------------------------------------------
-    def _eval(self, model_state, x, y, device, client_id):
-        model = self._model2c(client_id, device)
+    def _eval(self, model_state, x, y, ctx, client_id):
+        model = self._model2c(client_id, ctx)
         model.load_state_dict(model_state)
         logits, _ = forward_all(model, x)
         c = self.task.num_classes
         return accuracy(logits.argmax(1), y), accuracy(logits[:, :c].argmax(1), y)
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
-        a2, a1 = self._eval(payload["model"].tensors, data.x_test, data.y_test, ctx.device, ctx.client_id)
+        a2, a1 = self._eval(payload["model"].tensors, data.x_test, data.y_test, ctx, ctx.client_id)
         return {"test_acc": a2, "test_acc_c": a1}
 
     def evaluate_server(self, server_state, test, ctx: Context) -> dict:
-        a2, a1 = self._eval(server_state["model"], test.x.to(ctx.device), test.y.to(ctx.device), ctx.device, 0)
+        a2, a1 = self._eval(server_state["model"], test.x.to(ctx.device), test.y.to(ctx.device), ctx, 0)
         return {"global_test_acc": a2, "global_test_acc_c": a1}
 
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp")
 
-
-def load_image_folder(root: str, input_shape, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Labelled candidate images from ``root/<class index>/<image>`` (sorted names), converted to the task's channels
-    and size; pixels in [0, 1]."""
-    from PIL import Image
-
-    xs, ys = [], []
-    ch, h, w = (int(v) for v in input_shape)
-    for sub in sorted(Path(root).expanduser().iterdir()):
-        if not sub.is_dir() or not sub.name.isdigit() or int(sub.name) >= num_classes:
-            continue
-        for f in sorted(sub.iterdir()):
-            if f.suffix.lower() not in IMAGE_EXTENSIONS:
-                continue
-            try:
-                with Image.open(f) as im:
-                    img = im.convert("L" if ch == 1 else "RGB").resize((w, h))
-            except Exception as e:  # truncated, bytes changed, a directory named like an image, unreadable
-                from raysim.data.datasets import DamagedFileError, read_problem
-
-                raise DamagedFileError(f, read_problem(e), "replace or remove the image (candidate images are "
-                                       "read from algorithm.params.candidate_dir)", "algorithm.params.candidate_dir") from None
-            arr = torch.from_numpy(np.asarray(img, dtype=np.float32) / 255.0)
-            xs.append(arr.unsqueeze(0) if ch == 1 else arr.permute(2, 0, 1))
-            ys.append(int(sub.name))
-    if not xs:
-        raise RuntimeError(f"slaugfl scenario 1: no labelled images under {root} (expected <class index>/<image>)")
-    return torch.stack(xs), torch.as_tensor(ys, dtype=torch.int64)
+def features_by_label(x, y, rep, models):
+    """Embeddings of x, each under the representative model (``models[rep[y]]``) of its label."""
+    owner = rep.to(x.device)[y]
+    parts, order = [], []
+    for k, m in models.items():
+        idx = torch.nonzero(owner == k, as_tuple=False).flatten()
+        if len(idx):
+            _, z = m(x[idx], return_embedding=True)
+            parts.append(z)
+            order.append(idx)
+    z = torch.cat(parts)
+    return z[torch.argsort(torch.cat(order))]

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms import gen_ops
 from algorithms.fedavg import sample_weighted_average
 from algorithms.generators import VirtualGenerator
 from raysim import rng as rngmod
@@ -80,26 +79,18 @@ class VHL(LocalTraining):
                 positive(f"{path}.{k}", getattr(self, k))
             positive(f"{path}.align_epochs", self.align_epochs, allow_zero=True)
 
-    def __init__(self, params, task):
-        super().__init__(params, task)
-        self._mods = {}
-
     def validate(self):
         self.require_homogeneous()
         if len(self.task.input_shape) != 3:
             raise ConfigError("data.dataset", f"vhl's virtual data are images (C, H, W); the input shape is "
                                               f"{self.task.input_shape}")
 
-    def _module(self, key, make, device):
-        return gen_ops.cached_module(self._mods, key, make, device)
-
     def outputs(self) -> int:
         return 2 * self.task.num_classes
 
     def live_model(self, ctx: Context):
         spec = self.task.archs[ctx.client_id]
-        return self._module(("model", arch_key(spec)), lambda: build_model(spec, self.task.input_shape, self.outputs()),
-                            ctx.device)
+        return ctx.models.get(("model", arch_key(spec)), lambda: build_model(spec, self.task.input_shape, self.outputs()))
 
     def make_generator(self):
         p = self.params
@@ -114,7 +105,7 @@ class VHL(LocalTraining):
 
     def vhl_receive(self, payload, state, data, ctx: Context):
         c, per = self.task.num_classes, self.params.virtual_per_class
-        gen = self._module("gen", self.make_generator, ctx.device)
+        gen = ctx.models.get("gen", self.make_generator)
         gen.load_state_dict(payload["generator"].tensors)
         gen.eval()
         y = torch.arange(c, device=ctx.device).repeat_interleave(per)
@@ -125,8 +116,7 @@ class VHL(LocalTraining):
 
     # -- server -----------------------------------------------------------------------------------------------------
     def init_server_state(self, ctx: Context):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rngmod.derive_seed(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "vhl_generator"))
+        with rngmod.init_seed(self.task.seed, "vhl_generator"):
             gen = self.make_generator()
         model = build_model(self.task.archs[0], self.task.input_shape, self.outputs())
         return {"model": clone_state(model), "generator": clone_state(gen)}

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
 
 from raysim import rng as rngmod
-from raysim.config import ArchSpec, ConfigError, TrainConfig
+from raysim.config import ConfigError, TrainConfig
 from raysim.data.arrays import ArrayDataset
 from raysim.data.federated import ClientData
 from raysim.messages import Payload
@@ -63,18 +63,27 @@ class Task:
 
 
 class ModelCache:
-    """One live ``nn.Module`` per architecture in a runner; a client's weights are loaded into it in place."""
+    """A runner's live objects, one per key, on the runner's device: the clients' models (one ``nn.Module`` per
+    architecture; a client's weights are loaded into it in place) and whatever else a method keeps live between
+    calls (generators, a second model, frozen copies, public data on the device). Runner-local, never state: the
+    weights that matter are always loaded from the explicit state or payload."""
 
     def __init__(self, task: Task, device):
         self.task, self.device, self._models = task, device, {}
 
-    def get(self, spec: ArchSpec) -> SplitModel:
-        key = arch_key(spec)
+    def get(self, key, make: Optional[Callable[[], Any]] = None):
+        """The object cached under ``key``, built by ``make()`` on first use (a module is moved to the runner's
+        device; anything else is made there by ``make``). Building draws from torch's global RNG: the random stream
+        is kept, so that when a cache is first filled never changes the numbers of the client being trained
+        (sequential == ray, any actor layout). Without ``make``, ``key`` is an ArchSpec: that architecture's model."""
+        if make is None:
+            spec = key
+            key = ("arch", arch_key(spec))
+            make = lambda: build_model(spec, self.task.input_shape, self.task.num_classes)  # noqa: E731
         if key not in self._models:
-            # building draws from torch's global RNG; fork it so that when a cache is first filled never changes
-            # the random stream of the client being trained (sequential == ray, any actor layout)
-            with torch.random.fork_rng(devices=[]):
-                self._models[key] = build_model(spec, self.task.input_shape, self.task.num_classes).to(self.device)
+            with rngmod.keep_global_rng():
+                obj = make()
+                self._models[key] = obj.to(self.device) if isinstance(obj, torch.nn.Module) else obj
         return self._models[key]
 
 
@@ -92,11 +101,12 @@ class Context:
     step: str = ""  # the schedule step being run
     iteration: int = 0  # repetition index inside a Repeat group
 
+    def __post_init__(self):
+        if self.models is None:  # a context built by hand (tests): a cache of its own
+            self.models = ModelCache(self.task, self.device)
+
     def _purpose(self, purpose: str) -> str:
-        # streams of the classic steps keep their names; other steps and repetitions get their own streams
-        if self.step and self.step not in ("update", "evaluate", "init", "aggregate", "broadcast", "evaluate_server"):
-            purpose = f"{purpose}@{self.step}"
-        return f"{purpose}#{self.iteration}" if self.iteration else purpose
+        return rngmod.stream_name(purpose, self.step, self.iteration)
 
     def rng(self, purpose: str) -> np.random.Generator:
         return rngmod.numpy_rng(self.seed, self.round_idx, self.client_id, self._purpose(purpose))

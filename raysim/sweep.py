@@ -45,13 +45,15 @@ def run_seeds(cfg: ExperimentConfig, seeds: list[int], out_dir: Optional[str | P
     from raysim.engine.prepare import prepare
     from raysim.engine.loop import run_experiment
 
-    cfgs = [replace(cfg, seed=int(s)) for s in seeds]
-    for c in cfgs:  # every seed's data and partition are checked before the first run starts
-        prepare(c)
+    # every seed's data and partition are checked before the first run starts; each run then uses its preparation
+    # (released once the run is done)
+    preps = [prepare(replace(cfg, seed=int(s))) for s in seeds]
     out = []
-    for c in cfgs:
+    for i, c in enumerate([p.cfg for p in preps]):
         target = Path(out_dir) / f"seed{c.seed}" if out_dir else None
-        res = run_experiment(c, out_dir=target, progress=progress)
+        prep, preps[i] = preps[i], None
+        res = run_experiment(c, out_dir=target, progress=progress, prepared=prep)
+        del prep
         mean, std = res.final("test_acc")
         log(f"seed {c.seed}: final mean local test accuracy {mean:.4f} ± {std:.4f} (sample std over clients) "
             f"-> {res.out_dir}")

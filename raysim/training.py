@@ -17,11 +17,31 @@ import torch.nn as nn
 from raysim.config import TrainConfig
 
 
-def make_optimizer(params, cfg: TrainConfig, lr: Optional[float] = None) -> torch.optim.Optimizer:
-    lr = cfg.lr if lr is None else lr
-    if cfg.optimizer == "adam":
-        return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+def make_optimizer(params, cfg: Optional[TrainConfig] = None, lr: Optional[float] = None, state: Optional[dict] = None,
+                   model: Optional[nn.Module] = None, *, kind: Optional[str] = None, momentum: Optional[float] = None,
+                   weight_decay: Optional[float] = None, betas: Optional[tuple] = None) -> torch.optim.Optimizer:
+    """The one optimiser builder: ``kind`` (``"sgd"`` | ``"adam"``; default ``cfg.optimizer``) over ``params`` with
+    learning rate ``lr`` (default ``cfg.lr``), momentum and weight decay from ``cfg`` unless given (0 without a
+    ``cfg``), Adam's ``betas`` (torch's default unless given; the GANs use (0.5, 0.999)). A saved ``state`` (from
+    :func:`optimizer_state`; e.g. kept with ``train.persist_optimizer``) is loaded by ``model``'s parameter names."""
+    kind = kind or (cfg.optimizer if cfg is not None else None)
+    lr = lr if lr is not None else (cfg.lr if cfg is not None else None)
+    if kind not in ("sgd", "adam") or lr is None:
+        raise TypeError(f"make_optimizer needs kind 'sgd' or 'adam' and a learning rate (from cfg or given), got "
+                        f"kind={kind!r}, lr={lr!r}")
+    if weight_decay is None:
+        weight_decay = cfg.weight_decay if cfg is not None else 0.0
+    if kind == "adam":
+        opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, **({"betas": betas} if betas else {}))
+    else:
+        if momentum is None:
+            momentum = cfg.momentum if cfg is not None else 0.0
+        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    if state:
+        if model is None:
+            raise TypeError("make_optimizer: a saved state is loaded by parameter names: pass model=")
+        load_optimizer_state(opt, model, state)
+    return opt
 
 
 def minibatches(n: int, batch_size: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
@@ -61,9 +81,7 @@ def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.T
 
     set_dropout_generator(model, dropout_generator)
     try:
-        opt = make_optimizer(model.parameters(), cfg, lr)
-        if opt_state:
-            load_optimizer_state(opt, model, opt_state)
+        opt = make_optimizer(model.parameters(), cfg, lr, opt_state, model)
         metrics = _train_loop(model, x, y, cfg, batch_generator, objective, opt,
                               cfg.local_epochs if epochs is None else epochs)
         return metrics, optimizer_state(opt, model)

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from raysim.cli import main
+from raysim.engine.callbacks import EvalCallback
 from raysim.io.rundir import RunDir
 from tests.conftest import run_cli, tiny_config
 
@@ -159,7 +160,7 @@ def test_resume_of_a_different_config(tmp_path, capsys):
         raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_experiment(make_config(yaml.safe_load(cfg.read_text())), out_dir=tmp_path / "run", callback=crash)
+        run_experiment(make_config(yaml.safe_load(cfg.read_text())), out_dir=tmp_path / "run", callbacks=[EvalCallback(crash)])
     before = sorted(p.name for p in (tmp_path / "run.incomplete").rglob("*"))
     assert main(["run", str(cfg), "--resume", str(tmp_path / "run.incomplete"), "--set", "seed=8"]) == 2
     err = capsys.readouterr().err

@@ -335,7 +335,7 @@ def test_damaged_study_storage(tmp_path, kind, damage, capsys):
 
 
 def test_damaged_candidate_image(tmp_path):
-    from algorithms.slaugfl import load_image_folder
+    from raysim.data.class_folders import load_class_folders as load_image_folder
     from PIL import Image
 
     (tmp_path / "0").mkdir()

@@ -6,6 +6,7 @@ import torch
 from raysim.io import results
 from raysim.errors import SimulationError
 from raysim.engine.prepare import prepare
+from raysim.engine.callbacks import EvalCallback
 from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 from raysim.io.checkpoints import load_checkpoint
@@ -145,7 +146,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny, tmp_path, use_en
         return False
 
     with pytest.raises(_Crash) as e:
-        run_experiment(tiny(**over), out_dir=tmp_path / "run", callback=crash)
+        run_experiment(tiny(**over), out_dir=tmp_path / "run", callbacks=[EvalCallback(crash)])
     kept = tmp_path / "run.incomplete"
     assert kept.is_dir() and not (tmp_path / "run").exists()
     assert "--resume" in "".join(getattr(e.value, "__notes__", []))
@@ -164,7 +165,7 @@ def test_resume_refuses_a_different_config(tiny, tmp_path):
         raise _Crash("killed")
 
     with pytest.raises(_Crash):
-        run_experiment(tiny(**over), out_dir=tmp_path / "run", callback=crash)
+        run_experiment(tiny(**over), out_dir=tmp_path / "run", callbacks=[EvalCallback(crash)])
     with pytest.raises(ConfigError) as e:
         run_experiment(tiny(**over, seed=8), resume=tmp_path / "run.incomplete")
     assert e.value.field == "resume"

@@ -320,7 +320,7 @@ def test_fedpu_default_split_is_the_seeds():
         assert (p.pu_split, p.labelled_classes, p.pu_min_class) == ("seed", 2, 40)
     y = torch.tensor([3] * 50 + [5] * 50 + [8] * 50)
     data = SimpleNamespace(y_train=y, classes=[3, 5, 8], client_id=4)
-    view = fedpu.make_view(data, 10, 0.5, seed=1)
+    view = fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=0.5))
     pos = fedpu.positive_classes([3, 5, 8], 2, 1, 4)
     (neg,) = sorted({3, 5, 8} - set(pos))
     counts = {c: int((view.y_obs == c).sum()) for c in (3, 5, 8)}
@@ -336,12 +336,12 @@ def test_fedpu_default_split_is_the_seeds():
     want_pi[neg] = 0.5
     assert torch.allclose(view.prior, want_pi)
     # rate 1 labels everything under the seed's split (its Fig. 4 rate-1 column is the supervised number) ...
-    assert fedpu.make_view(data, 10, 1.0, seed=1) is None
+    assert fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=1.0)) is None
     # ... while FedPU's code ('official') still leaves the non-positive class unlabelled: pi = 1 on it
-    off = fedpu.make_view(data, 10, 1.0, seed=1, split="official")
+    off = fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=1.0, pu_split="official"))
     assert {c: int((off.y_obs == c).sum()) for c in (3, 5, 8)} == {pos[0]: 50, pos[1]: 50, neg: 0}
     assert float(off.prior[neg]) == pytest.approx(1.0)
     # the earlier default ('held'): every held class positive, 25 labels each
-    held = fedpu.make_view(data, 10, 0.5, seed=1, split="held")
+    held = fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=0.5, pu_split="held"))
     assert all(int((held.y_obs == c).sum()) == 25 for c in (3, 5, 8))
     assert held.positive[[3, 5, 8]].tolist() == [1.0, 1.0, 1.0]

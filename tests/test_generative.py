@@ -381,7 +381,7 @@ def test_slaugfl_candidate_folder(tmp_path):
     from PIL import Image
     import numpy as np
 
-    from algorithms.slaugfl import load_image_folder
+    from raysim.data.class_folders import load_class_folders as load_image_folder
 
     for c in (0, 2):
         (tmp_path / str(c)).mkdir()

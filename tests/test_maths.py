@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from raysim.algorithm import ModelCache
 from raysim.config import TrainConfig
 from raysim.messages import Message
 
@@ -241,7 +242,8 @@ def _fml_setup(alpha, beta, lr=0.1):
     algo = FML(FML.Params(alpha=alpha, beta=beta), task)
     private = Lin(3, 2)
     ctx = SimpleNamespace(model=lambda client_id=None: private, device="cpu", round_idx=0, client_id=1,
-                          generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(0),
+                          models=ModelCache(task, "cpu"))
     data = SimpleNamespace(num_train=2, x_train=torch.eye(2), y_train=torch.tensor([0, 1]))
     return algo, ctx, data
 
@@ -305,7 +307,8 @@ def test_fedkd_mentor_mentee_losses_and_w_h_step_by_hand():
     algo = FedKD(FedKD.Params(), task)
     mentor = KD()
     ctx = SimpleNamespace(model=lambda client_id=None: mentor, device="cpu", round_idx=0, client_id=1,
-                          generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(0),
+                          models=ModelCache(task, "cpu"))
     data = SimpleNamespace(num_train=2, x_train=torch.eye(2), y_train=torch.tensor([0, 1]))
     # mentor: a = (1, 1), V = [[2, 0], [0, -1]] -> h = (1, 0), (0, 1); z = (2, 0), (0, -1)
     # mentee: a = (2, 1), V = [[0, 1], [1, 0]] -> h_g = (2, 0), (0, 1); z_g = (0, 2), (1, 0)

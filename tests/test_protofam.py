@@ -259,9 +259,9 @@ def test_fedpu_client_trains_without_hidden_labels(tiny):
     from algorithms import fedpu
     from raysim.algorithm import ModelCache
 
-    view = fedpu.make_view(data, task.num_classes, 0.5, task.seed, min_class=1)
+    view = fedpu.make_view(data, task.num_classes, task.seed, fedpu.PUParams(positive_rate=0.5, pu_min_class=1))
     assert (view.y_obs == UNLABELLED).sum() > 0 and (view.y_obs >= 0).sum() > 0
-    assert torch.equal(view.y_obs, fedpu.make_view(data, task.num_classes, 0.5, task.seed, min_class=1).y_obs)
+    assert torch.equal(view.y_obs, fedpu.make_view(data, task.num_classes, task.seed, fedpu.PUParams(positive_rate=0.5, pu_min_class=1)).y_obs)
 
     def run(d):
         cache = ModelCache(task, torch.device("cpu"))

@@ -22,6 +22,7 @@ from raysim.engine import safety
 from raysim.cli import main
 from raysim.config import ConfigError, load_config, make_config
 from raysim.messages import Message
+from raysim.engine.callbacks import EvalCallback
 from raysim.engine.loop import run_experiment
 from tests.conftest import register_for_test, tiny_config
 
@@ -147,12 +148,13 @@ def test_run_index_and_report_skip_unfinished_and_hidden_dirs(tiny, tmp_path):
 HOLDER = """
 import os, sys, time
 from raysim.config import load_config
+from raysim.engine.callbacks import EvalCallback
 from raysim.engine.loop import run_experiment
 def hold(round_idx, table):  # the run stays in its first round until the test has tried the second run
     while not os.path.exists(sys.argv[3]):
         time.sleep(0.02)
     return False
-run_experiment(load_config(sys.argv[1]), out_dir=sys.argv[2], callback=hold)
+run_experiment(load_config(sys.argv[1]), out_dir=sys.argv[2], callbacks=[EvalCallback(hold)])
 """
 
 
@@ -179,12 +181,13 @@ def test_simultaneous_runs_into_one_out(tmp_path):
 KILLER = """
 import os, signal, sys
 from raysim.config import load_config
+from raysim.engine.callbacks import EvalCallback
 from raysim.engine.loop import run_experiment
 def die(round_idx, table):
     if round_idx == 4:
         os.kill(os.getpid(), signal.SIGKILL)
     return False
-run_experiment(load_config(sys.argv[1]), out_dir=sys.argv[2], callback=die)
+run_experiment(load_config(sys.argv[1]), out_dir=sys.argv[2], callbacks=[EvalCallback(die)])
 """
 
 
@@ -217,7 +220,7 @@ def test_ctrl_c_keeps_checkpoints_and_prints_the_resume_command(tmp_path, capsys
             if round_idx == 2:
                 raise KeyboardInterrupt
             return False
-        return real(*a, callback=ctrl_c, **k)
+        return real(*a, callbacks=[EvalCallback(ctrl_c)], **k)
 
     monkeypatch.setattr(raysim.engine.loop, "run_experiment", interrupted)
     assert main(["run", str(cfg), "--out", str(tmp_path / "run"), "--set", "eval.every=1"]) == 130
@@ -282,13 +285,12 @@ def test_list_shows_defaults_and_meanings(capsys):
 # results API and reports
 
 
-def test_results_api_metric_first_with_the_old_order_still_working(tiny):
+def test_results_api_takes_the_metric_first(tiny):
     df = run_experiment(tiny(rounds=3), write=False).table
     new = results.rounds_to_target(df, "test_acc", 0.0)
     assert new["round"].tolist() == [0] and new["rounds"].tolist() == [1]
-    with pytest.warns(DeprecationWarning):
-        old = results.rounds_to_target(df, 0.0, "test_acc")
-    pd.testing.assert_frame_equal(old, new)
+    with pytest.raises(TypeError, match="metric must be a metric name"):  # the old order (df, target, metric)
+        results.rounds_to_target(df, 0.0, "test_acc")
     with pytest.raises(results.MetricError, match="no client metric 'test_accc'.*test_acc"):
         results.final(df, "test_accc")
     with pytest.raises(KeyError):  # MetricError is a KeyError: callers that caught KeyError still do

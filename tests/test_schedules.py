@@ -6,6 +6,7 @@ import torch
 
 from raysim.config import make_config
 from raysim.engine.prepare import prepare
+from raysim.engine.callbacks import EvalCallback
 from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 from raysim.io.checkpoints import load_checkpoint
@@ -113,7 +114,7 @@ def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_experiment(toy(tiny, **over), out_dir=tmp_path / "run", callback=crash)
+        run_experiment(toy(tiny, **over), out_dir=tmp_path / "run", callbacks=[EvalCallback(crash)])
     kept = tmp_path / "run.incomplete"
     assert (kept / "checkpoints" / "setup" / "meta.pt").exists()
     resumed = run_experiment(toy(tiny, **over), resume=kept)
@@ -264,13 +265,13 @@ def test_checkpoint_from_two_actors_resumes_on_one_runner(ray_session, tiny, tmp
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        run_experiment(toy(tiny, backend={"name": "ray", "num_actors": 2}, **over), out_dir=tmp_path / "a", callback=crash)
+        run_experiment(toy(tiny, backend={"name": "ray", "num_actors": 2}, **over), out_dir=tmp_path / "a", callbacks=[EvalCallback(crash)])
     assert sorted(p.name for p in (tmp_path / "a.incomplete" / "checkpoints" / "round_00001").iterdir()) == [
         "clients-0.pt", "clients-1.pt", "meta.pt", "server.pt"]
     seq = run_experiment(toy(tiny, **over), resume=tmp_path / "a.incomplete").table
     pd.testing.assert_frame_equal(without_timing(full), without_timing(seq))
     with pytest.raises(KeyboardInterrupt):
-        run_experiment(toy(tiny, **over), out_dir=tmp_path / "b", callback=crash)
+        run_experiment(toy(tiny, **over), out_dir=tmp_path / "b", callbacks=[EvalCallback(crash)])
     r = run_experiment(toy(tiny, backend={"name": "ray", "num_actors": 2}, **over), resume=tmp_path / "b.incomplete").table
     pd.testing.assert_frame_equal(without_timing(full), without_timing(r))
 

@@ -116,6 +116,7 @@ def nonfinite_loss(df: pd.DataFrame) -> Optional[str]:
 def execute_trial(trial, base: dict, space: SearchSpace, run_dir: str | Path) -> TrialOutcome:
     """Run one trial's experiment; never raises for a diverging or failing run (only for a bad config)."""
     from raysim.errors import SimulationError
+    from raysim.engine.callbacks import EvalCallback
     from raysim.engine.loop import run_experiment
     from raysim.engine.safety import NonFiniteError
 
@@ -125,7 +126,7 @@ def execute_trial(trial, base: dict, space: SearchSpace, run_dir: str | Path) ->
     mon = RoundMonitor(trial, space)
     out = TrialOutcome("error", run_dir=str(run_dir))
     try:
-        res = run_experiment(cfg, out_dir=run_dir, progress=False, callback=mon)
+        res = run_experiment(cfg, out_dir=run_dir, progress=False, callbacks=[EvalCallback(mon)])
         out.run_dir = str(res.out_dir)
         df = results.load(res.out_dir)
         out.last_round = int(df["round"].max()) if len(df) else None

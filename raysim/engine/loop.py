@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import yaml
 
@@ -31,13 +31,12 @@ from raysim.io import rundir
 from raysim.engine import safety
 from raysim.backends import make_backend
 from raysim.config import ConfigError, ExperimentConfig, check_path_component, to_dict
-from raysim.io.results import ResultTable
 from raysim.errors import SimulationError
 from raysim.engine.runners import step_token
 from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
-from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, EvalCallback, ProgressBar, RunDirectory
-from raysim.engine.prepare import prepare, resume_hash, versions
+from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, ProgressBar, RunDirectory
+from raysim.engine.prepare import Prepared, prepare, resume_hash, versions
 from raysim.engine.record import SETUP_ROUND, Run, RunResult, RoundLog
 
 
@@ -228,10 +227,11 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
 
 
 def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: Optional[bool] = None,
-                   callback: Optional[Callable[[int, ResultTable], bool]] = None, write: bool = True,
-                   resume: Optional[str | Path] = None, callbacks: Optional[list[Callback]] = None) -> RunResult:
-    """Run one experiment. ``callback(round_idx, table) -> stop?`` is called after every evaluated round;
-    ``callbacks`` are :class:`Callback` objects (loggers, custom stopping rules).
+                   write: bool = True, resume: Optional[str | Path] = None, callbacks: Optional[list[Callback]] = None,
+                   prepared: Optional[Prepared] = None) -> RunResult:
+    """Run one experiment. ``callbacks`` are :class:`Callback` objects (loggers, custom stopping rules; a plain
+    ``fn(round_idx, table) -> stop?`` after every evaluated round is ``EvalCallback(fn)``). ``prepared``: the
+    result of ``prepare(cfg)`` when the caller already has it (``sweep.run_seeds`` checks every seed first).
 
     With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
     ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
@@ -242,7 +242,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     if write and resume is None:  # a bad or busy output directory fails before any data is loaded
         rundir.check_writable(target, where)
         rundir.check_free(target, where)
-    prep = prepare(cfg)
+    if prepared is not None and prepared.cfg != cfg:
+        raise ValueError("run_experiment: prepared= was prepared from another config")
+    prep = prepare(cfg) if prepared is None else prepared
     resume_meta = ck_dir = None
     rd = None
     if resume is not None:
@@ -262,8 +264,6 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         cbs += [started[0], Checkpointer(cfg.output.checkpoint_every)]
     if cfg.output.progress if progress is None else progress:
         cbs.append(ProgressBar(prep.algorithm.headline))
-    if callback is not None:
-        cbs.append(EvalCallback(callback))
     cbs += list(callbacks or [])
 
     backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)

@@ -350,10 +350,7 @@ def step_token(round_idx: int, step, iteration: int) -> str:
 
 
 def _purpose(step, iteration: int) -> str:
-    # the classic steps keep the stream names of the one-exchange engine ("update", "evaluate", "aggregate")
-    base = {"client_update": "update", "evaluate_client": "evaluate", "classic_aggregate": "aggregate",
-            "evaluate_server": "evaluate"}.get(step.method, step.name)
-    return base if iteration == 0 else f"{base}#{iteration}"
+    return rngmod.step_stream(step.method, step.name, iteration)
 
 
 def server_data(spec: RunSpec, fed_data) -> dict:

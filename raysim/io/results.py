@@ -12,7 +12,6 @@ deterministic. :func:`without_timing` drops them (for comparing tables), :func:`
 from __future__ import annotations
 
 import json
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -236,14 +235,6 @@ def _need_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     return d
 
 
-def _metric_first(fn: str, metric, other, default_metric: str = "test_acc"):
-    """Accept the old argument order ``fn(df, target, metric)`` (with a DeprecationWarning)."""
-    if metric is None or isinstance(metric, str):
-        return metric if metric is not None else default_metric, other
-    warnings.warn(f"results.{fn}: pass the metric first, {fn}(df, metric, ...)", DeprecationWarning, stacklevel=3)
-    return (other if isinstance(other, str) else default_metric), metric
-
-
 def client_metric(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
     """The per-client rows of ``metric``."""
     return _need_metric(df, metric)
@@ -284,7 +275,6 @@ def communication(df: pd.DataFrame) -> pd.DataFrame:
 def rounds_to_target(df: pd.DataFrame, metric: str = "test_acc", target: float | None = None) -> pd.DataFrame:
     """Per run: ``round``, the 0-based index of the first evaluated round whose mean ``metric`` reaches ``target``,
     and ``rounds``, the rounds completed by then (round + 1); NaN where it is never reached."""
-    metric, target = _metric_first("rounds_to_target", metric, target)
     if target is None:
         raise TypeError("rounds_to_target needs a target, e.g. rounds_to_target(df, 'test_acc', 0.9)")
     pr = per_round(df, metric)
@@ -315,7 +305,6 @@ def accuracy_vs_sim_time(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataF
 def sim_time_to_target(df: pd.DataFrame, metric: str = "test_acc", target: float | None = None) -> pd.DataFrame:
     """Per run: the first evaluated round whose mean ``metric`` reaches ``target``, and the simulated time (seconds)
     and bytes (up + down, all clients) spent until the end of that round; NaN where the target is never reached."""
-    metric, target = _metric_first("sim_time_to_target", metric, target)
     avt = accuracy_vs_sim_time(df, metric)
     tot = df[(df["scope"] == "total") & df["metric"].isin(["up_bytes", "down_bytes"])]
     out = []
@@ -358,7 +347,6 @@ def time_to_target(df: pd.DataFrame, metric: str = "test_acc", target: float | N
                    time: str = "round") -> pd.DataFrame:
     """Per run: the first evaluated round whose mean ``metric`` reaches ``target`` and the time axis there
     (rounds completed, bytes, or simulated time; see :func:`cumulative`). NaN where the target is never reached."""
-    metric, target = _metric_first("time_to_target", metric, target)
     pr = per_round(df, metric).merge(cumulative(df, time), on=["run_id", "round"], how="left")
     out = []
     for run_id, g in pr.groupby("run_id"):
@@ -414,8 +402,7 @@ def seed_summary(df: pd.DataFrame, metric: str = "test_acc", groups=None, target
     the ``time`` axis there), communication totals over the whole run. Every round column (last_round, best_round,
     rounds_to_target) counts rounds completed (the table's round index + 1), as the x axis of :func:`seed_curves`.
     The std is the sample std over runs (ddof = 1; NaN for a single run). ``groups``: run_id -> group (a mapping or
-    the frame of :func:`run_index`); default one group per run. (The old order ``(df, groups, metric)`` still works.)"""
-    metric, groups = _metric_first("seed_summary", metric, groups)
+    the frame of :func:`run_index`); default one group per run."""
     g = _groups_frame(df, groups)
     fin = final(df, metric)[["run_id", "round", "mean"]].rename(columns={"round": "last_round", "mean": "final"})
     bst = best(df, metric)[["run_id", "round", "mean"]].rename(columns={"round": "best_round", "mean": "best"})
@@ -445,9 +432,7 @@ def seed_summary(df: pd.DataFrame, metric: str = "test_acc", groups=None, target
 
 def seed_curves(df: pd.DataFrame, metric: str = "test_acc", groups=None, time: str = "round") -> pd.DataFrame:
     """Per group and evaluated round: the time axis (mean over runs; for ``round`` the rounds completed) and the mean
-    over clients of ``metric``, averaged over runs with its sample std (columns group, round, x, mean, std, runs).
-    (The old order ``(df, groups, metric)`` still works.)"""
-    metric, groups = _metric_first("seed_curves", metric, groups)
+    over clients of ``metric``, averaged over runs with its sample std (columns group, round, x, mean, std, runs)."""
     g = _groups_frame(df, groups)
     pr = per_round(df, metric)[["run_id", "round", "mean"]].merge(cumulative(df, time), on=["run_id", "round"])
     pr = pr.merge(g, on="run_id")

@@ -27,7 +27,6 @@ from raysim.config import ConfigError
 
 INCOMPLETE = ".incomplete"
 LOCK_FILE = ".lock"
-LEGACY_TMP = ".tmp-"  # where runs were built before (hidden); still accepted by --resume
 
 
 def notice(message: str) -> None:
@@ -45,18 +44,16 @@ def work_path(final: Path) -> Path:
 
 
 def intended_path(path: Path) -> Path:
-    """The intended (finished) directory of a working directory: strips ``.incomplete`` (or the old ``.tmp-``)."""
+    """The intended (finished) directory of a working directory: strips ``.incomplete``."""
     path = Path(path)
     name = path.name
     if name.endswith(INCOMPLETE):
         name = name[: -len(INCOMPLETE)]
-    elif name.startswith(LEGACY_TMP):
-        name = name[len(LEGACY_TMP):]
     return path.with_name(name)
 
 
 def is_unfinished_name(path: Path) -> bool:
-    return Path(path).name.endswith(INCOMPLETE) or Path(path).name.startswith(LEGACY_TMP)
+    return Path(path).name.endswith(INCOMPLETE)
 
 
 def is_listed_run_path(path: Path, root: Optional[Path] = None) -> bool:
