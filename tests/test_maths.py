@@ -434,3 +434,92 @@ def test_projected_public_gradient_drives_the_sgd_step():
     set_flat_grad(m, g)
     opt.step()
     assert close(m.u.detach(), [1.0 + 0.25, 2.0 - 0.25]) and close(m.v.detach(), [3.0 - 1.0])
+
+
+# == 6. MAFML's client update (eq. 1-7): one local step, then one global step ========================================
+
+def adam_steps(w, grads, lrs, b1=0.9, b2=0.999, eps=1e-8):
+    """Adam (Kingma & Ba, Algorithm 1) on one scalar: m, v moments with bias correction,
+    w <- w - lr * m_hat / (sqrt(v_hat) + eps), one step per (gradient, learning rate)."""
+    m = v = 0.0
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        w = w - lr * (m / (1 - b1 ** t)) / (math.sqrt(v / (1 - b2 ** t)) + eps)
+    return w
+
+
+@pytest.mark.parametrize("project", [True, False])
+def test_mafml_local_and_global_step_by_hand(project):
+    """Node 1 of 3 on a linear model z = W x (2 classes, 2 features, no bias). Local step (eq. 1-2): a batch of its
+    two private samples e_0 (label 0) and e_1 (label 1), g_loc = grad CE, Adam step with lr beta; then the soft labels
+    and accuracy of its one public sample. Global step (eq. 3-7) against the hand-made uploads of nodes 0 and 2: the
+    accuracy-weighted KL and the CE over the two teachers, averaged (N - 1 = 2), the conflict check against g_loc
+    and the projection, then a second Adam step (the same Adam state) with lr eta."""
+    from algorithms.mafml import MAFML
+
+    beta, eta = 0.1, 0.05
+    w0 = [[0.5, -0.2], [0.1, 0.3]]  # W[c][k]
+    # the public set: sample 0 (1, 1) label 1 of node 0; sample 1 (1, 0) label 1 of node 1; sample 2 (0, 1) label 0
+    # of node 2
+    pub = SimpleNamespace(x=torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]]), y=torch.tensor([1, 1, 0]),
+                          owner=torch.tensor([0, 1, 2]))
+    cfg = TrainConfig(local_epochs=1, batch_size=2, optimizer="adam", lr=beta)
+    task = SimpleNamespace(train=cfg, build_model=lambda cid: Lin(2, 2), public=pub, num_clients=3, rounds=1)
+    algo = MAFML(MAFML.Params(iterations=1, public_lr=eta, project=project), task)
+    ctx = SimpleNamespace(client_id=1, device="cpu", round_idx=0,
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
+    data = SimpleNamespace(num_train=2, x_train=torch.eye(2), y_train=torch.tensor([0, 1]))
+    state = {"model": {"w": torch.tensor(w0)}, "opt": {}, "g_loc": torch.zeros(0)}
+
+    # -- local step: CE over samples e_0, e_1; dCE/dz_i = (p_i - onehot_i) / 2 lands in column i of W
+    out = algo.local({}, state, data, ctx)
+    z = [[w0[0][i], w0[1][i]] for i in range(2)]
+    p = [softmax(r) for r in z]
+    assert out.metrics["train_loss"] == pytest.approx(ce_rows(z, [0, 1]), rel=1e-6)
+    g_loc = [[(p[k][c] - (c == k)) / 2 for k in range(2)] for c in range(2)]
+    assert close(out.state["g_loc"], [g for row in g_loc for g in row])  # flat, row-major (c, k)
+    w1 = [[adam_steps(w0[c][k], [g_loc[c][k]], [beta]) for k in range(2)] for c in range(2)]
+    assert close(out.state["model"]["w"], w1)
+    # soft labels of its public sample (1, 0), read after the step: z = column 0 of W1; label 1
+    s = [w1[0][0], w1[1][0]]
+    soft = out.upload["soft"]
+    assert soft.kind == "soft_labels" and soft["idx"].tolist() == [1]
+    assert close(soft["p"], [softmax(s)])
+    assert soft["acc"].tolist() == [float(s[1] > s[0])] == [out.metrics["public_batch_acc"]]
+
+    # -- global step against node 0 (A = 0.5, sample 0, p = (0.7, 0.3)) and node 2 (A = 1, sample 2, p = (0.2, 0.8))
+    teachers = {0: (0.5, [1.0, 1.0], 1, [0.7, 0.3]), 2: (1.0, [0.0, 1.0], 0, [0.2, 0.8])}
+    payload = {f"soft_{j}": Message("soft_labels", {"idx": torch.tensor([j]), "p": torch.tensor([pj]),
+                                                    "acc": torch.tensor([a])})
+               for j, (a, _, _, pj) in teachers.items()}
+    glob = algo.step_global(payload, out.state, data, ctx)
+    kl = ce = 0.0
+    g_pub = [[0.0, 0.0], [0.0, 0.0]]
+    for a, x, y, pj in teachers.values():
+        zs = [w1[c][0] * x[0] + w1[c][1] * x[1] for c in range(2)]
+        q = softmax(zs)
+        kl += a * kl_rows([pj], [q]) / 2  # (1 / (N - 1)) sum_j A_j KL(p_j || q_j)  (eq. 3-4)
+        ce += ce_rows([zs], [y]) / 2  # (1 / (N - 1)) sum_j CE  (eq. 5)
+        dz = [(a * (q[c] - pj[c]) + (q[c] - (c == y))) / 2 for c in range(2)]  # d(KL + CE)/dz_j
+        for c in range(2):
+            for k in range(2):
+                g_pub[c][k] += dz[c] * x[k]
+    assert glob.metrics["train_kl"] == pytest.approx(kl, rel=1e-5)
+    assert glob.metrics["train_ce_public"] == pytest.approx(ce, rel=1e-6)
+    dot = sum(g_pub[c][k] * g_loc[c][k] for c in range(2) for k in range(2))
+    nn2 = sum(g * g for row in g_loc for g in row)
+    assert dot < -0.05  # (by construction) the public gradient conflicts with the local one: cos < 0
+    if project:  # eq. 7: the component along g_loc removed
+        g = [[g_pub[c][k] - dot / nn2 * g_loc[c][k] for k in range(2)] for c in range(2)]
+        assert abs(sum(g[c][k] * g_loc[c][k] for c in range(2) for k in range(2))) < 1e-12  # now orthogonal
+    else:
+        g = g_pub
+    assert glob.metrics["projected"] == float(project)
+    w2 = [[adam_steps(w0[c][k], [g_loc[c][k], g[c][k]], [beta, eta]) for k in range(2)] for c in range(2)]
+    assert close(glob.state["model"]["w"], w2, 1e-6)
+    other = [[adam_steps(w0[c][k], [g_loc[c][k], g_pub[c][k] if project else
+                                    g_pub[c][k] - dot / nn2 * g_loc[c][k]], [beta, eta]) for k in range(2)]
+             for c in range(2)]
+    assert not close(glob.state["model"]["w"], other, 1e-4)  # the projection moves the weights measurably
+    assert glob.state["g_loc"].numel() == 0 and glob.upload == {}
