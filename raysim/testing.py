@@ -148,7 +148,7 @@ def check_resume(cfg: ConfigLike, reference: Optional[pd.DataFrame] = None,
     with tempfile.TemporaryDirectory(prefix="raysim-resume-") as tmp:
         run = Path(workdir or tmp) / "run"
         run_experiment(short, out_dir=run)
-        resumed = run_experiment(every, resume=run).table
+        resumed = run_experiment(every, resume=run, out_dir=run.with_name("resumed")).table
     assert_same_table(reference.drop(columns="run_id"), resumed.drop(columns="run_id"),
                       f"{cfg.algorithm.name}: stopped after round {cfg.rounds - 2} and resumed")
     return resumed
