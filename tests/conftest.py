@@ -61,18 +61,18 @@ def tiny_config(**over) -> dict:
 
 def method_overrides(name: str) -> dict:
     """Config overrides a method needs on the tiny config: FedPer shares conv layers by default (the mlp has none),
-    so it runs on the two-conv cnn_small; PN-ICFL pre-trains on a public set."""
+    so it runs on the two-conv cnn_small; PN-ICFL pre-trains on a public set. Every branch returns; one method, one
+    branch (tests/test_conformance.py: test_slaugfl_runs_its_small_generator_in_the_suites)."""
     if name == "fedper":
         return {"model": {"arch": "cnn_small", "params": {"channels": 4, "embed_dim": 16}}}
     if name in ("pnicfl", "pnicfl_plus"):  # server pre-training on a public set; 2 clusters of 6 clients
         return {"data__public": {"dataset": "synthetic", "size": 400},
                 "algorithm__params": {"num_clusters": 2, "pretrain_episodes": 5}}
-    if name == "slaugfl":  # picks representatives on a server-held validation set
-        return {"data__server_val": 100}
+    if name == "slaugfl":  # picks representatives on a server-held validation set; a small generator (the
+        # production default trains 300 steps of a 128-channel one)
+        return {"data__server_val": 100, "algorithm__params": dict(SLAUGFL_SMALL)}
     if name == "fedfomo":  # weighs the received models on a validation split
         return {"data__val_fraction": 0.2}
-    if name == "slaugfl":  # a small generator (the production default trains 300 steps of a 128-channel one)
-        return {"algorithm__params": dict(SLAUGFL_SMALL)}
     if name in MUTUAL:  # the mutual-learning family: 4 rotated domains with the four-way local split, Adam
         return {"data": {"dataset": "synthetic", "num_clients": 4, "partition": "shared_base",
                          "partition_params": {"per_class": 12}, "rotations": [0, 90, 180, 270],

@@ -121,3 +121,31 @@ class HoldFedProto(FedProto):
                 while not (d / "release").exists():
                     time.sleep(0.05)
         return super().aggregate(server_state, uploads, ctx)
+
+
+class NondeterministicAvg(FedAvg):
+    """A FedAvg whose server reports a number from the operating system's entropy (raysim.testing's determinism
+    check must catch it)."""
+
+    name = "nondet_avg"
+
+    def aggregate(self, server_state, uploads, ctx):
+        import os
+
+        state, metrics = super().aggregate(server_state, uploads, ctx)
+        return state, {**metrics, "entropy": float(int.from_bytes(os.urandom(4), "little"))}
+
+
+class UndeclaredUploadAvg(FedAvg):
+    """A FedAvg whose clients also upload a kind it does not declare (raysim.testing's accounting check must catch
+    it)."""
+
+    name = "undeclared_avg"
+
+    def client_final(self, model, start, payload, state, data, ctx):
+        import torch
+        from raysim.messages import Message
+
+        state, upload = super().client_final(model, start, payload, state, data, ctx)
+        upload["extra"] = Message("extra_kind", {"x": torch.zeros(3)})
+        return state, upload

@@ -1,35 +1,18 @@
-"""Conformance suite: every registered algorithm runs end to end on tiny data with finite metrics and picklable
-state, gives an identical table for the same seed, with every client state spilled to disk (state_memory_mb: 0),
-after a resume from a checkpoint, and (Ray tests) on the Ray backend with 1 and 2 actors; and survives an
-aggregation round with no uploads."""
-import math
-import pickle
-
+"""Conformance suite: every shipped method passes the checks of ``raysim.testing`` (the module a user runs on a
+method of their own): it runs end to end on tiny data with finite metrics and picklable state, gives an identical
+table for the same seed, with every client state spilled to disk (state_memory_mb: 0), after a resume from a
+checkpoint, and (Ray tests) on the Ray backend with 2 actors and spilled states; and survives an aggregation round
+with no uploads. Message accounting runs per method in tests/test_privacy.py (with the leak check). The checks
+themselves are shown to fail on a method that breaks them (below)."""
 import pandas as pd
 import pytest
 
-from raysim.engine.prepare import prepare
-from raysim.engine.loop import run_experiment
-from raysim.io.results import without_timing
+from raysim import testing
 from raysim.registry import ALGORITHMS
-from raysim.engine.runners import ClientRunner, ServerRunner
-from raysim.steps import CLASSIC_ROUND, EVALUATION
 
 NAMES = sorted(n for n, target in ALGORITHMS.items() if target.startswith("algorithms."))  # the shipped methods
 
-
-def same(a, b):
-    """Identical tables but for the wall-time rows (round_s, step_s@*), which differ run to run."""
-    pd.testing.assert_frame_equal(without_timing(a), without_timing(b))
-
-
 _SEQUENTIAL: dict = {}  # method -> its sequential table (the conformance test's run, reused by the Ray test)
-
-
-def sequential_table(tiny, name) -> pd.DataFrame:
-    if name not in _SEQUENTIAL:
-        _SEQUENTIAL[name] = run_experiment(cfg_for(tiny, name), write=False).table
-    return _SEQUENTIAL[name].copy()
 
 
 def cfg_for(tiny, name, **over):
@@ -41,44 +24,67 @@ def cfg_for(tiny, name, **over):
 @pytest.mark.parametrize("name", NAMES)
 def test_algorithm_conformance(tiny, name, tmp_path):
     cfg = cfg_for(tiny, name)
-    a = run_experiment(cfg, write=False)
-    _SEQUENTIAL[name] = a.table
-    b = run_experiment(cfg, write=False)
-    same(a.table, b.table)
-    vals = a.table["value"]
-    assert all(math.isfinite(v) for v in vals), a.table[~vals.map(math.isfinite)]
-    assert (a.table["metric"] == "test_acc").any()
-    # every state spilled to disk after each commit: identical
-    spilled = run_experiment(cfg_for(tiny, name, backend={"name": "sequential", "state_memory_mb": 0,
-                                                          "state_dir": str(tmp_path / "states")}), write=False)
-    same(a.table, spilled.table)
-    # stop after 2 rounds (checkpoint every round), resume to 3: identical to the uninterrupted run
-    short = cfg_for(tiny, name, output={"progress": False, "checkpoint_every": 1})
-    short = type(short)(**{**short.__dict__, "rounds": 2})
-    run_experiment(short, out_dir=tmp_path / "run")
-    resumed = run_experiment(cfg_for(tiny, name, output={"progress": False, "checkpoint_every": 1}),
-                             resume=tmp_path / "run")
-    same(a.table.drop(columns="run_id"), resumed.table.drop(columns="run_id"))
-
-    prep = prepare(cfg)
-    server = ServerRunner(prep.spec, prep.fed_data.global_test)
-    clients = ClientRunner(prep.spec, prep.fed_data.clients)
-    pickle.dumps(server.state)
-    pickle.dumps([clients.state(c) for c in clients.client_ids()])
-    # a round in which nobody uploads (everyone dropped) leaves the server usable
-    payload, _ = server.run_server_step(CLASSIC_ROUND[1], 0, 0, [], {}, keep=[])
-    payload = payload if payload is not None else server.initial_payload(1)
-    pickle.dumps(payload)
-    _, reports = clients.run_client_step(EVALUATION[0], payload, 1, 0, clients.client_ids())
-    assert all(r.ok for r in reports), [r.error for r in reports if not r.ok]
+    table = testing.check_determinism(cfg)
+    _SEQUENTIAL[name] = table
+    testing.check_spill(cfg, table, state_dir=tmp_path / "states")
+    testing.check_resume(cfg, table, workdir=tmp_path)
+    testing.check_empty_round(cfg)
 
 
 @pytest.mark.ray
 @pytest.mark.parametrize("name", NAMES)
 def test_sequential_equals_ray_for_every_method(ray_session, tiny, name):
-    seq = sequential_table(tiny, name)
-    for actors in (1, 2):
-        r = run_experiment(cfg_for(tiny, name, backend={"name": "ray", "num_actors": actors, "num_cpus": 1,
-                                                        "state_memory_mb": 0 if actors == 2 else 1024}),
-                           write=False).table
-        same(seq, r)
+    """One Ray run per method: 2 actors, states spilled (1 actor: tests/test_ray_backend.py)."""
+    cfg = cfg_for(tiny, name)
+    testing.check_sequential_equals_ray(cfg, _SEQUENTIAL.get(name), num_actors=2, spill=True)
+
+
+# -- the checks can fail ---------------------------------------------------------------------------------------------
+
+def test_the_checks_fail_on_a_method_that_breaks_them(tiny, monkeypatch, tmp_path):
+    """A method whose server draws from an unseeded stream is caught by the determinism check; a client that sends an
+    undeclared kind by the accounting check; a table with a NaN by check_runs; a changed value is named."""
+    from tests.conftest import register_for_test
+
+    register_for_test(monkeypatch, nondet_avg="tests.failing_algo:NondeterministicAvg",
+                      undeclared_avg="tests.failing_algo:UndeclaredUploadAvg")
+    with pytest.raises(AssertionError, match="determinism"):
+        testing.check_determinism(tiny(rounds=2, algorithm={"name": "nondet_avg", "params": {}}))
+    with pytest.raises(AssertionError, match="undeclared message kinds.*'extra_kind'"):
+        testing.check_message_accounting(tiny(rounds=1, algorithm={"name": "undeclared_avg", "params": {}}))
+    cfg = tiny(rounds=2, algorithm={"name": "fedavg", "params": {}})
+    t = testing.check_runs(cfg)
+    with pytest.raises(AssertionError, match="non-finite"):
+        testing.check_runs(cfg, table=t.assign(value=t["value"].where(t.index != 3, float("nan"))))
+    changed = t.copy()
+    row = changed.index[changed["metric"] == "test_acc"][0]
+    changed.loc[row, "value"] += 0.5
+    with pytest.raises(AssertionError, match="spilled.*tables differ") as e:
+        testing.check_spill(cfg, changed, state_dir=tmp_path / "states")
+    assert "test_acc" in str(e.value)  # the differing row is shown
+    with pytest.raises(AssertionError, match="resumed"):
+        testing.check_resume(cfg, changed, workdir=tmp_path)
+    with pytest.raises(testing.ConfigError) as e:
+        testing.check_resume(tiny(rounds=1), workdir=tmp_path / "one")
+    assert e.value.field == "rounds"
+
+
+def test_assert_same_table_ignores_wall_time_rows(tiny):
+    t = testing.check_runs(tiny(rounds=1, algorithm={"name": "fedavg", "params": {}}))
+    timed = t["metric"].isin(["round_s"]) | t["metric"].str.startswith("step_s@")
+    assert timed.any()
+    other = t.copy()
+    other.loc[timed, "value"] = other.loc[timed, "value"] + 1.0
+    testing.assert_same_table(t, other, "timing only")  # no error
+    with pytest.raises(AssertionError, match="^x: the tables differ"):
+        testing.assert_same_table(t, pd.concat([t, t[~timed].tail(1)]), "x")  # one row more
+
+
+def test_slaugfl_runs_its_small_generator_in_the_suites(tiny):
+    """The generic suites run SlaugFL with a small generator (its production default trains 300 steps of a
+    128-channel one: 5 s per tiny run) and with its server-held validation set."""
+    from tests.conftest import SLAUGFL_SMALL
+
+    cfg = cfg_for(tiny, "slaugfl")
+    assert cfg.data.server_val == 100
+    assert all(cfg.algorithm.params[k] == v for k, v in SLAUGFL_SMALL.items()), cfg.algorithm.params

@@ -394,8 +394,10 @@ def test_slaugfl_candidate_folder(tmp_path):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("params", [{**SLAUG, "scenario": 1}, SLAUG])
-def test_slaugfl_sequential_equals_ray(ray_session, params):
+def test_slaugfl_scenario1_sequential_equals_ray(ray_session):
+    """Scenario 1 (ACGAN on filtered public candidates); scenario 2, the default, runs on Ray in
+    tests/test_conformance.py."""
+    params = {**SLAUG, "scenario": 1}
     over = {"data__public": {"dataset": "synthetic", "size": 300}}
     seq = run("slaugfl", params, **over)
     ray_t = run("slaugfl", params, backend={"name": "ray", "num_actors": 2, "num_cpus": 1}, **over)

@@ -1,5 +1,6 @@
 """Algorithm maths by hand: PN-ICFL's prototypical-network pieces, FML's and FedKD's distillation losses, FedPU's
-objective, and MAFML's flat-gradient plumbing.
+objective, MAFML's flat-gradient plumbing and its whole client update (a local and a global step of eq. 1-7, Adam
+included), and FedGen's server generator objective (with its Adam step) and client regulariser.
 
 Every expected number is written out from the documented formula on a 2-3 element example (``math.log`` /
 ``math.exp`` on explicit values), never by calling the function under test or a copy of its code. Where a method's
@@ -437,3 +438,245 @@ def test_projected_public_gradient_drives_the_sgd_step():
     set_flat_grad(m, g)
     opt.step()
     assert close(m.u.detach(), [1.0 + 0.25, 2.0 - 0.25]) and close(m.v.detach(), [3.0 - 1.0])
+
+
+# == 6. MAFML's client update (eq. 1-7): one local step, then one global step ========================================
+
+def adam_steps(w, grads, lrs, b1=0.9, b2=0.999, eps=1e-8):
+    """Adam (Kingma & Ba, Algorithm 1) on one scalar: m, v moments with bias correction,
+    w <- w - lr * m_hat / (sqrt(v_hat) + eps), one step per (gradient, learning rate)."""
+    m = v = 0.0
+    for t, (g, lr) in enumerate(zip(grads, lrs), start=1):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        w = w - lr * (m / (1 - b1 ** t)) / (math.sqrt(v / (1 - b2 ** t)) + eps)
+    return w
+
+
+@pytest.mark.parametrize("project", [True, False])
+def test_mafml_local_and_global_step_by_hand(project):
+    """Node 1 of 3 on a linear model z = W x (2 classes, 2 features, no bias). Local step (eq. 1-2): a batch of its
+    two private samples e_0 (label 0) and e_1 (label 1), g_loc = grad CE, Adam step with lr beta; then the soft labels
+    and accuracy of its one public sample. Global step (eq. 3-7) against the hand-made uploads of nodes 0 and 2: the
+    accuracy-weighted KL and the CE over the two teachers, averaged (N - 1 = 2), the conflict check against g_loc
+    and the projection, then a second Adam step (the same Adam state) with lr eta."""
+    from algorithms.mafml import MAFML
+
+    beta, eta = 0.1, 0.05
+    w0 = [[0.5, -0.2], [0.1, 0.3]]  # W[c][k]
+    # the public set: sample 0 (1, 1) label 1 of node 0; sample 1 (1, 0) label 1 of node 1; sample 2 (0, 1) label 0
+    # of node 2
+    pub = SimpleNamespace(x=torch.tensor([[1.0, 1.0], [1.0, 0.0], [0.0, 1.0]]), y=torch.tensor([1, 1, 0]),
+                          owner=torch.tensor([0, 1, 2]))
+    cfg = TrainConfig(local_epochs=1, batch_size=2, optimizer="adam", lr=beta)
+    task = SimpleNamespace(train=cfg, build_model=lambda cid: Lin(2, 2), public=pub, num_clients=3, rounds=1)
+    algo = MAFML(MAFML.Params(iterations=1, public_lr=eta, project=project), task)
+    ctx = SimpleNamespace(client_id=1, device="cpu", round_idx=0,
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
+    data = SimpleNamespace(num_train=2, x_train=torch.eye(2), y_train=torch.tensor([0, 1]))
+    state = {"model": {"w": torch.tensor(w0)}, "opt": {}, "g_loc": torch.zeros(0)}
+
+    # -- local step: CE over samples e_0, e_1; dCE/dz_i = (p_i - onehot_i) / 2 lands in column i of W
+    out = algo.local({}, state, data, ctx)
+    z = [[w0[0][i], w0[1][i]] for i in range(2)]
+    p = [softmax(r) for r in z]
+    assert out.metrics["train_loss"] == pytest.approx(ce_rows(z, [0, 1]), rel=1e-6)
+    g_loc = [[(p[k][c] - (c == k)) / 2 for k in range(2)] for c in range(2)]
+    assert close(out.state["g_loc"], [g for row in g_loc for g in row])  # flat, row-major (c, k)
+    w1 = [[adam_steps(w0[c][k], [g_loc[c][k]], [beta]) for k in range(2)] for c in range(2)]
+    assert close(out.state["model"]["w"], w1)
+    # soft labels of its public sample (1, 0), read after the step: z = column 0 of W1; label 1
+    s = [w1[0][0], w1[1][0]]
+    soft = out.upload["soft"]
+    assert soft.kind == "soft_labels" and soft["idx"].tolist() == [1]
+    assert close(soft["p"], [softmax(s)])
+    assert soft["acc"].tolist() == [float(s[1] > s[0])] == [out.metrics["public_batch_acc"]]
+
+    # -- global step against node 0 (A = 0.5, sample 0, p = (0.7, 0.3)) and node 2 (A = 1, sample 2, p = (0.2, 0.8))
+    teachers = {0: (0.5, [1.0, 1.0], 1, [0.7, 0.3]), 2: (1.0, [0.0, 1.0], 0, [0.2, 0.8])}
+    payload = {f"soft_{j}": Message("soft_labels", {"idx": torch.tensor([j]), "p": torch.tensor([pj]),
+                                                    "acc": torch.tensor([a])})
+               for j, (a, _, _, pj) in teachers.items()}
+    glob = algo.step_global(payload, out.state, data, ctx)
+    kl = ce = 0.0
+    g_pub = [[0.0, 0.0], [0.0, 0.0]]
+    for a, x, y, pj in teachers.values():
+        zs = [w1[c][0] * x[0] + w1[c][1] * x[1] for c in range(2)]
+        q = softmax(zs)
+        kl += a * kl_rows([pj], [q]) / 2  # (1 / (N - 1)) sum_j A_j KL(p_j || q_j)  (eq. 3-4)
+        ce += ce_rows([zs], [y]) / 2  # (1 / (N - 1)) sum_j CE  (eq. 5)
+        dz = [(a * (q[c] - pj[c]) + (q[c] - (c == y))) / 2 for c in range(2)]  # d(KL + CE)/dz_j
+        for c in range(2):
+            for k in range(2):
+                g_pub[c][k] += dz[c] * x[k]
+    assert glob.metrics["train_kl"] == pytest.approx(kl, rel=1e-5)
+    assert glob.metrics["train_ce_public"] == pytest.approx(ce, rel=1e-6)
+    dot = sum(g_pub[c][k] * g_loc[c][k] for c in range(2) for k in range(2))
+    nn2 = sum(g * g for row in g_loc for g in row)
+    assert dot < -0.05  # (by construction) the public gradient conflicts with the local one: cos < 0
+    if project:  # eq. 7: the component along g_loc removed
+        g = [[g_pub[c][k] - dot / nn2 * g_loc[c][k] for k in range(2)] for c in range(2)]
+        assert abs(sum(g[c][k] * g_loc[c][k] for c in range(2) for k in range(2))) < 1e-12  # now orthogonal
+    else:
+        g = g_pub
+    assert glob.metrics["projected"] == float(project)
+    w2 = [[adam_steps(w0[c][k], [g_loc[c][k], g[c][k]], [beta, eta]) for k in range(2)] for c in range(2)]
+    assert close(glob.state["model"]["w"], w2, 1e-6)
+    other = [[adam_steps(w0[c][k], [g_loc[c][k], g_pub[c][k] if project else
+                                    g_pub[c][k] - dot / nn2 * g_loc[c][k]], [beta, eta]) for k in range(2)]
+             for c in range(2)]
+    assert not close(glob.state["model"]["w"], other, 1e-4)  # the projection moves the weights measurably
+    assert glob.state["g_loc"].numel() == 0 and glob.upload == {}
+
+
+# == 7. FedGen: the server's generator objective and the client's regulariser ========================================
+
+class HeadLin(nn.Module):
+    """An identity body (the embedding is the input) and a linear head without bias: logits = H x."""
+
+    def __init__(self, d=2, c=3):
+        super().__init__()
+        self.head = nn.Linear(d, c, bias=False)
+        self.embed_dim = d
+
+    def forward(self, x, return_embedding=False):
+        z = self.head(x)
+        return (z, x) if return_embedding else z
+
+
+def _fedgen(**params):
+    from algorithms.fedgen import FedGen
+
+    cfg = TrainConfig(local_epochs=1, batch_size=2, optimizer="sgd", lr=0.1, momentum=0.0)
+    task = SimpleNamespace(train=cfg, build_model=lambda cid: HeadLin(), num_classes=3, rounds=3, seed=0)
+    return FedGen(FedGen.Params(**params), task)
+
+
+def _generator_weights(gen):
+    """FeatureGenerator (noise 1, 3 classes) -> Linear(4, 3) -> BN(3) -> ReLU -> Linear(3, 2), set by hand."""
+    sd = gen.state_dict()
+    sd["net.0.weight"] = torch.tensor([[0.5, 1.0, -1.0, 0.2], [-0.3, 0.4, 0.8, -0.6], [1.0, -0.5, 0.3, 0.9]])
+    sd["net.0.bias"] = torch.tensor([0.1, -0.2, 0.05])
+    sd["net.3.weight"] = torch.tensor([[1.0, -0.5, 0.3], [0.2, 0.7, -1.0]])
+    sd["net.3.bias"] = torch.tensor([0.05, -0.1])
+    return sd
+
+
+def _gen_forward(p, eps, y, train):
+    """The generator's maths written out: h = W1 [eps, onehot(y)] + b1; BatchNorm (train: the batch's mean and biased
+    variance; eval: the running mean 0 and variance 1; eps 1e-5; gamma 1, beta 0); ReLU; z = W2 h + b2."""
+    inp = torch.cat([eps, torch.eye(3, dtype=eps.dtype)[y]], dim=1)
+    h = inp @ p["net.0.weight"].T + p["net.0.bias"]
+    if train:
+        mu, var = h.mean(0), h.var(0, unbiased=False)
+    else:
+        mu, var = torch.zeros(3, dtype=h.dtype), torch.ones(3, dtype=h.dtype)
+    h = (h - mu) / torch.sqrt(var + 1e-5) * p["net.1.weight"] + p["net.1.bias"]
+    return torch.relu(h) @ p["net.3.weight"].T + p["net.3.bias"]
+
+
+def test_fedgen_client_regulariser_by_hand():
+    """Round 2, decay 0.5 (factor 0.25), alpha 2, beta 3, B_gen 4, B 2: loss = CE(x, y) + (4 / 2) alpha' CE(h(G(eps,
+    y_hat)), y_hat) + beta' KL(softmax(h(G(eps, y))) || softmax(h(x))), with y_hat from the client's own labels (here
+    only label 1) and the generator in eval mode. The generator ignores its noise (noise weights 0), so every term is
+    a closed form."""
+    algo = _fedgen(alpha=2.0, beta=3.0, decay=0.5, gen_batch=4, noise_dim=1, hidden=3)
+    gen_sd = _generator_weights(algo.make_generator())
+    gen_sd["net.0.weight"][:, 0] = 0.0  # G(eps, y) = G(y)
+    model = HeadLin()
+    h = [[1.0, -1.0], [0.5, 2.0], [-0.5, 0.0]]
+    payload = {"model": Message("weights", {"head.weight": torch.tensor(h)}),
+               "generator": Message("generator", gen_sd)}
+    data = SimpleNamespace(y_train=torch.tensor([1, 1, 1]))
+    ctx = SimpleNamespace(round_idx=2, device="cpu", client_id=0,
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(1))
+    start = algo.client_init(model, payload, {}, data, ctx)
+    loss_fn = algo.objective(start)
+    xb, yb = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 2])
+    loss, parts = loss_fn(model, xb, yb)
+
+    p64 = {k: v.to(torch.float64) for k, v in gen_sd.items()}
+    head = lambda z: [[sum(h[c][k] * float(z[i][k]) for k in range(2)) for c in range(3)] for i in range(len(z))]
+    logits = head(xb)  # rows = columns of H: (1, .5, -.5), (-1, 2, 0)
+    ce = ce_rows(logits, [0, 2])
+    target = [softmax(r) for r in head(_gen_forward(p64, torch.zeros(2, 1, dtype=torch.float64), yb, train=False))]
+    latent = kl_rows(target, [softmax(r) for r in logits])
+    z1 = _gen_forward(p64, torch.zeros(1, 1, dtype=torch.float64), torch.tensor([1]), train=False)
+    teacher = ce_rows(head(z1), [1])  # every y_hat is 1: the mean over the 4 equals one row
+    alpha, beta = 2.0 * 0.25, 3.0 * 0.25
+    assert float(parts["ce"]) == pytest.approx(ce, rel=1e-6)
+    assert float(parts["teacher"]) == pytest.approx(teacher, rel=1e-5)
+    assert float(parts["latent"]) == pytest.approx(latent, rel=1e-5)
+    assert float(loss.detach()) == pytest.approx(ce + (4 / 2) * alpha * teacher + beta * latent, rel=1e-5)
+    loss.backward()
+    assert model.head.weight.grad is not None
+    assert all(p.grad is None and not p.requires_grad for p in start.aux["gen"].parameters())  # G frozen
+    # round 0, no generator yet: plain CE
+    start0 = algo.client_init(model, {"model": payload["model"]}, {}, data, ctx)
+    loss0, parts0 = algo.objective(start0)(model, xb, yb)
+    assert float(loss0.detach()) == pytest.approx(ce, rel=1e-6) and set(parts0) == {"ce"}
+
+
+def test_fedgen_server_generator_objective_and_adam_step_by_hand():
+    """One server step (gen_steps 1) over two uploads whose label counts are (3, 1, 0) and (1, 0, 0): labels drawn
+    from the held classes {0, 1} only, w_{0,k} = (3/4, 1/4), w_{1,k} = (1, 0); L_G = mean_b sum_k w_{y_b,k}
+    CE(H_k z_b, y_b) + eta exp(-mean_{a,b} mean((eps_a - eps_b)^2) mean|z_a - z_b|), z = G(eps, y) with the
+    generator in training mode; the reported gen_loss is L_G before the step, and the new generator is one Adam step
+    (lr gen_lr) on its gradient."""
+    eta, lr, bsz = 0.7, 0.01, 4
+    algo = _fedgen(gen_batch=bsz, gen_steps=1, gen_lr=lr, noise_dim=1, hidden=3, eta=eta)
+    sd = _generator_weights(algo.make_generator())
+    heads = [[[1.0, 0.0], [0.0, 1.0], [0.5, 0.5]], [[-1.0, 2.0], [0.3, -0.2], [0.0, 1.0]]]
+    counts = [[3, 1, 0], [1, 0, 0]]
+    uploads = {cid: {"model": Message("weights", {"head.weight": torch.tensor(heads[cid])}),
+                     "num_samples": Message("num_samples", {"n": torch.tensor([sum(counts[cid])])}),
+                     "label_counts": Message("class_counts", {"counts": torch.tensor(counts[cid])})}
+               for cid in (0, 1)}
+    ctx = SimpleNamespace(round_idx=0, device="cpu", generator=lambda purpose, device=None: torch.Generator().manual_seed(4))
+    state = {"model": {"head.weight": torch.zeros(3, 2)}, "generator": {k: v.clone() for k, v in sd.items()},
+             "trained": torch.zeros((), dtype=torch.bool)}
+    new, metrics = algo.aggregate(state, uploads, ctx)
+
+    # the draws, as documented: labels uniform over the held classes (0, 1), then eps ~ U[0, 1)
+    g = torch.Generator().manual_seed(4)
+    y = torch.tensor([0, 1])[torch.randint(2, (bsz,), generator=g)]
+    eps = torch.rand(bsz, 1, generator=g).to(torch.float64)
+    assert set(y.tolist()) == {0, 1}  # (this seed) both classes in the batch
+    w = {0: [3 / 4, 1 / 4], 1: [1.0, 0.0]}
+    params = {k: v.to(torch.float64).requires_grad_(v.is_floating_point() and "running" not in k)
+              for k, v in sd.items() if k != "net.1.num_batches_tracked"}
+    z = _gen_forward(params, eps, y, train=True)
+    zl = z.detach().tolist()
+    ens = sum(w[int(yb)][k] * ce_rows([[sum(heads[k][c][j] * zl[b][j] for j in range(2)) for c in range(3)]],
+                                      [int(yb)]) for b, yb in enumerate(y) for k in range(2)) / bsz
+    e = eps.flatten().tolist()
+    pairs = [(e[a] - e[b]) ** 2 * sum(abs(zl[a][j] - zl[b][j]) for j in range(2)) / 2
+             for a in range(bsz) for b in range(bsz)]
+    div = math.exp(-sum(pairs) / bsz ** 2)
+    assert metrics["gen_loss"] == pytest.approx(ens + eta * div, rel=1e-5)
+    assert bool(new["trained"])
+    # the step: autograd of the written-out loss (a differentiable copy of the same formula), then Adam by hand
+    hk = [torch.tensor(hh, dtype=torch.float64) for hh in heads]
+    wt = torch.tensor([[3 / 4, 1.0, 0.0], [1 / 4, 0.0, 0.0]], dtype=torch.float64)
+    loss_t = sum(wt[k, y] * torch.nn.functional.cross_entropy(z @ hk[k].T, y, reduction="none") for k in range(2)).mean()
+    nd = (eps[:, None, :] - eps[None, :, :]).pow(2).mean(2)
+    zd = (z[:, None, :] - z[None, :, :]).abs().mean(2)
+    loss_t = loss_t + eta * torch.exp(-(nd * zd).mean())
+    assert float(loss_t.detach()) == pytest.approx(ens + eta * div, rel=1e-9)  # the copy is the formula above
+    loss_t.backward()
+    for k, p in params.items():
+        if not p.requires_grad:
+            continue
+        want = [adam_steps(float(v), [float(gv)], [lr]) for v, gv in zip(p.detach().flatten(), p.grad.flatten())]
+        got = new["generator"][k].flatten().tolist()
+        # elements with a gradient near 0 (the BN shift cancels the first layer's bias) move by an Adam sign step
+        # whose sign float32 may not resolve: compare where |g| resolves
+        for wv, gv, gt, old in zip(want, p.grad.flatten().tolist(), got, p.detach().flatten().tolist()):
+            if abs(gv) > 1e-5:
+                assert gt == pytest.approx(wv, abs=1e-6), (k, gv)
+            else:
+                assert abs(gt - old) <= lr * 1.001, k
+    # BatchNorm's running statistics took the batch's (momentum 0.1; unbiased variance)
+    h = torch.cat([eps, torch.eye(3, dtype=torch.float64)[y]], 1) @ params["net.0.weight"].detach().T + params["net.0.bias"].detach()
+    assert close(new["generator"]["net.1.running_mean"], (0.1 * h.mean(0)).tolist(), 1e-6)
+    assert close(new["generator"]["net.1.running_var"], (0.9 + 0.1 * h.var(0, unbiased=True)).tolist(), 1e-6)

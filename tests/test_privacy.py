@@ -2,10 +2,9 @@
 declares, never a client's data, and its size is exactly what the table accounts."""
 import pytest
 
+from raysim import testing
 from raysim.engine.prepare import prepare
-from raysim.engine.loop import run_experiment
 from raysim.registry import ALGORITHMS
-from raysim.engine.runners import ServerRunner
 
 NAMES = sorted(n for n, t in ALGORITHMS.items() if t.startswith("algorithms."))
 
@@ -69,45 +68,20 @@ def test_the_leak_detector_finds_copies_in_any_dtype_scale_or_split(tiny):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_only_declared_kinds_reach_the_server(tiny, name, monkeypatch):
+def test_only_declared_kinds_reach_the_server(tiny, name):
+    """raysim.testing.check_message_accounting (declared kinds only, exact sizes against the table), then no upload
+    holds a client's samples."""
     from tests.conftest import method_overrides
 
     cfg = tiny(rounds=2, clients_per_round=4, algorithm={"name": name, "params": {}}, **method_overrides(name))
-    prep = prepare(cfg)
-    declared = prep.algorithm.declared_uploads()
-    assert declared is not None, f"{name} does not declare its uploads"
-    seen = []  # (round, client, kind, floats, bytes, tensors)
-    real = ServerRunner.run_server_step
-
-    def spy(self, step, round_idx, iteration, failures, *groups, keep=None):
-        for g in groups:
-            for cid, payload in (g or {}).items():
-                for msg in payload.values():
-                    seen.append((round_idx, cid, msg.kind, msg.num_floats, msg.num_bytes, list(msg.tensors.values())))
-        return real(self, step, round_idx, iteration, failures, *groups, keep=keep)
-
-    monkeypatch.setattr(ServerRunner, "run_server_step", spy)
-    df = run_experiment(cfg, write=False).table
-    assert {k for _, _, k, *_ in seen} <= declared, {k for _, _, k, *_ in seen} - declared
-    # no upload holds a client's samples (train, validation or test): verbatim in model parameters and updates, in
-    # any dtype, scale or offset in every other message
-    model = [t for _, _, kind, _, _, tensors in seen if kind in MODEL_KINDS for t in tensors]
-    other = [t for _, _, kind, _, _, tensors in seen if kind not in MODEL_KINDS for t in tensors]
-    leaked = find_private_rows(model, prep.fed_data.clients, verbatim=True) + find_private_rows(other, prep.fed_data.clients)
+    seen = testing.check_message_accounting(cfg)
+    clients = prepare(cfg).fed_data.clients
+    # train, validation or test samples: verbatim in model parameters and updates, in any dtype, scale or offset in
+    # every other message
+    model = [t for u in seen if u.kind in MODEL_KINDS for t in u.tensors]
+    other = [t for u in seen if u.kind not in MODEL_KINDS for t in u.tensors]
+    leaked = find_private_rows(model, clients, verbatim=True) + find_private_rows(other, clients)
     assert not leaked, f"{name} uploads private samples: {leaked[:3]}"
-    # exact sizes: what the server received per client and round is the table's up_bytes / up_floats
-    up = df[(df["scope"] == "client") & (df["metric"] == "up_bytes")].set_index(["round", "client_id"])["value"]
-    upf = df[(df["scope"] == "client") & (df["metric"] == "up_floats")].set_index(["round", "client_id"])["value"]
-    got_b, got_f = {}, {}
-    for r, c, _, f, b, _ in seen:
-        got_b[(r, c)] = got_b.get((r, c), 0) + b
-        got_f[(r, c)] = got_f.get((r, c), 0) + f
-    for key, b in got_b.items():
-        assert up[key] == b and upf[key] == got_f[key], (key, b, up[key])
-    if declared:
-        assert got_b, f"{name} declared uploads but sent nothing"
-    else:
-        assert up.eq(0).all()
 
 
 def test_client_data_is_tagged_private_and_public_data_public(tiny):

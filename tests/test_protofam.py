@@ -414,13 +414,3 @@ def test_pu_runs_for_fedavg_and_fedproto(tiny):
         pu = t[t.metric == "train_pu"]["value"]
         assert np.isfinite(pu).all() and (pu != 0).any()  # the PU term is active (rate 0.3 < 1)
         assert _final(t) == pytest.approx(_clients_mean(t))
-
-
-@pytest.mark.ray
-def test_sequential_equals_ray_for_server_training_methods(tiny, ray_session):
-    for name, params in (("fedtgp", {"server_epochs": 3}),):  # server-side training on the server actor
-        seq = run_experiment(tiny(rounds=2, algorithm={"name": name, "params": params}), write=False).table
-        ray_t = run_experiment(tiny(rounds=2, algorithm={"name": name, "params": params},
-                                    backend={"name": "ray", "num_actors": 2}), write=False).table
-        cols = ["round", "client_id", "scope", "metric", "value", "weight"]
-        assert without_timing(seq)[cols].equals(without_timing(ray_t)[cols]), name
