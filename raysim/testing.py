@@ -250,13 +250,13 @@ def check_empty_round(cfg: ConfigLike) -> None:
     """The initial server and client states pickle; an aggregation step in which nobody uploads (everyone dropped)
     returns a picklable payload (or none), and the clients then evaluate on it without error."""
     from raysim.engine.prepare import prepare
-    from raysim.engine.runners import ClientRunner, ServerRunner
+    from raysim.engine.runners import ClientRunner, ServerRunner, server_data
     from raysim.steps import CLASSIC_ROUND, EVALUATION
 
     cfg = _config(cfg)
     name = cfg.algorithm.name
     prep = prepare(cfg)
-    server = ServerRunner(prep.spec, prep.fed_data.global_test)
+    server = ServerRunner(prep.spec, prep.fed_data.global_test, server_data(prep.spec, prep.fed_data))
     clients = ClientRunner(prep.spec, prep.fed_data.clients)
     for what, obj in (("server state", lambda: server.state),
                       ("client states", lambda: [clients.state(c) for c in clients.client_ids()])):
