@@ -3,7 +3,8 @@
 * :class:`ConfigError` — a bad configuration value, naming its dotted key;
 * :class:`DataError` — bad or missing data, naming the config key; :class:`DamagedFileError` — a file raysim reads
   is damaged or unreadable, naming the file, the problem and the fix;
-* :class:`SimulationError` — the run could not go on (every sampled client failed, a run diverged).
+* :class:`SimulationError` — the run could not go on (every sampled client failed, a run diverged);
+* :class:`MetricError` — a result table does not hold the metric asked for (the message lists the ones it does).
 
 ConfigError and DataError cross process boundaries (Ray actors, ``reproduce --jobs`` workers) intact."""
 from __future__ import annotations
@@ -72,3 +73,10 @@ def read_problem(e: BaseException) -> str:
 
 class SimulationError(RuntimeError):
     """The run could not go on (e.g. every sampled client failed)."""
+
+
+class MetricError(KeyError):
+    """A metric the table does not hold (the message lists the ones it does)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

@@ -47,7 +47,7 @@ def close(t, want, tol=1e-6):
 # == 1. PN-ICFL ======================================================================================================
 
 def test_pnicfl_sq_dists_are_squared_euclidean_by_hand():
-    from algorithms.pnicfl import sq_dists
+    from algorithms.pnicfl_ops import sq_dists
 
     z = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
     protos = torch.tensor([[1.0, 0.0], [0.0, 3.0], [-1.0, -1.0]])
@@ -56,7 +56,7 @@ def test_pnicfl_sq_dists_are_squared_euclidean_by_hand():
 
 
 def test_pnicfl_proto_loss_by_hand():
-    from algorithms.pnicfl import proto_loss
+    from algorithms.pnicfl_ops import proto_loss
 
     zq = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
     protos = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
@@ -75,7 +75,7 @@ def test_pnicfl_proto_loss_by_hand():
 
 
 def test_pnicfl_user_embedding_by_hand():
-    from algorithms.pnicfl import user_embedding
+    from algorithms.pnicfl_ops import user_embedding
 
     z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]])
     y = torch.tensor([2, 0, 2])
@@ -92,7 +92,7 @@ def _episode_labels():
 
 
 def test_pnicfl_sample_episode_shapes_classes_and_disjointness():
-    from algorithms.pnicfl import sample_episode
+    from algorithms.pnicfl_ops import sample_episode
 
     y = _episode_labels()
     yn = y.numpy()
@@ -118,7 +118,7 @@ def test_pnicfl_sample_episode_shapes_classes_and_disjointness():
 
 
 def test_pnicfl_sample_episode_is_deterministic_in_its_generator():
-    from algorithms.pnicfl import sample_episode
+    from algorithms.pnicfl_ops import sample_episode
 
     y = _episode_labels()
     classes = [1, 3, 5, 7]
@@ -132,7 +132,7 @@ def test_pnicfl_sample_episode_is_deterministic_in_its_generator():
 
 
 def test_pnicfl_episode_losses_by_hand():
-    from algorithms.pnicfl import episode_losses
+    from algorithms.pnicfl_ops import episode_losses
 
     # the body is the identity, so x holds the embeddings themselves
     x = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 1.0],    # label 3: support rows 0, 1; query row 2
@@ -162,7 +162,7 @@ def test_pnicfl_episode_losses_by_hand():
 
 
 def test_pnicfl_lg_leaves_out_classes_without_a_cluster_prototype():
-    from algorithms.pnicfl import episode_losses
+    from algorithms.pnicfl_ops import episode_losses
 
     # three episode classes (labels 0, 1, 2), one support and one query each
     x = torch.tensor([[0.0, 0.0], [0.0, 1.0],     # label 0: support (0, 0), query (0, 1)
@@ -186,7 +186,7 @@ def test_pnicfl_lg_leaves_out_classes_without_a_cluster_prototype():
 
 
 def test_pnicfl_episode_gradient_reaches_the_support_samples():
-    from algorithms.pnicfl import episode_losses
+    from algorithms.pnicfl_ops import episode_losses
 
     # Snell et al.: the prototypes are means of the support embeddings, not constants, so the loss has a gradient on
     # the support rows. Queries (1, 1) and (1, .5) as above.
@@ -471,7 +471,7 @@ def test_mafml_local_and_global_step_by_hand(project):
     cfg = TrainConfig(local_epochs=1, batch_size=2, optimizer="adam", lr=beta)
     task = SimpleNamespace(train=cfg, build_model=lambda cid: Lin(2, 2), public=pub, num_clients=3, rounds=1)
     algo = MAFML(MAFML.Params(iterations=1, public_lr=eta, project=project), task)
-    ctx = SimpleNamespace(client_id=1, device="cpu", round_idx=0,
+    ctx = SimpleNamespace(client_id=1, device="cpu", round_idx=0, models=ModelCache(task, "cpu"),
                           generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
     data = SimpleNamespace(num_train=2, x_train=torch.eye(2), y_train=torch.tensor([0, 1]))
     state = {"model": {"w": torch.tensor(w0)}, "opt": {}, "g_loc": torch.zeros(0)}
@@ -588,12 +588,12 @@ def test_fedgen_client_regulariser_by_hand():
     payload = {"model": Message("weights", {"head.weight": torch.tensor(h)}),
                "generator": Message("generator", gen_sd)}
     data = SimpleNamespace(y_train=torch.tensor([1, 1, 1]))
-    ctx = SimpleNamespace(round_idx=2, device="cpu", client_id=0,
+    ctx = SimpleNamespace(round_idx=2, device="cpu", client_id=0, models=ModelCache(algo.task, "cpu"),
                           generator=lambda purpose, device=None: torch.Generator().manual_seed(1))
     start = algo.client_init(model, payload, {}, data, ctx)
     loss_fn = algo.objective(start)
     xb, yb = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 2])
-    loss, parts = loss_fn(model, xb, yb)
+    loss, parts = loss_fn(model, xb, yb, 0)
 
     p64 = {k: v.to(torch.float64) for k, v in gen_sd.items()}
     head = lambda z: [[sum(h[c][k] * float(z[i][k]) for k in range(2)) for c in range(3)] for i in range(len(z))]
@@ -613,7 +613,7 @@ def test_fedgen_client_regulariser_by_hand():
     assert all(p.grad is None and not p.requires_grad for p in start.aux["gen"].parameters())  # G frozen
     # round 0, no generator yet: plain CE
     start0 = algo.client_init(model, {"model": payload["model"]}, {}, data, ctx)
-    loss0, parts0 = algo.objective(start0)(model, xb, yb)
+    loss0, parts0 = algo.objective(start0)(model, xb, yb, 0)
     assert float(loss0.detach()) == pytest.approx(ce, rel=1e-6) and set(parts0) == {"ce"}
 
 
@@ -632,7 +632,8 @@ def test_fedgen_server_generator_objective_and_adam_step_by_hand():
                      "num_samples": Message("num_samples", {"n": torch.tensor([sum(counts[cid])])}),
                      "label_counts": Message("class_counts", {"counts": torch.tensor(counts[cid])})}
                for cid in (0, 1)}
-    ctx = SimpleNamespace(round_idx=0, device="cpu", generator=lambda purpose, device=None: torch.Generator().manual_seed(4))
+    ctx = SimpleNamespace(round_idx=0, device="cpu", models=ModelCache(algo.task, "cpu"),
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(4))
     state = {"model": {"head.weight": torch.zeros(3, 2)}, "generator": {k: v.clone() for k, v in sd.items()},
              "trained": torch.zeros((), dtype=torch.bool)}
     new, metrics = algo.aggregate(state, uploads, ctx)

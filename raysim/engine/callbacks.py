@@ -24,7 +24,7 @@ import yaml
 from raysim.io import rundir
 from raysim.engine import safety
 from raysim.config import to_dict
-from raysim.io.results import RESULTS_FILE, ResultTable, write_parquet
+from raysim.io.tables import RESULTS_FILE, ResultTable, write_parquet
 from raysim.io.checkpoints import find_checkpoint, write_checkpoint
 from raysim.engine.record import SETUP_ROUND, Run, RunResult
 

@@ -1,0 +1,203 @@
+"""The result table's format: the long-format rows a run records (:class:`ResultTable`), written as one Parquet file
+with the run's metadata under the key ``raysim`` and its sha256 in run.json, and read back verified (a damaged or
+replaced table is one DamagedFileError naming the file, never silently wrong numbers); timing rows (``round_s``,
+``step_s@<step>``) told apart from the deterministic ones. The pandas helpers over these tables are
+:mod:`raysim.io.results` (``raysim.results``)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+
+from raysim.engine.store import file_sha256
+from raysim.errors import MetricError
+
+COLUMNS = ["run_id", "round", "client_id", "scope", "metric", "value", "weight"]
+META_KEY = b"raysim"
+RESULTS_FILE = "results.parquet"
+ROUND_TIME = "round_s"
+STEP_TIME = "step_s@"  # + the step's name
+
+
+def is_timing(metric: str) -> bool:
+    """Whether ``metric`` is a wall-time row (``round_s``, ``step_s@<step>``), which differs from run to run."""
+    return metric == ROUND_TIME or metric.startswith(STEP_TIME)
+
+
+def without_timing(df: pd.DataFrame) -> pd.DataFrame:
+    """The table without its wall-time rows (``round_s``, ``step_s@*``), index 0..n-1: what is identical between
+    runs of one config and seed (backends, actors, spilling, resume)."""
+    m = df["metric"].astype(str)
+    keep = ~((m == ROUND_TIME) | m.str.startswith(STEP_TIME))
+    return df[keep.to_numpy()].reset_index(drop=True)
+
+
+def timing(df: pd.DataFrame) -> pd.DataFrame:
+    """Per run and round: ``round_s`` and one ``step_s@<step>`` column per step (wall seconds on the driver)."""
+    d = df[df["metric"].astype(str).map(is_timing) & (df["scope"] == "total")]
+    if d.empty:
+        raise MetricError("no timing rows (round_s) in this table")
+    out = d.pivot_table(index=["run_id", "round"], columns="metric", values="value", aggfunc="sum")
+    cols = [ROUND_TIME] + sorted(c for c in out.columns if c != ROUND_TIME)
+    out = out[cols].reset_index()
+    out.columns.name = None
+    return out
+
+
+class ResultTable:
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self.rows: list[tuple] = []
+
+    def add(self, round_idx: int, client_id: int, scope: str, metric: str, value, weight: float = 1.0) -> None:
+        self.rows.append((self.run_id, int(round_idx), int(client_id), scope, metric, float(value), float(weight)))
+
+    def frame(self) -> pd.DataFrame:
+        df = pd.DataFrame(self.rows, columns=COLUMNS)
+        return df.astype({"run_id": "string", "round": "int64", "client_id": "int64", "scope": "string",
+                          "metric": "string", "value": "float64", "weight": "float64"})
+
+    def latest(self, metric: str, scope: str = "mean"):
+        for r in reversed(self.rows):
+            if r[4] == metric and r[3] == scope:
+                return r[5]
+        return None
+
+
+def write_parquet(df: pd.DataFrame, path: Path, metadata: dict) -> str:
+    """Write the table with page checksums (verified on read); returns the file's sha256, which the run directory
+    records in run.json (``results_sha256``) so that a table damaged anywhere is never read as data."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pandas(df, preserve_index=False)
+    meta = dict(table.schema.metadata or {})
+    meta[META_KEY] = json.dumps(metadata, default=str).encode()
+    pq.write_table(table.replace_schema_metadata(meta), path, write_page_checksum=True)
+    return file_sha256(path)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# verified reading: a damaged table, run.json or metadata is one DamagedFileError naming the file
+
+RUN_INFO = "run.json"
+DIGEST_KEY = "results_sha256"
+_TABLE_FIX = ("the run's results cannot be trusted: run it again (or restore the directory from a backup), or move "
+              "the directory out of the way")
+_verified: dict = {}  # (path, size, mtime_ns) -> True: a table checked once is not hashed again
+
+
+def read_run_info(run_dir) -> dict | None:
+    """A run directory's run.json (None when it has none, e.g. a result table copied on its own or an old run);
+    a damaged one is a DamagedFileError naming it."""
+    from raysim.errors import DamagedFileError, read_problem
+
+    path = Path(run_dir) / RUN_INFO
+    if not path.exists() and not path.is_symlink():
+        return None
+    try:
+        info = json.loads(path.read_text())
+        if not isinstance(info, dict):
+            raise ValueError(f"expected a JSON object, got {type(info).__name__}")
+    except Exception as e:
+        raise DamagedFileError(path, read_problem(e), _TABLE_FIX) from None
+    return info
+
+
+def check_table(f) -> None:
+    """Raise DamagedFileError unless result file ``f`` is a readable file whose sha256 matches the one its run
+    recorded in run.json. Tables of old runs (no recorded digest) pass here; their page checksums, if any, are
+    still verified when they are read."""
+    import os
+    import stat
+
+    from raysim.errors import DamagedFileError, read_problem
+
+    f = Path(f)
+    try:
+        st = os.stat(f)
+    except OSError as e:
+        raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise DamagedFileError(f, "it is a directory, not a file" if stat.S_ISDIR(st.st_mode) else
+                               "not a regular file", _TABLE_FIX)
+    key = (str(f.absolute()), st.st_size, st.st_mtime_ns)
+    if key in _verified:
+        return
+    info = read_run_info(f.parent) if f.name == RESULTS_FILE else None
+    digest = (info or {}).get(DIGEST_KEY)
+    if digest:
+        try:
+            actual = file_sha256(f)
+        except OSError as e:
+            raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
+        if actual != digest:
+            what = "empty" if st.st_size == 0 else f"{st.st_size:,} bytes"
+            raise DamagedFileError(f, f"its contents changed since the run finished ({what}; sha256 differs from "
+                                      f"{DIGEST_KEY} in {f.parent / RUN_INFO})", _TABLE_FIX)
+    _verified[key] = True
+
+
+def read_table(f, columns=None) -> pd.DataFrame:
+    """One verified result table (see :func:`check_table`); page checksums are verified too."""
+    from raysim.errors import DamagedFileError, read_problem
+
+    check_table(f)
+    try:
+        return pd.read_parquet(f, columns=columns, page_checksum_verification=True)
+    except Exception as e:
+        raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
+
+
+def read_table_metadata(f) -> dict:
+    """The ``raysim`` metadata of one verified result table ({} when it has none)."""
+    import pyarrow.parquet as pq
+
+    from raysim.errors import DamagedFileError, read_problem
+
+    check_table(f)
+    try:
+        meta = pq.read_schema(f).metadata or {}
+        out = json.loads(meta[META_KEY]) if META_KEY in meta else {}
+        if not isinstance(out, dict):
+            raise ValueError("the raysim metadata is not a JSON object")
+        return out
+    except Exception as e:
+        raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
+
+
+def result_files(paths) -> list[Path]:
+    """The result files of finished runs: unfinished (``*.incomplete``) and hidden directories are never runs."""
+    from raysim.io.rundir import is_listed_run_path, is_unfinished_name
+
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files = []
+    for p in paths:
+        p = Path(p)
+        if is_unfinished_name(p if p.is_dir() else p.parent):
+            raise FileNotFoundError(f"{p} is an unfinished run, not a result (continue it with raysim run CONFIG "
+                                    f"--resume {p if p.is_dir() else p.parent})")
+        if p.is_dir():
+            if (p / RESULTS_FILE).exists():
+                files.append(p / RESULTS_FILE)
+            else:
+                files += [f for f in sorted(p.glob(f"**/{RESULTS_FILE}")) if is_listed_run_path(f.parent, p)]
+        elif p.exists():
+            files.append(p)
+        else:
+            raise FileNotFoundError(f"no result table at {p}")
+    if not files:
+        raise FileNotFoundError(f"no {RESULTS_FILE} of a finished run under {', '.join(map(str, paths))}")
+    return files
+
+
+def load(paths) -> pd.DataFrame:
+    """Load one or many runs (run directories, result files, or a parent directory) into one long DataFrame. Every
+    table is verified (:func:`check_table`): a damaged one is a DamagedFileError naming it, never data."""
+    return pd.concat([read_table(f) for f in result_files(paths)], ignore_index=True)
+
+
+def load_metadata(path) -> dict:
+    return read_table_metadata(result_files(path)[0])
