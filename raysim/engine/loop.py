@@ -2,20 +2,9 @@
 algorithm's step schedules round by round against a backend, recording rows (:mod:`raysim.engine.record`) and calling
 the callbacks (:mod:`raysim.engine.callbacks`).
 
-``run_experiment`` is a small loop; everything around it — the run directory, checkpoints, the progress bar, tuning
-reports, user loggers — is a :class:`Callback`:
-
-    on_run_start(run)                      after the backend started (and a resume restored its states)
-    on_setup_end(run)                      after the setup schedule ran (only for methods that have one)
-    on_round_end(run, round_idx, evaluated) -> stop?   after every round (and its evaluation)
-    on_run_end(run, result)                after the last round (called in reverse order of registration)
-    on_run_error(run, exc)                 when the run failed (reverse order)
-
-Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`,
-:class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it),
-:class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains, when
-the data has domains and the method reports clusters: ``Algorithm.reports_clusters``). Pass your own
-with ``run_experiment(cfg, callbacks=[...])`` (e.g. a TensorBoard or MLflow logger reading ``run.table``).
+``run_experiment`` is a small loop; everything around it (the run directory, checkpoints, the progress bar, tuning
+reports, user loggers) is a :class:`~raysim.engine.callbacks.Callback`, called at the points the callbacks module
+lists; pass your own with ``run_experiment(cfg, callbacks=[...])``.
 """
 from __future__ import annotations
 
