@@ -126,3 +126,108 @@ def test_ray_two_actors_equals_sequential(ray_session):
     seq = table(cfg("fedproto", dropout=0.5))
     ray = table(cfg("fedproto", dropout=0.5, backend={"name": "ray", "num_actors": 2}))
     close(seq, ray)
+
+
+# -- grouped execution (raysim.engine.grouped): the vectorised executor's fast path for standard-layer models --------
+
+def _train_group(arch, loss_fn, grouped, params=None, k=3, n=(10, 10, 7), calls=None):
+    from raysim import models as zoo
+    from raysim.engine import grouped as gmod
+    from raysim.engine.vectorized import vmap_local_sgd
+
+    torch.manual_seed(0)
+    model = getattr(zoo, arch)((1, 28, 28), 10, **(params or {}))
+    start = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    xs = [torch.rand(m, 1, 28, 28) for m in n]
+    xs[0][:, :, :4] = 0.0  # zero rows: ties inside max-pooling windows
+    ys = [torch.randint(0, 10, (m,)) for m in n]
+    tc = TrainConfig(optimizer="sgd", lr=0.05, momentum=0.9, batch_size=4, local_epochs=2)
+    gens = lambda base: [torch.Generator().manual_seed(base + i) for i in range(k)]  # noqa: E731
+    real = gmod.grouped_forward
+
+    def counted(*a, **kw):
+        if calls is not None:
+            calls.append(1)
+        return real(*a, **kw)
+
+    gmod.grouped_forward = counted
+    try:
+        return vmap_local_sgd(model, loss_fn, [start] * k, xs, ys, tc, gens(0), gens(100), [None] * k,
+                              grouped=grouped)
+    finally:
+        gmod.grouped_forward = real
+
+
+def _ce(model, xb, yb, epoch):
+    return torch.nn.functional.cross_entropy(model(xb), yb), {}
+
+
+def _proto_like(model, xb, yb, epoch):  # two outputs, a parameter term (FedProx's form), a part
+    logits, z = model(xb, return_embedding=True)
+    prox = sum((p ** 2).sum() for _, p in model.named_parameters())
+    return torch.nn.functional.cross_entropy(logits, yb) + 1e-3 * prox + 0.01 * z.pow(2).mean(), {"z": z.mean()}
+
+
+@pytest.mark.parametrize("arch,params,loss", [
+    ("cnn_mnist", {"dropout": 0.5, "conv_dropout": 0.5}, _ce),
+    ("cnn_mnist", {"dropout": 0.5, "conv_dropout": 0.5}, _proto_like),
+    ("lenet", {}, _proto_like), ("mlp", {}, _ce), ("cnn_small", {}, _ce), ("cnn4", {}, _ce),
+])
+def test_grouped_execution_equals_vmap(arch, params, loss):
+    # same batches, same dropout masks, same optimiser: the grouped forward + autograd gives every client the
+    # gradients vmap gives (sums ordered differently: within 1e-4), with unequal data sizes (a smaller last batch)
+    seen = []
+    g_params, g_metrics, g_states = _train_group(arch, loss, True, params, calls=seen)
+    v_params, v_metrics, v_states = _train_group(arch, loss, False, params)
+    assert seen, "the grouped path was not taken"
+    for gp, vp in zip(g_params, v_params):
+        for name in vp:
+            assert torch.allclose(gp[name], vp[name], atol=1e-4, rtol=1e-4), name
+    for gm, vm in zip(g_metrics, v_metrics):
+        assert gm.keys() == vm.keys()
+        for key in vm:
+            assert abs(gm[key] - vm[key]) < 1e-4, key
+    for gs, vs in zip(g_states, v_states):
+        for name in vs:
+            assert torch.allclose(gs[name]["momentum_buffer"], vs[name]["momentum_buffer"], atol=1e-4), name
+    # and the clients trained: every client's parameters moved from the common start
+    for gp in g_params:
+        assert any(not torch.equal(gp[name], t) for name, t in _start(arch, params).items())
+
+
+def _start(arch, params):
+    from raysim import models as zoo
+
+    torch.manual_seed(0)
+    return dict(getattr(zoo, arch)((1, 28, 28), 10, **(params or {})).state_dict())
+
+
+def _other_input(model, xb, yb, epoch):  # a call on something else than the batch: outside the grouped form
+    return torch.nn.functional.cross_entropy(model(xb[:2]), yb[:2]), {}
+
+
+def _submodule(model, xb, yb, epoch):  # reaches into a submodule: outside the grouped form
+    return torch.nn.functional.cross_entropy(model.head(model.body(xb)), yb), {}
+
+
+@pytest.mark.parametrize("loss", [_other_input, _submodule])
+def test_objectives_outside_the_grouped_form_run_with_vmap(loss):
+    seen = []
+    g = _train_group("cnn_mnist", loss, True, calls=seen)
+    v = _train_group("cnn_mnist", loss, False)
+    assert not seen
+    for gp, vp in zip(g[0], v[0]):
+        for name in vp:
+            assert torch.equal(gp[name], vp[name])
+
+
+def test_grouped_form_covers_the_standard_zoo_only():
+    from raysim import models as zoo
+    from raysim.engine.grouped import supported
+
+    for arch in ("cnn_mnist", "lenet", "mlp", "cnn_small", "cnn4", "fedavg_cnn", "protonet"):
+        assert supported(getattr(zoo, arch)((1, 28, 28), 10)), arch
+    for arch in ("resnet_small", "mobilenet_small"):  # residual blocks and batch norm: vmap (or refused)
+        assert not supported(getattr(zoo, arch)((1, 28, 28), 10)), arch
+    odd = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10), torch.nn.Softmax(dim=1))
+    assert not supported(odd)
