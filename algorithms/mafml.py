@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from algorithms import mafml_group
 from algorithms.mutual_ops import (WarmClients, domain_metrics, flat_grad, project_conflicting, random_batch,
                                    set_flat_grad, weighted_kl)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
@@ -209,6 +210,13 @@ class MAFML(Algorithm):
         n = len(groups)
         return ClientUpdate(new, {}, {"projected": sum(fired) / n, "train_kl": sum(kls) / n,
                                       "train_ce_public": sum(ces) / n})
+
+    # the group forms of the two client steps (backend.vectorize: the nodes' models as one grouped network)
+    def local_group(self, payloads, states, datas, ctxs):
+        return mafml_group.local(self, payloads, states, datas, ctxs)
+
+    def step_global_group(self, payloads, states, datas, ctxs):
+        return mafml_group.step_global(self, payloads, states, datas, ctxs)
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         return domain_metrics(self._load(state, ctx), data)

@@ -274,6 +274,14 @@ class Algorithm:
     def evaluate_client(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> dict:
         return {}
 
+    # A client step ``fn`` may also have a *group form* ``<fn>_group(payloads, states, datas, ctxs)``: the same step
+    # for several clients of one runner at once (lists in the same order), returning one ClientUpdate per client,
+    # or None when it cannot take this group (the per-client loop runs). With ``backend.vectorize: true`` the runner
+    # calls it instead of ``fn`` per client. It promises the per-client results within the vectorised executor's
+    # stated tolerance, draws only from each client's own ``ctx.generator`` streams (never torch's global RNG) and
+    # does not modify its arguments; if it raises, the runner runs the per-client loop, so a failing client fails
+    # alone. Example: MAFML's ``local_group`` / ``step_global_group`` (all nodes' LeNets as one grouped network).
+
 
 class LocalTraining(Algorithm):
     """A method whose client step is local minibatch training of the client's model, split FedJAX-style into

@@ -206,6 +206,75 @@ def test_mafml_heterogeneous_archs(tiny):
         assert rows(df, m)["value"].tolist() == rows(homo, m)["value"].tolist() and rows(df, m)["value"].gt(0).all()
 
 
+# -- MAFML's group forms (backend.vectorize: the nodes' models as one grouped network) ----------------------------
+
+VEC = {"name": "sequential", "vectorize": True}
+
+
+def _table(cfg):
+    return without_timing(run_experiment(cfg, write=False).table.drop(columns=["run_id"]))
+
+
+def _group_calls(monkeypatch):
+    """Count the group-form calls that took their group (returned updates, not None)."""
+    from algorithms import mafml_group
+
+    taken = []
+    for name in ("local", "step_global"):
+        real = getattr(mafml_group, name)
+
+        def counted(*a, _real=real, _name=name):
+            out = _real(*a)
+            taken.append((_name, out is not None))
+            return out
+
+        monkeypatch.setattr(mafml_group, name, counted)
+    return taken
+
+
+@pytest.mark.parametrize("model", [None, {"arch": "cnn_small", "params": {"channels": 4}}])
+def test_mafml_group_forms_equal_the_per_node_steps(tiny, monkeypatch, model):
+    over = {} if model is None else {"model": model}
+    loop = _table(mutual_cfg(tiny, "mafml", **over))
+    taken = _group_calls(monkeypatch)
+    vec = _table(mutual_cfg(tiny, "mafml", backend=VEC, **over))
+    assert {k for k, ok in taken if ok} == {"local", "step_global"}  # both steps ran as groups
+    m = loop.merge(vec, on=["round", "client_id", "scope", "metric"], how="outer", suffixes=("_l", "_v"),
+                   indicator=True)
+    assert (m["_merge"] == "both").all()
+    assert ((m["value_l"] - m["value_v"]).abs() <= 1e-4 * m["value_l"].abs().clip(lower=1.0)).all()
+    assert rows(vec, "projected")["value"].sum() == rows(loop, "projected")["value"].sum() > 0  # eq. 7 fired alike
+
+
+@pytest.mark.parametrize("case", ["hetero", "raises"])
+def test_mafml_group_forms_fall_back_to_the_per_node_steps(tiny, monkeypatch, case):
+    # mixed architectures, or a group form that fails: the runner runs the per-node steps, the very table of the loop
+    over = {"model": {"per_client": [{"arch": "mlp", "params": {"hidden": 32}},
+                                     {"arch": "cnn_small", "params": {"channels": 4}}]}} if case == "hetero" else {}
+    loop = _table(mutual_cfg(tiny, "mafml", **over))
+    if case == "raises":
+        from algorithms import mafml_group
+
+        def broken(*a):
+            raise RuntimeError("a group form that fails")
+
+        monkeypatch.setattr(mafml_group, "local", broken)
+        monkeypatch.setattr(mafml_group, "step_global", broken)
+    vec = _table(mutual_cfg(tiny, "mafml", backend=VEC, **over))
+    pd.testing.assert_frame_equal(loop, vec, check_exact=True)
+
+
+def test_mafml_per_teacher_runs_its_global_step_per_node(tiny, monkeypatch):
+    # Algorithm 1's per-teacher updates have no group form: the global step runs per node, the local step grouped
+    params = {"iterations": 3, "per_teacher": True}
+    loop = _table(mutual_cfg(tiny, "mafml", params))
+    taken = _group_calls(monkeypatch)
+    vec = _table(mutual_cfg(tiny, "mafml", params, backend=VEC))
+    assert {k for k, ok in taken if ok} == {"local"} and ("step_global", False) in taken
+    m = loop.merge(vec, on=["round", "client_id", "scope", "metric"], suffixes=("_l", "_v"))
+    assert len(m) == len(loop) and ((m["value_l"] - m["value_v"]).abs() <= 1e-4).all()
+
+
 @pytest.mark.ray
 def test_mafml_sequential_equals_ray_one_actor_per_node(ray_session, tiny):
     seq = run_experiment(mutual_cfg(tiny, "mafml"), write=False).table

@@ -12,7 +12,7 @@ from raysim.config import ConfigError, make_config
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
-from raysim.engine.vectorized import _Optimizer
+from raysim.grouped import StackedOptimizer as _Optimizer
 from raysim.config import TrainConfig
 
 KEYS = ["round", "client_id", "scope", "metric"]
@@ -132,7 +132,7 @@ def test_ray_two_actors_equals_sequential(ray_session):
 
 def _train_group(arch, loss_fn, grouped, params=None, k=3, n=(10, 10, 7), calls=None):
     from raysim import models as zoo
-    from raysim.engine import grouped as gmod
+    from raysim import grouped as gmod
     from raysim.engine.vectorized import vmap_local_sgd
 
     torch.manual_seed(0)
@@ -223,7 +223,7 @@ def test_objectives_outside_the_grouped_form_run_with_vmap(loss):
 
 def test_grouped_form_covers_the_standard_zoo_only():
     from raysim import models as zoo
-    from raysim.engine.grouped import supported
+    from raysim.grouped import supported
 
     for arch in ("cnn_mnist", "lenet", "mlp", "cnn_small", "cnn4", "fedavg_cnn", "protonet"):
         assert supported(getattr(zoo, arch)((1, 28, 28), 10)), arch

@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 
 from raysim.io import rundir
-from raysim.algorithm import SERVER_DATA, Task
+from raysim.algorithm import SERVER_DATA, LocalTraining, Task
 from raysim.backends import preflight
 from raysim.config import ConfigError, ExperimentConfig, from_dict
 from raysim.data.federated import FederatedData, build_federated_data
@@ -83,7 +83,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                                   f"{f' (e.g. {hint!r}, the input of the last linear layer)' if hint else ''}, or give "
                                   f"the module `features` (input -> embedding) and `classifier` (embedding -> logits) "
                                   f"attributes, or return a raysim.models.SplitModel")
-            if cfg.backend.vectorize and cfg.train.local_steps is not None:
+            if cfg.backend.vectorize and cfg.train.local_steps is not None and issubclass(algo_cls, LocalTraining):
                 raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
                                                        "executor runs whole epochs); use local_epochs")
             if cfg.backend.vectorize:

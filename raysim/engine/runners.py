@@ -173,9 +173,14 @@ class ClientRunner:
         fn = getattr(self.algorithm, step.method)
         evaluate = step.mode == "evaluate"
         uploads, reports = {}, []
-        if (not evaluate and step.method == "client_update" and self.spec.cfg.backend.vectorize
-                and isinstance(self.algorithm, LocalTraining)):
-            return self._run_vectorized(step, payload, round_idx, iteration, client_ids)
+        if not evaluate and self.spec.cfg.backend.vectorize:
+            if step.method == "client_update" and isinstance(self.algorithm, LocalTraining):
+                return self._run_vectorized(step, payload, round_idx, iteration, client_ids)
+            group_fn = getattr(self.algorithm, f"{step.method}_group", None)
+            if group_fn is not None and len(client_ids) > 1:
+                done = self._run_group(step, group_fn, payload, round_idx, iteration, client_ids)
+                if done is not None:
+                    return done
         for cid in client_ids:
             if evaluate and self.data[cid].y_test.numel() == 0:
                 continue  # a client without local test data is not evaluated
@@ -225,6 +230,39 @@ class ClientRunner:
             uploads[cid] = res.upload
             rep.metrics = dict(res.metrics)
             rep.up = payload_sizes(res.upload)
+
+    def _run_group(self, step: ClientStep, group_fn, payload, round_idx: int, iteration: int,
+                   client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
+        """``backend.vectorize`` for a step whose method has a group form (``<fn>_group(payloads, states, datas,
+        ctxs)``, see :meth:`raysim.algorithm.Algorithm.step_group`): one call for the hosted clients of the step. The
+        group form returns None when it cannot take this group (the per-client loop runs instead); if it raises, the
+        per-client loop runs too, so a failing client fails alone and with its own error."""
+        t0 = time.perf_counter()
+        try:
+            ctxs = [self._ctx(round_idx, cid, step.name, iteration) for cid in client_ids]
+            downs = [self.algorithm.downlink(payload, cid, ctx) for cid, ctx in zip(client_ids, ctxs)]
+            states = [self.state(cid) for cid in client_ids]
+            datas = [self._data(cid) for cid in client_ids]
+            results = group_fn(downs, states, datas, ctxs)
+        except DamagedFileError:
+            raise
+        except Exception:
+            return None
+        if results is None:
+            return None
+        token = step_token(round_idx, step, iteration)
+        share = (time.perf_counter() - t0) / len(client_ids)
+        uploads, reports = {}, []
+        for cid, down, res in zip(client_ids, downs, results):
+            rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
+            rep.down = payload_sizes(down)
+            try:
+                self._finish_update(rep, cid, res, token, uploads)
+            except Exception as e:
+                self._fail(rep, cid, e, uploads)
+            rep.seconds = share
+            reports.append(rep)
+        return uploads, reports
 
     def _run_vectorized(self, step: ClientStep, payload, round_idx: int, iteration: int,
                         client_ids: list[int]) -> tuple[dict, list[ClientReport]]:

@@ -26,10 +26,10 @@ Exactness rules (what makes the table equal to the loop's within the stated tole
 * **BatchNorm** — refused: a batch-norm layer updates its running statistics in place during training, which a
   vmapped forward cannot do per client (``check_model`` raises a ConfigError naming ``backend.vectorize``).
 
-* **grouped execution** — for a model built from standard layers (:func:`raysim.engine.grouped.supported`) whose
+* **grouped execution** — for a model built from standard layers (:func:`raysim.grouped.supported`) whose
   objective calls it only on the step's batch (seen by the shape probe), the group's forward runs as one grouped
   computation in channels-last layout and the per-client gradients come from autograd over the stacked parameters
-  (:mod:`raysim.engine.grouped`; ~2x faster than ``vmap`` on CPUs); any other model or objective uses ``vmap``.
+  (:mod:`raysim.grouped`; ~2x faster than ``vmap`` on CPUs); any other model or objective uses ``vmap``.
 
 Floating-point sums inside batched kernels are ordered differently from per-client kernels, so the numbers differ
 from the loop's in the last bits (the equality policy's "stated tolerance": metrics within 1e-4).
@@ -42,7 +42,8 @@ import torch
 import torch.nn as nn
 
 from raysim.config import ConfigError, TrainConfig
-from raysim.engine import grouped as _grouped
+from raysim import grouped as _grouped
+from raysim.grouped import StackedOptimizer
 from raysim.layers import _MASKS
 from raysim.models import dropout_masks_of, replay_masks
 from raysim.training import minibatches
@@ -78,111 +79,6 @@ class _FunctionalModel:
         return getattr(self._module, name)
 
 
-class _Optimizer:
-    """SGD / Adam over stacked per-client tensors ({name: [K, ...]}), torch.optim's update formulas."""
-
-    def __init__(self, cfg: TrainConfig, params: dict, states: list[Optional[dict]], lr: float):
-        self.cfg, self.lr = cfg, lr
-        self.adam = cfg.optimizer == "adam"
-        k = len(states)
-        self.bufs: dict = {}  # name -> [K, ...] momentum buffer (SGD) or (exp_avg, exp_avg_sq) (Adam)
-        self.has_buf = torch.zeros(k, dtype=torch.bool)  # SGD: the first momentum step copies the gradient
-        self.steps = torch.zeros(k, dtype=torch.float64)  # Adam: per-client step count
-        for name, p in params.items():
-            if self.adam:
-                m, v = torch.zeros_like(p), torch.zeros_like(p)
-                for i, st in enumerate(states):
-                    s = (st or {}).get(name)
-                    if s:
-                        m[i], v[i] = s["exp_avg"], s["exp_avg_sq"]
-                        self.steps[i] = float(s["step"])
-                self.bufs[name] = (m, v)
-            elif cfg.momentum:
-                b = torch.zeros_like(p)
-                for i, st in enumerate(states):
-                    s = (st or {}).get(name)
-                    if s and s.get("momentum_buffer") is not None:
-                        b[i] = s["momentum_buffer"]
-                        self.has_buf[i] = True
-                self.bufs[name] = b
-
-    @torch.no_grad()
-    def step(self, params: dict, grads: dict, rows: torch.Tensor, whole: bool = False) -> None:
-        """Update the clients ``rows`` (indices into the stack) with their gradients ``grads`` ({name: [len(rows), ...]}).
-        ``whole``: ``rows`` is every client of the stack in order: the same arithmetic in place, without gathering
-        and scattering the stacked parameters and buffers (~5 copies of every parameter per step)."""
-        cfg = self.cfg
-        if self.adam:
-            if whole:
-                self.steps += 1
-            else:
-                self.steps[rows] += 1
-        steps = (self.steps if whole else self.steps[rows]) if self.adam else None
-        first = None  # SGD with momentum: the clients whose first step copies the gradient (None: nobody's)
-        if not self.adam and cfg.momentum:
-            has = self.has_buf if whole else self.has_buf[rows]
-            first = None if bool(has.all()) else ~has
-        for name, g in grads.items():
-            full, bufs = params[name], self.bufs.get(name)
-            p = full if whole else full[rows]
-            if self.adam:
-                st = bufs if whole else (bufs[0][rows], bufs[1][rows])
-            else:
-                st = bufs if whole or bufs is None else bufs[rows]
-            st = self._update(p, g, st, steps, first)
-            if not whole:
-                full[rows] = p
-                if self.adam:
-                    bufs[0][rows], bufs[1][rows] = st
-                elif bufs is not None:
-                    bufs[rows] = st
-        if not self.adam and cfg.momentum:
-            if whole:
-                self.has_buf[:] = True
-            else:
-                self.has_buf[rows] = True
-
-    def _update(self, p: torch.Tensor, g: torch.Tensor, st, steps, first):
-        """torch.optim's SGD / Adam update of client-stacked ``p`` in place, with its state ``st`` (Adam: (m, v);
-        SGD with momentum: the buffer; else None), updated in place and returned."""
-        cfg, lr = self.cfg, self.lr
-        if cfg.weight_decay:
-            g = g.add(p, alpha=cfg.weight_decay)
-        shape = (-1,) + (1,) * (p.dim() - 1)
-        if self.adam:
-            b1, b2 = 0.9, 0.999
-            m, v = st
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            bc1 = (1 - b1 ** steps).to(p.dtype).view(shape)
-            bc2_sqrt = (1 - b2 ** steps).sqrt().to(p.dtype).view(shape)
-            denom = (v.sqrt() / bc2_sqrt).add_(1e-8)
-            p.addcdiv_(m, denom * (bc1 / lr), value=-1.0)
-            return m, v
-        if cfg.momentum:
-            if first is None:
-                st.mul_(cfg.momentum).add_(g)
-            else:
-                st.copy_(torch.where(first.view(shape), g, st.mul(cfg.momentum).add(g)))
-            p.add_(st, alpha=-lr)
-            return st
-        p.add_(g, alpha=-lr)
-        return None
-
-    def state_of(self, i: int, names: list[str]) -> dict:
-        """Client ``i``'s state in the loop's format ({name: {key: tensor}}); {} when it never stepped."""
-        out = {}
-        for name in names:
-            if self.adam:
-                if self.steps[i] > 0:
-                    m, v = self.bufs[name]
-                    out[name] = {"step": torch.tensor(float(self.steps[i])), "exp_avg": m[i].clone(),
-                                 "exp_avg_sq": v[i].clone()}
-            elif self.cfg.momentum and bool(self.has_buf[i]):
-                out[name] = {"momentum_buffer": self.bufs[name][i].clone()}
-        return out
-
-
 def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: list[torch.Tensor],
                    ys: list[torch.Tensor], cfg: TrainConfig, batch_generators: list[torch.Generator],
                    dropout_generators: list[torch.Generator], opt_states: list[Optional[dict]],
@@ -191,7 +87,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
     """Train K clients of one architecture together. ``params[k]``: client k's starting parameters (name ->
     tensor); ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained
     parameters, ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client.
-    ``grouped``: use grouped execution (:mod:`raysim.engine.grouped`) where the model and the objective allow it,
+    ``grouped``: use grouped execution (:mod:`raysim.grouped`) where the model and the objective allow it,
     else ``vmap`` throughout."""
     k = len(params)
     epochs = cfg.local_epochs if epochs is None else epochs
@@ -201,7 +97,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
     stacked = {n: torch.stack([p[n].detach() for p in params]).clone() for n in names}
     frozen = {n: torch.stack([p[n].detach() for p in params]) for n in params[0] if n not in trainable}
     buffers = {n: b for n, b in model.named_buffers()}
-    opt = _Optimizer(cfg, stacked, opt_states, lr)
+    opt = StackedOptimizer(cfg, stacked, opt_states, lr)
 
     # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm per
     # epoch)
@@ -248,7 +144,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
 
     def grouped_grad(p, fz, xb, yb, masks, epoch, seen):
         # the model's forward for the group at once, the objective per client under vmap on its outputs, per-client
-        # gradients by autograd of the summed losses (raysim.engine.grouped)
+        # gradients by autograd of the summed losses (raysim.grouped)
         leaves = {n: t.detach().requires_grad_(True) for n, t in p.items()}
         every = {**leaves, **fz}
         it = iter(masks)
