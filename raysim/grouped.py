@@ -1,4 +1,7 @@
-"""Grouped execution: the vectorised executor's fast path for models built from standard layers.
+"""Grouped execution: K models of one architecture built from standard layers, computed as one network — the
+vectorised executor's fast path (:mod:`raysim.engine.vectorized`) and the tool of a method's group forms of client
+steps (:class:`raysim.algorithm.Algorithm`; MAFML's in ``algorithms/mafml_group.py``), with
+:class:`StackedOptimizer` (SGD / Adam over the stacked parameters, torch.optim's formulas).
 
 ``vmap`` turns each client's convolution into one grouped convolution over a channels-first tensor, and pools and
 reshapes that tensor in channels-first layout. On CPUs the channels-first kernels for many small groups are slow

@@ -36,7 +36,7 @@ def test_killed_actor_is_replaced_and_the_table_is_identical(ray_session, tiny, 
     res = run_experiment(dying(tiny, killed), write=False)
     assert (killed / "died").exists()  # the actor really died
     # (run ids differ only because marker_dir is a parameter)
-    pd.testing.assert_frame_equal(without_timing(ref.table.drop(columns="run_id")), without_timing(res.table.drop(columns="run_id")))
+    pd.testing.assert_frame_equal(without_timing(ref.table.drop(columns="run_id")), without_timing(res.table.drop(columns="run_id")), check_exact=True)
     assert res.metadata["actor_failures"][0]["action"] == "retry"
 
 

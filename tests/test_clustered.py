@@ -475,4 +475,4 @@ def test_clustered_sequential_equals_ray_with_ari(ray_session, tiny, name):
     ray = run_experiment(cfg(backend={"name": "ray", "num_actors": 2, "num_cpus": 1, "state_memory_mb": 0}),
                          write=False).table
     assert not rows(seq, "ari", "server").empty
-    pd.testing.assert_frame_equal(without_timing(seq), without_timing(ray))
+    pd.testing.assert_frame_equal(without_timing(seq), without_timing(ray), check_exact=True)

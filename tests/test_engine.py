@@ -59,7 +59,7 @@ def test_results_file_metadata_and_load(tiny, tmp_path):
     cfg = tiny(rounds=2)
     res = run_experiment(cfg, out_dir=tmp_path / "run")
     df = results.load(tmp_path / "run")
-    pd.testing.assert_frame_equal(df, res.table)
+    pd.testing.assert_frame_equal(df, res.table, check_exact=True)
     assert list(df.columns) == results.COLUMNS
     meta = results.load_metadata(tmp_path / "run")
     assert meta["seed"] == 7 and meta["config"]["algorithm"]["name"] == "fedproto"
@@ -102,7 +102,7 @@ def test_partial_participation_is_seeded(tiny):
     cfg = tiny(rounds=3, clients_per_round=3)
     a = run_experiment(cfg, write=False).table
     b = run_experiment(cfg, write=False).table
-    pd.testing.assert_frame_equal(without_timing(a), without_timing(b))
+    pd.testing.assert_frame_equal(without_timing(a), without_timing(b), check_exact=True)
     parts = client_rows(a, "up_floats")
     assert parts.groupby("round").size().tolist() == [3, 3, 3]
 
@@ -152,8 +152,8 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny, tmp_path, use_en
     assert "--resume" in "".join(getattr(e.value, "__notes__", []))
     resumed = run_experiment(tiny(**over), resume=kept)
     assert resumed.out_dir == tmp_path / "run" and not kept.exists()
-    pd.testing.assert_frame_equal(without_timing(full.table), without_timing(resumed.table))
-    pd.testing.assert_frame_equal(results.load(tmp_path / "run"), resumed.table)
+    pd.testing.assert_frame_equal(without_timing(full.table), without_timing(resumed.table), check_exact=True)
+    pd.testing.assert_frame_equal(results.load(tmp_path / "run"), resumed.table, check_exact=True)
 
 
 def test_resume_refuses_a_different_config(tiny, tmp_path):

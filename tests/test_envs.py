@@ -401,7 +401,7 @@ def test_sequential_equals_ray_with_env(tiny, ray_session):
     ray_df = env_table(tiny(backend={"name": "ray", "num_actors": 2}, **over))
     assert seq[seq.scope == "env"].shape[0] == 3 * 8
     assert seq[seq.metric.isin(["dropped", "late"]) & (seq.scope == "client")]["value"].sum() > 0  # uploads filtered
-    pd.testing.assert_frame_equal(seq, ray_df)
+    pd.testing.assert_frame_equal(seq, ray_df, check_exact=True)
 
 
 # a FedProto that reports which uploads reached aggregate (sequential backend only)

@@ -279,7 +279,7 @@ def test_mafml_per_teacher_runs_its_global_step_per_node(tiny, monkeypatch):
 def test_mafml_sequential_equals_ray_one_actor_per_node(ray_session, tiny):
     seq = run_experiment(mutual_cfg(tiny, "mafml"), write=False).table
     ray = run_experiment(mutual_cfg(tiny, "mafml", backend={"name": "ray", "num_actors": 4, "num_cpus": 0.5}), write=False).table
-    pd.testing.assert_frame_equal(without_timing(seq), without_timing(ray))
+    pd.testing.assert_frame_equal(without_timing(seq), without_timing(ray), check_exact=True)
 
 
 # -- engine: train.local_steps -----------------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def test_local_steps_runs_exactly_that_many_steps():
 def test_ind_is_local_training_on_private_plus_public(tiny):
     ind = run_experiment(mutual_cfg(tiny, "ind", {}), write=False).table.drop(columns="run_id")
     loc = run_experiment(mutual_cfg(tiny, "local", {}), write=False).table.drop(columns="run_id")
-    pd.testing.assert_frame_equal(without_timing(ind), without_timing(loc))
+    pd.testing.assert_frame_equal(without_timing(ind), without_timing(loc), check_exact=True)
     assert rows(ind, "up_floats")["value"].eq(0).all()
 
 
@@ -387,7 +387,7 @@ def test_fedavg_every_k_iterations_accounted_exactly(tiny):
     assert acc.shape == (2, 4) and (acc.nunique(axis=1) == 1).all()  # the last average: one model everywhere
     loc = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 2, "eval_model": "local"}), write=False).table
     pd.testing.assert_frame_equal(rows(loc, "train_loss").drop(columns="run_id").reset_index(drop=True),
-                                  rows(df, "train_loss").drop(columns="run_id").reset_index(drop=True))  # same training
+                                  rows(df, "train_loss").drop(columns="run_id").reset_index(drop=True), check_exact=True)  # same training
     # every iteration: 6 averages
     every = run_experiment(mutual_cfg(tiny, "fedavg", {"sync_every": 1}), write=False).table
     assert communication(every).set_index("metric")["total"]["up_floats"] == 6 * 4 * MLP_P
@@ -420,7 +420,7 @@ def test_fedavg_iteration_mode_resumes_exactly(tiny, tmp_path):
     from raysim.io.results import without_timing  # wall-time rows differ run to run
 
     pd.testing.assert_frame_equal(without_timing(full).drop(columns="run_id").reset_index(drop=True),
-                                  without_timing(resumed).drop(columns="run_id").reset_index(drop=True))
+                                  without_timing(resumed).drop(columns="run_id").reset_index(drop=True), check_exact=True)
 
 
 @pytest.mark.parametrize("params,over,field", [

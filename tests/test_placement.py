@@ -98,7 +98,7 @@ def test_moves_keep_the_table_identical(ray_session, tiny, extra):
     res = run_experiment(_skewed(tiny, backend={"name": "ray", "num_actors": 2, "num_cpus": 1, "balance": "cost",
                                                 **extra}, **over), write=False)
     assert sum(e["moves"] for e in res.timing["balance"]) > 0  # clients really changed actors
-    pd.testing.assert_frame_equal(ref, without_timing(res.table))
+    pd.testing.assert_frame_equal(ref, without_timing(res.table), check_exact=True)
 
 
 @pytest.mark.ray
@@ -115,7 +115,7 @@ def test_actor_killed_after_moves_is_replaced_with_its_current_clients(ray_sessi
     assert (killed / "died").exists()
     assert sum(e["moves"] for e in res.timing["balance"]) > 0
     pd.testing.assert_frame_equal(without_timing(ref.table.drop(columns="run_id")),
-                                  without_timing(res.table.drop(columns="run_id")))
+                                  without_timing(res.table.drop(columns="run_id")), check_exact=True)
 
 
 def test_balance_is_checked(tiny):

@@ -31,7 +31,7 @@ def test_sequential_equals_ray_one_and_two_actors(ray_session, tiny, algo):
     seq = table(tiny(**params))
     for actors in (1, 2):
         r = table(tiny(**params, backend={"name": "ray", "num_actors": actors, "num_cpus": 1}))
-        pd.testing.assert_frame_equal(seq, r)
+        pd.testing.assert_frame_equal(seq, r, check_exact=True)
     assert len(seq) > 100
 
 
@@ -40,14 +40,14 @@ def test_heterogeneous_models_identical_on_ray(ray_session, tiny):
                                                {"arch": "cnn_small", "params": {"channels": 8, "embed_dim": 16}}]}
     seq = table(tiny(model=model))
     r = table(tiny(model=model, backend={"name": "ray", "num_actors": 2}))
-    pd.testing.assert_frame_equal(seq, r)
+    pd.testing.assert_frame_equal(seq, r, check_exact=True)
 
 
 def test_failures_identical_on_ray(ray_session, tiny):
     params = {"algorithm": {"name": "failing_fedavg", "params": {"fail_clients": [1, 4]}}}
     seq = run_experiment(tiny(**params), write=False)
     r = run_experiment(tiny(**params, backend={"name": "ray", "num_actors": 2}), write=False)
-    pd.testing.assert_frame_equal(without_timing(seq.table), without_timing(r.table))
+    pd.testing.assert_frame_equal(without_timing(seq.table), without_timing(r.table), check_exact=True)
     assert [(f["round"], f["client_id"]) for f in r.metadata["failures"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
 
 
@@ -80,7 +80,7 @@ def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tin
     other, t_other = run(num_actors=1, num_cpus=0.5)  # other resources: the parked client actors are ended
     assert len(set(other) & set(first)) == 1  # the server (same resources) was reused; the client actor is new
     for t in (t_first, t_again, t_one, t_other):
-        pd.testing.assert_frame_equal(t, seq)
+        pd.testing.assert_frame_equal(t, seq, check_exact=True)
     assert release_warm_actors() == 2
     deadline = time.time() + 120
     while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:  # kills are asynchronous

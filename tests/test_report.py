@@ -142,7 +142,7 @@ def test_run_seeds_one_table_per_run(tmp_path, capsys):
 
     ref = run_experiment(make_config(tiny_config(rounds=2, seed=4)), write=False, progress=False)
     got = results.load(tmp_path / "runs" / "seed4")
-    pd.testing.assert_frame_equal(results.without_timing(got), results.without_timing(ref.table), check_dtype=False)
+    pd.testing.assert_frame_equal(results.without_timing(got), results.without_timing(ref.table), check_dtype=False, check_exact=True)
 
 
 def test_simulated_time_axis_comes_from_the_environment_rows(tmp_path):

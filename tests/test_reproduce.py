@@ -175,7 +175,7 @@ def test_jobs_run_side_by_side_with_the_numbers_of_one_at_a_time(tmp_path, capsy
     assert "2 at a time" in capsys.readouterr().out
     assert len(tables[1]) == 4 and tables[1].keys() == tables[2].keys()
     for k in tables[1]:
-        pd.testing.assert_frame_equal(tables[1][k], tables[2][k])
+        pd.testing.assert_frame_equal(tables[1][k], tables[2][k], check_exact=True)
 
 
 def test_a_run_another_process_holds_is_left_to_it(tmp_path, capsys):

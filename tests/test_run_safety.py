@@ -206,7 +206,7 @@ def test_kill_9_then_resume_equals_an_uninterrupted_run(tmp_path, capsys):
     assert main(["runs", str(tmp_path)]) == 0 and "killed (resumable)" in capsys.readouterr().out
     assert main(["run", str(cfg), "--resume", str(kept), "--no-progress"]) == 0
     assert sorted(x.name for x in tmp_path.iterdir()) == ["c.yaml", "run"]
-    pd.testing.assert_frame_equal(results.without_timing(results.load(tmp_path / "run")), results.without_timing(full.table))
+    pd.testing.assert_frame_equal(results.without_timing(results.load(tmp_path / "run")), results.without_timing(full.table), check_exact=True)
 
 
 def test_ctrl_c_keeps_checkpoints_and_prints_the_resume_command(tmp_path, capsys, monkeypatch):

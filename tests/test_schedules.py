@@ -58,7 +58,7 @@ def test_wall_time_rows_per_round_and_step(tiny, tmp_path):
     rest = results.without_timing(df)
     assert len(rest) == len(df) - len(t) and not rest["metric"].map(results.is_timing).any()
     assert list(rest.index) == list(range(len(rest)))
-    pd.testing.assert_frame_equal(results.load(tmp_path / "run"), df)
+    pd.testing.assert_frame_equal(results.load(tmp_path / "run"), df, check_exact=True)
     assert results.cumulative(df, "round_s")["x"].is_monotonic_increasing  # a wall-clock axis for reports
 
 
@@ -99,13 +99,13 @@ def test_toy_identical_on_both_backends(ray_session, tiny):
     for actors, mem in ((1, 1024), (2, 0)):
         r = run_experiment(toy(tiny, backend={"name": "ray", "num_actors": actors, "state_memory_mb": mem}),
                            write=False).table
-        pd.testing.assert_frame_equal(without_timing(seq), without_timing(r))
+        pd.testing.assert_frame_equal(without_timing(seq), without_timing(r), check_exact=True)
 
 
 def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
     full = run_experiment(toy(tiny), write=False).table
     spilled = run_experiment(toy(tiny, backend={"name": "sequential", "state_memory_mb": 0}), write=False).table
-    pd.testing.assert_frame_equal(without_timing(full), without_timing(spilled))
+    pd.testing.assert_frame_equal(without_timing(full), without_timing(spilled), check_exact=True)
 
     over = {"output": {"progress": False, "checkpoint_every": 1}}
 
@@ -118,7 +118,7 @@ def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
     kept = tmp_path / "run.incomplete"
     assert (kept / "checkpoints" / "setup" / "meta.pt").exists()
     resumed = run_experiment(toy(tiny, **over), resume=kept)
-    pd.testing.assert_frame_equal(without_timing(full), without_timing(resumed.table))
+    pd.testing.assert_frame_equal(without_timing(full), without_timing(resumed.table), check_exact=True)
     ck = load_checkpoint(resumed.out_dir / "checkpoints" / "final")
     assert ck["server_state"]["setup_runs"] == 1  # the setup phase ran once, never again on resume
     sampled = rows(full, "up_floats").query("round >= 0")["client_id"].unique()
@@ -194,7 +194,7 @@ def test_failing_downlink_is_a_per_client_failure_on_both_backends(ray_session, 
     over = dict(rounds=3, algorithm={"name": "failing_downlink", "params": {"fail_clients": [3]}})
     seq = run_experiment(tiny(**over), write=False)
     ray_res = run_experiment(tiny(**over, backend={"name": "ray", "num_actors": 2}), write=False)
-    pd.testing.assert_frame_equal(without_timing(seq.table), without_timing(ray_res.table))
+    pd.testing.assert_frame_equal(without_timing(seq.table), without_timing(ray_res.table), check_exact=True)
     assert [(f["round"], f["client_id"]) for f in seq.metadata["failures"] if f["stage"] == "update"] == [(1, 3), (2, 3)]
     assert "downlink failed" in seq.metadata["failures"][0]["error"]
 
@@ -269,11 +269,11 @@ def test_checkpoint_from_two_actors_resumes_on_one_runner(ray_session, tiny, tmp
     assert sorted(p.name for p in (tmp_path / "a.incomplete" / "checkpoints" / "round_00001").iterdir()) == [
         "clients-0.pt", "clients-1.pt", "meta.pt", "server.pt"]
     seq = run_experiment(toy(tiny, **over), resume=tmp_path / "a.incomplete").table
-    pd.testing.assert_frame_equal(without_timing(full), without_timing(seq))
+    pd.testing.assert_frame_equal(without_timing(full), without_timing(seq), check_exact=True)
     with pytest.raises(KeyboardInterrupt):
         run_experiment(toy(tiny, **over), out_dir=tmp_path / "b", callbacks=[EvalCallback(crash)])
     r = run_experiment(toy(tiny, backend={"name": "ray", "num_actors": 2}, **over), resume=tmp_path / "b.incomplete").table
-    pd.testing.assert_frame_equal(without_timing(full), without_timing(r))
+    pd.testing.assert_frame_equal(without_timing(full), without_timing(r), check_exact=True)
 
 
 def test_new_state_is_committed_only_when_the_driver_says_so(tiny):
