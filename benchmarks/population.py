@@ -22,9 +22,14 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
 
-def _tree_memory(root: int) -> tuple[int, int]:
-    """(PSS, RSS) in bytes summed over ``root`` and all its descendants (Ray's processes are the driver's)."""
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's raysim, run from anywhere
+
+
+def _tree_memory(root: int, skip: int = -1) -> tuple[int, int]:
+    """(PSS, RSS) in bytes summed over ``root`` and all its descendants (Ray's processes are the driver's), less the
+    process ``skip`` (the sampler)."""
     children: dict = {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -40,6 +45,8 @@ def _tree_memory(root: int) -> tuple[int, int]:
     while todo:
         pid = todo.pop()
         todo += children.get(pid, [])
+        if pid == skip:
+            continue
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
                 for line in f:
@@ -52,24 +59,30 @@ def _tree_memory(root: int) -> tuple[int, int]:
     return pss, rss
 
 
+def _sample(root: int) -> None:
+    """The sampler process (``--sample ROOT``): polls the tree's memory every 0.2 s, leaving itself out, until a line
+    arrives on stdin; then prints the peaks. A separate process, so polling /proc takes nothing from the measured
+    process's interpreter (a thread there would hold its GIL while parsing)."""
+    import select
+
+    peak_pss = peak_rss = 0
+    me = os.getpid()
+    while True:
+        pss, rss = _tree_memory(root, skip=me)
+        peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+        if select.select([sys.stdin], [], [], 0.2)[0]:
+            break
+    print(json.dumps([peak_pss, peak_rss]), flush=True)
+
+
 class _Sampler:
     def __init__(self):
-        import threading
-
-        self.peak_pss = self.peak_rss = 0
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._loop, daemon=True)
-        self._t.start()
-
-    def _loop(self):
-        while not self._stop.is_set():
-            pss, rss = _tree_memory(os.getpid())
-            self.peak_pss, self.peak_rss = max(self.peak_pss, pss), max(self.peak_rss, rss)
-            self._stop.wait(0.2)
+        self._p = subprocess.Popen([sys.executable, __file__, "--sample", str(os.getpid())], stdin=subprocess.PIPE,
+                                   stdout=subprocess.PIPE, text=True)
 
     def stop(self):
-        self._stop.set()
-        self._t.join()
+        out, _ = self._p.communicate("stop\n")
+        self.peak_pss, self.peak_rss = json.loads(out.strip().splitlines()[-1])
 
 
 def one(n: int, rounds: int, backend: str = "sequential") -> dict:
@@ -101,10 +114,14 @@ def main():
     ap.add_argument("--sizes", default="1000,10000,100000")
     ap.add_argument("--rounds", type=int, default=40)
     ap.add_argument("--one", type=int, default=None)
+    ap.add_argument("--sample", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--backend", choices=["sequential", "ray"], default="sequential")
     ap.add_argument("--malloc-mmap-threshold", type=int, default=None,
                     help="run each size with glibc's MALLOC_MMAP_THRESHOLD_ set (bytes; e.g. 1000000000)")
     args = ap.parse_args()
+    if args.sample:
+        _sample(args.sample)
+        return
     if args.one:
         print(json.dumps(one(args.one, args.rounds, args.backend)))
         return
