@@ -148,19 +148,35 @@ def _run(m: nn.Module, a: _Act, p: dict, name: str, masks: Iterator) -> _Act:
     raise Ineligible(f"{name or 'model'}: {type(m).__name__} has no grouped form")
 
 
+_KNOWN = (SplitModel, nn.Sequential, nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten,
+          Dropout, _CNNMnistBody) + _ELEMENTWISE
+
+
+def _plain(m: nn.Module) -> bool:
+    """``m`` is one of the known modules as its class defines it: the known class's own forward (a subclass that
+    overrides it computes something else) and no forward hooks."""
+    base = next((k for k in type(m).__mro__ if k in _KNOWN), None)
+    return (base is not None and type(m).forward is base.forward
+            and not (m._forward_hooks or m._forward_pre_hooks))
+
+
 def supported(model: nn.Module) -> bool:
     """Whether every module of ``model`` has a grouped form (structure only; the layouts are checked when run)."""
     def ok(m: nn.Module) -> bool:
+        if not _plain(m):
+            return False
         if isinstance(m, (SplitModel, nn.Sequential)):
             return all(ok(c) for c in m.children())
+        if isinstance(m, _CNNMnistBody):
+            return all(_plain(c) for c in m.children())
         if isinstance(m, nn.Conv2d):
             return m.padding_mode == "zeros" and not isinstance(m.padding, str)
         if isinstance(m, nn.Flatten):
             return m.start_dim == 1 and m.end_dim == -1
         if isinstance(m, nn.MaxPool2d):
             return not m.return_indices
-        return isinstance(m, (nn.Linear, nn.AvgPool2d, nn.AdaptiveAvgPool2d, Dropout, _CNNMnistBody) + _ELEMENTWISE)
-    if isinstance(model, SplitModel) or isinstance(model, nn.Sequential):
+        return True
+    if isinstance(model, (SplitModel, nn.Sequential)):
         return ok(model) and not list(model.buffers())
     return False
 

@@ -231,3 +231,20 @@ def test_grouped_form_covers_the_standard_zoo_only():
         assert not supported(getattr(zoo, arch)((1, 28, 28), 10)), arch
     odd = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10), torch.nn.Softmax(dim=1))
     assert not supported(odd)
+
+    # a known module whose class overrides forward, or with a forward hook, computes something else: vmap
+    class Doubled(torch.nn.ReLU):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    class Shifted(zoo.SplitModel):
+        def forward(self, x, return_embedding=False):
+            return super().forward(x + 1, return_embedding)
+
+    flat = lambda: torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 5))  # noqa: E731
+    assert supported(zoo.SplitModel(flat(), torch.nn.Linear(5, 2), 5))
+    assert not supported(zoo.SplitModel(flat(), torch.nn.Sequential(Doubled(), torch.nn.Linear(5, 2)), 5))
+    assert not supported(Shifted(flat(), torch.nn.Linear(5, 2), 5))
+    hooked = zoo.cnn_mnist((1, 28, 28), 10)
+    hooked.body.fc1.register_forward_hook(lambda module, args, out: out * 0)
+    assert not supported(hooked)
