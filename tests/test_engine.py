@@ -63,7 +63,7 @@ def test_results_file_metadata_and_load(tiny, tmp_path):
     assert list(df.columns) == results.COLUMNS
     meta = results.load_metadata(tmp_path / "run")
     assert meta["seed"] == 7 and meta["config"]["algorithm"]["name"] == "fedproto"
-    assert meta["versions"]["torch"] and meta["data_notes"]
+    assert meta["versions"]["torch"] and meta["versions"]["cpu"] and meta["data_notes"]
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "checkpoints" / "final" / "meta.pt").exists()
     fin = results.final(df)
     last = df[(df.scope == "client") & (df.metric == "test_acc") & (df["round"] == 1)]

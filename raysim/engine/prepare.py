@@ -222,13 +222,28 @@ def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _noti
 
 
 def versions() -> dict:
+    """The software versions and the CPU model a run was made with (float reductions follow the CPU's vector unit:
+    the same seed gives the same table on one CPU model, and last-bit differences across models)."""
     out = {"python": platform.python_version()}
     for pkg in ("raysim", "torch", "ray", "numpy", "pandas", "pyarrow"):
         try:
             out[pkg] = importlib_metadata.version(pkg)
         except importlib_metadata.PackageNotFoundError:
             out[pkg] = None
+    out["cpu"] = _cpu_model()
     return out
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def resume_hash(cfg: ExperimentConfig) -> str:
