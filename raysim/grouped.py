@@ -122,7 +122,7 @@ def _cnn_mnist_body(m: _CNNMnistBody, a: _Act, p: dict, name: str, masks: Iterat
 def _run(m: nn.Module, a: _Act, p: dict, name: str, masks: Iterator) -> _Act:
     pre = f"{name}." if name else ""
     if isinstance(m, nn.Sequential):
-        for child_name, child in m.named_children():
+        for child_name, child in m._modules.items():  # as Sequential.forward walks them
             a = _run(child, a, p, pre + child_name, masks)
         return a
     if isinstance(m, nn.Conv2d):
@@ -153,19 +153,29 @@ _KNOWN = (SplitModel, nn.Sequential, nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgP
 
 
 def _plain(m: nn.Module) -> bool:
-    """``m`` is one of the known modules as its class defines it: the known class's own forward (a subclass that
-    overrides it computes something else) and no forward hooks."""
-    base = next((k for k in type(m).__mro__ if k in _KNOWN), None)
-    return (base is not None and type(m).forward is base.forward
-            and not (m._forward_hooks or m._forward_pre_hooks))
+    """``m`` is exactly one of the known classes (a subclass may override ``forward`` or a helper such as
+    ``Conv2d._conv_forward``; a parametrized layer is a subclass) and has no hooks of its own."""
+    return type(m) in _KNOWN and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                                      or m._backward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as mm
+
+    return any(getattr(mm, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks",
+                                                     "_global_backward_hooks", "_global_backward_pre_hooks"))
 
 
 def supported(model: nn.Module) -> bool:
-    """Whether every module of ``model`` has a grouped form (structure only; the layouts are checked when run)."""
+    """Whether ``model`` has a grouped form: every module exactly a known class without hooks, no module object or
+    parameter used twice (tied layers), no buffers, a SplitModel of body and head only (structure; the layouts are
+    checked when run)."""
     def ok(m: nn.Module) -> bool:
         if not _plain(m):
             return False
-        if isinstance(m, (SplitModel, nn.Sequential)):
+        if isinstance(m, SplitModel):
+            return set(m._modules) == {"body", "head"} and all(ok(c) for c in m.children())
+        if isinstance(m, nn.Sequential):
             return all(ok(c) for c in m.children())
         if isinstance(m, _CNNMnistBody):
             return all(_plain(c) for c in m.children())
@@ -176,9 +186,11 @@ def supported(model: nn.Module) -> bool:
         if isinstance(m, nn.MaxPool2d):
             return not m.return_indices
         return True
-    if isinstance(model, (SplitModel, nn.Sequential)):
-        return ok(model) and not list(model.buffers())
-    return False
+    if not isinstance(model, (SplitModel, nn.Sequential)) or _global_hooks():
+        return False
+    once = len(list(model.modules())) == len(list(model.modules(remove_duplicate=False)))
+    untied = (len(list(model.named_parameters())) == len(list(model.named_parameters(remove_duplicate=False))))
+    return once and untied and ok(model) and not list(model.buffers())
 
 
 def grouped_forward(model: nn.Module, params: dict, x: torch.Tensor, return_embedding: bool, masks: Iterator):
@@ -209,7 +221,10 @@ class ReplayModel:
         if x is not self._xb or args or j >= len(self._calls) or kwargs != self._calls[j]:
             raise Ineligible("the objective called the model in a way the probe did not see")
         self._next += 1
-        return self._outs[j]
+        out = self._outs[j]
+        if not torch.is_grad_enabled():  # a call under no_grad: the loop's output would carry no gradient
+            out = tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
+        return out
 
     def named_parameters(self):
         return iter(self._params.items())
@@ -230,6 +245,7 @@ class RecordingModel:
 
     def __init__(self, inner, xb, mask_count: Callable[[], int]):
         self._inner, self._xb, self._count = inner, xb, mask_count
+        self._version = xb._version  # an objective that modifies its batch in place before a call: outside the form
         self.calls: list = []
         self.ok = True
         self._masks_seen = 0
@@ -240,7 +256,7 @@ class RecordingModel:
             self.ok = False
         out = self._inner(x, *args, **kwargs)
         self._masks_seen = self._count()
-        if x is not self._xb or args or set(kwargs) - {"return_embedding"}:
+        if x is not self._xb or args or set(kwargs) - {"return_embedding"} or x._version != self._version:
             self.ok = False
         self.calls.append(dict(kwargs))
         return out

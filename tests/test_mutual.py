@@ -260,8 +260,23 @@ def test_mafml_group_forms_fall_back_to_the_per_node_steps(tiny, monkeypatch, ca
 
         monkeypatch.setattr(mafml_group, "local", broken)
         monkeypatch.setattr(mafml_group, "step_global", broken)
-    vec = _table(mutual_cfg(tiny, "mafml", backend=VEC, **over))
+        with pytest.warns(RuntimeWarning, match="fails") as seen:
+            vec = _table(mutual_cfg(tiny, "mafml", backend=VEC, **over))
+        # said once per step's group form, not at every call
+        assert sorted(str(w.message).split(" ")[0] for w in seen if "_group" in str(w.message)) == [
+            "MAFML.local_group", "MAFML.step_global_group"]
+    else:
+        vec = _table(mutual_cfg(tiny, "mafml", backend=VEC, **over))
     pd.testing.assert_frame_equal(loop, vec, check_exact=True)
+
+
+def test_a_group_form_with_a_result_per_client_missing_is_an_error(tiny, monkeypatch):
+    from algorithms import mafml_group
+
+    real = mafml_group.local
+    monkeypatch.setattr(mafml_group, "local", lambda *a: real(*a)[:-1])
+    with pytest.raises(Exception, match="local_group must return None or one ClientUpdate per client"):
+        run_experiment(mutual_cfg(tiny, "mafml", backend=VEC), write=False)
 
 
 def test_mafml_per_teacher_runs_its_global_step_per_node(tiny, monkeypatch):

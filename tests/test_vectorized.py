@@ -248,3 +248,80 @@ def test_grouped_form_covers_the_standard_zoo_only():
     hooked = zoo.cnn_mnist((1, 28, 28), 10)
     hooked.body.fc1.register_forward_hook(lambda module, args, out: out * 0)
     assert not supported(hooked)
+
+
+def _no_grad_target(model, xb, yb, epoch):  # self-distillation: the target is a constant, as in the loop
+    with torch.no_grad():
+        target = model(xb)  # used outside the block: it must carry no gradient
+    logits = model(xb)
+    return torch.nn.functional.cross_entropy(logits, yb) + ((logits - target) ** 2).mean(), {}
+
+
+def _in_place(model, xb, yb, epoch):  # normalises its batch in place before the call: outside the grouped form
+    xb.sub_(0.5).mul_(2.0)
+    return torch.nn.functional.cross_entropy(model(xb), yb), {}
+
+
+def test_no_grad_calls_and_in_place_batches_keep_the_loops_numbers():
+    seen = []
+    g = _train_group("cnn_mnist", _no_grad_target, True, {"dropout": 0.5, "conv_dropout": 0.5}, calls=seen)
+    v = _train_group("cnn_mnist", _no_grad_target, False, {"dropout": 0.5, "conv_dropout": 0.5})
+    assert seen  # taken: two calls on the batch, the first one's output detached
+    for gp, vp in zip(g[0], v[0]):
+        for name in vp:
+            assert torch.allclose(gp[name], vp[name], atol=1e-5), name
+    seen.clear()
+    g, v = _train_group("cnn_mnist", _in_place, True, calls=seen), _train_group("cnn_mnist", _in_place, False)
+    assert not seen
+    for gp, vp in zip(g[0], v[0]):
+        for name in vp:
+            assert torch.equal(gp[name], vp[name])
+
+
+def test_models_the_grouped_form_would_misread_are_refused():
+    from raysim.grouped import supported
+    from torch import nn
+
+    act = nn.ReLU()
+    reused = zoo_split(nn.Sequential(nn.Flatten(), nn.Linear(784, 5), act, nn.Linear(5, 5), act))
+    lin = nn.Linear(5, 5)
+    tied = zoo_split(nn.Sequential(nn.Flatten(), nn.Linear(784, 5), lin, nn.ReLU(), lin))
+
+    class Standardised(nn.Conv2d):  # overrides a helper, not forward
+        def _conv_forward(self, x, w, b):
+            return super()._conv_forward(x, (w - w.mean()) / (w.std() + 1e-5), b)
+
+    conv = zoo_split(nn.Sequential(Standardised(1, 2, 3), nn.Flatten(), nn.Linear(2 * 26 * 26, 5)))
+    extra = zoo_split(nn.Sequential(nn.Flatten(), nn.Linear(784, 5)))
+    extra.unused = nn.Linear(3, 3)  # a SplitModel with a child its forward never runs
+    plain = zoo_split(nn.Sequential(nn.Flatten(), nn.Linear(784, 5)))
+    assert supported(plain)
+    for m in (reused, tied, conv, extra):
+        assert not supported(m)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: out)
+    try:
+        assert not supported(plain)  # a global hook runs in every module's forward
+    finally:
+        handle.remove()
+    assert supported(plain)
+
+
+def zoo_split(body):
+    from raysim.layers import SplitModel
+
+    return SplitModel(body, torch.nn.Linear(5, 10), 5)
+
+
+def test_a_model_with_nothing_to_train_runs():
+    from raysim import models as zoo
+    from raysim.engine.vectorized import vmap_local_sgd
+
+    model = zoo.mlp((1, 28, 28), 10)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    start = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    tc = TrainConfig(optimizer="sgd", lr=0.05, batch_size=4, local_epochs=1)
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    trained, metrics, _ = vmap_local_sgd(model, _ce, [start] * 2, [torch.rand(6, 1, 28, 28)] * 2,
+                                         [torch.randint(0, 10, (6,))] * 2, tc, gens, gens, [None] * 2)
+    assert all(torch.equal(trained[0][n], start[n]) for n in start) and metrics[0]["train_loss"] > 0

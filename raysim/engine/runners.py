@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import traceback as tb
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -125,6 +126,7 @@ class ClientRunner:
         self._decoded: dict[int, ClientData] = {}
         self._decoded_bytes = 0
         self._decoded_budget = int(spec.cfg.backend.decoded_cache_mb * 2**20)
+        self._group_warned: set = set()  # group forms that failed once (warned), see _run_group
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
@@ -234,10 +236,13 @@ class ClientRunner:
     def _run_group(self, step: ClientStep, group_fn, payload, round_idx: int, iteration: int,
                    client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
         """``backend.vectorize`` for a step whose method has a group form (``<fn>_group(payloads, states, datas,
-        ctxs)``, see :meth:`raysim.algorithm.Algorithm.step_group`): one call for the hosted clients of the step. The
-        group form returns None when it cannot take this group (the per-client loop runs instead); if it raises, the
-        per-client loop runs too, so a failing client fails alone and with its own error."""
+        ctxs)``, the contract in the comment after :meth:`raysim.algorithm.Algorithm.evaluate_client`): one call for
+        the hosted clients of the step. The group form returns None when it cannot take this group (the per-client
+        loop runs instead); if it raises, the per-client loop runs too (warned once per step), so a failing client
+        fails alone and with its own error. A result that is not one ClientUpdate per client is the method's bug: a
+        TypeError naming it."""
         t0 = time.perf_counter()
+        name = f"{type(self.algorithm).__name__}.{step.method}_group"
         try:
             ctxs = [self._ctx(round_idx, cid, step.name, iteration) for cid in client_ids]
             downs = [self.algorithm.downlink(payload, cid, ctx) for cid, ctx in zip(client_ids, ctxs)]
@@ -246,10 +251,19 @@ class ClientRunner:
             results = group_fn(downs, states, datas, ctxs)
         except DamagedFileError:
             raise
-        except Exception:
+        except Exception as e:
+            if name not in self._group_warned:
+                self._group_warned.add(name)
+                warnings.warn(f"{name} failed ({type(e).__name__}: {e}); its clients run the per-client steps",
+                              RuntimeWarning, stacklevel=2)
             return None
         if results is None:
             return None
+        if (not isinstance(results, (list, tuple)) or len(results) != len(client_ids)
+                or not all(isinstance(r, ClientUpdate) for r in results)):
+            raise TypeError(f"{name} must return None or one ClientUpdate per client ({len(client_ids)}), got "
+                            f"{type(results).__name__}"
+                            f"{f' of {len(results)}' if isinstance(results, (list, tuple)) else ''}")
         token = step_token(round_idx, step, iteration)
         share = (time.perf_counter() - t0) / len(client_ids)
         uploads, reports = {}, []

@@ -109,7 +109,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
 
     probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws: (shape, dtype, p)
     calls: dict[tuple, Optional[list]] = {}  # (batch size, epoch) -> the objective's model calls (None: use vmap)
-    use_grouped = grouped and _grouped.supported(model)
+    use_grouped = grouped and bool(names) and _grouped.supported(model)
 
     def probe(b: int, epoch: int, i: int) -> list:
         if (b, epoch) not in probes:
@@ -186,8 +186,8 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
             if seen is not None:
                 try:
                     out = grouped_grad(sub, fz, xb, yb, masks, e, seen)
-                except _grouped.Ineligible:
-                    calls[b, e] = None  # the objective is pure: run the step with vmap instead
+                except Exception:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so
+                    calls[b, e] = None  # the step runs with vmap instead (which raises a genuine error itself)
             grads, (loss, parts) = out if out is not None else grad_fn(sub, fz, xb, yb, masks, e)
             opt.step(stacked, grads, rows, whole)
             for j, i in enumerate(group):
