@@ -6,14 +6,14 @@ A :class:`ClientRunner` hosts a fixed group of virtual clients: their data (comp
 step) and a :class:`~raysim.engine.store.StateStore` of their states (created lazily, spilled to disk beyond
 ``backend.state_memory_mb``). ``run_client_step`` runs one step of the schedule for some of its clients, one after
 another, each inside a failure guard; new states stay *pending* until the driver calls ``commit`` (the step's reports
-have reached it). A :class:`ServerRunner` holds the server state and the server-held data the method declared, and
-runs server steps.
+have reached it); with ``backend.vectorize`` a step may run batched instead (:mod:`raysim.engine.batched`: a method's
+group form, or the vectorised executor). A :class:`ServerRunner` holds the server state and the server-held data the
+method declared, and runs server steps. What a client step reports, and the step's names: :mod:`raysim.engine.reports`.
 """
 from __future__ import annotations
 
 import time
 import traceback as tb
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -22,32 +22,17 @@ import torch
 
 from raysim import registry
 from raysim import rng as rngmod
-from raysim.algorithm import ClientUpdate, Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task
+from raysim.algorithm import Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
-from raysim.engine.vectorized import check_model, vmap_local_sgd
+from raysim.engine.batched import BatchedSteps
+from raysim.engine.reports import ClientReport, step_purpose as _purpose, step_token  # noqa: F401 (re-exported)
 from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
 from raysim.engine.store import StateStore, atomic_save, load_file
 from raysim.errors import DamagedFileError
-
-
-@dataclass
-class ClientReport:
-    client_id: int
-    round_idx: int
-    stage: str  # the step name ("update", "evaluate", ...)
-    ok: bool = True
-    metrics: dict = field(default_factory=dict)  # name -> value or (value, weight)
-    up: dict = field(default_factory=dict)  # kind -> (floats, bytes)
-    down: dict = field(default_factory=dict)
-    error: str = ""
-    traceback: str = ""
-    seconds: float = 0.0  # wall time (diagnostic only; never in the result table)
-    iteration: int = 0
-    nonfinite: str = ""  # what was NaN/inf in the update (raysim.engine.safety); the update was discarded
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,7 +89,7 @@ def _data_nbytes(d: ClientData) -> int:
     return sum(t.numel() * t.element_size() for t in (d.x_train, d.y_train, d.x_test, d.y_test, d.x_val, d.y_val))
 
 
-class ClientRunner:
+class ClientRunner(BatchedSteps):
     """Hosts a group of virtual clients: their data stays resident, their states live in the store."""
 
     def __init__(self, spec: RunSpec, clients: list[ClientData], name: str = "clients"):
@@ -233,118 +218,6 @@ class ClientRunner:
             rep.metrics = dict(res.metrics)
             rep.up = payload_sizes(res.upload)
 
-    def _run_group(self, step: ClientStep, group_fn, payload, round_idx: int, iteration: int,
-                   client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
-        """``backend.vectorize`` for a step whose method has a group form (``<fn>_group(payloads, states, datas,
-        ctxs)``, the contract in the comment after :meth:`raysim.algorithm.Algorithm.evaluate_client`): one call for
-        the hosted clients of the step. The group form returns None when it cannot take this group (the per-client
-        loop runs instead); if it raises, the per-client loop runs too (warned once per step), so a failing client
-        fails alone and with its own error. A result that is not one ClientUpdate per client is the method's bug: a
-        TypeError naming it."""
-        t0 = time.perf_counter()
-        name = f"{type(self.algorithm).__name__}.{step.method}_group"
-        try:
-            ctxs = [self._ctx(round_idx, cid, step.name, iteration) for cid in client_ids]
-            downs = [self.algorithm.downlink(payload, cid, ctx) for cid, ctx in zip(client_ids, ctxs)]
-            states = [self.state(cid) for cid in client_ids]
-            datas = [self._data(cid) for cid in client_ids]
-            results = group_fn(downs, states, datas, ctxs)
-        except DamagedFileError:
-            raise
-        except Exception as e:
-            if name not in self._group_warned:
-                self._group_warned.add(name)
-                warnings.warn(f"{name} failed ({type(e).__name__}: {e}); its clients run the per-client steps",
-                              RuntimeWarning, stacklevel=2)
-            return None
-        if results is None:
-            return None
-        if (not isinstance(results, (list, tuple)) or len(results) != len(client_ids)
-                or not all(isinstance(r, ClientUpdate) for r in results)):
-            raise TypeError(f"{name} must return None or one ClientUpdate per client ({len(client_ids)}), got "
-                            f"{type(results).__name__}"
-                            f"{f' of {len(results)}' if isinstance(results, (list, tuple)) else ''}")
-        token = step_token(round_idx, step, iteration)
-        share = (time.perf_counter() - t0) / len(client_ids)
-        uploads, reports = {}, []
-        for cid, down, res in zip(client_ids, downs, results):
-            rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
-            rep.down = payload_sizes(down)
-            try:
-                self._finish_update(rep, cid, res, token, uploads)
-            except Exception as e:
-                self._fail(rep, cid, e, uploads)
-            rep.seconds = share
-            reports.append(rep)
-        return uploads, reports
-
-    def _run_vectorized(self, step: ClientStep, payload, round_idx: int, iteration: int,
-                        client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
-        """``backend.vectorize``: ``client_init`` per client, the local training of every client whose method opts
-        in (``vectorizable``) batched per architecture (:mod:`raysim.engine.vectorized`), ``client_final`` per client;
-        every client keeps its own failure guard. Clients that do not opt in run the per-client loop."""
-        alg, cfg = self.algorithm, self.spec.task.train
-        token = step_token(round_idx, step, iteration)
-        uploads, reports, pending, groups = {}, {}, {}, {}
-        for cid in client_ids:
-            t0 = time.perf_counter()
-            rep = reports[cid] = ClientReport(cid, round_idx, step.name, iteration=iteration)
-            try:
-                ctx = self._ctx(round_idx, cid, step.name, iteration)
-                down = alg.downlink(payload, cid, ctx)
-                rep.down = payload_sizes(down)
-                state = self.state(cid)
-                data = self._data(cid)
-                rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
-                model = alg.live_model(ctx)
-                start = alg.client_init(model, down, state, data, ctx)
-                if alg.vectorizable(start):
-                    check_model(model)
-                    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-                    opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
-                    pending[cid] = (ctx, down, state, data, start, params, opt_state)
-                    groups.setdefault(id(model), (model, []))[1].append(cid)
-                else:
-                    rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
-                    self._finish_update(rep, cid, alg.client_update(down, state, data, ctx), token, uploads)
-            except Exception as e:
-                self._fail(rep, cid, e, uploads)
-                pending.pop(cid, None)
-            rep.seconds += time.perf_counter() - t0
-        for model, cids in groups.values():
-            cids = [c for c in cids if c in pending]
-            if not cids:
-                continue
-            t0 = time.perf_counter()
-            items = [pending[c] for c in cids]
-            try:
-                trained, metrics, opt_states = vmap_local_sgd(
-                    model, alg.objective(items[0][4]), [it[5] for it in items],
-                    [it[3].x_train if it[4].x is None else it[4].x for it in items], [it[3].y_train if it[4].y is None else it[4].y for it in items],
-                    cfg, [it[0].generator("batches") for it in items],
-                    [it[0].generator("dropout", device=it[0].device) for it in items], [it[6] for it in items])
-            except Exception as e:  # the batched computation failed: every client in it failed with the error
-                for c in cids:
-                    self._fail(reports[c], c, e)
-                continue
-            share = (time.perf_counter() - t0) / len(cids)
-            for j, c in enumerate(cids):
-                t1 = time.perf_counter()
-                ctx, down, state, data, start, _, _ = pending[c]
-                rep = reports[c]
-                try:
-                    with torch.no_grad():
-                        for n, p in model.named_parameters():
-                            p.copy_(trained[j][n])
-                    new_state, upload = alg.client_final(model, start, down, state, data, ctx)
-                    if cfg.persist_optimizer:
-                        new_state = {**(new_state or {}), "opt": opt_states[j]}
-                    self._finish_update(rep, c, ClientUpdate(new_state, upload, metrics[j]), token, uploads)
-                except Exception as e:
-                    self._fail(rep, c, e, uploads)
-                rep.seconds += share + time.perf_counter() - t1
-        return uploads, [reports[c] for c in client_ids]
-
     def commit(self, client_ids: Optional[list[int]] = None, token: Optional[str] = None) -> None:
         """The step's results reached the driver: its new states become the committed ones."""
         self.store.commit(client_ids, token)
@@ -394,15 +267,6 @@ class ClientRunner:
 
     def close(self) -> None:
         self.store.close()
-
-
-def step_token(round_idx: int, step, iteration: int) -> str:
-    """Names one execution of a client step (its staged states on disk carry it)."""
-    return f"{round_idx}.{step.name}.{iteration}"
-
-
-def _purpose(step, iteration: int) -> str:
-    return rngmod.step_stream(step.method, step.name, iteration)
 
 
 def server_data(spec: RunSpec, fed_data) -> dict:
