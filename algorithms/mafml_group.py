@@ -66,11 +66,6 @@ def _group(alg, states, ctxs, lr) -> Optional[_Group]:
     return _Group(model, names, states, alg.task.train, lr, ctxs[0].device)
 
 
-def _backward(total: torch.Tensor, leaves: dict) -> dict:
-    gs = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
-    return {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(leaves, gs)}
-
-
 def local(alg, payloads, states, datas, ctxs) -> Optional[list]:
     """:meth:`MAFML.local` for every node of the group: a private Adam step, the local gradient kept, soft labels of a
     batch of the node's own public share."""
@@ -91,7 +86,7 @@ def local(alg, payloads, states, datas, ctxs) -> Optional[list]:
     logits = grp.forward(leaves, xb, True)
     c = logits.shape[-1]
     losses = F.cross_entropy(logits.reshape(-1, c), yb.reshape(-1), reduction="none").view(k, -1).mean(1)
-    grads = _backward(losses.sum(), leaves)
+    grads = grouped.stacked_grads(losses.sum(), leaves)
     g_locs = [grp.flat(grads, i).detach().clone() for i in range(k)]
     grp.step(grads)
     px, py, own = public_shares(alg.task, ctxs[0])
@@ -143,7 +138,7 @@ def step_global(alg, payloads, states, datas, ctxs) -> Optional[list]:
         s = [logits[i, j * b:(j + 1) * b] for j in range(len(t))]
         kls.append(weighted_kl(s, [p for _, _, p in t], [a for a, _, _ in t]))
         ces.append(torch.stack([F.cross_entropy(sj, py[idx]) for sj, (_, idx, _) in zip(s, t)]).mean())
-    grads = _backward(sum(kl + ce for kl, ce in zip(kls, ces)), leaves)
+    grads = grouped.stacked_grads(sum(kl + ce for kl, ce in zip(kls, ces)), leaves)
     fired = []
     for i in range(k):
         g_pub = grp.flat(grads, i)

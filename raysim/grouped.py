@@ -206,6 +206,14 @@ def grouped_forward(model: nn.Module, params: dict, x: torch.Tensor, return_embe
     return _run(model, a, params, "", masks).stacked()
 
 
+def stacked_grads(total: torch.Tensor, leaves: dict) -> dict:
+    """{name: [K, ...]} gradients of ``total`` (the sum of the K clients' losses) with respect to the stacked
+    ``leaves``: client k's loss depends only on slice k, so slice k of each gradient is client k's own gradient (zeros
+    where a parameter did not enter the loss)."""
+    gs = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+    return {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(leaves, gs)}
+
+
 class ReplayModel:
     """What the objective sees as ``model`` on the grouped path, inside ``vmap`` over the clients: its calls on the
     step's batch return the precomputed grouped outputs (one client's slice), in order; ``named_parameters()`` gives

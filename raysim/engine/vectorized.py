@@ -79,6 +79,11 @@ class _FunctionalModel:
         return getattr(self._module, name)
 
 
+def _detached(parts: dict) -> dict:
+    """An objective's ``parts`` (floats or tensors) as detached tensors, the form vmap can return."""
+    return {key: (v if torch.is_tensor(v) else torch.tensor(float(v))).detach() for key, v in parts.items()}
+
+
 def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: list[torch.Tensor],
                    ys: list[torch.Tensor], cfg: TrainConfig, batch_generators: list[torch.Generator],
                    dropout_generators: list[torch.Generator], opt_states: list[Optional[dict]],
@@ -137,8 +142,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
     def one(p, fz, xb, yb, masks, epoch):
         with replay_masks(masks):
             loss, parts = loss_fn(_FunctionalModel(model, {**p, **fz}, buffers), xb, yb, epoch)
-        parts = {key: (v if torch.is_tensor(v) else torch.tensor(float(v))).detach() for key, v in parts.items()}
-        return loss, (loss.detach(), parts)
+        return loss, (loss.detach(), _detached(parts))
 
     grad_fn = torch.func.vmap(torch.func.grad(one, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
 
@@ -153,13 +157,10 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
 
         def obj(lp, lfz, louts, lxb, lyb):
             loss, parts = loss_fn(_grouped.ReplayModel(model, {**lp, **lfz}, lxb, louts, seen), lxb, lyb, epoch)
-            return loss, {key: (v if torch.is_tensor(v) else torch.tensor(float(v))).detach()
-                          for key, v in parts.items()}
+            return loss, _detached(parts)
 
         losses, parts = torch.func.vmap(obj)(leaves, fz, outs, xb, yb)
-        gs = torch.autograd.grad(losses.sum(), list(leaves.values()), allow_unused=True)
-        grads = {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(leaves, gs)}
-        return grads, (losses.detach(), parts)
+        return _grouped.stacked_grads(losses.sum(), leaves), (losses.detach(), parts)
     totals: list[dict] = [{} for _ in range(k)]
     counts = [0] * k
     model.train()
