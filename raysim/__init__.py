@@ -5,6 +5,10 @@ the registrations, and ``raysim.results`` (the pandas helpers over result tables
 ``raysim/io/results.py`` and is reachable as ``raysim.results`` too, as it always was)."""
 import sys as _sys
 
+from raysim import numerics as _numerics
+
+_numerics.pin_at_import()  # before anything computes: the portable kernels (backend.numerics, raysim/numerics.py)
+
 from raysim.config import ExperimentConfig, load_config, make_config
 from raysim.errors import ConfigError, DataError, SimulationError
 from raysim.io import results

@@ -201,6 +201,8 @@ class BackendConfig:
     #                     clients from the config on its own node) | auto (actors when backend.address is set)
     balance: str = "cost"  # Ray: which actor runs a client: static (client i on actor i % n) | cost (each training
     #                          step's clients placed by predicted cost, corrected online from measured step times)
+    numerics: str = "portable"  # portable: one kernel choice on every CPU with AVX2 (the same table on any machine) |
+    #                             native: torch's fastest kernels for each CPU (raysim/numerics.py); part of the identity
     vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
     #                          the numbers within a stated tolerance, so it is part of the run's identity
     code: Any = "auto"  # Ray: the user code shipped to every actor: auto (the modules the config's import paths and
@@ -226,6 +228,7 @@ class BackendConfig:
             raise ConfigError(_p(path, "address"), "is empty; give host:port of a running Ray head (or leave it out "
                                                    "to start a local cluster)")
         choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
+        choice(_p(path, "numerics"), self.numerics, ["portable", "native"])
         if isinstance(self.code, str):
             if self.code not in ("auto", "none", "working_dir"):
                 raise ConfigError(_p(path, "code"), f"{self.code!r} is not allowed; choose one of: auto, none, "
@@ -291,7 +294,8 @@ class ExperimentConfig:
         for spec in d["model"].get("per_client") or []:  # a key added later: absent unless set (identity unchanged)
             if spec.get("embedding") is None:
                 spec.pop("embedding", None)
-        d["backend"] = {"vectorize": self.backend.vectorize}  # the executor changes the numbers (within tolerance)
+        # the executor and the kernel choice change the numbers (the executor within tolerance, kernels in last bits)
+        d["backend"] = {"vectorize": self.backend.vectorize, "numerics": self.backend.numerics}
         d.pop("output")
         d.pop("name")
         d.pop("on_actor_failure")  # recovery policies: a retried client reproduces exactly

@@ -314,39 +314,46 @@ def test_report_labels_several_metrics_per_client_and_missing_metric(tiny, tmp_p
 WATCHED_DRIVER = """
 import subprocess, sys, time
 from raysim.backends import ray_watchdog
-child = subprocess.Popen(["bash", "-c", "exec -a ray::FakeWorker sleep 60"])
+child = subprocess.Popen(["bash", "-c", "exec -a ray::FakeWorker sleep 3600"])  # ends only if it is ended
 ray_watchdog.start()
 print(child.pid, flush=True)
-time.sleep(60)
+time.sleep(3600)  # until the test kills it
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the watchdog reads /proc")
 def test_watchdog_ends_ray_processes_of_a_killed_driver(tmp_path):
-    """kill -9 of a driver: the Ray processes it started (here a stand-in named ray::FakeWorker) end in seconds."""
+    """kill -9 of a driver: the Ray processes it started (here a stand-in named ray::FakeWorker) are ended by the
+    watchdog (the stand-in sleeps an hour: nothing else ends it while the test waits)."""
     import signal
 
     status = tmp_path / "watched"
     driver = subprocess.Popen([sys.executable, "-c", WATCHED_DRIVER], cwd=ROOT, stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(ROOT), RAYSIM_WATCHDOG_STATUS=str(status)))
     child = int(driver.stdout.readline())
+
+    def recorded():
+        return status.exists() and str(child) in status.read_text().split()
+
+    def alive(pid):  # a zombie (ended, not yet reaped by its new parent) counts as gone
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
     try:
-        t0 = time.time()  # wait until the watchdog has recorded the stand-in (not a fixed sleep)
-        while not (status.exists() and str(child) in status.read_text().split()):
-            assert time.time() - t0 < 120, "the watchdog never recorded the driver's Ray process"
+        deadline = time.monotonic() + 120  # wait until the watchdog has recorded the stand-in (not a fixed sleep)
+        while not recorded() and driver.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
+        assert recorded(), "the watchdog never recorded the driver's Ray process"
+        assert driver.poll() is None and alive(child)  # both still running: what ends the stand-in is the kill below
         driver.send_signal(signal.SIGKILL)
         driver.wait()
-        t0 = time.time()
-        while time.time() - t0 < 10:
-            try:
-                with open(f"/proc/{child}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        break
-            except OSError:
-                break
+        deadline = time.monotonic() + 60  # only so a broken watchdog fails instead of hanging (the stand-in sleeps 1 h)
+        while alive(child) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert time.time() - t0 < 5, "the driver's Ray process outlived it"
+        assert not alive(child), "the driver's Ray process outlived it"
     finally:  # never leave the stand-in or the driver behind, whatever failed
         for pid in (child, driver.pid):
             try:

@@ -87,8 +87,8 @@ class RayBackend(Backend):
                                                         **extra)
         self._warm_keys = None
         if WARM["on"] and not self._own_session and not b.address:
-            self._warm_keys = (("client", b.num_cpus, b.num_gpus, b.placement, repr(renv)),
-                               ("server", b.server_num_cpus, b.server_num_gpus, repr(renv)))
+            self._warm_keys = (("client", b.num_cpus, b.num_gpus, b.placement, repr(renv), b.numerics),
+                               ("server", b.server_num_cpus, b.server_num_gpus, repr(renv), b.numerics))
         self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test),
                                                       ray.put(server_data(self.spec, self.fed_data)))
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit issued

@@ -15,6 +15,7 @@ from typing import Optional
 
 import yaml
 
+from raysim import numerics
 from raysim import rng as rngmod
 from raysim.io import rundir
 from raysim.engine import safety
@@ -234,6 +235,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         rundir.check_free(target, where)
     if prepared is not None and prepared.cfg != cfg:
         raise ValueError("run_experiment: prepared= was prepared from another config")
+    numerics.enter(cfg.backend.numerics)  # the driver loads and splits the data: with the run's kernels, before it
     prep = prepare(cfg) if prepared is None else prepared
     resume_meta = ck_dir = None
     rd = None
@@ -320,6 +322,8 @@ def _metadata(run: Run) -> dict:
         "config_hash": cfg.config_hash(),
         "seed": cfg.seed,
         "versions": versions(),
+        "numerics": numerics.describe(),  # the mode and what it set (raysim/numerics.py)
+        "count_metrics": sorted(run.table.counts),  # metrics recorded as integers (exact in every comparison)
         "data": run.prep.fed_data.summary(),  # data.domains: the ground truth of ClusterAgreement
         "data_notes": run.prep.fed_data.notes,
         "stopped_early": run.stopped_early,

@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import torch
 
-from raysim import registry
+from raysim import numerics, registry
 from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task
 from raysim.config import ConfigError, ExperimentConfig
@@ -63,7 +63,9 @@ class RunSpec:
 
 def _setup_process(cfg: ExperimentConfig) -> torch.device:
     torch.set_num_threads(cfg.backend.torch_threads)
-    return resolve_device(cfg.backend.device)
+    device = resolve_device(cfg.backend.device)
+    numerics.enter(cfg.backend.numerics, device)
+    return device
 
 
 def make_algorithm(spec: RunSpec):

@@ -6,6 +6,7 @@ replaced table is one DamagedFileError naming the file, never silently wrong num
 from __future__ import annotations
 
 import json
+import numbers
 from pathlib import Path
 
 import pandas as pd
@@ -49,8 +50,11 @@ class ResultTable:
     def __init__(self, run_id: str):
         self.run_id = run_id
         self.rows: list[tuple] = []
+        self.counts: set[str] = set()  # metrics recorded as integers (counts, bytes, floats sent): by type, not name
 
     def add(self, round_idx: int, client_id: int, scope: str, metric: str, value, weight: float = 1.0) -> None:
+        if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            self.counts.add(metric)
         self.rows.append((self.run_id, int(round_idx), int(client_id), scope, metric, float(value), float(weight)))
 
     def frame(self) -> pd.DataFrame:

@@ -1,8 +1,9 @@
 """Golden result tables: one small run per registered method, saved from a known-good engine.
 
-``python tests/golden/make_golden.py`` rewrites them; tests/test_golden.py checks that today's engine reproduces every
-(round, client, scope, metric) value exactly. Regenerate only in a commit that moves numbers on purpose, and say why
-in its message.
+``python tests/golden/make_golden.py [names]`` rewrites them (showing each table's difference from the committed one
+first; counts and bytes must not change); tests/test_golden.py checks that today's engine reproduces every
+(round, client, scope, metric) value exactly, on every CPU (the runs use portable numerics, raysim/numerics.py).
+Regenerate only in a commit that moves numbers on purpose, and say why in its message.
 """
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))
+
+import pandas as pd  # noqa: E402
 
 from raysim.config import make_config  # noqa: E402
 
@@ -66,56 +69,63 @@ MUTUAL = {"mafml": {"iterations": 3}, "ind": {}, "agg": {}, "fml": {}, "fedkd": 
           "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
 
-def platform() -> dict:
-    """The CPU the golden tables were made on: float reductions (a loss's mean, a matmul) take a different order on
-    a different vector unit, so the last bits of some values are the CPU's, not the engine's."""
-    import torch
+def made_with() -> dict:
+    """What an exact comparison depends on, recorded beside each table (``<name>.json``): the numerics mode (portable:
+    one kernel choice on every CPU, raysim/numerics.py) and the versions of the packages that compute. The CPU is
+    recorded for information only: a portable table is the same on every CPU with AVX2."""
+    from raysim.engine.prepare import versions
 
-    model, flags = "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, val = line.partition(":")
-            if key.strip() == "model name" and model == "unknown":
-                model = val.strip()
-            if key.strip() == "flags" and not flags:
-                flags = set(val.split())
-    except OSError:
-        import platform as pf
-
-        model = pf.processor() or pf.machine()
-    isa = [f for f in ("avx512f", "avx2", "fma", "neon", "asimd") if f in flags]
-    return {"cpu": model, "isa": isa, "torch": torch.__version__.split("+")[0]}
+    v = versions()
+    return {"numerics": "portable", "torch": v["torch"], "numpy": v["numpy"], "made_on": v["cpu"]}
 
 
-def platform_file(name: str) -> Path:
-    """Where the CPU a golden table was made on is recorded (one file per table: regenerating one table on another
-    machine never relabels the others)."""
-    return HERE / f"{name}.platform.json"
+EXACT_KEYS = ("numerics", "torch", "numpy")
 
 
-def recorded_platform(name: str):
-    """The platform ``name``'s table was made on: its own file, else the shared platform.json of older tables."""
-    for f in (platform_file(name), HERE / "platform.json"):
-        if f.exists():
-            return json.loads(f.read_text())
-    return None
+def record_file(name: str) -> Path:
+    return HERE / f"{name}.json"
 
 
-def cpu_slug(p: dict) -> str:
-    """A file-name tag for a platform: ``amd-epyc``, ``intel-r-xeon-r-processor``."""
-    import re
+def recorded(name: str):
+    """``<name>.json``: what the table was made with and which metrics are counts (recorded as integers)."""
+    f = record_file(name)
+    return json.loads(f.read_text()) if f.exists() else None
 
-    return re.sub(r"[^a-z0-9]+", "-", p["cpu"].lower()).strip("-") or "unknown"
+
+def run_golden(name: str):
+    """(table without wall times and run_id, the run's count metrics) of ``name``'s golden run."""
+    from raysim.engine.loop import run_experiment
+    from raysim.io.results import without_timing
+
+    res = run_experiment(make_config(golden_config(name)), write=False)
+    return without_timing(res.table).drop(columns=["run_id"]), list(res.metadata["count_metrics"])
 
 
-def golden_tables(name: str) -> list[tuple[Path, dict]]:
-    """(table, platform it was made on) for ``name``: the main table ``<name>.parquet`` first, then the variants
-    ``<name>@<cpu>.parquet`` made by ``--variant`` on other CPUs (methods whose numbers leave the cross-CPU tolerance
-    within the golden run's three rounds, e.g. FedGen's generator, need the exact table of each CPU CI runs on)."""
-    out = [(HERE / f"{name}.parquet", recorded_platform(name))]
-    for f in sorted(HERE.glob(f"{name}@*.parquet")):
-        out.append((f, json.loads(f.with_suffix(".platform.json").read_text())))
-    return out
+KEY = ["round", "client_id", "scope", "metric"]
+
+
+def difference(new, old, counts) -> tuple[list[str], bool]:
+    """Lines describing how table ``new`` differs from ``old`` (per metric: rows added/removed, values changed and
+    the largest change), and whether any count metric (recorded as an integer: bytes, floats sent, participants)
+    or weight changed."""
+    m = new.merge(old, on=KEY, how="outer", suffixes=("", "_old"), indicator=True)
+    lines, counts_moved = [], False
+    for metric, g in m.groupby("metric", sort=True):
+        added, removed = int((g["_merge"] == "left_only").sum()), int((g["_merge"] == "right_only").sum())
+        both = g[g["_merge"] == "both"]
+        same = (both["value"] == both["value_old"]) | (both["value"].isna() & both["value_old"].isna())
+        wsame = both["weight"] == both["weight_old"]
+        changed = int((~same).sum())
+        if not (added or removed or changed or (~wsame).any()):
+            continue
+        delta = (both["value"] - both["value_old"]).abs()[~same]
+        kind = "count" if metric in counts else "float"
+        lines.append(f"  {metric} ({kind}): {changed} of {len(both)} values changed"
+                     + (f", largest |change| {delta.max():.3g}" if changed else "")
+                     + (f", {added} rows added" if added else "") + (f", {removed} rows removed" if removed else "")
+                     + (f", {int((~wsame).sum())} weights changed" if (~wsame).any() else ""))
+        counts_moved |= kind == "count" and bool(changed or added or removed) or bool((~wsame).any())
+    return lines, counts_moved
 
 
 def names() -> list[str]:
@@ -125,36 +135,36 @@ def names() -> list[str]:
 
 
 def main() -> None:
-    """``make_golden.py [names]``: regenerate the main tables (numbers moved on purpose): the other CPUs' variants of
-    those names are removed, being stale (other CPUs then compare within the tolerance until a variant is made there).
-    ``make_golden.py --variant names``: add this CPU's exact table beside a main table made on another CPU, from an
-    unchanged engine (the main table still guards the engine on its own CPU)."""
-    from raysim.engine.loop import run_experiment
-    from raysim.io.results import without_timing
-
+    """``make_golden.py [names] [--counts-changed]``: regenerate tables (numbers moved on purpose). Each table's
+    difference from the committed one is printed before it is written; a table whose counts, bytes or weights
+    changed is not written unless ``--counts-changed`` says that was meant (message sizes are the engine's contract)."""
     args = sys.argv[1:]
-    variant = "--variant" in args
-    only = [a for a in args if a != "--variant"]
-    if variant and not only:
-        sys.exit("make_golden.py --variant needs the names of the tables to add a variant of")
-    here = platform()
+    allow_counts = "--counts-changed" in args
+    only = [a for a in args if not a.startswith("--")]
+    unknown = set(only) - set(names())
+    if unknown:
+        sys.exit(f"make_golden.py: no such method: {', '.join(sorted(unknown))}")
+    refused = []
     for name in names():
         if only and name not in only:
             continue
-        if variant and recorded_platform(name) == here:
-            sys.exit(f"{name}: the main table was made on this CPU; a variant would duplicate it")
-        res = run_experiment(make_config(golden_config(name)), write=False)
-        table = without_timing(res.table).drop(columns=["run_id"])  # wall times differ run to run
-        if variant:
-            path = HERE / f"{name}@{cpu_slug(here)}.parquet"
-            table.to_parquet(path, index=False)
-            path.with_suffix(".platform.json").write_text(json.dumps(here, indent=1) + "\n")
+        table, counts = run_golden(name)
+        path = HERE / f"{name}.parquet"
+        if path.exists():
+            lines, counts_moved = difference(table, pd.read_parquet(path), set(counts))
+            print(f"{name}: {'identical to the committed table' if not lines else 'differs from the committed table:'}")
+            for ln in lines:
+                print(ln)
+            if counts_moved and not allow_counts:
+                refused.append(name)
+                print(f"{name}: NOT written: counts, bytes or weights changed (pass --counts-changed if meant)")
+                continue
         else:
-            table.to_parquet(HERE / f"{name}.parquet", index=False)
-            platform_file(name).write_text(json.dumps(here, indent=1) + "\n")
-            for old in HERE.glob(f"{name}@*"):
-                old.unlink()
-        print(name, len(res.table), "(variant)" if variant else "")
+            print(f"{name}: new table, {len(table)} rows")
+        table.to_parquet(path, index=False)
+        record_file(name).write_text(json.dumps({**made_with(), "count_metrics": counts}, indent=1) + "\n")
+    if refused:
+        sys.exit(f"make_golden.py: not written (counts changed): {', '.join(refused)}")
 
 
 if __name__ == "__main__":

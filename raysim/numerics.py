@@ -1,0 +1,203 @@
+"""Which CPU and GPU kernels every computing process runs (``backend.numerics``): the same table on any machine.
+
+torch picks its CPU kernels at run time: ATen's vector kernels by the CPU's capability (AVX-512, AVX2, default),
+oneDNN's convolutions by the ISA *and* the cache sizes, MKL's BLAS by the vendor and ISA. Each choice orders float
+reductions differently, so one config and one seed gave three tables on three CPUs (measured on the quick start:
+0.9552, 0.9593, 0.9613 after 100 rounds). ``portable`` (the default) makes every process that computes — the driver,
+the server actor, every client actor on every node — run one kernel choice that every x86-64 CPU with AVX2 has and
+that depends on nothing else of the machine:
+
+============================  ==============  ==========================================================================
+setting                       portable value  why
+============================  ==============  ==========================================================================
+``ATEN_CPU_CAPABILITY``        ``avx2``        ATen's vector kernels: the AVX2 build (fixed vector width, fixed order)
+``MKL_CBWR``                   ``COMPATIBLE``  MKL's float GEMM (linear layers, convolutions): the one CNR branch that is
+                                               the same on Intel and AMD (SSE2 without approximate reciprocals); the
+                                               ISA branches (``AVX2``) fall back to AUTO on non-Intel CPUs
+oneDNN                         off             its convolution kernels pick blocking by cache size: convolutions run
+                                               ATen's own (unfold + GEMM) instead (``torch.backends.mkldnn.enabled``)
+``ONEDNN_MAX_CPU_ISA``         ``AVX2``        a cap for any path that still reaches oneDNN
+``OPENBLAS_CORETYPE``          ``Haswell``     numpy's OpenBLAS (read when numpy loads)
+intra-op threads               ``backend.torch_threads`` (1 by default): reductions split by thread count
+CUDA (``backend.device``)      deterministic   ``torch.use_deterministic_algorithms``, cuDNN deterministic and not
+                                               benchmarking, no TF32, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
+============================  ==============  ==========================================================================
+
+Measured on the 10-round quick start (a 2-core Intel Xeon with AVX-512): portable took 0.96x the native time.
+``native`` keeps torch's own choice (the fastest kernels of each machine; the table then depends on the CPU).
+
+Every setting is an environment variable read lazily, when the first kernel of its library runs — so they work when
+set before the first computation, not only before ``import torch``. ``import raysim`` pins them (unless the
+environment says ``RAYSIM_NUMERICS=native``); :func:`enter` then fixes the mode of the process when a runner starts
+and checks that the kernels really are the pinned ones (a process that computed before raysim was imported cannot be
+re-pinned: one line says so). A process computes in one mode for its lifetime.
+
+Nothing here imports torch at module level: ``raysim/__init__`` calls :func:`pin_at_import` first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+from typing import Optional
+
+from raysim.errors import ConfigError
+
+MODES = ("portable", "native")
+PORTABLE_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OPENBLAS_CORETYPE": "Haswell",
+}
+PORTABLE_CAPABILITY = "AVX2"  # what torch.backends.cpu.get_cpu_capability() reports under the pin
+CUDA_ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}  # deterministic cuBLAS reductions (read when cuBLAS starts)
+MARK = "RAYSIM_NUMERICS_PINNED"  # JSON {variable: the value it had before raysim pinned it, or null}: which pins are
+#                                  raysim's (a child process, e.g. a Ray worker, inherits them with the mark)
+ENV_MODE = "RAYSIM_NUMERICS"  # portable (default) | native: what ``import raysim`` pins
+
+_mode: Optional[str] = None  # the mode this process computes in, once a runner has entered it
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set:
+    """The CPU's feature flags (/proc/cpuinfo); empty where there is none (then nothing is refused for it)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "flags":
+                    return set(value.split())
+    except OSError:
+        pass
+    return set()
+
+
+def has_avx2(flags: Optional[set] = None) -> bool:
+    flags = cpu_flags() if flags is None else flags
+    if not flags:  # no /proc/cpuinfo (not Linux): let torch decide; the capability check below still guards
+        return platform.machine().lower() in ("x86_64", "amd64")
+    return {"avx2", "fma"} <= flags
+
+
+def _pinned() -> dict:
+    try:
+        return json.loads(os.environ.get(MARK, "{}"))
+    except ValueError:
+        return {}
+
+
+def pin(env: dict) -> None:
+    """Set the variables of ``env``, remembering (in the environment, for child processes) what they were."""
+    saved = _pinned()
+    for k, v in env.items():
+        if k not in saved:
+            saved[k] = os.environ.get(k)
+        os.environ[k] = v
+    os.environ[MARK] = json.dumps(saved, sort_keys=True)
+
+
+def unpin() -> None:
+    """Undo raysim's pins (the user's own settings of the same variables come back)."""
+    for k, old in _pinned().items():
+        if old is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = old
+    os.environ.pop(MARK, None)
+
+
+def pin_at_import() -> None:
+    """Called first by ``import raysim``: pin the portable kernels before anything computes, unless the environment
+    asks for native (``RAYSIM_NUMERICS=native``)."""
+    if os.environ.get(ENV_MODE, "portable").strip().lower() != "native" and _mode is None:
+        pin(PORTABLE_ENV)
+
+
+def check_mode(mode: str, key: str = "backend.numerics") -> None:
+    if mode not in MODES:
+        raise ConfigError(key, f"must be one of: {', '.join(MODES)}; got {mode!r}")
+
+
+def _where() -> str:
+    return f"node {socket.gethostname()} ({cpu_model()})"
+
+
+def enter(mode: str, device=None) -> dict:
+    """Fix this process's kernels to ``mode`` before it computes (every runner calls it; the driver too, before it
+    loads data) and check they took. Returns :func:`describe`. A second call with the other mode is an error."""
+    global _mode
+    import torch
+
+    check_mode(mode)
+    if _mode is not None and _mode != mode:
+        raise ConfigError("backend.numerics", f"{mode} requested, but this process already computed in {_mode} mode "
+                                              f"(a process keeps one kernel choice); start a new Python process, with "
+                                              f"{ENV_MODE}={mode} in its environment")
+    if mode == "portable":
+        if not has_avx2():
+            raise ConfigError("backend.numerics", f"portable needs a CPU with AVX2 and FMA; {_where()} has none: use "
+                                                  f"backend.numerics: native (the table then depends on the CPU)")
+        pin(PORTABLE_ENV)
+        torch.backends.mkldnn.enabled = False
+        cap = torch.backends.cpu.get_cpu_capability()
+        if cap != PORTABLE_CAPABILITY:
+            raise ConfigError("backend.numerics", f"portable: this process chose its CPU kernels ({cap}) before raysim "
+                                                  f"could pin them ({_where()}); import raysim before running any "
+                                                  f"torch code, or set ATEN_CPU_CAPABILITY=avx2 MKL_CBWR=COMPATIBLE "
+                                                  f"before starting Python")
+    else:
+        was = _pinned()
+        unpin()
+        torch.backends.mkldnn.enabled = True
+        cap = torch.backends.cpu.get_cpu_capability()
+        avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= cpu_flags()  # torch's test for AVX512 kernels
+        if "ATEN_CPU_CAPABILITY" in was and os.environ.get("ATEN_CPU_CAPABILITY") is None and avx512 \
+                and cap == PORTABLE_CAPABILITY:  # the capability was fixed while raysim's pin was set
+            raise ConfigError("backend.numerics", f"native: this process already ran the portable kernels pinned by "
+                                                  f"'import raysim' ({_where()}); start Python with {ENV_MODE}=native")
+    if device is not None and getattr(device, "type", str(device)) == "cuda":
+        cuda_deterministic(mode == "portable")
+    _mode = mode
+    return describe()
+
+
+def cuda_deterministic(on: bool) -> None:
+    """Portable mode on a GPU: deterministic algorithms (run to run on one GPU model; ops without a deterministic
+    CUDA kernel warn), no TF32, cuDNN without autotuning. The variables only take effect before cuBLAS starts."""
+    import torch
+
+    if on:
+        pin(CUDA_ENV)
+    torch.use_deterministic_algorithms(on, warn_only=True)
+    torch.backends.cudnn.deterministic = on
+    torch.backends.cudnn.benchmark = not on and torch.backends.cudnn.benchmark
+    torch.backends.cuda.matmul.allow_tf32 = False if on else torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False if on else torch.backends.cudnn.allow_tf32
+
+
+def current_mode() -> Optional[str]:
+    return _mode
+
+
+def describe() -> dict:
+    """What this process computes with (recorded in the run metadata under ``numerics``)."""
+    import torch
+
+    out = {"mode": _mode, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "mkldnn": bool(torch.backends.mkldnn.enabled), "torch_threads": torch.get_num_threads(),
+           "cpu": cpu_model()}
+    out["env"] = {k: os.environ.get(k) for k in (*PORTABLE_ENV, *CUDA_ENV) if os.environ.get(k) is not None}
+    return out
