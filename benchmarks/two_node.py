@@ -7,13 +7,22 @@ every Ray process of the machine). The actor that lived there dies; on_actor_fai
 surviving node (its 0.5 CPU fits there), its clients' committed states come from the run's state directory, and the
 run completes with the table of an undisturbed sequential run. Every process started here is ended at the end.
 
+The two nodes also run different native kernels, as two machines with different CPUs would (issue "Same table on any
+machine"): the head's processes start with ``ATEN_CPU_CAPABILITY=avx2``, node2's with ``default`` (torch's kernels for
+a CPU without AVX2). In ``backend.numerics: native`` the table then depends on where each client ran (a native run on
+the cluster differs from a native sequential run with the head's kernels; its metadata shows both capabilities); in
+``portable`` (the default, the run above) every process runs the same kernels and the table equals the sequential one.
+
     python benchmarks/two_node.py [--rounds 8] [--stop-after 3]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -21,6 +30,7 @@ import pandas as pd
 import ray
 from ray.cluster_utils import Cluster
 
+from raysim import numerics
 from raysim.config import load_config
 from raysim.engine.callbacks import Callback
 from raysim.engine.loop import run_experiment
@@ -49,19 +59,74 @@ class StopNode(Callback):
         self.after_nodes = run.backend.actor_nodes()
 
 
+def own_kernels(capability: str) -> dict:
+    """Make the environment a node (its raylet and workers) starts with: its own native kernel choice and none of
+    raysim's pins. Returns the environment to restore."""
+    saved = dict(os.environ)
+    numerics.unpin()
+    os.environ["ATEN_CPU_CAPABILITY"] = capability
+    return saved
+
+
+def restore(env: dict) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def cli_run(config: str, overrides: list, out: str, env: dict):
+    """``raysim run`` in a fresh process (a process keeps one numerics mode; this driver is portable)."""
+    from raysim.io import results
+
+    args = [sys.executable, "-m", "raysim.cli", "run", config, "--out", out]
+    for o in overrides:
+        args += ["--set", o]
+    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        raise RuntimeError(f"raysim run failed ({p.returncode}): {p.stderr[-2000:]}")
+    return without_timing(results.load(out).drop(columns="run_id")), results.load_metadata(out)
+
+
+def native_checks(config: str, ov: list, address: str, node2_id: str) -> dict:
+    """backend.numerics: native on the mixed cluster vs native sequentially with the head's kernels."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = {k: v for k, v in os.environ.items() if k != numerics.MARK and k not in numerics.PORTABLE_ENV}
+    base.update(PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p),
+                RAYSIM_NUMERICS="native")
+    ov = ov + ["backend.numerics=native", "output.progress=false"]
+    with tempfile.TemporaryDirectory() as tmp:
+        seq, _ = cli_run(config, ov + ["backend.name=sequential"], f"{tmp}/seq",
+                         dict(base, ATEN_CPU_CAPABILITY="avx2"))
+        ray_ov = ["backend.name=ray", "backend.num_actors=2", "backend.num_cpus=0.5", "backend.placement=spread",
+                  f"backend.address={address}"]
+        clu, meta = cli_run(config, ov + ray_ov, f"{tmp}/cluster", base)
+    procs = meta["numerics_processes"]
+    return {"native_capabilities": sorted({("node2" if p["node"] == node2_id else "head") + ":" + p["cpu_capability"]
+                                            for p in procs}),
+            "native_modes": sorted({p["mode"] for p in procs}),
+            "native_cluster_differs_from_native_sequential": not clu.equals(seq)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/fedproto_mnist5k.yaml")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--stop-after", type=int, default=3)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-native", dest="native", action="store_false", help="skip the native-kernels checks")
     args = ap.parse_args()
     ov = [f"rounds={args.rounds}", "eval.every=4", "clients_per_round=10"]
     ref = run_experiment(load_config(args.config, ov + ["backend.name=sequential"]), progress=False, write=False)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    saved = own_kernels("avx2")  # the head's processes: AVX2 kernels natively
     try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+        os.environ["ATEN_CPU_CAPABILITY"] = "default"  # node2's: the kernels of a CPU without AVX2
         node2 = cluster.add_node(num_cpus=1)
+    finally:
+        restore(saved)
+    try:
         cluster.wait_for_nodes()
+        native = native_checks(args.config, ["rounds=2", "eval.every=1", "clients_per_round=10"],
+                               cluster.address, node2.node_id) if args.native else {}
         cfg = load_config(args.config, ov + ["backend.name=ray", "backend.num_actors=2", "backend.num_cpus=0.5",
                                              "backend.placement=spread", f"backend.address={cluster.address}"])
         stopper = StopNode(cluster, node2, args.stop_after, 0.3)
@@ -80,6 +145,9 @@ def main():
             "actor_failures": res.metadata["actor_failures"],
             "identical_to_sequential": bool(identical),
             "final_test_acc": res.final()[0], "wall_s": round(wall, 1),
+            "portable_capabilities": sorted({("node2" if p["node"] == node2_id else "head") + ":" + p["cpu_capability"]
+                                             for p in res.metadata["numerics_processes"]}),
+            **native,
         }
         print(json.dumps(out, indent=1))
         if args.json:

@@ -1,6 +1,8 @@
 """A real two-node Ray cluster on this machine, run in its own process (benchmarks/two_node.py): raysim connects
 with backend.address, its client actors land on both nodes, the second node is stopped mid-run by ending its
-processes, the dead actor is recreated on the surviving node and the table equals an undisturbed sequential run."""
+processes, the dead actor is recreated on the surviving node and the table equals an undisturbed sequential run.
+The two nodes run different native CPU kernels (as two machines with different CPUs): portable numerics gives the
+sequential table there, native numerics another."""
 import json
 import os
 import subprocess
@@ -25,6 +27,12 @@ def test_two_node_cluster_survives_a_node_stop(tmp_path):
     assert r["node2_stopped"] and r["actors_after"] == ["head", "head"]
     assert r["actor_failures"] and r["actor_failures"][0]["action"] == "retry"
     assert r["identical_to_sequential"]
+    # the nodes run different native kernels (head AVX2, node2 those of a CPU without AVX2): portable pins every
+    # process to the same ones (the table above equals the sequential run); native leaves each node its own, and the
+    # table then depends on where the clients ran
+    assert r["portable_capabilities"] == ["head:AVX2", "node2:AVX2"]
+    assert r["native_capabilities"] == ["head:AVX2", "node2:DEFAULT"] and r["native_modes"] == ["native"]
+    assert r["native_cluster_differs_from_native_sequential"]
 
 
 def postgresql_missing() -> str:

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 class Backend(ABC):
     name = "base"
+    numerics_report: list = []  # the kernel choice of each computing process other than the driver (Ray: the server
+    #                             and client actors, with their nodes); the sequential backend computes in the driver
 
     def start(self) -> None: ...
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ray
 
+from raysim import numerics
 from raysim.backends import ray_serialization
 from raysim.data.federated import ClientSet, LazyClients
 from raysim.engine.runners import ClientRunner, ServerRunner
@@ -55,6 +56,7 @@ def take_warm(kind: str, key, n: int) -> list:
 
 class ClientActor(ClientRunner):
     def __init__(self, spec, clients, name="clients", source=None):
+        numerics.enter(spec.cfg.backend.numerics)  # before anything computes here (the data may be built below)
         ray_serialization.register()
         if source is not None:  # client ids into the shared pools
             clients = ClientSet(source, clients)
@@ -84,6 +86,10 @@ class ClientActor(ClientRunner):
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def numerics(self) -> dict:
+        """This process's kernel choice (raysim/numerics.py) and its node."""
+        return dict(numerics.describe(), node=ray.get_runtime_context().get_node_id(), role="clients")
+
     def module_files(self, names) -> dict:
         """Where this actor imported the named modules from (diagnostics: was the user's code shipped?)."""
         import sys
@@ -102,14 +108,19 @@ class ClientActor(ClientRunner):
 
 
 class ServerActor(ServerRunner):
-    def __init__(self, *args, **kwargs):
+    def __init__(self, spec, *args, **kwargs):
+        numerics.enter(spec.cfg.backend.numerics)
         ray_serialization.register()
-        super().__init__(*args, **kwargs)
+        super().__init__(spec, *args, **kwargs)
 
     def reset(self, *args, **kwargs) -> bool:
         """Serve another run (keep_actors_warm): as a new actor would."""
         self.__init__(*args, **kwargs)
         return True
+
+    def numerics(self) -> dict:
+        """This process's kernel choice (raysim/numerics.py) and its node."""
+        return dict(numerics.describe(), node=ray.get_runtime_context().get_node_id(), role="server")
 
     def close(self) -> None:
         super().close()

@@ -98,6 +98,8 @@ class RayBackend(Backend):
         self._warm: set = set()  # (actor, step name) pairs that have run once
         self.balance_log: list[dict] = []  # per balanced step: predicted/measured per-actor loads, moves
         ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
+        # every computing process's kernel choice, in the run metadata (numerics_processes)
+        self.numerics_report = ray.get([a.numerics.remote() for a in [self.server, *self.actors]])
 
     def _group(self, k: int):
         """What actor k is built with: its client ids (lazy clients, or data built on the actors) or their data."""

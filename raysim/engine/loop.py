@@ -322,7 +322,8 @@ def _metadata(run: Run) -> dict:
         "config_hash": cfg.config_hash(),
         "seed": cfg.seed,
         "versions": versions(),
-        "numerics": numerics.describe(),  # the mode and what it set (raysim/numerics.py)
+        "numerics": numerics.describe(),  # the mode and what it set (raysim/numerics.py), in the driver
+        "numerics_processes": list(run.backend.numerics_report),  # and in every other computing process
         "count_metrics": sorted(run.table.counts),  # metrics recorded as integers (exact in every comparison)
         "data": run.prep.fed_data.summary(),  # data.domains: the ground truth of ClusterAgreement
         "data_notes": run.prep.fed_data.notes,
