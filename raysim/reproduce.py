@@ -5,7 +5,8 @@ An experiment is declared in ``configs/<seed folder>/experiments.yaml`` (format:
 the seeds' published numbers live in one file, ``configs/seed_numbers.yaml``. Runs go to
 ``<out>/<experiment>/<run slug>/seed<N>/``; a finished run whose stored configuration hash equals the resolved one is
 reused (an interrupted reproduction resumes without redoing finished runs), one whose hash differs is an error, so a
-table never mixes configurations. The table is written by :func:`write_table`; ``raysim report`` (:func:`raysim.io.report
+table never mixes configurations; a finished run made by another code version (:mod:`raysim.provenance`) is reused
+only with ``reuse_any`` (``--reuse-any``), else one error names the runs and the versions. The table is written by :func:`write_table`; ``raysim report`` (:func:`raysim.io.report
 .build_report`) writes the usual summary and plots beside it.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ from raysim.config import ConfigError, load_config, load_yaml_mapping
 CONFIGS_ROOT = Path(__file__).resolve().parent.parent / "configs"
 NUMBERS_FILE = "seed_numbers.yaml"
 MANIFEST = "experiments.yaml"
-_KEYS = {"title", "source", "seeds", "metric", "extra_metrics", "select", "select_per", "percent", "scaled", "set",
+_KEYS = {"title", "source", "seeds", "min_seeds", "metric", "extra_metrics", "select", "select_per", "percent", "scaled", "set",
          "runs", "claims", "extends", "description"}
 _RUN_KEYS = {"label", "config", "set", "paper"}
 _CLAIM_KEYS = {"text", "better", "worse", "metric", "lower_is_better"}
@@ -76,6 +77,7 @@ class Experiment:
     overrides: tuple = ()
     claims: tuple = ()
     description: str = ""
+    min_seeds: int = 3  # paired seeds a claim needs for a verdict (5 where the seed paper ran 5); fewer: n too small
 
     def run(self, label: str) -> RunSpec:
         for r in self.runs:
@@ -183,6 +185,10 @@ def _build(name: str, path: Path, body: dict) -> Experiment:
         claims.append(Claim(str(c.get("text") or f"{c['better']} > {c['worse']}"), str(c["better"]),
                             str(c["worse"]), c.get("metric"), bool(c.get("lower_is_better", False))))
     seeds = tuple(int(s) for s in _as_list(body.get("seeds", [1, 2, 3]), f"{where}.seeds"))
+    min_seeds = body.get("min_seeds", 3)
+    if isinstance(min_seeds, bool) or not isinstance(min_seeds, int) or min_seeds < 3:
+        raise ConfigError(f"{where}.min_seeds", f"{min_seeds!r}: the seeds a verdict needs, an integer >= 3 (5 where "
+                                                f"the seed paper ran 5)")
     select = str(body.get("select", "last"))
     select_per = str(body.get("select_per", "run"))
     if select_per not in ("run", "client"):
@@ -195,7 +201,7 @@ def _build(name: str, path: Path, body: dict) -> Experiment:
                       extra_metrics=tuple(_as_list(body.get("extra_metrics"), f"{where}.extra_metrics")),
                       select=select, select_per=select_per, percent=bool(body.get("percent", True)),
                       scaled=str(body.get("scaled") or ""), overrides=_overrides(body.get("set"), f"{where}.set"),
-                      claims=tuple(claims), description=str(body.get("description") or ""))
+                      claims=tuple(claims), description=str(body.get("description") or ""), min_seeds=min_seeds)
 
 
 def load_numbers(root: str | Path = CONFIGS_ROOT) -> dict:
@@ -237,16 +243,22 @@ class Planned:
     cfg: object
     target: Path
     status: str = "to run"  # to run | reuse | resume | diverged
+    code: Optional[dict] = None  # a reused run's recorded code version (raysim.provenance)
 
 
-def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool = True) -> list[Planned]:
+def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool = True,
+         reuse_any: bool = False) -> list[Planned]:
     """Resolve every (run, seed) of ``exp``: its config (the experiment's, the run's, then ``overrides``), its target
     directory and whether it is reused, resumed or run. Raises ConfigError before anything is written when a config
-    or the data is bad, or when a target holds a run of another configuration."""
+    or the data is bad, when a target holds a run of another configuration, or when a finished run of this
+    configuration was made by another code version than this process's (one line naming the runs and the versions;
+    ``reuse_any`` reuses them knowingly, and the table names every code version it holds)."""
+    from raysim import provenance
     from raysim.io import rundir
     from raysim.engine.prepare import prepare
 
-    out = Path(out) / exp.name
+    out_root = Path(out)
+    out = out_root / exp.name
     planned = []
     for r in exp.runs:
         base = load_config(r.config, list(exp.overrides) + list(r.overrides) + list(overrides))
@@ -260,12 +272,34 @@ def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool
             p = Planned(r, int(s), cfg, target)
             if _finished(target, cfg):
                 p.status = "reuse"
+                p.code = provenance.recorded(target)
             elif diverged_reason(target, cfg) is not None:
                 p.status = "diverged"  # it diverged with this very config: running it again would diverge again
             elif rundir.has_checkpoints(rundir.work_path(target)):
                 p.status = "resume"
             planned.append(p)
+    if not reuse_any:
+        check_code(planned, out_root)
     return planned
+
+
+def check_code(planned: list[Planned], out: str | Path) -> None:
+    """The runs planned for reuse were made by this process's code version, or one ConfigError (field
+    ``--reuse-any``) names them, their versions and this one."""
+    from raysim import provenance
+
+    here = provenance.code_version()
+    other = [p for p in planned if p.status == "reuse" and not provenance.same(p.code, here)]
+    if not other:
+        return
+    groups: dict[str, list[str]] = {}
+    for p in other:
+        groups.setdefault(provenance.label(p.code), []).append(f"{p.run.label} seed {p.seed}")
+    names = "; ".join(f"{', '.join(runs)}: {version}" for version, runs in groups.items())
+    raise ConfigError("--reuse-any", f"{len(other)} finished run(s) under {out} were made by another code version "
+                                     f"than this one ({provenance.label(here)}): {names}; reuse them knowingly with "
+                                     f"--reuse-any (the table names every code version), or run them again under "
+                                     f"another --out")
 
 
 def _finished(target: Path, cfg) -> bool:

@@ -1,7 +1,10 @@
 """The table of a seed experiment (``raysim reproduce``'s last step): each run's value (the last evaluation, or the
 checkpoint a validation metric selects, per run or per client), mean +- sample std over seeds beside the seed's
-number and the difference, traffic and wall time from each run's own records, the claims held in direction, written
-as ``reproduction.md`` / ``.json`` with raysim report's summary and plots under it."""
+number and the difference, traffic and wall time from each run's own records, each claim's verdict from the paired
+per-seed differences (mean +- 95 % Student-t interval: held / tie / reversed, or n too small; :mod:`raysim.verdicts`),
+and each run's provenance (seed, config hash, code version, numerics mode, CPU), written as ``reproduction.md`` /
+``.json`` with raysim report's summary and plots under it. :func:`render_records` writes the same table again from a
+stored ``reproduction.json`` (its per-run records), without the run directories."""
 from __future__ import annotations
 
 import json
@@ -13,6 +16,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from raysim import verdicts
 from raysim.config import ConfigError
 
 from raysim.reproduce import Experiment, Planned, diverged_reason, paper_value, source_entry
@@ -57,16 +61,35 @@ def run_value(df: pd.DataFrame, metric: str, select: str = "last", select_per: s
     return float(at.mean()) if len(at) else math.nan
 
 
-def _wall_s(path: Path) -> float:
+def _run_info(path: Path) -> dict:
     try:
-        t = json.loads((path / "run.json").read_text()).get("timing") or {}
+        info = json.loads((path / "run.json").read_text())
+        return info if isinstance(info, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _wall_s(info: dict) -> float:
+    try:
+        t = info.get("timing") or {}
         return float(t.get("setup_s", 0) + t.get("setup_phase_s", 0) + t.get("total_round_s", 0))
-    except (OSError, ValueError, TypeError):
+    except (TypeError, ValueError, AttributeError):
         return math.nan
 
 
+def _provenance(info: dict) -> dict:
+    """A run's record of where it came from: config hash, code version (raysim.provenance), numerics mode, CPU."""
+    v = info.get("versions") or {}
+    code = v.get("code") if isinstance(v.get("code"), dict) else None
+    num = info.get("numerics")
+    return {"config_hash": info.get("config_hash"), "code": code,
+            "commit": (code or {}).get("commit"),
+            "numerics": (num.get("mode") if isinstance(num, dict) else num), "cpu": v.get("cpu")}
+
+
 def collect(exp: Experiment, planned: list[Planned]) -> pd.DataFrame:
-    """One row per finished run: label, seed, each metric's reported value, total floats (up + down) and wall time."""
+    """One row per finished run: label, seed, each metric's reported value, total floats (up + down), wall time and
+    the run's provenance (config hash, code version, commit, numerics mode, CPU, from its run.json)."""
     from raysim.io import results
 
     rows = []
@@ -91,7 +114,9 @@ def collect(exp: Experiment, planned: list[Planned]) -> pd.DataFrame:
         row["floats"] = float(tot.get("up_floats", 0.0) + tot.get("down_floats", 0.0))
         row["setup_floats"] = float(com.set_index("metric")["setup"].get("up_floats", 0.0)
                                     + com.set_index("metric")["setup"].get("down_floats", 0.0))
-        row["wall_s"] = _wall_s(p.target)
+        info = _run_info(p.target)
+        row["wall_s"] = _wall_s(info)
+        row.update(_provenance(info))
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -107,56 +132,104 @@ def _fmt(mean: float, std: float, digits: int = 2) -> str:
     return f"{mean:.{digits}f}" + (f" ± {std:.{digits}f}" if np.isfinite(std) else "")
 
 
+def _per_seed(per_run: pd.DataFrame, label: str, col: str) -> dict[int, float]:
+    if not len(per_run) or col not in per_run.columns:
+        return {}
+    g = per_run[per_run["label"] == label]
+    return {int(s): float(v) for s, v in zip(g["seed"], g[col]) if v is not None and np.isfinite(float(v))}
+
+
 def summarise(exp: Experiment, per_run: pd.DataFrame, numbers: dict) -> tuple[pd.DataFrame, list[dict]]:
-    """Per run label: mean and sample std over seeds of each metric, the seed's number and the difference; and the
-    claims, each held in direction or not (ours, and the seed's own numbers where it has both)."""
+    """Per run label: mean and sample std over seeds of each metric, the seed's number and the difference; and per
+    claim its verdict from the paired per-seed differences (:func:`raysim.verdicts.judge`: n, mean, the 95 % interval,
+    held / tie / reversed, or n too small below ``exp.min_seeds``) beside the seed's own difference."""
     metrics = [exp.metric, *exp.extra_metrics]
     out = []
     for r in exp.runs:
         g = per_run[per_run["label"] == r.label] if len(per_run) else per_run
         row = {"label": r.label, "seeds": int(len(g))}
         for m in metrics:
-            vals = g[m].astype(float) if len(g) else pd.Series(dtype=float)
+            vals = g[m].astype(float) if len(g) and m in g.columns else pd.Series(dtype=float)
             row[f"{m}_mean"] = float(vals.mean()) if len(vals) else math.nan
             row[f"{m}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else math.nan
             row[f"{m}_paper"] = paper_value(exp, numbers, r, m.split(":", 1)[-1]) if r.paper else math.nan
-        row["floats"] = float(g["floats"].mean()) if len(g) else math.nan
-        row["setup_floats"] = float(g["setup_floats"].mean()) if len(g) else math.nan
-        row["wall_s"] = float(g["wall_s"].mean()) if len(g) else math.nan
+        for k in ("floats", "setup_floats", "wall_s"):
+            row[k] = float(g[k].astype(float).mean()) if len(g) and k in g.columns else math.nan
         out.append(row)
     table = pd.DataFrame(out)
     claims = []
     for c in exp.claims:
         m = c.metric or exp.metric
-        col = "floats" if m == "floats" else f"{m}_mean"
-        b, w = table.set_index("label").loc[c.better], table.set_index("label").loc[c.worse]
-        sign = -1.0 if c.lower_is_better else 1.0
-        ours = sign * (b[col] - w[col]) if np.isfinite(b[col]) and np.isfinite(w[col]) else math.nan
+        col = "floats" if m == "floats" else m
+        res = verdicts.judge(_per_seed(per_run, c.better, col), _per_seed(per_run, c.worse, col),
+                             c.lower_is_better, exp.min_seeds)
         paper = math.nan
         if m != "floats":
+            b, w = table.set_index("label").loc[c.better], table.set_index("label").loc[c.worse]
             pb, pw = b.get(f"{m}_paper", math.nan), w.get(f"{m}_paper", math.nan)
             if np.isfinite(pb) and np.isfinite(pw):
-                paper = sign * (pb - pw)
-        noise = math.nan
-        if m != "floats":
-            stds = [s for s in (b[f"{m}_std"], w[f"{m}_std"]) if np.isfinite(s)]
-            noise = max(stds) if stds else math.nan
-        claims.append({"text": c.text, "metric": m, "better": c.better, "worse": c.worse, "ours": ours,
-                       "paper": paper, "held": (bool(ours > 0) if np.isfinite(ours) else None),
-                       "within_noise": bool(np.isfinite(ours) and np.isfinite(noise) and abs(ours) <= noise)})
+                paper = (-1.0 if c.lower_is_better else 1.0) * (pb - pw)
+        claims.append({"text": c.text, "metric": m, "better": c.better, "worse": c.worse,
+                       "lower_is_better": c.lower_is_better, "n": res["n"], "min_n": res["min_n"],
+                       "ours": res["mean"], "sd": res["sd"], "half": res["half"], "lo": res["lo"], "hi": res["hi"],
+                       "diffs": {str(k): v for k, v in res["diffs"].items()}, "paper": paper,
+                       "verdict": res["verdict"]})
     return table, claims
 
 
-def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], numbers: dict) -> str:
+VERDICT_RULE = ("paired per-seed differences (better − worse, the same seed; lower − higher where lower is better), "
+                "mean ± half-width of the 95 % Student-t interval (n − 1 degrees of freedom) [interval]; held: the "
+                "interval lies above 0; tie: it contains 0; reversed: it lies below 0")
+
+
+def claims_markdown(claims: list[dict], min_n: int) -> str:
+    """The claims table: n, the paired mean ± 95 % interval, the seed's difference, the verdict."""
+    lines = [f"Claims: {VERDICT_RULE}; n too small: fewer than {min_n} paired seeds (this experiment's minimum), no "
+             f"verdict.\n",
+             "| claim | metric | n | ours: paired difference, mean ± 95 % [interval] | seed's | verdict |",
+             "|---|---|---|---|---|---|"]
+    for c in claims:
+        ours = verdicts.format_interval({"mean": c["ours"], "half": c["half"], "lo": c["lo"], "hi": c["hi"]},
+                                        digits=0 if c["metric"] == "floats" else 2, thousands=c["metric"] == "floats")
+        paper = f"{c['paper']:+.2f}" if np.isfinite(c["paper"]) else "–"
+        verdict = c["verdict"] + (f" ({c['n']} of {c['min_n']})" if c["verdict"] == verdicts.TOO_FEW else "")
+        lines.append(f"| {c['text']} | {c['metric']} | {c['n']} | {ours} | {paper} | {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def provenance_markdown(per_run: pd.DataFrame) -> str:
+    """Which code versions, numerics modes and CPUs the table's runs were made with (one line)."""
+    from raysim import provenance
+
+    if not len(per_run):
+        return ""
+    parts = []
+    for key, what in (("code", "code version"), ("numerics", "numerics"), ("cpu", "CPU")):
+        if key not in per_run.columns:
+            vals = ["not recorded"] * len(per_run)
+        elif key == "code":
+            vals = [provenance.label(v if isinstance(v, dict) else None) for v in per_run[key]]
+        else:
+            vals = [str(v) if isinstance(v, str) and v else "not recorded" for v in per_run[key]]
+        counts: dict[str, int] = {}
+        for v in vals:
+            counts[v] = counts.get(v, 0) + 1
+        parts.append(f"{what}: " + "; ".join(f"{v} ({n} run{'s' if n > 1 else ''})" for v, n in counts.items()))
+    return f"Provenance of the {len(per_run)} run(s) (each run's record: the table's JSON, `runs`): " + "; ".join(parts) + ".\n"
+
+
+def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], numbers: dict,
+                   per_run: pd.DataFrame | None = None) -> str:
     metrics = [exp.metric, *exp.extra_metrics]
     entry = source_entry(exp, numbers)
     unit = " (%)" if exp.percent else ""
     sel = ("last evaluated round" if exp.select == "last" else
            f"the round with the best {exp.select} ({'per client' if exp.select_per == 'client' else 'mean over clients'})")
+    seeds = sorted(set(int(x) for x in exp.seeds))
     lines = [f"## {exp.name}: {exp.title}\n",
              f"Seed: {entry.get('source', exp.source)}. Values{unit}: mean ± sample std over seeds "
-             f"{', '.join(str(s) for s in sorted(set(int(x) for x in exp.seeds)))} of the mean over clients, at {sel}. "
-             f"Scale: {exp.scaled or 'the seed’s full size'}.\n"]
+             f"{', '.join(str(s) for s in seeds)} (n = {len(seeds)}; a verdict needs {exp.min_seeds}) of the mean over "
+             f"clients, at {sel}. Scale: {exp.scaled or 'the seed’s full size'}.\n"]
     if exp.description:
         lines.append(exp.description.strip() + "\n")
     head = ["method", "seeds"]
@@ -175,29 +248,29 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
                   f"{r['setup_floats']:,.0f}" if np.isfinite(r["setup_floats"]) else "–",
                   f"{r['wall_s']:.1f}" if np.isfinite(r["wall_s"]) else "–"]
         lines.append("| " + " | ".join(cells) + " |")
+    md = "\n".join(lines) + "\n"
     if claims:
-        lines.append("\n| claim | metric | ours (better − worse) | seed's | held in direction |")
-        lines.append("|---|---|---|---|---|")
-        for c in claims:
-            held = "–" if c["held"] is None else ("yes" if c["held"] else "no")
-            if c["held"] is not None and c["within_noise"]:
-                held += " (within 1 std)"
-            ours = f"{c['ours']:+,.2f}" if np.isfinite(c["ours"]) else "–"
-            paper = f"{c['paper']:+.2f}" if np.isfinite(c["paper"]) else "–"
-            lines.append(f"| {c['text']} | {c['metric']} | {ours} | {paper} | {held} |")
-    return "\n".join(lines) + "\n"
+        md += "\n" + claims_markdown(claims, exp.min_seeds)
+    if per_run is not None and len(per_run):
+        md += "\n" + provenance_markdown(per_run)
+    return md
+
+
+def _records(per_run: pd.DataFrame) -> list[dict]:
+    return per_run.to_dict("records") if len(per_run) else []
 
 
 def write_table(exp: Experiment, planned: list[Planned], out: str | Path, numbers: dict, report: bool = True,
                 log: Callable = print) -> Path:
-    """``<out>/<experiment>/reproduction.md`` (+ ``.json``) and, with ``report``, raysim report's summary and plots
+    """``<out>/<experiment>/reproduction.md`` (+ ``.json``: the table, the claims with their paired differences and
+    verdicts, and one record per run with its provenance) and, with ``report``, raysim report's summary and plots
     under ``<out>/<experiment>/report/``."""
     exp = replace(exp, seeds=tuple(sorted({p.seed for p in planned})) or exp.seeds)  # the seeds this table ran
     per_run = collect(exp, planned)
     table, claims = summarise(exp, per_run, numbers)
     d = Path(out) / exp.name
     d.mkdir(parents=True, exist_ok=True)
-    md = table_markdown(exp, table, claims, numbers)
+    md = table_markdown(exp, table, claims, numbers, per_run)
     diverged = [(p, diverged_reason(p.target, p.cfg)) for p in planned if not (p.target / "results.parquet").exists()]
     diverged = [(p, m) for p, m in diverged if m is not None]
     gone = {id(p) for p, _ in diverged}
@@ -210,9 +283,10 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
         md += f"\nNot finished (left out of the table): {', '.join(missing)}.\n"
     (d / "reproduction.md").write_text(md)
     (d / "reproduction.json").write_text(json.dumps({"experiment": exp.name, "source": exp.source,
-                                                     "scaled": exp.scaled, "table": table.to_dict("records"),
-                                                     "claims": claims, "runs": per_run.to_dict("records")},
-                                                    indent=1, default=float))
+                                                     "scaled": exp.scaled, "seeds": list(exp.seeds),
+                                                     "min_seeds": exp.min_seeds, "table": table.to_dict("records"),
+                                                     "claims": claims, "runs": _records(per_run)},
+                                                    indent=1, default=_json_default))
     if report and len(per_run):
         from raysim.io.report import build_report
 
@@ -222,3 +296,30 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
         except (ConfigError, KeyError) as e:  # a metric only some runs have: the table above still stands
             log(f"note: raysim report skipped ({e})")
     return d / "reproduction.md"
+
+
+def _json_default(v):
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating, float)):
+        return float(v)
+    if isinstance(v, np.bool_):
+        return bool(v)
+    return str(v)
+
+
+def render_records(exp: Experiment, record: dict, numbers: dict) -> tuple[str, dict]:
+    """The table and claims again from a stored ``reproduction.json`` (``record``: its per-run records under
+    ``runs``), with this code's verdicts: (markdown, the record with ``table``, ``claims``, ``seeds`` and
+    ``min_seeds`` recomputed; ``runs`` untouched). Runs whose label is no longer in the experiment are left out."""
+    per_run = pd.DataFrame(record.get("runs") or [])
+    if len(per_run):
+        per_run = per_run[per_run["label"].isin([r.label for r in exp.runs])]
+    seeds = tuple(sorted({int(s) for s in per_run["seed"]})) if len(per_run) else exp.seeds
+    exp = replace(exp, seeds=seeds)
+    table, claims = summarise(exp, per_run, numbers)
+    md = table_markdown(exp, table, claims, numbers, per_run)
+    new = dict(record, seeds=list(seeds), min_seeds=exp.min_seeds,
+               table=json.loads(json.dumps(table.to_dict("records"), default=_json_default)),
+               claims=json.loads(json.dumps(claims, default=_json_default)))
+    return md, new

@@ -94,7 +94,15 @@ def test_reproduce_table_reuse_and_mismatch(tmp_path, capsys):
     assert row["test_acc_mean"] == pytest.approx(sum(got) / 2)
     assert row["test_acc_paper"] == 60.0
     claim = data["claims"][0]
-    assert claim["paper"] == pytest.approx(10.0) and claim["held"] == (claim["ours"] > 0)
+    assert claim["paper"] == pytest.approx(10.0)
+    # two seeds are fewer than the default minimum (3): the claim has its paired numbers but no verdict
+    assert claim["n"] == 2 and claim["min_n"] == 3 and claim["verdict"] == "n too small"
+    assert sorted(claim["diffs"]) == ["1", "2"] and "n too small (2 of 3)" in table and "n = 2" in table
+    # every run's record: seed, config hash, code version, numerics mode, CPU
+    from raysim.provenance import code_version
+
+    assert all(r["code"] == code_version() and r["config_hash"] and r["numerics"] and r["cpu"] for r in data["runs"])
+    assert f"source {code_version()['source']}" in table
     capsys.readouterr()
     # a second call reuses every finished run
     stamp = (out / "toy_table" / "local" / "seed1" / "results.parquet").stat().st_mtime_ns
@@ -245,3 +253,51 @@ def test_a_crash_in_a_worker_stops_the_reproduction_with_its_message(tmp_path, c
     err = capsys.readouterr().err
     assert code == 1 and "boom on client 0" in err, err
     assert not (out / "toy_crash" / "failing" / "seed1" / "results.parquet").exists()
+
+
+def _stamp_code(run_dir, code):
+    """Rewrite a finished run's recorded code version (as a run made by other code would have it)."""
+    info = json.loads((run_dir / "run.json").read_text())
+    if code is None:
+        info["versions"].pop("code", None)
+    else:
+        info["versions"]["code"] = code
+    (run_dir / "run.json").write_text(json.dumps(info))
+
+
+def test_a_run_of_another_code_version_is_reused_only_knowingly(tmp_path, capsys):
+    """A finished run whose config hash matches but whose code version differs (or was never recorded) is not
+    reused silently: one line names the runs and the versions; reuse_any (--reuse-any) reuses them and the table
+    names every code version it holds."""
+    from raysim.provenance import code_version, label
+    from raysim.reproduce_table import write_table
+
+    root = _write_root(tmp_path)
+    out = tmp_path / "out"
+    assert main(["reproduce", "toy_table", "--configs", str(root), "--out", str(out), "--no-report"]) == 0
+    capsys.readouterr()
+    exp = rp.load_experiments(root)["toy_table"]
+    assert {p.status for p in rp.plan(exp, [1, 2], out)} == {"reuse"}  # same code: reused
+    other = dict(code_version(), source="0123456789abcdef", commit="f" * 40, dirty=False)
+    _stamp_code(out / "toy_table" / "local" / "seed1", other)
+    _stamp_code(out / "toy_table" / "local" / "seed2", other)
+    _stamp_code(out / "toy_table" / "fedproto-1" / "seed2", None)  # a run from before code versions were recorded
+    with pytest.raises(ConfigError) as e:
+        rp.plan(exp, [1, 2], out)
+    msg = str(e.value)
+    assert e.value.field == "--reuse-any" and "\n" not in msg
+    assert "3 finished run(s)" in msg and "Local seed 1, Local seed 2: raysim 0.1.0 source 0123456789abcdef" in msg
+    assert "commit ffffffffffff" in msg and "FedProto (λ=1) seed 2: not recorded" in msg
+    assert label(code_version()) in msg and "--reuse-any" in msg
+    # the command stops with that one line before anything runs
+    args = ["reproduce", "toy_table", "--configs", str(root), "--out", str(out), "--no-report"]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another code version" in err[0]
+    # knowingly: reused, and the table says which code made which runs
+    planned = rp.plan(exp, [1, 2], out, reuse_any=True)
+    assert {p.status for p in planned} == {"reuse"}
+    table = write_table(exp, planned, out, rp.load_numbers(root), report=False, log=lambda *a: None).read_text()
+    assert "source 0123456789abcdef (commit ffffffffffff) (2 runs)" in table
+    assert "not recorded (a run made before code versions were recorded) (1 run)" in table
+    assert f"{label(code_version())} (1 run)" in table

@@ -222,8 +222,9 @@ def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _noti
 
 
 def versions() -> dict:
-    """The software versions and the CPU model a run was made with (float reductions follow the CPU's vector unit:
-    the same seed gives the same table on one CPU model, and last-bit differences across models)."""
+    """The software versions, the code version (``code``: :func:`raysim.provenance.code_version`) and the CPU model a
+    run was made with (float reductions follow the CPU's vector unit: the same seed gives the same table on one CPU
+    model, and last-bit differences across models)."""
     out = {"python": platform.python_version()}
     for pkg in ("raysim", "torch", "ray", "numpy", "pandas", "pyarrow"):
         try:
@@ -231,6 +232,11 @@ def versions() -> dict:
         except importlib_metadata.PackageNotFoundError:
             out[pkg] = None
     out["cpu"] = _cpu_model()
+    # the code version (raysim's version, a digest of the packages' source, the git commit when there is one):
+    # raysim reproduce reuses a finished run only when it equals this process's (raysim/provenance.py)
+    from raysim.provenance import code_version
+
+    out["code"] = dict(code_version())
     return out
 
 

@@ -1,0 +1,102 @@
+"""The verdicts of the stored reproduction tables (issue 34), from what benchmarks/results/ holds.
+
+    python benchmarks/stored_verdicts.py [--check]
+
+* A table stored with its per-run records (``<experiment>.json``: ``raysim reproduce``'s reproduction.json, a
+  ``runs`` list with each run's label, seed and values) is written again, ``<experiment>.md`` and the JSON's
+  ``table`` / ``claims``, by :func:`raysim.reproduce_table.render_records`: the same means (from the same per-run
+  values), each claim's paired per-seed differences with their 95 % interval and verdict. The runs are untouched.
+* A table stored as markdown only (means ± std, no per-run values) cannot give a paired interval: a note at its top
+  says so, and names the verdict that n alone decides (fewer seeds than the experiment's ``min_seeds``: n too small).
+
+Then one line per stored table: its claims' outcome counts (held / tie / reversed / n too small / no per-run
+records). ``--check`` writes nothing and fails when a file would change.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+NOTE_START = "<!-- issue 34: verdicts -->"
+
+
+def _note(exp, seeds_in_table: int) -> str:
+    if seeds_in_table < exp.min_seeds:
+        why = (f"n too small for every claim: the table holds {seeds_in_table} seeds per method, this experiment's "
+               f"minimum for a verdict is {exp.min_seeds}")
+    else:
+        why = "no verdict: a paired interval needs each seed's values"
+    return (f"{NOTE_START}\n**Verdicts (issue 34): {why}. The per-run results of this table are not stored in the "
+            f"repository (only the means ± std below), so its claims carry no paired 95 % interval; the column "
+            f"\"held in direction\" below is the superseded rule (the sign of the mean difference) and is not a "
+            f"verdict. `raysim reproduce {exp.name}` writes the table again with verdicts.**\n\n")
+
+
+def _seeds_in_table(md: str) -> int:
+    m = re.search(r"mean ± sample std over seeds ([0-9, ]+?) (?:\(n = |of the mean)", md)
+    return len([s for s in m.group(1).split(",") if s.strip()]) if m else 0
+
+
+def _claim_rows(md: str) -> int:
+    """How many claims the (old) claims table of a stored markdown table lists."""
+    lines = md.splitlines()
+    for i, ln in enumerate(lines):
+        if ln.startswith("| claim |"):
+            return sum(1 for _ in itertools.takewhile(lambda x: x.startswith("| "), lines[i + 2:]))
+    return 0
+
+
+def main(argv=None) -> int:
+    from raysim import reproduce as rp
+    from raysim import verdicts as vd
+    from raysim.reproduce_table import render_records
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")
+    args = ap.parse_args(argv)
+    exps = rp.load_experiments()
+    numbers = rp.load_numbers()
+    changed = []
+    for md_path in sorted(RESULTS.rglob("*.md")):
+        name = md_path.stem
+        if name not in exps:
+            continue
+        exp = exps[name]
+        js = md_path.with_suffix(".json")
+        old_md = md_path.read_text()
+        if js.exists():
+            record = json.loads(js.read_text())
+            md, new = render_records(exp, record, numbers)
+            new_js = json.dumps(new, indent=1) + "\n"
+            if js.read_text() != new_js:
+                changed.append(js)
+                if not args.check:
+                    js.write_text(new_js)
+            counts = vd.count(c["verdict"] for c in new["claims"])
+            line = ", ".join(f"{v} {counts[v]}" for v in vd.VERDICTS)
+        else:
+            body = old_md.split("\n\n", 1)[1] if old_md.startswith(NOTE_START) else old_md
+            n = _seeds_in_table(body)
+            md = _note(exp, n) + body
+            k = _claim_rows(body)
+            line = (f"n too small {k} ({n} of {exp.min_seeds} seeds)" if n < exp.min_seeds else
+                    f"no per-run records {k}")
+        if md != old_md:
+            changed.append(md_path)
+            if not args.check:
+                md_path.write_text(md)
+        print(f"{md_path.relative_to(ROOT)}: {line}")
+    if args.check and changed:
+        print("would change: " + ", ".join(str(p.relative_to(ROOT)) for p in changed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

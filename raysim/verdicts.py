@@ -1,0 +1,150 @@
+"""Verdicts of a seed's claim from paired runs (``raysim reproduce``'s claims table).
+
+A claim says one method is better than another. Both ran with the same seeds (the same data, partition and
+initialisation stream), so the evidence is the per-seed *paired* difference d_s = better_s - worse_s (sign flipped
+when lower is better): its mean, and a 95 % interval mean +- t_{0.975, n-1} * sd / sqrt(n) (Student t with n - 1
+degrees of freedom, sd the sample standard deviation of the d_s). The verdict:
+
+* ``held``: the interval lies above 0 (excludes 0 in the claimed direction);
+* ``tie``: the interval contains 0;
+* ``reversed``: the interval lies below 0 (excludes 0 in the other direction);
+* ``n too small``: fewer paired seeds than the experiment's minimum (``min_seeds``: at least 3; 5 where the seed
+  paper ran 5) -- no verdict is given, whatever the numbers.
+
+The t quantile is computed here (the exact Student t distribution function for integer degrees of freedom, inverted
+by bisection): no statistics package is needed.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+HELD, TIE, REVERSED, TOO_FEW = "held", "tie", "reversed", "n too small"
+VERDICTS = (HELD, TIE, REVERSED, TOO_FEW)
+LEVEL = 0.95
+DEFAULT_MIN_SEEDS = 3
+
+
+def t_cdf(t: float, df: int) -> float:
+    """P(T <= t) for Student's t with ``df`` (a positive integer) degrees of freedom, in closed form: with
+    theta = atan(t / sqrt(df)), P(|T| < |t|) is (2/pi)(theta + sin(theta) sum_k c_k cos^(2k+1)(theta)) for odd df and
+    sin(theta) sum_k c_k cos^(2k)(theta) for even df (Abramowitz & Stegun 26.7.3-4)."""
+    df = int(df)
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if math.isinf(t):
+        return 1.0 if t > 0 else 0.0
+    theta = math.atan(abs(t) / math.sqrt(df))
+    s, c = math.sin(theta), math.cos(theta)
+    if df % 2 == 1:
+        term, total = c, (c if df > 1 else 0.0)  # terms cos, (2/3) cos^3, (2*4)/(3*5) cos^5, ... up to cos^(df-2)
+        for k in range(1, (df - 1) // 2):
+            term *= c * c * (2 * k) / (2 * k + 1)
+            total += term
+        a = (2.0 / math.pi) * (theta + s * total)
+    else:
+        term, total = 1.0, 1.0  # terms 1, (1/2) cos^2, (1*3)/(2*4) cos^4, ... up to cos^(df-2)
+        for k in range(1, df // 2):
+            term *= c * c * (2 * k - 1) / (2 * k)
+            total += term
+        a = s * total
+    a = min(max(a, 0.0), 1.0)
+    return 0.5 + a / 2 if t >= 0 else 0.5 - a / 2
+
+
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile of Student's t with ``df`` degrees of freedom (0 < p < 1), by bisection on :func:`t_cdf`
+    to machine precision."""
+    if not 0.0 < p < 1.0:
+        raise ValueError(f"p must be in (0, 1), got {p}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    if p == 0.5:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        lo, hi = hi, hi * 2.0
+    for _ in range(200):
+        mid = (lo + hi) / 2.0
+        if mid in (lo, hi):
+            break
+        if t_cdf(mid, df) < p:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2.0
+
+
+def paired_differences(better: Mapping[int, float], worse: Mapping[int, float],
+                       lower_is_better: bool = False) -> dict[int, float]:
+    """seed -> the claimed-direction difference (better - worse; worse - better when lower is better), over the seeds
+    both methods have a finite value for."""
+    sign = -1.0 if lower_is_better else 1.0
+    out = {}
+    for s in sorted(set(better) & set(worse)):
+        b, w = better[s], worse[s]
+        if b is None or w is None:
+            continue
+        b, w = float(b), float(w)
+        if math.isfinite(b) and math.isfinite(w):
+            out[int(s)] = sign * (b - w)
+    return out
+
+
+def interval(diffs, level: float = LEVEL) -> dict:
+    """Mean, sample std, half-width and the ``level`` interval of the mean of ``diffs`` (Student t, n - 1 degrees of
+    freedom); the interval is NaN below 2 values."""
+    d = [float(x) for x in diffs]
+    n = len(d)
+    mean = sum(d) / n if n else math.nan
+    if n < 2:
+        return {"n": n, "mean": mean, "sd": math.nan, "t": math.nan, "half": math.nan, "lo": math.nan, "hi": math.nan}
+    sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
+    t = t_quantile(0.5 + level / 2.0, n - 1)
+    half = t * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "t": t, "half": half, "lo": mean - half, "hi": mean + half}
+
+
+def verdict(lo: float, hi: float, n: int, min_n: int = DEFAULT_MIN_SEEDS) -> str:
+    """``held`` (lo > 0), ``reversed`` (hi < 0), ``tie`` (lo <= 0 <= hi), or ``n too small`` (n < min_n)."""
+    if n < max(int(min_n), 2) or not (math.isfinite(lo) and math.isfinite(hi)):
+        return TOO_FEW
+    if lo > 0:
+        return HELD
+    if hi < 0:
+        return REVERSED
+    return TIE
+
+
+def judge(better: Mapping[int, float], worse: Mapping[int, float], lower_is_better: bool = False,
+          min_n: int = DEFAULT_MIN_SEEDS, level: float = LEVEL) -> dict:
+    """The whole verdict of one claim from per-seed values of its two methods: the paired differences (by seed),
+    n, mean, sd, the interval and the verdict."""
+    diffs = paired_differences(better, worse, lower_is_better)
+    out = interval(list(diffs.values()), level)
+    out["diffs"] = diffs
+    out["min_n"] = int(min_n)
+    out["verdict"] = verdict(out["lo"], out["hi"], out["n"], min_n)
+    return out
+
+
+def format_interval(res: dict, digits: int = 2, thousands: bool = False) -> str:
+    """``+2.00 ± 2.48 [-0.48, +4.48]``; the mean alone below 2 seeds; '–' without any."""
+    mean = res.get("mean", math.nan)
+    if not (isinstance(mean, (int, float)) and math.isfinite(mean)):
+        return "–"
+    f = f"{{:+,.{digits}f}}" if thousands else f"{{:+.{digits}f}}"
+    g = f"{{:,.{digits}f}}" if thousands else f"{{:.{digits}f}}"
+    half = res.get("half", math.nan)
+    if not math.isfinite(half):
+        return f.format(mean)
+    return f"{f.format(mean)} ± {g.format(half)} [{f.format(res['lo'])}, {f.format(res['hi'])}]"
+
+
+def count(verdicts) -> dict[str, int]:
+    """How many of each verdict (every key of :data:`VERDICTS`, 0 included)."""
+    out = {v: 0 for v in VERDICTS}
+    for v in verdicts:
+        out[v] = out.get(v, 0) + 1
+    return out
+

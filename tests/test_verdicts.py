@@ -1,0 +1,206 @@
+"""Verdicts of a seed's claims (raysim/verdicts.py): the Student t quantile, the paired 95 % interval and each
+verdict, computed by hand; the claims table raysim reproduce writes from them; min_seeds in the manifests."""
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import yaml
+
+from raysim import reproduce as rp
+from raysim import verdicts as vd
+from raysim.config import ConfigError
+from raysim.reproduce_table import render_records, summarise, table_markdown
+
+
+# ------------------------------------------------------------------------------------------------ the t quantile
+
+def test_t_quantile_closed_forms():
+    # df = 1 (Cauchy): P(|T| < t) = (2/pi) atan(t), so t_0.975 = tan(0.95 pi / 2)
+    assert vd.t_quantile(0.975, 1) == pytest.approx(math.tan(0.95 * math.pi / 2), rel=1e-12)
+    # df = 2: P(|T| < t) = t / sqrt(t^2 + 2) = 0.95  ->  t^2 = 2 * 0.9025 / 0.0975
+    assert vd.t_quantile(0.975, 2) == pytest.approx(math.sqrt(2 * 0.9025 / 0.0975), rel=1e-12)
+    assert vd.t_quantile(0.975, 2) == pytest.approx(4.302653, abs=1e-6)
+
+
+@pytest.mark.parametrize("df, t", [(3, 3.182446), (4, 2.776445), (5, 2.570582), (9, 2.262157), (29, 2.045230),
+                                   (10000, 1.960201)])
+def test_t_quantile_matches_the_printed_table(df, t):
+    assert vd.t_quantile(0.975, df) == pytest.approx(t, abs=1e-6)
+
+
+def test_t_cdf_shape():
+    for df in (1, 2, 3, 4, 7):
+        assert vd.t_cdf(0.0, df) == 0.5
+        assert vd.t_cdf(1.3, df) + vd.t_cdf(-1.3, df) == pytest.approx(1.0)
+        assert vd.t_cdf(vd.t_quantile(0.9, df), df) == pytest.approx(0.9, abs=1e-12)
+    assert vd.t_cdf(1.0, 1) == pytest.approx(0.75)  # Cauchy: 1/2 + atan(1)/pi
+    assert vd.t_quantile(0.025, 2) == pytest.approx(-vd.t_quantile(0.975, 2))
+    with pytest.raises(ValueError):
+        vd.t_quantile(1.0, 3)
+    with pytest.raises(ValueError):
+        vd.t_cdf(1.0, 0)
+
+
+# ------------------------------------------------------------------------------------------------ the interval
+
+T2 = math.sqrt(2 * 0.9025 / 0.0975)  # t_{0.975, 2}, the multiplier of every 3-seed interval below
+
+
+def test_paired_interval_by_hand():
+    # seeds 1, 2, 3: differences 1, 2, 3 -> mean 2, sd 1, half-width t_{0.975,2} / sqrt(3) = 2.4841
+    res = vd.judge({1: 10.0, 2: 12.0, 3: 14.0}, {1: 9.0, 2: 10.0, 3: 11.0})
+    assert res["diffs"] == {1: 1.0, 2: 2.0, 3: 3.0} and res["n"] == 3
+    assert res["mean"] == pytest.approx(2.0) and res["sd"] == pytest.approx(1.0)
+    assert res["half"] == pytest.approx(T2 / math.sqrt(3)) == pytest.approx(2.484138, abs=1e-6)
+    assert (res["lo"], res["hi"]) == (pytest.approx(2 - 2.484138, abs=1e-6), pytest.approx(2 + 2.484138, abs=1e-6))
+    assert res["verdict"] == "tie"  # the interval [-0.48, 4.48] contains 0
+    assert vd.format_interval(res) == "+2.00 ± 2.48 [-0.48, +4.48]"
+
+
+def test_pairing_is_by_seed_not_by_mean():
+    # unpaired the two methods overlap completely (means 2 vs 1.5, spread 1); paired, every seed gains exactly 0.5
+    better = {1: 1.0, 2: 2.0, 3: 3.0}
+    worse = {1: 0.5, 2: 1.5, 3: 2.5}
+    res = vd.judge(better, worse)
+    assert res["sd"] == 0.0 and res["lo"] == res["hi"] == pytest.approx(0.5) and res["verdict"] == "held"
+    # a seed only one method has (4), or a NaN (seed 5), is not paired: n counts pairs
+    res = vd.judge({**better, 4: 9.0, 5: math.nan}, {**worse, 5: 1.0, 6: 2.0})
+    assert res["n"] == 3 and sorted(res["diffs"]) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("better, worse, lower, verdict", [
+    ([12.0, 13.0, 14.0], [10.0, 10.0, 10.0], False, "held"),      # d 2, 3, 4: 3 ± 2.48 -> [0.52, 5.48]
+    ([10.0, 10.0, 10.0], [12.0, 13.0, 14.0], False, "reversed"),  # d -2, -3, -4 -> [-5.48, -0.52]
+    ([11.0, 12.0, 13.0], [10.0, 10.0, 10.0], False, "tie"),       # d 1, 2, 3 -> [-0.48, 4.48]
+    ([10.0, 10.0, 10.0], [12.0, 13.0, 14.0], True, "held"),       # lower is better: d = worse - better = 2, 3, 4
+    ([5.0, 5.0, 5.0], [5.0, 5.0, 5.0], False, "tie"),             # d 0, 0, 0: [0, 0] contains 0
+])
+def test_each_verdict_by_hand(better, worse, lower, verdict):
+    seeds = [1, 2, 3]
+    res = vd.judge(dict(zip(seeds, better)), dict(zip(seeds, worse)), lower_is_better=lower)
+    assert res["verdict"] == verdict
+
+
+def test_the_held_interval_by_hand():
+    res = vd.judge({1: 12.0, 2: 13.0, 3: 14.0}, {1: 10.0, 2: 10.0, 3: 10.0})
+    assert res["lo"] == pytest.approx(3 - T2 / math.sqrt(3)) and res["lo"] == pytest.approx(0.515862, abs=1e-6)
+
+
+def test_n_too_small_whatever_the_numbers():
+    big = {1: 100.0, 2: 101.0, 3: 102.0}
+    small = {1: 0.0, 2: 0.0, 3: 0.0}
+    assert vd.judge(big, small, min_n=3)["verdict"] == "held"
+    assert vd.judge(big, small, min_n=5)["verdict"] == "n too small"  # the seed ran 5: 3 seeds give no verdict
+    assert vd.judge({1: 100.0, 2: 101.0}, {1: 0.0, 2: 0.0})["verdict"] == "n too small"  # 2 < 3
+    one = vd.judge({1: 1.0}, {1: 0.0})
+    assert one["verdict"] == "n too small" and math.isnan(one["half"]) and vd.format_interval(one) == "+1.00"
+    assert vd.format_interval(vd.judge({}, {})) == "–"
+    five = {s: 10.0 + s for s in range(1, 6)}
+    assert vd.judge(five, {s: 0.0 for s in five}, min_n=5)["verdict"] == "held"
+    assert vd.count(["held", "tie", "held", "n too small"]) == {"held": 2, "tie": 1, "reversed": 0, "n too small": 1}
+
+
+# ------------------------------------------------------------------------------------------------ the claims table
+
+def _experiment(tmp_path, seeds=(1, 2, 3), min_seeds=None, claims=None):
+    folder = tmp_path / "configs" / "seed999_toy"
+    folder.mkdir(parents=True)
+    (folder / "a.yaml").write_text("name: a\n")
+    body = {"title": "toy", "source": "seed999.table1", "seeds": list(seeds), "metric": "test_acc",
+            "runs": [{"label": "A", "config": "a.yaml", "paper": "a"}, {"label": "B", "config": "a.yaml", "paper": "b"},
+                     {"label": "C", "config": "a.yaml"}],
+            "claims": claims if claims is not None else [
+                {"text": "A beats B", "better": "A", "worse": "B"},
+                {"text": "B beats A", "better": "B", "worse": "A"},
+                {"text": "A beats C", "better": "A", "worse": "C"},
+                {"text": "A sends fewer floats than B", "better": "A", "worse": "B", "metric": "floats",
+                 "lower_is_better": True}]}
+    if min_seeds is not None:
+        body["min_seeds"] = min_seeds
+    (folder / "experiments.yaml").write_text(yaml.safe_dump({"toy": body}))
+    (tmp_path / "configs" / "seed_numbers.yaml").write_text(yaml.safe_dump(
+        {"seed999": {"table1": {"source": "seed 999, Table 1", "values": {"a": {"test_acc": 70.0},
+                                                                          "b": {"test_acc": 65.0}}}}}))
+    return rp.load_experiments(tmp_path / "configs")["toy"], rp.load_numbers(tmp_path / "configs")
+
+
+def _per_run(values: dict) -> pd.DataFrame:
+    rows = []
+    for label, (accs, floats) in values.items():
+        for seed, acc in accs.items():
+            rows.append({"label": label, "seed": seed, "path": f"/x/{label}/seed{seed}", "test_acc": acc,
+                         "floats": floats, "setup_floats": 0.0, "wall_s": 1.0})
+    return pd.DataFrame(rows)
+
+
+PER_RUN = {"A": ({1: 80.0, 2: 81.0, 3: 82.0}, 100.0),   # A - B = 2, 3, 4: held
+           "B": ({1: 78.0, 2: 78.0, 3: 78.0}, 400.0),
+           "C": ({1: 79.0, 2: 79.0, 3: 79.0}, 0.0)}     # A - C = 1, 2, 3: tie
+
+
+def test_summarise_gives_each_claim_its_interval_and_verdict(tmp_path):
+    exp, numbers = _experiment(tmp_path)
+    table, claims = summarise(exp, _per_run(PER_RUN), numbers)
+    by = {c["text"]: c for c in claims}
+    assert by["A beats B"]["verdict"] == "held" and by["A beats B"]["n"] == 3
+    assert by["A beats B"]["ours"] == pytest.approx(3.0) and by["A beats B"]["paper"] == pytest.approx(5.0)
+    assert by["A beats B"]["lo"] == pytest.approx(3 - T2 / math.sqrt(3))
+    assert by["B beats A"]["verdict"] == "reversed"
+    assert by["A beats C"]["verdict"] == "tie" and math.isnan(by["A beats C"]["paper"])
+    assert by["A sends fewer floats than B"]["verdict"] == "held"  # 400 - 100 in every seed, sd 0
+    md = table_markdown(exp, table, claims, numbers, _per_run(PER_RUN))
+    assert "n = 3; a verdict needs 3" in md and "95 % Student-t interval" in md
+    assert "| A beats B | test_acc | 3 | +3.00 ± 2.48 [+0.52, +5.48] | +5.00 | held |" in md
+    assert "| A beats C | test_acc | 3 | +2.00 ± 2.48 [-0.48, +4.48] | – | tie |" in md
+    assert "| B beats A | test_acc | 3 | -3.00 ± 2.48 [-5.48, -0.52] | -5.00 | reversed |" in md
+    assert "| A sends fewer floats than B | floats | 3 | +300 ± 0 [+300, +300] | – | held |" in md
+    assert "code version: not recorded" in md  # these hand-made runs carry no code version
+
+
+def test_fewer_seeds_than_the_minimum_give_n_too_small(tmp_path):
+    exp, numbers = _experiment(tmp_path, seeds=(1, 2, 3, 4, 5), min_seeds=5)
+    assert exp.min_seeds == 5
+    table, claims = summarise(exp, _per_run(PER_RUN), numbers)  # only seeds 1-3 ran
+    assert {c["verdict"] for c in claims} == {"n too small"}
+    md = table_markdown(exp, table, claims, numbers)
+    assert "| A beats B | test_acc | 3 | +3.00 ± 2.48 [+0.52, +5.48] | +5.00 | n too small (3 of 5) |" in md
+    assert "fewer than 5 paired seeds" in md
+
+
+def test_render_records_recomputes_the_verdicts_of_a_stored_table(tmp_path):
+    exp, numbers = _experiment(tmp_path)
+    record = {"experiment": "toy", "claims": [{"text": "A beats C", "held": True}],
+              "runs": _per_run(PER_RUN).to_dict("records") + [{"label": "gone", "seed": 1, "test_acc": 1.0}]}
+    md, new = render_records(exp, record, numbers)
+    assert new["runs"] == record["runs"] and new["seeds"] == [1, 2, 3] and new["min_seeds"] == 3
+    assert [c["verdict"] for c in new["claims"]] == ["held", "reversed", "tie", "held"]
+    assert "| A | 3 | 81.00 ± 1.00 | 70.00 | +11.00 |" in md
+
+
+@pytest.mark.parametrize("bad", [2, "five", True, 3.5])
+def test_bad_min_seeds_is_one_config_error(tmp_path, bad):
+    with pytest.raises(ConfigError, match="min_seeds"):
+        _experiment(tmp_path, min_seeds=bad)
+
+
+def test_shipped_experiments_default_to_enough_seeds_and_seed_001_to_five():
+    exps = rp.load_experiments()
+    for name, e in exps.items():
+        assert len(set(e.seeds)) >= e.min_seeds >= 3, name
+        if e.folder.name == "seed001_pnicfl":  # the seed ran 5 seeds
+            assert e.min_seeds == 5, name
+
+
+def test_the_stored_tables_carry_this_code_s_verdicts():
+    """benchmarks/results/: every table stored with its per-run records shows the verdicts this code computes, every
+    table stored without them says it has none (benchmarks/stored_verdicts.py writes both)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "stored_verdicts.py"
+    spec = importlib.util.spec_from_file_location("stored_verdicts", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--check"]) == 0, "run: python benchmarks/stored_verdicts.py"
