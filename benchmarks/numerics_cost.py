@@ -43,6 +43,9 @@ print(json.dumps({"s_round": statistics.median(s), "capability": res.metadata["n
 
 
 def one(work: str, mode: str, rounds: int) -> dict:
+    from raysim import numerics
+
+    numerics.unpin()  # this process's pins (import raysim) must not reach the child as if they were the machine's
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAYSIM_NUMERICS")}
     env.update(PYTHONPATH=str(ROOT), RAYSIM_NUMERICS=mode)
     p = subprocess.run([sys.executable, "-c", CHILD, work, mode, str(rounds)], cwd=ROOT, env=env,

@@ -293,8 +293,10 @@ class StackedOptimizer:
         self.adam = cfg.optimizer == "adam"
         k = len(states)
         self.bufs: dict = {}  # name -> [K, ...] momentum buffer (SGD) or (exp_avg, exp_avg_sq) (Adam)
-        self.has_buf = torch.zeros(k, dtype=torch.bool)  # SGD: the first momentum step copies the gradient
-        self.steps = torch.zeros(k, dtype=torch.float64)  # Adam: per-client step count
+        dev = next(iter(params.values())).device if params else torch.device("cpu")  # the parameters' (CUDA too)
+        self.has_buf = torch.zeros(k, dtype=torch.bool, device=dev)  # SGD: the first momentum step copies the gradient
+        self._has_host = [False] * k  # the same on the host: deciding "nobody's first step" reads no device value
+        self.steps = torch.zeros(k, dtype=torch.float64, device=dev)  # Adam: per-client step count
         for name, p in params.items():
             if self.adam:
                 m, v = torch.zeros_like(p), torch.zeros_like(p)
@@ -311,14 +313,19 @@ class StackedOptimizer:
                     if s and s.get("momentum_buffer") is not None:
                         b[i] = s["momentum_buffer"]
                         self.has_buf[i] = True
+                        self._has_host[i] = True
                 self.bufs[name] = b
 
     @torch.no_grad()
-    def step(self, params: dict, grads: dict, rows: torch.Tensor, whole: bool = False) -> None:
+    def step(self, params: dict, grads: dict, rows: torch.Tensor, whole: bool = False,
+             host_rows: Optional[list] = None) -> None:
         """Update the clients ``rows`` (indices into the stack) with their gradients ``grads`` ({name: [len(rows), ...]}).
         ``whole``: ``rows`` is every client of the stack in order: the same arithmetic in place, without gathering
-        and scattering the stacked parameters and buffers (~5 copies of every parameter per step)."""
+        and scattering the stacked parameters and buffers (~5 copies of every parameter per step). ``host_rows``:
+        the same indices as a list (else read from ``rows`` once: a host synchronisation on a GPU)."""
         cfg = self.cfg
+        if host_rows is None:
+            host_rows = list(range(len(self._has_host))) if whole else [int(r) for r in rows.tolist()]
         if self.adam:
             if whole:
                 self.steps += 1
@@ -328,7 +335,7 @@ class StackedOptimizer:
         first = None  # SGD with momentum: the clients whose first step copies the gradient (None: nobody's)
         if not self.adam and cfg.momentum:
             has = self.has_buf if whole else self.has_buf[rows]
-            first = None if bool(has.all()) else ~has
+            first = None if all(self._has_host[i] for i in host_rows) else ~has
         for name, g in grads.items():
             full, bufs = params[name], self.bufs.get(name)
             p = full if whole else full[rows]
@@ -348,6 +355,8 @@ class StackedOptimizer:
                 self.has_buf[:] = True
             else:
                 self.has_buf[rows] = True
+            for i in host_rows:
+                self._has_host[i] = True
 
     def _update(self, p: torch.Tensor, g: torch.Tensor, st, steps, first):
         """torch.optim's SGD / Adam update of client-stacked ``p`` in place, with its state ``st`` (Adam: (m, v);

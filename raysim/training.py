@@ -114,29 +114,40 @@ def epoch_count(cfg, n: int, epochs: int) -> int:
 
 
 def _train_loop(model, x, y, cfg, generator, loss_fn, opt, epochs: int) -> dict:
+    """Minibatch training without host synchronisation: each epoch's shuffled indices reach the data's device in one
+    copy, and the loss and its parts are summed on the device in float64 (the same sums as adding Python floats) and
+    read once, at the end."""
     model.train()
-    totals: dict[str, float] = {}
+    totals: dict = {}
     steps = 0
-    idx_device = x.device
+    n = int(y.shape[0])
     limit = getattr(cfg, "local_steps", None)  # exactly this many steps: epochs continued as needed
-    epochs = epoch_count(cfg, int(y.shape[0]), epochs)
+    epochs = epoch_count(cfg, n, epochs)
     for epoch in range(epochs):
         if limit is not None and steps >= limit:
             break
-        for idx in minibatches(int(y.shape[0]), cfg.batch_size, generator):
+        perm = torch.randperm(n, generator=generator).to(x.device)  # minibatches()'s draw, moved once per epoch
+        for start in range(0, n, cfg.batch_size):
             if limit is not None and steps >= limit:
                 break
-            idx = idx.to(idx_device)
+            idx = perm[start:start + cfg.batch_size]
             xb, yb = x[idx], y[idx]
             opt.zero_grad(set_to_none=True)
             loss, parts = loss_fn(model, xb, yb, epoch)
             loss.backward()
             opt.step()
             steps += 1
-            totals["loss"] = totals.get("loss", 0.0) + float(loss.detach())
+            accumulate_metric(totals, "loss", loss)
             for k, v in parts.items():
-                totals[k] = totals.get(k, 0.0) + float(v)
-    return {f"train_{k}": v / max(steps, 1) for k, v in totals.items()}
+                accumulate_metric(totals, k, v)
+    return {f"train_{k}": float(v) / max(steps, 1) for k, v in totals.items()}
+
+
+def accumulate_metric(totals: dict, key: str, v) -> None:
+    """totals[key] += v, on v's device in float64 for tensors (no host synchronisation), as a Python float else."""
+    if torch.is_tensor(v):
+        v = v.detach().to(torch.float64)
+    totals[key] = totals[key] + v if key in totals else v
 
 
 @torch.no_grad()

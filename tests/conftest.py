@@ -88,6 +88,17 @@ MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}, "fml": {}, "fedkd": 
           "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
 
+def pytest_collection_modifyitems(config, items):
+    """With pytest-xdist (the suite runs on 2 workers, pyproject.toml): every test that uses the Ray session runs on
+    one worker (one Ray session per test session), the two-node cluster tests on one worker (one cluster at a time),
+    the rest wherever a worker is free."""
+    for item in items:
+        if item.get_closest_marker("cluster") is not None:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+        elif "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") is not None:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture
 def tiny():
     return lambda **over: make_config(tiny_config(**over))

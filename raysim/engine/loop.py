@@ -33,7 +33,8 @@ from raysim.engine.record import SETUP_ROUND, Run, RunResult, RoundLog
 EQUALITY_POLICY = {
     "bit_identical": "CPU, the per-client loop executor, backend.torch_threads = 1: the same table on every backend, "
                      "actor count, state_memory_mb setting and after a resume, but for the wall-time rows (round_s, "
-                     "step_s@<step>; results.without_timing drops them)",
+                     "step_s@<step>; results.without_timing drops them); with backend.numerics = portable (the "
+                     "default) also on every machine whose CPU has AVX2, with the same torch and numpy versions",
     "tolerance": "vectorised executors and GPU runs: metrics within 1e-4 absolute of the CPU reference on short "
                  "runs (not bit-identical: kernels reorder floating-point sums); over long runs the trajectories "
                  "separate as runs on two CPU models do: compare by means over clients and seeds",

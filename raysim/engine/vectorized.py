@@ -46,7 +46,7 @@ from raysim import grouped as _grouped
 from raysim.grouped import StackedOptimizer
 from raysim.layers import _MASKS
 from raysim.models import dropout_masks_of, replay_masks
-from raysim.training import minibatches
+from raysim.training import accumulate_metric, minibatches
 
 
 def check_model(model: nn.Module, arch: str = "") -> None:
@@ -178,7 +178,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
             yb = torch.stack([ys[i][plans[i][s][1].to(ys[i].device)] for i in group])
             masks = [torch.stack([torch.empty(shape, device=xb.device, dtype=dt).bernoulli_(
                 1.0 - p, generator=dropout_generators[i]) for i in group]) for shape, dt, p in spec]
-            rows = torch.as_tensor(group)
+            rows = torch.as_tensor(group, device=xb.device)  # indexes the stacked tensors and optimiser state
             whole = len(group) == k
             sub = stacked if whole else {n: t[rows] for n, t in stacked.items()}
             fz = frozen if whole else {n: t[rows] for n, t in frozen.items()}
@@ -190,15 +190,15 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: 
                 except Exception:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so
                     calls[b, e] = None  # the step runs with vmap instead (which raises a genuine error itself)
             grads, (loss, parts) = out if out is not None else grad_fn(sub, fz, xb, yb, masks, e)
-            opt.step(stacked, grads, rows, whole)
+            opt.step(stacked, grads, rows, whole, host_rows=group)
             for j, i in enumerate(group):
                 counts[i] += 1
                 t = totals[i]
-                t["loss"] = t.get("loss", 0.0) + float(loss[j])
+                accumulate_metric(t, "loss", loss[j])  # on the device: no host synchronisation per step
                 for key, v in parts.items():
-                    t[key] = t.get(key, 0.0) + float(v[j])
+                    accumulate_metric(t, key, v[j])
     trained = [{**{n: stacked[n][i].clone() for n in names}, **{n: t[i].clone() for n, t in frozen.items()}}
                for i in range(k)]
-    metrics = [{f"train_{key}": v / max(counts[i], 1) for key, v in totals[i].items()} for i in range(k)]
+    metrics = [{f"train_{key}": float(v) / max(counts[i], 1) for key, v in totals[i].items()} for i in range(k)]
     states = [opt.state_of(i, names) for i in range(k)]
     return trained, metrics, states
