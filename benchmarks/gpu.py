@@ -1,0 +1,154 @@
+"""pfl-research's CIFAR-10 benchmark shape on raysim (issue "GPU-first execution", item 6): clients of 50 images
+3x32x32, a cohort per round, batch 10, one local epoch, FedAvg; cnn4 and ResNet-18. CIFAR-10 when it is under
+``--root`` (torchvision's ``cifar-10-batches-py``), a synthetic twin of the same shape otherwise (the speed is the
+same). Reported per workload and variant: seconds per round (median after the first round), client updates per
+second, time per local step, and on a GPU its utilisation and peak memory (NVML when pynvml is installed; torch's
+allocator peak always). Variants: sequential; Ray with one actor; on a GPU the fraction sweep (1, 0.5, 0.25, 0.125
+GPU per actor: 1, 2, 4, 8 actors). On a machine without a GPU it says "no GPU" and runs the CPU rows (the same
+threads for sequential and Ray: ``backend.torch_threads``), which give the Ray-vs-sequential ratio.
+
+    python benchmarks/gpu.py [--clients 1000 --cohort 50 --rounds 5] [--models cnn4 resnet18] [--json out.json]
+    python benchmarks/gpu.py --clients 100 --cohort 20 --rounds 4        # a 2-core CPU machine
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def cifar_twin(root, clients: int = 100):
+    """CIFAR-10's shape (3x32x32 float images, 10 classes) as Gaussian class clusters: enough images for ``clients``
+    clients of 50 (and 10 test images each)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    per = 5 * clients + 10
+    centres = rng.normal(size=(10, 3 * 32 * 32)).astype(np.float32)
+
+    def make(n):
+        y = np.repeat(np.arange(10), n)
+        x = centres[y] + rng.normal(size=(len(y), 3 * 32 * 32)).astype(np.float32)
+        return x.reshape(-1, 3, 32, 32), y.astype(np.int64)
+
+    xtr, ytr = make(per)
+    xte, yte = make(clients + 1)
+    return {"x_train": xtr, "y_train": ytr, "x_test": xte, "y_test": yte, "num_classes": 10}
+
+
+def config(model: str, clients: int, cohort: int, rounds: int, root, backend: dict) -> dict:
+    data = ({"dataset": "cifar10", "root": root} if root and (Path(root) / "cifar-10-batches-py").is_dir() else
+            {"dataset": "cifar_twin", "dataset_params": {"clients": clients}})
+    data.update({"num_clients": clients, "partition": "iid",
+                 "partition_params": {"samples_per_client": 50, "test_per_client": 10}})
+    arch = {"cnn4": {"arch": "cnn4"}, "resnet18": {"arch": "resnet18"}}[model]
+    return {"name": f"gpu-{model}", "seed": 1, "rounds": rounds, "clients_per_round": cohort, "data": data,
+            "model": arch, "train": {"local_epochs": 1, "batch_size": 10, "lr": 0.05, "momentum": 0.9},
+            "algorithm": {"name": "fedavg"}, "eval": {"every": rounds},
+            "backend": {"name": "sequential", **backend}, "output": {"progress": False}}
+
+
+class GpuSampler:
+    """NVML utilisation samples every 50 ms while a run is on (None without pynvml or a GPU)."""
+
+    def __init__(self):
+        self.samples, self._stop = [], threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.h, self.nv = pynvml.nvmlDeviceGetHandleByIndex(0), pynvml
+        except Exception:
+            self.h = None
+
+    def __enter__(self):
+        if self.h is not None:
+            self.t = threading.Thread(target=self._run, daemon=True)
+            self.t.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            u = self.nv.nvmlDeviceGetUtilizationRates(self.h)
+            m = self.nv.nvmlDeviceGetMemoryInfo(self.h)
+            self.samples.append((u.gpu, m.used))
+
+    def __exit__(self, *exc):
+        self._stop.set()
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        return {"gpu_util_pct_mean": statistics.mean(s[0] for s in self.samples),
+                "gpu_mem_used_mb_max": max(s[1] for s in self.samples) / 2**20}
+
+
+def one(model, variant, backend, args) -> dict:
+    import torch
+
+    from raysim.config import make_config
+    from raysim.engine.loop import run_experiment
+
+    cfg = make_config(config(model, args.clients, args.cohort, args.rounds, args.root, backend))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with GpuSampler() as gs:
+        res = run_experiment(cfg, write=False, progress=False)
+    wall = time.perf_counter() - t0
+    s = statistics.median(res.timing["round_s"][1:]) if args.rounds > 1 else res.timing["round_s"][0]
+    steps = 5  # 50 images, batch 10, one epoch
+    out = {"model": model, "variant": variant, "s_round": s, "client_updates_per_s": args.cohort / s,
+           "ms_per_step": 1e3 * s / (args.cohort * steps), "wall_s": wall, "final_test_acc": res.final()[0],
+           "object_store_bytes_per_round": res.metadata.get("object_store_bytes_per_round"), **gs.summary()}
+    if torch.cuda.is_available():
+        out["torch_peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    print(json.dumps(out), flush=True)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--clients", type=int, default=1000)
+    ap.add_argument("--cohort", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--models", nargs="+", default=["cnn4", "resnet18"])
+    ap.add_argument("--root", default=None)
+    ap.add_argument("--threads", type=int, default=1, help="backend.torch_threads of every variant")
+    ap.add_argument("--fractions", nargs="*", type=float, default=[1.0, 0.5, 0.25, 0.125])
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    import torch
+
+    from raysim import register_dataset
+
+    register_dataset("cifar_twin", "benchmarks.gpu:cifar_twin")
+    gpu = torch.cuda.is_available()
+    print(f"device: {torch.cuda.get_device_name(0) if gpu else 'no GPU (CPU rows only)'}", flush=True)
+    common = {"torch_threads": args.threads, "device": "cuda" if gpu else "cpu"}
+    rows = []
+    for model in args.models:
+        rows.append(one(model, "sequential", dict(common), args))
+        rows.append(one(model, "ray 1 actor", dict(common, name="ray", num_actors=1, num_cpus=1,
+                                                    num_gpus=1.0 if gpu else 0.0), args))
+        if gpu:
+            for f in args.fractions:
+                if f == 1.0:
+                    continue
+                n = int(round(1 / f))
+                rows.append(one(model, f"ray {n} x {f:g} GPU", dict(common, name="ray", num_actors=n, num_cpus=1,
+                                                                      num_gpus=f), args))
+        seq, ray1 = rows[-1 - (len(args.fractions) - 1 if gpu else 0) - 1], rows[-1 - (len(args.fractions) - 1 if gpu else 0)]
+        print(f"{model}: Ray (1 actor) / sequential = {ray1['s_round'] / seq['s_round']:.2f}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"gpu": gpu, "args": vars(args), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
