@@ -1,86 +1,46 @@
-"""Run the hostile-input probe table of tests/test_hostile.py and print each outcome as a Markdown table row:
-``python benchmarks/hostile_probes.py > /tmp/probes.md`` (from the repository root, PYTHONPATH=.).
+"""Run the hostile-input probe table (tests/hostile_table.py, the very list tests/test_hostile.py runs) and print
+each outcome as a Markdown table row, then the count per outcome:
+``python benchmarks/hostile_probes.py > /tmp/probes.md`` (from the repository root).
 
-Each probe runs ``raysim.cli.main`` in-process in a fresh working directory (the fixture of the tests) and records
-the exit code, the number of stderr lines other than notices, whether a traceback appeared, whether the directory
-tree changed, and the line itself."""
+Each probe runs ``raysim.cli.main`` in-process in a fresh working directory (:func:`tests.hostile_table.run_probe`)
+and is judged by :func:`tests.hostile_table.verdict`: "as specified" (its exit code, one line naming the key or file,
+no traceback, no raw control character, the tree unchanged unless it writes) or what differs."""
 from __future__ import annotations
 
-import contextlib
-import io
-import os
+import collections
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import yaml  # noqa: E402
-
-from raysim.cli import main  # noqa: E402
-from tests import test_hostile as th  # noqa: E402
 from tests.conftest import tiny_config  # noqa: E402
-
-
-def setup(w: Path) -> None:
-    cfg = tiny_config(data__val_fraction=0.25)
-    cfg["output"] = {"dir": "out", "progress": False}
-    (w / "c.yaml").write_text(yaml.safe_dump(cfg))
-    (w / "laughs.yaml").write_text(th.laughs())
-    (w / "deep.yaml").write_text("x: " + "[" * 3000 + "]" * 3000 + "\n")
-    (w / "deep2.yaml").write_text("x: " + "[" * 40 + "]" * 40 + "\n")
-    (w / "big.yaml").write_text("# padding\n" * 120_000 + "rounds: 1\n")
-    (w / "empty.yaml").write_text("")
-    (w / "comments.yaml").write_text("# nothing but a comment\n")
-    (w / "list.yaml").write_text("- rounds: 1\n")
-    (w / "bin.yaml").write_bytes(bytes(range(256)) * 4)
-    (w / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
-    (w / "space.yaml").write_text(yaml.safe_dump({"params": {"algorithm.params.lam": {"type": "float", "low": 0.1,
-                                                                                       "high": 2.0}},
-                                                  "objective": {"metric": "val_acc"}}))
-    (w / "bad.log").write_text("{not json\n")
-    (w / "adir").mkdir()
-    (w / "nosplit").mkdir()
-
-
-def run(argv) -> tuple[int, str]:
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-        code = main(list(argv))
-    return code, err.getvalue()
+from tests.hostile_table import PROBES, lines_of, run_probe, verdict  # noqa: E402
 
 
 def main_() -> None:
-    import shutil
-
     from raysim.config import make_config
     from raysim.engine.loop import run_experiment
 
-    print("| # | probe | command (after `raysim`) | exit | lines | traceback | tree changed | the line |")
+    print("| # | probe | command (after `raysim`) | exit | lines | tree changed | outcome | the line |")
     print("|---|---|---|---|---|---|---|---|")
-    cwd = os.getcwd()
     one = Path(tempfile.mkdtemp()) / "r"  # a finished run for the probes that need one (copied to runs/r)
     run_experiment(make_config(tiny_config(rounds=1)), out_dir=one)
-    probes = [(p, False) for p in th.PROBES] + [(p, True) for p in th.REPORT_PROBES]
-    for i, ((pid, argv, _, _), with_run) in enumerate(probes, 1):
+    counts: collections.Counter = collections.Counter()
+    for i, p in enumerate(PROBES, 1):
         with tempfile.TemporaryDirectory() as d:
-            w = Path(d) / "work"
-            w.mkdir()
-            setup(w)
-            if with_run:
-                shutil.copytree(one, w / "runs" / "r")
-            os.chdir(w)
-            try:
-                before = th.tree(Path(d))
-                code, err = run(argv)
-                changed = th.tree(Path(d)) != before
-            finally:
-                os.chdir(cwd)
-        lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("raysim: note:")]
-        shown = " ".join(a if len(a) < 60 else a[:57] + "..." for a in argv).replace("|", "\\|")
+            code, err, changed = run_probe(p, Path(d), one if p.with_run else None)
+        why = verdict(p, code, err, changed)
+        outcome = "as specified" if why is None else f"NOT as specified: {why}"
+        counts["as specified" if why is None else "not as specified"] += 1
+        lines = lines_of(err)
+        shown = " ".join(a if len(a) < 60 else a[:57] + "..." for a in p.argv)
+        shown = shown.encode("unicode_escape").decode().replace("|", "\\|")
         line = (lines[-1] if lines else "").replace(d, "TMP").replace("|", "\\|")
-        print(f"| {i} | {pid}{' (with a finished run in runs/r)' if with_run else ''} | `{shown}` | {code} | {len(lines)} | {'yes' if 'Traceback' in err else 'no'} | "
-              f"{'yes' if changed else 'no'} | {line[:300]} |")
+        print(f"| {i} | {p.id}{' (with a finished run in runs/r)' if p.with_run else ''} | `{shown}` | {code} | "
+              f"{len(lines)} | {'yes' if changed else 'no'} | {outcome} | {line[:300]} |")
+    print()
+    print(f"{len(PROBES)} probes: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
 
 
 if __name__ == "__main__":

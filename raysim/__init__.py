@@ -1,7 +1,8 @@
 """raysim: a Ray-based simulation engine for heterogeneous federated learning.
 
 The public API: :func:`run_experiment`, :func:`load_config` / :func:`make_config`, :class:`Callback`, the errors,
-the registrations, and ``raysim.results`` (the pandas helpers over result tables; the module lives in
+the registrations and the marks a config's import paths need (``dataset_loader``, ``model_factory``), and
+``raysim.results`` (the pandas helpers over result tables; the module lives in
 ``raysim/io/results.py`` and is reachable as ``raysim.results`` too, as it always was)."""
 import sys as _sys
 
@@ -14,7 +15,7 @@ from raysim.errors import ConfigError, DataError, SimulationError
 from raysim.io import results
 from raysim.data.datasets import register_dataset
 from raysim.models import register_model
-from raysim.registry import register_algorithm
+from raysim.registry import dataset_loader, model_factory, register_algorithm
 
 _sys.modules.setdefault("raysim.results", results)  # ``import raysim.results`` keeps working
 
@@ -35,5 +36,6 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Callback", "ConfigError", "DataError", "ExperimentConfig", "SimulationError", "load_config", "make_config",
-           "results", "register_algorithm", "register_dataset", "register_model", "run_experiment", "__version__"]
+__all__ = ["Callback", "ConfigError", "DataError", "ExperimentConfig", "SimulationError", "dataset_loader",
+           "load_config", "make_config", "model_factory", "results", "register_algorithm", "register_dataset",
+           "register_model", "run_experiment", "__version__"]

@@ -33,7 +33,8 @@ import torch.nn as nn
 
 from raysim.config import ArchSpec, ConfigError
 from raysim.layers import Dropout, SplitModel, num_parameters
-from raysim.registry import MODELS, check_signature, is_import_path, resolve
+from raysim.registry import (MODEL_FACTORY, MODELS, check_signature, is_import_path, marked, refuse_unmarked,
+                             registered, resolve)
 
 _HEAD_NAMES = ("fc", "classifier", "heads", "head")
 
@@ -91,7 +92,21 @@ def replace_dropout(module: nn.Module) -> nn.Module:
 
 
 def is_torchvision_builder(fn) -> bool:
-    return getattr(fn, "__module__", "").startswith("torchvision.models")
+    """``fn`` is one of torchvision's registered model builders (``torchvision.models.list_models()``), the very
+    function, not merely something defined in torchvision.models (``get_model_weights``, helpers)."""
+    module = getattr(fn, "__module__", None)
+    if not (isinstance(module, str) and module.startswith("torchvision.models")):
+        return False
+    try:
+        from torchvision.models import get_model_builder, list_models
+    except ImportError:
+        return False
+    return any(get_model_builder(n) is fn for n in list_models())
+
+
+def is_module_class(obj) -> bool:
+    """``obj`` is a subclass of ``torch.nn.Module`` (called as ``Class(input_shape, num_classes, **params)``)."""
+    return isinstance(obj, type) and issubclass(obj, nn.Module)
 
 
 def _adapt_channels(model: nn.Module, channels: int) -> None:
@@ -251,8 +266,16 @@ def build_user_model(factory: Callable, spec: ArchSpec, input_shape, num_classes
     else:
         args, kwargs, expected = (input_shape, num_classes), params, "factory(input_shape, num_classes, **model.params)"
     check_signature(factory, args, kwargs, f"{path}.arch", f"{path}.params", expected)
+    import contextlib
+
+    from raysim import dryrun
+    from raysim.registry import installed_object
+
+    guard = contextlib.nullcontext() if tv or installed_object(factory) else \
+        dryrun.user_code(f"{path}.arch", f"the model factory {name}")  # a dry run lets no user code write
     try:
-        model = factory(*args, **kwargs)
+        with guard:
+            model = factory(*args, **kwargs)
     except ConfigError:
         raise
     except Exception as e:
@@ -318,10 +341,15 @@ def resolve_factory(arch: str, key: str, zoo) -> Optional[Callable]:
     """The factory of a registered name or import path, or None for a name of the ``zoo`` (raysim.models.ARCHS)."""
     if arch in zoo:
         return None
-    if arch in MODELS:
-        return resolve(MODELS[arch], key, "factory")
-    if is_import_path(arch):
-        return resolve(arch, key, "factory")
+    if arch in MODELS:  # registered from Python: trusted
+        return resolve(MODELS[arch], key, "factory", trusted=True)
+    if is_import_path(arch):  # from a config: called only when marked, registered, or a model by its kind
+        factory = resolve(arch, key, "factory")
+        if (marked(factory, MODEL_FACTORY) or registered(factory, arch, MODELS) or is_torchvision_builder(factory)
+                or is_module_class(factory)):
+            return factory
+        raise refuse_unmarked(key, arch, factory, "model factory", "raysim.model_factory",
+                              "raysim.register_model(name, factory)")
     extra = f", {', '.join(MODELS)}" if MODELS else ""
     raise ConfigError(key, f"{arch!r} is not allowed; choose one of: {', '.join(zoo)}{extra}, or an import path "
                            f"package.module:factory")

@@ -1,14 +1,18 @@
 """The ``raysim`` command: ``run`` (``--seeds`` for several, ``--dry-run``), ``runs``, ``list``, ``tune`` (Optuna),
 ``report`` and ``reproduce`` (a seed paper's experiment beside the seed's numbers).
 
-Exit codes: 0 ok, 1 the simulation failed, 2 a bad config or bad data (one message naming the field)."""
+Exit codes: 0 ok, 1 the simulation failed (or a finished run could not be moved into place: it is kept, and the
+line says where), 2 a bad config or bad data (one message naming the field), 130 Ctrl-C, 143 SIGTERM (handled as
+Ctrl-C: checkpoints kept, resumable, one line). Everything printed that comes from a name, a path or a file escapes
+control characters (:func:`raysim.errors.printable`)."""
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from raysim.config import ConfigError
-from raysim.errors import DataError
+from raysim.errors import DataError, printable
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -154,10 +158,10 @@ def _cmd_report(args) -> int:
         files = build_report(args.runs, args.out, metrics, args.target, args.time_metric, plots=not args.no_plots,
                              per_client=args.per_client, tuned_on=args.tuned_on)
     except (KeyError, FileNotFoundError) as e:
-        print(f"raysim report: {e.args[0] if e.args else e}", file=sys.stderr)
+        print(f"raysim report: {printable(e.args[0] if e.args else e)}", file=sys.stderr)
         return 2
-    print(files["summary.md"].read_text())
-    print("wrote " + ", ".join(str(p) for p in files.values()))
+    print(printable(files["summary.md"].read_text(), keep_newlines=True))
+    print("wrote " + ", ".join(printable(p) for p in files.values()))
     return 0
 
 
@@ -210,7 +214,8 @@ def _cmd_list() -> int:
     print("datasets:")
     for name in LOADERS:
         print(f"  {name}")
-    print("  npz, imagefolder, leaf (formats: data.root and data.dataset_params), or package.module:loader")
+    print("  npz, imagefolder, leaf (formats: data.root and data.dataset_params), or package.module:loader (marked "
+          "with @raysim.dataset_loader, or registered)")
     print("partitioners:")
     for name in PARTITIONERS:
         print(f"  {name:<12} {', '.join(partition_params(name))}")
@@ -218,26 +223,35 @@ def _cmd_list() -> int:
     print("model architectures:")
     for name in ARCHS:
         print(f"  {name:<12} {', '.join(arch_params(name))}")
-    print("  or package.module:factory (factory(input_shape, num_classes, **model.params) -> nn.Module), e.g. "
-          "torchvision.models:resnet18")
+    print("  or package.module:factory (factory(input_shape, num_classes, **model.params) -> nn.Module, marked with "
+          "@raysim.model_factory, or an nn.Module class), e.g. torchvision.models:resnet18")
     return 0
 
 
 def _cmd_run(args) -> int:
+    from raysim import dryrun
     from raysim.config import load_config
     from raysim.engine.loop import run_experiment
+    from raysim.io import rundir
 
     overrides = list(args.overrides)
     if args.backend:
         overrides.append(f"backend.name={args.backend}")
-    cfg = load_config(args.config, overrides)
+    if args.out:  # resolved and checked before anything loads (symbolic links, '..', '/', files, mount points)
+        if args.seeds:
+            rundir.check_writable(args.out, "--out")  # the parent of seed<N>/
+        else:
+            rundir.check_run_dir(args.out, "--out")
     if args.dry_run:
+        with dryrun.active():  # a dry run writes nothing, whoever's code runs (the user's modules load here)
+            cfg = load_config(args.config, overrides)
         return _cmd_dry_run(cfg, args)
+    cfg = load_config(args.config, overrides)
     if args.seeds:
         return _cmd_run_seeds(cfg, args)
     result = run_experiment(cfg, out_dir=args.out, progress=False if args.no_progress else None, resume=args.resume)
     mean, std = result.final("test_acc")
-    print(f"run {result.run_id}: final mean local test accuracy {mean:.4f} ± {std:.4f} (sample std over "
+    print(f"run {printable(result.run_id)}: final mean local test accuracy {mean:.4f} ± {std:.4f} (sample std over "
           f"{cfg.data.num_clients} clients)")
     if (result.table["metric"] == "test_acc_proto").any():
         pm, ps = result.final("test_acc_proto")
@@ -246,8 +260,8 @@ def _cmd_run(args) -> int:
     print(f"  uploaded floats per round (all clients): {comm:,.0f}")
     sim = result.table[(result.table["scope"] == "env") & (result.table["metric"] == "sim_time")]["value"]
     if len(sim):
-        print(f"  simulated time: {sim.iloc[-1]:,.1f} s (environment: {cfg.env.get('preset') or 'custom'})")
-    print(f"results: {result.out_dir / 'results.parquet'}")
+        print(f"  simulated time: {sim.iloc[-1]:,.1f} s (environment: {printable(cfg.env.get('preset') or 'custom')})")
+    print(f"results: {printable(result.out_dir / 'results.parquet')}")
     return 0
 
 
@@ -255,13 +269,21 @@ def _cmd_dry_run(cfg, args) -> int:
     import numpy as np
     import yaml
 
+    from raysim import dryrun
     from raysim.config import to_dict
-    from raysim.io.rundir import check_writable
+    from raysim.io.rundir import check_run_dir
     from raysim.engine.prepare import prepare
 
-    prep = prepare(cfg)  # everything a run checks before it starts: config, data, models, resources
-    if args.out or not args.resume:
-        check_writable(args.out or f"{cfg.output.dir}/{cfg.run_id()}", "--out" if args.out else "output.dir")
+    if args.out or not args.resume:  # before any data loads
+        check_run_dir(args.out or f"{cfg.output.dir}/{cfg.run_id()}", "--out" if args.out else "output.dir")
+    with dryrun.active():  # the user's loaders and factories run, but nothing they try to write is written
+        prep = prepare(cfg)  # everything a run checks before it starts: config, data, models, resources
+
+    import builtins
+
+    def print(text=""):  # noqa: A001 - every line of the dry run, control characters escaped
+        builtins.print(printable(text, keep_newlines=True))
+
     print(f"# resolved config (run id {cfg.run_id()})")
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
     s = prep.fed_data.summary()
@@ -292,9 +314,10 @@ def _cmd_runs(args) -> int:
 
     rows = list_runs(args.dir)
     if not rows:
-        print(f"no runs under {args.dir}")
+        print(f"no runs under {printable(args.dir)}")
         return 0
     cols = ["name", "algorithm", "dataset", "rounds", "final acc", "status", "path"]
+    rows = [{c: printable(r[c]) for c in cols} for r in rows]  # names and paths from disk: control characters escaped
     width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
     print("  ".join(c.ljust(width[c]) for c in cols).rstrip())
     for r in rows:
@@ -311,21 +334,53 @@ def _cmd_run_seeds(cfg, args) -> int:
     finals = [r.final("test_acc")[0] for r in runs]
     sd = float(np.std(finals, ddof=1)) if len(finals) > 1 else float("nan")
     print(f"{len(runs)} seeds: final mean local test accuracy {np.mean(finals):.4f} ± {sd:.4f} (std over seeds)")
-    print("summarise with: raysim report " + " ".join(str(r.out_dir) for r in runs))
+    print("summarise with: raysim report " + " ".join(printable(r.out_dir) for r in runs))
     return 0
+
+
+def _with_command(text: str, args) -> str:
+    """``text`` with ``raysim run CONFIG`` spelled out for this command line."""
+    if getattr(args, "command", None) != "run":
+        return text
+    cmd = " ".join([args.config] + [f"--set {o}" for o in args.overrides] +
+                   ([f"--backend {args.backend}"] if args.backend else []))
+    return text.replace("raysim run CONFIG", f"raysim run {cmd}")
 
 
 def _notes(e: BaseException, args) -> list[str]:
     """The exception's notes, with the resume command spelled out for this command line."""
-    cmd = None
-    if getattr(args, "command", None) == "run":
-        cmd = " ".join([args.config] + [f"--set {o}" for o in args.overrides] +
-                       ([f"--backend {args.backend}"] if args.backend else []))
-    return [n.replace("raysim run CONFIG", f"raysim run {cmd}") if cmd else n for n in getattr(e, "__notes__", [])]
+    return [_with_command(n, args) for n in getattr(e, "__notes__", [])]
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler, ``kill``, a closing session), raised where the process is and handled as Ctrl-C: the
+    run stops, checkpoints are kept (resumable), one line says so."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: leave signals alone
+        previous = None
+    try:
+        return _main(args)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _say(text: str) -> None:
+    print(f"raysim: {printable(text)}", file=sys.stderr)
+
+
+def _main(args) -> int:
+    from raysim.io.rundir import RunNotMoved
+
     try:
         if args.command == "list":
             return _cmd_list()
@@ -340,19 +395,21 @@ def main(argv=None) -> int:
         return _cmd_run(args)
     except (ConfigError, DataError) as e:
         cause = getattr(e, "cause", None)  # raised in a Ray actor: the original error, without Ray's traceback
-        print(f"raysim: {cause if isinstance(cause, (ConfigError, DataError)) else e}", file=sys.stderr)
+        _say(str(cause if isinstance(cause, (ConfigError, DataError)) else e))
         return 2
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # Ctrl-C, and SIGTERM (Terminated): one line, with the resume command if any
         notes = _notes(e, args)
-        print("raysim: interrupted" + ("" if notes else "; no results written"), file=sys.stderr)
-        for note in notes:
-            print(f"raysim: {note}", file=sys.stderr)
-        return 130
+        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted"
+        _say(what + ("; " + "; ".join(notes) if notes else "; no results written"))
+        return 143 if isinstance(e, Terminated) else 130
+    except RunNotMoved as e:  # a finished run kept whole in its .incomplete directory: where it is, what to do
+        _say(_with_command(str(e), args))
+        return 1
     except OSError as e:  # the file system refused something raysim did not check beforehand (disk full, ...)
         where = f" {e.filename}" if getattr(e, "filename", None) else ""
-        print(f"raysim: cannot access{where}: {e.strerror or e}", file=sys.stderr)
+        _say(f"cannot access{where}: {e.strerror or e}")
         for note in _notes(e, args):
-            print(f"raysim: {note}", file=sys.stderr)
+            _say(note)
         return 1
     except Exception as e:
         from raysim.errors import SimulationError
@@ -360,9 +417,9 @@ def main(argv=None) -> int:
         if isinstance(e, SimulationError):
             from raysim.engine.safety import NonFiniteError
 
-            print(f"raysim: {e}" if isinstance(e, NonFiniteError) else f"raysim: simulation failed: {e}", file=sys.stderr)
+            _say(str(e) if isinstance(e, NonFiniteError) else f"simulation failed: {e}")
             for note in _notes(e, args):
-                print(f"raysim: {note}", file=sys.stderr)
+                _say(note)
             return 1
         raise
 

@@ -80,3 +80,25 @@ class MetricError(KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+_BIDI = {0x202A, 0x202B, 0x202C, 0x202D, 0x202E, 0x2066, 0x2067, 0x2068, 0x2069, 0x200E, 0x200F}
+
+
+def printable(text, keep_newlines: bool = False) -> str:
+    """``text`` safe for a terminal: control characters (escape sequences, carriage returns, NUL, DEL, C1) and
+    bidirectional overrides written as ``\\x1b``, ``\\r``, ``\\u202e``; newlines kept only with ``keep_newlines``
+    (multi-line output such as a report), else written as ``\\n`` (one-line messages stay one line)."""
+    text = str(text)
+    out = []
+    for ch in text:
+        o = ord(ch)
+        if ch == "\n" and keep_newlines:
+            out.append(ch)
+        elif ch == "\t":
+            out.append(ch if keep_newlines else "\\t")
+        elif o < 0x20 or 0x7F <= o < 0xA0 or o in _BIDI:
+            out.append({"\n": "\\n", "\r": "\\r"}.get(ch) or (f"\\x{o:02x}" if o < 0x100 else f"\\u{o:04x}"))
+        else:
+            out.append(ch)
+    return "".join(out)

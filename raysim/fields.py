@@ -1,12 +1,14 @@
 """Typed dicts: a nested dict becomes a tree of (frozen) dataclasses with every value checked against its annotation
 (:func:`from_dict`, :func:`to_dict`), plus the small validators the config sections and the methods' Params use
 (:func:`choice`, :func:`positive`, :func:`check_path_component`). A bad value is one ConfigError naming its dotted
-path, with the allowed values or a did-you-mean for a misspelt key."""
+path, with the allowed values or a did-you-mean for a misspelt key. NaN and infinity are refused wherever a number
+goes (float fields, and free-form parameter mappings)."""
 from __future__ import annotations
 
 import dataclasses
 import difflib
 import json
+import math
 import re
 import types
 import typing
@@ -28,6 +30,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
+        check_finite(value, path)
         return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -57,6 +60,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(path, f"expected a mapping, got {value!r}")
+        check_finite(value, path)  # free-form parameters (partition_params, model.params, ...): no NaN or inf
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
@@ -70,15 +74,36 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         return value
     if tp is float:
         if isinstance(value, str) and _FLOAT_RE.match(value.strip()):
-            return float(value)  # e.g. a quoted "1e-3"
+            text = value.strip().replace("_", "")
+            value = float(text.replace(".", "", 1) if text.lower().lstrip("+-") in (".inf", ".nan") else text)  # "1e-3"
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(path, f"expected a number, got {value!r}")
-        return float(value)
+        return _finite(float(value), path)
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"expected a string, got {value!r}")
         return value
     return value
+
+
+def _finite(value: float, path: str) -> float:
+    if not math.isfinite(value):
+        raise ConfigError(path, f"must be a finite number, got {value} (NaN and infinity are never a setting)")
+    return value
+
+
+def check_finite(value: Any, path: str) -> None:
+    """ConfigError naming the dotted path of the first NaN or infinite float inside ``value`` (mappings and lists
+    walked; a YAML ``.nan`` or ``.inf`` is never a setting)."""
+    stack = [(value, path)]
+    while stack:
+        v, p = stack.pop()
+        if isinstance(v, float):
+            _finite(v, p)
+        elif isinstance(v, dict):
+            stack.extend((x, f"{p}.{k}" if p else str(k)) for k, x in v.items())
+        elif isinstance(v, (list, tuple)):
+            stack.extend((x, f"{p}[{i}]") for i, x in enumerate(v))
 
 
 def from_dict(cls, data: dict, path: str = ""):
@@ -122,6 +147,8 @@ def choice(path: str, value: Any, allowed) -> None:
 def positive(path: str, value, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if isinstance(value, float):
+        _finite(value, path)
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(path, f"must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 

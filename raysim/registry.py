@@ -4,13 +4,24 @@ and the user's own methods, models and datasets: by import path (``"package.modu
 loaders they check names against, :mod:`raysim.models` and :mod:`raysim.data.datasets`, and fill :data:`MODELS` and
 :data:`DATASETS` here). User registrations travel to every
 runner in the ``RunSpec`` (:func:`snapshot` / :func:`install`), so a name registered on the driver resolves on every
-actor of a cluster too."""
+actor of a cluster too.
+
+What a config may run: an import path written in a config resolves only to what is meant to be loaded. A module of
+Python's standard library is refused before it is imported; the object an import path names must then be marked for
+its use (:func:`dataset_loader`, :func:`model_factory`: the attribute ``raysim_kind``), registered from Python
+(``register_dataset`` / ``register_model`` / ``register_algorithm``, whose targets are trusted), or pass the check
+of its kind (a subclass of ``raysim.algorithm.Algorithm`` for ``algorithm.name``; a torchvision model builder or a
+``torch.nn.Module`` subclass for ``model.arch``, :mod:`raysim.adapt`) before anything calls it. A function of the
+standard library or of an installed package (``shutil:rmtree``, ``os:system``, ``numpy:save``) is none of these."""
 from __future__ import annotations
 
+import contextlib
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
+from collections.abc import Mapping
 from typing import Any, Callable, Union
 
 from raysim.errors import ConfigError
@@ -63,7 +74,101 @@ def make_environment(cfg, fed_data):
     """The run's simulated environment, or None when the config has no ``env`` section."""
     if cfg.env is None:
         return None
-    return resolve(ENVIRONMENT["target"], "env", "Class").from_experiment(cfg, fed_data)
+    # the target is set from Python only (register_environment), never by a config: trusted
+    return resolve(ENVIRONMENT["target"], "env", "Class", trusted=True).from_experiment(cfg, fed_data)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# marks: what a config may call by import path
+
+MARK = "raysim_kind"  # attribute set by the decorators below, e.g. ``raysim_kind = "dataset_loader"``
+DATASET_LOADER = "dataset_loader"
+MODEL_FACTORY = "model_factory"
+
+
+def _mark(obj, kind: str):
+    if not callable(obj):
+        raise TypeError(f"@raysim.{kind} marks a function or class, not {type(obj).__name__}")
+    setattr(obj, MARK, kind)
+    return obj
+
+
+def dataset_loader(fn):
+    """Decorator: ``fn`` may be named by ``data.dataset`` (and ``data.public.dataset``) as ``module:fn`` and is then
+    called as ``fn(root, **data.dataset_params)``. A config can call no unmarked function."""
+    return _mark(fn, DATASET_LOADER)
+
+
+def model_factory(fn):
+    """Decorator: ``fn`` may be named by ``model.arch`` as ``module:fn`` and is then called as
+    ``fn(input_shape, num_classes, **model.params)``. A config can call no unmarked function."""
+    return _mark(fn, MODEL_FACTORY)
+
+
+def marked(obj, kind: str) -> bool:
+    """``obj`` carries the mark ``kind`` as its own attribute (read from its own ``__dict__``, so an object whose
+    ``__getattr__`` answers anything is not marked)."""
+    try:
+        d = object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return False
+    return isinstance(d, Mapping) and d.get(MARK) == kind and callable(obj)
+
+
+def registered(obj, target: str, table: dict) -> bool:
+    """``obj`` (reached by import path ``target``) was registered from Python (``table``: MODELS or DATASETS)."""
+    return any(v == target if isinstance(v, str) else v is obj for v in table.values())
+
+
+def is_stdlib(module: str) -> bool:
+    """``module`` belongs to Python's standard library (or is built into the interpreter)."""
+    top = module.split(".")[0]
+    return top in sys.stdlib_module_names or top in sys.builtin_module_names
+
+
+def describe_object(obj) -> str:
+    """``package.module.name`` of a function or class, for messages."""
+    mod = getattr(obj, "__module__", None)
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
+    if isinstance(mod, str) and isinstance(name, str):
+        return f"{mod}.{name}"
+    return type(obj).__name__ + " object"
+
+
+def refuse_unmarked(key: str, target: str, obj, what: str, decorator: str, register: str) -> ConfigError:
+    """The one-line refusal of an import path whose object is not marked ``what``."""
+    where = describe_object(obj)
+    mod = getattr(obj, "__module__", None)
+    mod = mod if isinstance(mod, str) else ""
+    why = (f"{where} (of Python's standard library)" if is_stdlib(mod) else
+           f"{where} (of raysim itself)" if mod.split(".")[0] in _OWN_PACKAGES else
+           f"{where} (of an installed package)" if installed_object(obj) else where)
+    return ConfigError(key, f"{target!r} names {why}, which is not marked as a {what}; a config may call only "
+                            f"functions marked with @{decorator} (import raysim) or registered from Python with "
+                            f"{register}")
+
+
+_OWN_PACKAGES = ("raysim", "algorithms", "envs", "tuning")
+
+
+def _installed_package(module: str) -> bool:
+    """The top-level package of ``module`` is installed (site-packages, dist-packages) or raysim's own, found without
+    importing it."""
+    top = module.split(".")[0]
+    if top in _OWN_PACKAGES:
+        return True
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return False
+    where = " ".join([str(spec.origin or "")] + [str(p) for p in (spec.submodule_search_locations or [])]) if spec else ""
+    return "site-packages" in where or "dist-packages" in where
+
+
+def installed_object(obj) -> bool:
+    """``obj`` (a function or class) was defined in an installed package or the standard library."""
+    mod = getattr(obj, "__module__", None)
+    return isinstance(mod, str) and (is_stdlib(mod) or _installed_package(mod))
 
 
 _BUILTIN_ALGORITHMS = frozenset(ALGORITHMS)
@@ -106,17 +211,36 @@ def _ensure_cwd_on_path() -> None:
         sys.path.append(cwd)
 
 
-def resolve(target: Union[str, Callable], key: str, what: str = "object") -> Any:
+_OWN = {"loader": "dataset loaders marked with @raysim.dataset_loader",
+        "factory": "model factories marked with @raysim.model_factory (or nn.Module classes, torchvision builders)",
+        "Class": "subclasses of raysim.algorithm.Algorithm"}
+
+
+def resolve(target: Union[str, Callable], key: str, what: str = "object", trusted: bool = False) -> Any:
     """The object an import path ``"package.module:name"`` (``name`` may be dotted) names, or ``target`` itself when
-    it is already an object; a path that does not resolve is a ConfigError naming ``key``."""
+    it is already an object; a path that does not resolve is a ConfigError naming ``key``. A path from a config
+    (not ``trusted``: registered from Python) may not name a module of the standard library: it is refused before
+    anything is imported. Callers check the object's mark or kind before calling it."""
     if not isinstance(target, str):
         return target
     if not is_import_path(target):
         raise ConfigError(key, f"{target!r} is not an import path; write package.module:{what}")
     module, attr = target.split(":")
+    if not trusted and is_stdlib(module):
+        own = _OWN.get(what, f"{what}s")
+        raise ConfigError(key, f"{target!r} names Python's standard library (module {module.split('.')[0]!r}); a "
+                               f"config may name only {own}, registered names or the built-in choices (README: "
+                               f"Bring your own model and data)")
     _ensure_cwd_on_path()
+    from raysim import dryrun
+
+    # a dry run lets no user code write, its modules' top-level code included; installed packages load as usual
+    guard = contextlib.nullcontext() if _installed_package(module) else dryrun.user_code(key, f"importing {module!r}")
     try:
-        obj = importlib.import_module(module)
+        with guard:
+            obj = importlib.import_module(module)
+    except ConfigError:
+        raise
     except ImportError as e:
         raise ConfigError(key, f"cannot import module {module!r} of {target!r} ({type(e).__name__}: {e}); it must be "
                                f"importable from the working directory, PYTHONPATH or an installed package") from None

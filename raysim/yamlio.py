@@ -22,8 +22,30 @@ from raysim.registry import algorithm_class
 _YAML12_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
 
 
+class DuplicateKeyError(yaml.constructor.ConstructorError):
+    """A mapping that gives one key twice (YAML forbids it; PyYAML would silently keep the last value)."""
+
+
 class YamlLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``1e-3``, ``5E-4``, ``1e6`` as floats (YAML 1.2)."""
+    """``yaml.SafeLoader`` that also reads ``1e-3``, ``5E-4``, ``1e6`` as floats (YAML 1.2) and refuses a key given
+    twice in one mapping (:class:`DuplicateKeyError`; keys merged in with ``<<`` may be overridden, as YAML says)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark)
+                except TypeError:  # an unhashable key: PyYAML reports it itself
+                    continue
+                if first is not key_node.start_mark:
+                    raise DuplicateKeyError(None, None, f"the key {key!r} is given twice in one mapping (first on "
+                                                        f"line {first.line + 1}); YAML allows a key once — keep the "
+                                                        f"value you mean", key_node.start_mark)
+        return super().construct_mapping(node, deep)
 
 
 YamlLoader.add_implicit_resolver("tag:yaml.org,2002:float", _YAML12_FLOAT, list("-+0123456789."))
@@ -109,6 +131,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml_load(raw, "--set") if raw.strip() else ""
     except YamlBoundsError as e:
         raise ConfigError(key, str(e)) from None
+    except DuplicateKeyError as e:
+        raise ConfigError(key, f"--set: {e.problem}") from None
     except yaml.YAMLError:
         value = raw
     return key, value

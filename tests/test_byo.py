@@ -32,15 +32,21 @@ BAD_MODULE = '''
 import numpy as np
 import torch.nn as nn
 
+import raysim
+
+@raysim.model_factory
 def no_args():
     return nn.Linear(4, 2)
 
+@raysim.model_factory
 def not_a_module(input_shape, num_classes):
     return "linear"
 
+@raysim.model_factory
 def wrong_logits(input_shape, num_classes):
     return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes + 1))
 
+@raysim.dataset_loader
 def loader_no_root():
     return {}
 
@@ -49,27 +55,35 @@ def _base():
     return {"x_train": rng.normal(size=(40, 1, 8, 8)).astype(np.float32), "y_train": np.arange(40) % 4,
             "x_test": rng.normal(size=(20, 1, 8, 8)).astype(np.float32), "y_test": np.arange(20) % 4}
 
+@raysim.dataset_loader
 def missing_key(root):
     d = _base(); d.pop("y_test"); return d
 
+@raysim.dataset_loader
 def flat_images(root):
     d = _base(); d["x_train"] = d["x_train"].reshape(40, 64); return d
 
+@raysim.dataset_loader
 def float_labels(root):
     d = _base(); d["y_train"] = d["y_train"] + 0.5; return d
 
+@raysim.dataset_loader
 def int_images(root):
     d = _base(); d["x_train"] = (d["x_train"] * 10).astype(np.int64); return d
 
+@raysim.dataset_loader
 def negative_label(root):
     d = _base(); d["y_test"][3] = -1; return d
 
+@raysim.dataset_loader
 def label_outside(root):
     d = _base(); d["num_classes"] = 3; return d
 
+@raysim.dataset_loader
 def size_mismatch(root):
     d = _base(); d["x_test"] = np.zeros((20, 1, 10, 10), np.float32); return d
 
+@raysim.dataset_loader
 def raises(root):
     raise RuntimeError("disk on fire")
 '''
@@ -203,7 +217,8 @@ PARTITIONS = {
 
 @pytest.mark.parametrize("fmt", ["npz", "loader", "imagefolder", "leaf"])
 def test_every_loader_with_every_partitioner_that_fits(workdir, fmt):
-    (workdir / "registered.py").write_text("import numpy as np\n"
+    (workdir / "registered.py").write_text("import numpy as np\nimport raysim\n"
+                                           "@raysim.dataset_loader\n"
                                            "def load(root, scale=1.0):\n"
                                            "    d = dict(np.load(root))\n"
                                            "    d['x_train'] = np.full(d['x_train'].shape, scale, np.float32)\n"

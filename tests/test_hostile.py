@@ -1,7 +1,9 @@
-"""Hostile inputs (issue 25): names that would write outside the output directory, YAML bombs, unusable tuning
-storage, unreachable clusters, values that used to be capped or dropped silently, and size errors at their
-boundaries. The probe table runs the ``raysim`` command in-process: every probe ends in one line (plus notices),
-exit 2, no traceback, and leaves the directory tree it ran in exactly as it was."""
+"""Hostile inputs (issues 25 and 35): names that would write outside the output directory, YAML bombs, unusable tuning
+storage, unreachable clusters, values that used to be capped or dropped silently, size errors at their boundaries,
+import paths that would call what is not meant to be loaded, every form of --out, damaged result tables, NaN and
+duplicate keys, SIGTERM. The probe table is shared with benchmarks/hostile_probes.py (tests/hostile_table.py): every
+probe runs the ``raysim`` command in-process and ends as it specifies (its exit code, one line naming the key or
+file, no traceback, no raw control character, the directory tree unchanged unless it is a probe that writes)."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +11,6 @@ import socket
 import threading
 import time
 import tracemalloc
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,15 +20,7 @@ from raysim.cli import main
 from raysim.config import ConfigError, make_config
 from raysim.errors import DataError
 from tests.conftest import tiny_config
-
-
-def laughs(depth: int = 9) -> str:
-    lines = ["a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
-    prev = "a"
-    for n in "bcdefghijklmnop"[: depth - 1]:
-        lines.append(f"{n}: &{n} [" + ", ".join([f"*{prev}"] * 9) + "]")
-        prev = n
-    return "\n".join(lines) + "\n"
+from tests.hostile_table import PROBES, RAY, TUNE, laughs, run_probe, setup, verdict
 
 
 @pytest.fixture
@@ -35,30 +28,9 @@ def work(tmp_path, monkeypatch):
     """A working directory holding a valid config (output.dir: out) and the hostile files the probes use."""
     w = tmp_path / "work"
     w.mkdir()
-    cfg = tiny_config(data__val_fraction=0.25)
-    cfg["output"] = {"dir": "out", "progress": False}
-    (w / "c.yaml").write_text(yaml.safe_dump(cfg))
-    (w / "laughs.yaml").write_text(laughs())
-    (w / "deep.yaml").write_text("x: " + "[" * 3000 + "]" * 3000 + "\n")
-    (w / "deep2.yaml").write_text("x: " + "[" * 40 + "]" * 40 + "\n")
-    (w / "big.yaml").write_text("# padding\n" * 120_000 + "rounds: 1\n")
-    (w / "empty.yaml").write_text("")
-    (w / "comments.yaml").write_text("# nothing but a comment\n")
-    (w / "list.yaml").write_text("- rounds: 1\n")
-    (w / "bin.yaml").write_bytes(bytes(range(256)) * 4)
-    (w / "latin1.yaml").write_bytes("name: caf\xe9\n".encode("latin-1"))
-    (w / "space.yaml").write_text(yaml.safe_dump({"params": {"algorithm.params.lam": {"type": "float", "low": 0.1,
-                                                                                       "high": 2.0}},
-                                                  "objective": {"metric": "val_acc"}}))
-    (w / "bad.log").write_text("{not json\n")
-    (w / "adir").mkdir()
-    (w / "nosplit").mkdir()
+    setup(w)
     monkeypatch.chdir(w)
     return w
-
-
-def tree(root: Path) -> set:
-    return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
 def listener():
@@ -78,106 +50,23 @@ def listener():
     return s, s.getsockname()[1]
 
 
-TUNE = ["tune", "c.yaml", "--space", "space.yaml", "--trials", "1"]
-RAY = ["run", "c.yaml", "--backend", "ray"]
+@pytest.fixture(scope="module")
+def one_run(tmp_path_factory):
+    from raysim.engine.loop import run_experiment
 
-# (id, argv, the field or file the one line must name, more text it must hold)
-PROBES = [
-    # 1. paths: values that become part of a path
-    ("name-dotdot", ["run", "c.yaml", "--set", "name=../../x"], "'name'", "not a safe name"),
-    ("name-slash", ["run", "c.yaml", "--set", "name=a/b"], "'name'", "not a safe name"),
-    ("name-absolute", ["run", "c.yaml", "--set", "name=/tmp/x"], "'name'", "not a safe name"),
-    ("name-hidden", ["run", "c.yaml", "--set", "name=.hidden"], "'name'", "not a safe name"),
-    ("name-empty", ["run", "c.yaml", "--set", "name="], "'name'", "not a safe name"),
-    ("name-inner-dotdot", ["run", "c.yaml", "--set", "name=x..y"], "'name'", "not a safe name"),
-    ("name-space", ["run", "c.yaml", "--set", "name=a b"], "'name'", "not a safe name"),
-    ("name-tilde", ["run", "c.yaml", "--set", "name=~root"], "'name'", "not a safe name"),
-    ("name-backslash", ["run", "c.yaml", "--set", "name=a\\b"], "'name'", "not a safe name"),
-    ("name-newline", ["run", "c.yaml", "--set", "name=\"a\\nb\""], "'name'", "not a safe name"),
-    ("name-too-long", ["run", "c.yaml", "--set", "name=" + "a" * 101], "'name'", "not a safe name"),
-    ("name-not-string", ["run", "c.yaml", "--set", "name=[1, 2]"], "'name'", "expected a string"),
-    ("name-dry-run", ["run", "c.yaml", "--dry-run", "--set", "name=../x"], "'name'", "not a safe name"),
-    ("study-name", TUNE + ["--study-name", "../../x"], "'--study-name'", "not a safe name"),
-    # 2. YAML with bounds
-    ("billion-laughs", ["run", "laughs.yaml"], "laughs.yaml", "billion laughs"),
-    ("deep-nesting-parse", ["run", "deep.yaml"], "deep.yaml", "nested more than"),
-    ("deep-nesting", ["run", "deep2.yaml"], "deep2.yaml", "nested more than"),
-    ("too-large", ["run", "big.yaml"], "big.yaml", "more than the"),
-    ("set-deep", ["run", "c.yaml", "--set", "data.partition_params=" + "[" * 40 + "]" * 40], "data.partition_params",
-     "nested"),
-    ("set-laughs", ["run", "c.yaml", "--set", "env={" + laughs().replace("\n", ", ").rstrip(", ") + "}"], "'env'",
-     "billion laughs"),
-    ("space-laughs", ["tune", "c.yaml", "--space", "laughs.yaml", "--trials", "1"], "laughs.yaml", "billion laughs"),
-    # 3. config and space files that are not configs
-    ("config-empty", ["run", "empty.yaml"], "empty.yaml", "is empty"),
-    ("config-comments-only", ["run", "comments.yaml"], "comments.yaml", "is empty"),
-    ("config-directory", ["run", "adir"], "adir", "is a directory"),
-    ("config-binary", ["run", "bin.yaml"], "bin.yaml", "binary"),
-    ("config-not-utf8", ["run", "latin1.yaml"], "latin1.yaml", "UTF-8"),
-    ("config-device", ["run", "/dev/zero"], "/dev/zero", "not a regular file"),
-    ("config-list", ["run", "list.yaml"], "list.yaml", "mapping"),
-    ("config-missing", ["run", "nope.yaml"], "nope.yaml", "not found"),
-    ("space-empty", ["tune", "c.yaml", "--space", "empty.yaml", "--trials", "1"], "empty.yaml", "is empty"),
-    ("space-directory", ["tune", "c.yaml", "--space", "adir", "--trials", "1"], "--space", "is a directory"),
-    # 4. tuning storage
-    ("storage-scheme", TUNE + ["--storage", "mongodb://h/db"], "--storage", "not supported"),
-    ("storage-driver", TUNE + ["--storage", "postgresql+psycopg2://u:p@127.0.0.1:1/db"], "--storage",
-     "not installed"),
-    ("storage-refused", TUNE + ["--storage", "postgresql://u:p@127.0.0.1:1/db"], "--storage", "127.0.0.1:1"),
-    ("storage-unknown-host", TUNE + ["--storage", "postgresql://u:p@nohost.invalid/db"], "--storage", "unknown host"),
-    ("storage-sqlite-dir", TUNE + ["--storage", "sqlite:///adir"], "--storage", "is a directory"),
-    ("storage-sqlite-not-db", TUNE + ["--storage", "sqlite:///c.yaml"], "--storage", "not a SQLite database"),
-    ("storage-journal-damaged", TUNE + ["--storage", "bad.log"], "--storage", "damaged"),
-    ("storage-journal-dir", TUNE + ["--storage", "journal:adir"], "--storage", "is a directory"),
-    ("storage-under-file", TUNE + ["--storage", "journal:c.yaml/x.log"], "--storage", "not a directory"),
-    ("storage-not-url", TUNE + ["--storage", "foo.txt"], "--storage", "not a storage URL"),
-    ("storage-empty", TUNE + ["--storage", ""], "--storage", "empty"),
-    # 5. clusters
-    ("address-refused", RAY + ["--set", "backend.address=127.0.0.1:1"], "backend.address", "Connection refused"),
-    ("address-unknown-host", RAY + ["--set", "backend.address=nohost.invalid:6379"], "backend.address",
-     "unknown host"),
-    ("address-not-hostport", RAY + ["--set", "backend.address=http://x"], "backend.address", "HOST:PORT"),
-    ("address-no-port", RAY + ["--set", "backend.address=10.0.0.1"], "backend.address", "HOST:PORT"),
-    ("address-empty", RAY + ["--set", "backend.address=' '"], "backend.address", "empty"),
-    ("connect-timeout-zero", ["run", "c.yaml", "--set", "backend.connect_timeout_s=0"], "backend.connect_timeout_s",
-     "> 0"),
-    # 6. listing and reporting what is not there
-    ("runs-on-file", ["runs", "c.yaml"], "c.yaml", "not a directory"),
-    ("report-missing", ["report", "nope", "--out", "rep"], "nope", "no result table"),
-    ("resume-missing", ["run", "c.yaml", "--resume", "nope"], "resume", "no checkpoints"),
-    # 7. sizes: true at the boundaries, values never capped silently
-    ("iid-too-many-clients", ["run", "c.yaml", "--set", "data.partition=iid", "--set", "data.partition_params={}",
-                              "--set", "data.num_clients=50000"], "data.num_clients", "50000 clients exceed"),
-    ("iid-zero-samples", ["run", "c.yaml", "--set", "data.partition=iid", "--set",
-                          "data.partition_params={samples_per_client: 0}"], "samples_per_client", "must be > 0"),
-    ("kshot-zero-shots", ["run", "c.yaml", "--set", "data.partition_params.shots=0"], "shots", "must be > 0"),
-    ("actors-capped-error", ["run", "c.yaml", "--dry-run", "--backend", "ray", "--set", "backend.num_actors=10",
-                             "--set", "backend.num_cpus=1000"], "backend.num_actors",
-     "backend.num_actors=10 capped at data.num_clients"),
-    # 8. memory
-    ("seeds-huge", ["run", "c.yaml", "--seeds", "1-100000000000"], "--seeds", "more than"),
-    ("model-huge", ["run", "c.yaml", "--set", "model.params.hidden=1000000000"], "model.params", "parameters"),
-    ("clients-huge", ["run", "c.yaml", "--set", "data.num_clients=100000000000"], "data.num_clients", "exceeds"),
-    # 9. data roots that are not data
-    ("files-no-config-json", ["run", "c.yaml", "--set", "data.partition=files", "--set",
-                              "data.partition_params={root: nosplit}"], "data.partition_params.root", "config.json"),
-    ("fashion-root-file", ["run", "c.yaml", "--set", "data.dataset=fashion_mnist", "--set", "data.root=c.yaml"],
-     "data.root", "not a directory"),
-    ("trace-binary", ["run", "c.yaml", "--set", "env.trace.devices=bin.yaml"], "env.trace.devices", "bin.yaml"),
-]
+    root = tmp_path_factory.mktemp("one_run")
+    run_experiment(make_config(tiny_config(rounds=1)), out_dir=root / "r")
+    return root / "r"
 
 
-@pytest.mark.parametrize("argv,names,text", [p[1:] for p in PROBES], ids=[p[0] for p in PROBES])
-def test_probe(work, argv, names, text, capsys):
-    root = work.parent
-    before = tree(root)
-    code = main(list(argv))
-    cap = capsys.readouterr()
-    lines = [ln for ln in cap.err.splitlines() if ln.strip() and not ln.startswith("raysim: note:")]
-    assert code == 2, cap.err
-    assert len(lines) == 1 and "Traceback" not in cap.err, cap.err
-    assert names in lines[0] and text in lines[0], lines[0]
-    assert tree(root) == before  # nothing written anywhere, nothing partial left
+@pytest.mark.parametrize("probe", PROBES, ids=[p.id for p in PROBES])
+def test_probe(probe, tmp_path, request):
+    """Every probe of the shared table (tests/hostile_table.py) ends as it specifies: its exit code, one line naming
+    the key or file (or none for a probe that succeeds), no traceback, no raw control character, and nothing
+    written unless it is a probe that writes."""
+    finished = request.getfixturevalue("one_run") if probe.with_run else None
+    code, err, changed = run_probe(probe, tmp_path, finished)
+    assert verdict(probe, code, err, changed) is None, (verdict(probe, code, err, changed), err)
 
 
 def test_probe_not_a_ray_cluster(work, capsys):
@@ -437,47 +326,6 @@ def test_address_answering_without_a_local_node_fails_fast(monkeypatch):
     assert e.value.field == "backend.address" and "ray start --address=127.0.0.1:" in str(e.value)
 
 
-@pytest.fixture(scope="module")
-def one_run(tmp_path_factory):
-    from raysim.engine.loop import run_experiment
-
-    root = tmp_path_factory.mktemp("one_run")
-    run_experiment(make_config(tiny_config(rounds=1)), out_dir=root / "r")
-    return root / "r"
-
-
-REPORT_PROBES = [
-    ("report-out-is-file", ["report", "runs", "--out", "c.yaml", "--no-plots"], "--out", "is a file"),
-    ("report-out-unwritable", ["report", "runs", "--out", "/proc/raysim-x", "--no-plots"], "--out", "cannot write"),
-    ("report-tuned-on-not-tune", ["report", "runs", "--tuned-on", "c.yaml", "--no-plots", "--out", "rep"],
-     "--tuned-on", "no trials.parquet"),
-    ("report-unknown-metric", ["report", "runs", "--metric", "nope", "--no-plots", "--out", "rep"], "'nope'",
-     "no client metric"),
-    ("report-unknown-time-metric", ["report", "runs", "--time-metric", "nope", "--no-plots", "--out", "rep"], "'nope'",
-     "no total"),
-    ("report-not-a-table", ["report", "runs/r/config.yaml", "--out", "rep"], "config.yaml", "cannot read"),
-    ("resume-a-file", ["run", "c.yaml", "--resume", "c.yaml"], "resume", "no checkpoints"),
-    ("resume-finished-without-checkpoints", ["run", "c.yaml", "--resume", "runs/r"], "resume", "no checkpoints"),
-    ("out-is-file", ["run", "c.yaml", "--out", "c.yaml"], "--out", "is a file"),
-    ("set-no-key", ["run", "c.yaml", "--set", "=5"], "=5", "needs a key"),
-]
-
-
-@pytest.mark.parametrize("argv,names,text", [p[1:] for p in REPORT_PROBES], ids=[p[0] for p in REPORT_PROBES])
-def test_probe_with_a_run(work, one_run, argv, names, text, capsys):
-    import shutil
-
-    shutil.copytree(one_run, work / "runs" / "r")
-    root = work.parent
-    before = tree(root)
-    code = main(list(argv))
-    err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("raysim: note:")]
-    assert code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert names in lines[0] and text in lines[0], lines[0]
-    assert tree(root) == before
-
-
 def test_disk_full_at_the_end_is_one_line_exit_1(work, monkeypatch, capsys):
     """A run-time failure of the file system (disk full while writing the table): exit 1, one line naming the file,
     no partial run directory."""
@@ -494,3 +342,220 @@ def test_disk_full_at_the_end_is_one_line_exit_1(work, monkeypatch, capsys):
     lines = [ln for ln in err.splitlines() if ln.strip()]
     assert code == 1 and len(lines) == 1 and "results.parquet" in lines[0] and "No space left" in lines[0], err
     assert not (work / "out" / "r").exists() and not (work / "out" / "r.incomplete").exists()
+
+
+# -- issue 35: what a config may run, every --out form, tables by schema, terminal output ----------------------------
+
+USER_MODULE = '''
+import numpy as np
+import torch.nn as nn
+
+import raysim
+
+
+def arrays(root=None):
+    r = np.random.default_rng(0)
+    return {"x_train": r.normal(size=(60, 1, 8, 8)).astype("float32"), "y_train": np.arange(60) % 3,
+            "x_test": r.normal(size=(30, 1, 8, 8)).astype("float32"), "y_test": np.arange(30) % 3}
+
+
+marked_loader = raysim.dataset_loader(arrays)
+
+
+def plain_loader(root=None):
+    return arrays(root)
+
+
+@raysim.model_factory
+def marked_factory(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))
+
+
+def plain_factory(input_shape, num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, num_classes))
+
+
+class Net(nn.Module):
+    def __init__(self, input_shape, num_classes):
+        super().__init__()
+        self.fc = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+class Anything:
+    def __getattr__(self, name):
+        return "dataset_loader"
+
+    def __call__(self, root=None):
+        return arrays(root)
+
+
+anything = Anything()
+'''
+
+
+@pytest.fixture
+def usermod(tmp_path, monkeypatch):
+    import sys
+
+    from raysim import registry
+
+    (tmp_path / "um35api.py").write_text(USER_MODULE)
+    monkeypatch.chdir(tmp_path)
+    saved = (dict(registry.MODELS), dict(registry.DATASETS))
+    yield tmp_path
+    sys.modules.pop("um35api", None)
+    while str(tmp_path) in sys.path:
+        sys.path.remove(str(tmp_path))
+    registry.MODELS.clear(), registry.MODELS.update(saved[0])
+    registry.DATASETS.clear(), registry.DATASETS.update(saved[1])
+
+
+def test_import_paths_call_only_what_is_marked_registered_or_of_its_kind(usermod):
+    import sys
+
+    import raysim
+    from raysim.adapt import resolve_factory
+    from raysim.data.datasets import resolve_loader
+    from raysim.models import ARCHS
+
+    sys.modules.pop("antigravity", None)
+    with pytest.raises(ConfigError, match="standard library") as e:
+        resolve_loader("antigravity:fly")
+    assert e.value.field == "data.dataset" and "antigravity" not in sys.modules  # refused before it was imported
+    assert resolve_loader("um35api:marked_loader") is not None
+    with pytest.raises(ConfigError, match="not marked as a dataset loader"):
+        resolve_loader("um35api:plain_loader")
+    with pytest.raises(ConfigError, match="not marked"):  # an object that answers every attribute is not marked
+        resolve_loader("um35api:anything")
+    import um35api
+
+    raysim.register_dataset("mine", um35api.plain_loader)  # registered from Python: its import path may be named
+    assert resolve_loader("um35api:plain_loader") is um35api.plain_loader
+
+    assert resolve_factory("um35api:marked_factory", "model.arch", ARCHS) is um35api.marked_factory
+    assert resolve_factory("um35api:Net", "model.arch", ARCHS) is um35api.Net  # an nn.Module class: its kind
+    assert resolve_factory("torchvision.models:resnet18", "model.arch", ARCHS) is not None  # a torchvision builder
+    for bad in ("um35api:plain_factory", "torchvision.models:get_model_weights", "numpy:zeros", "um35api:np.save"):
+        with pytest.raises(ConfigError, match="not marked as a model factory") as e:
+            resolve_factory(bad, "model.arch", ARCHS)
+        assert e.value.field == "model.arch"
+    with pytest.raises(TypeError):
+        raysim.dataset_loader(42)
+
+
+def test_a_marked_loader_and_factory_run_end_to_end(usermod, capsys):
+    cfg = tiny_config(rounds=1, data={"dataset": "um35api:marked_loader", "num_clients": 3, "partition": "iid",
+                                      "partition_params": {}},
+                      model={"arch": "um35api:marked_factory", "params": {}}, algorithm={"name": "fedavg"})
+    (usermod / "u.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["run", "u.yaml", "--dry-run"]) == 0, capsys.readouterr().err
+    assert "nothing was trained or written" in capsys.readouterr().out
+    assert not (usermod / "__pycache__").exists()  # a dry run writes no byte-code cache either
+    assert main(["run", "u.yaml", "--out", "r"]) == 0, capsys.readouterr().err
+    assert (usermod / "r" / "results.parquet").exists()
+
+
+def test_out_symlinks_are_followed_and_the_run_lands_in_their_target(work, capsys):
+    (work / "empty").mkdir()
+    (work / "lnk").symlink_to("empty")
+    (work / "dangling").symlink_to("nowhere")
+    assert main(["run", "c.yaml", "--set", "rounds=1", "--out", "lnk"]) == 0
+    assert (work / "empty" / "results.parquet").exists() and (work / "lnk").is_symlink()
+    assert f"results: {work / 'empty' / 'results.parquet'}" in capsys.readouterr().out
+    assert main(["run", "c.yaml", "--set", "rounds=1", "--out", "dangling"]) == 0
+    assert (work / "nowhere" / "results.parquet").exists() and (work / "dangling" / "run.json").exists()
+    assert not list(work.glob("*.incomplete"))
+
+
+def test_out_on_a_mount_point_is_refused_before_data_loads(work, monkeypatch):
+    import os
+
+    from raysim.io import rundir
+
+    (work / "mnt").mkdir()
+    real = os.stat
+
+    def stat(path, *a, **k):  # mnt on another device than its parent, as a mount point is
+        st = real(path, *a, **k)
+        if str(path) == str(work / "mnt"):
+            return os.stat_result((st.st_mode, st.st_ino, st.st_dev + 1) + tuple(st)[3:])
+        return st
+
+    monkeypatch.setattr(rundir.os, "stat", stat)
+    with pytest.raises(ConfigError, match="mount point") as e:
+        rundir.check_run_dir("mnt", "--out")
+    assert e.value.field == "--out" and "mnt/run" in str(e.value)
+
+
+def test_a_finished_run_that_cannot_be_moved_is_kept_whole_and_resumable(work, capsys, monkeypatch):
+    import errno
+    import os
+
+    import pandas as pd
+
+    from raysim.io import results
+
+    real = os.rename
+
+    def rename(src, dst, *a, **k):
+        if str(src).endswith(".incomplete"):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
+        return real(src, dst, *a, **k)
+
+    monkeypatch.setattr(os, "rename", rename)
+    assert main(["run", "c.yaml", "--set", "rounds=2", "--out", "t"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "nothing is lost" in err and "--resume t.incomplete --out DIR" in err, err
+    kept = work / "t.incomplete"
+    assert (kept / "results.parquet").exists() and not (work / "t").exists()
+    table = results.read_table(kept / "results.parquet")
+    assert main(["runs", "."]) == 0 and "finished, not moved (resumable)" in capsys.readouterr().out
+    monkeypatch.setattr(os, "rename", real)
+    assert main(["run", "c.yaml", "--set", "rounds=2", "--resume", "t.incomplete", "--out", "moved"]) == 0
+    assert not kept.exists()
+    pd.testing.assert_frame_equal(results.without_timing(results.load(work / "moved")),
+                                   results.without_timing(table), check_exact=True)
+
+
+def test_runs_lists_every_healthy_run_beside_damaged_ones_and_escapes_names(work, one_run, capsys):
+    import shutil
+
+    import pandas as pd
+
+    from tests.hostile_table import _rewrite_table
+
+    for name in ("r", "bad", "\x1b[2Jevil"):
+        shutil.copytree(one_run, work / "runs" / name)
+    _rewrite_table(work, pd.DataFrame({"a": [1]}), "bad")
+    assert main(["runs", "runs"]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\\x1b[2Jevil" in out
+    rows = {ln.split()[-1]: ln for ln in out.splitlines()[1:]}
+    assert "damaged (results.parquet: not a raysim result table" in rows["runs/bad"]
+    assert "finished" in rows["runs/r"] and "finished" in rows["runs/\\x1b[2Jevil"]
+    assert main(["report", "runs", "--out", "rep", "--no-plots"]) == 0  # the two healthy runs, the damaged one named
+    cap = capsys.readouterr()
+    assert "skipped a damaged run" in cap.err and "bad/results.parquet" in cap.err and "\x1b" not in cap.out + cap.err
+    assert len(pd.read_parquet(work / "rep" / "runs.parquet")) == 2
+
+
+def test_yaml_duplicate_keys_refused_merge_keys_still_override():
+    from raysim.yamlio import DuplicateKeyError, yaml_load
+
+    assert yaml_load("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n")["b"] == {"x": 3, "y": 2}
+    with pytest.raises(DuplicateKeyError, match="'x' is given twice"):
+        yaml_load("b:\n  x: 1\n  y: 2\n  x: 3\n")
+
+
+@pytest.mark.parametrize("over,field", [({"train__lr": float("nan")}, "train.lr"),
+                                        ({"train__lr": float("inf")}, "train.lr"),
+                                        ({"algorithm__params__lam": float("-inf")}, "algorithm.params.lam"),
+                                        ({"data__partition_params__stdev": float("nan")}, "data.partition_params.stdev"),
+                                        ({"model__params__extra": [1.0, float("nan")]}, "model.params.extra[1]")])
+def test_nan_and_infinity_are_never_a_setting(over, field):
+    with pytest.raises(ConfigError, match="finite number") as e:
+        make_config(tiny_config(**over))
+    assert e.value.field == field

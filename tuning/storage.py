@@ -58,18 +58,39 @@ def _check_file_target(path: Path, kind: str, header: Optional[bytes] = None) ->
                              f"--storage") from None
 
 
+SQLITE_CHECK_TIMEOUT_S = 10.0  # how long the check waits for a database another process holds locked
+SQLITE_BUSY_TIMEOUT_S = 60  # how long a study's writes wait for one another (several writers on one file)
+
+
+def sqlite_locked(e: BaseException) -> bool:
+    """``e`` (sqlite3's, or SQLAlchemy's wrapping it) says the database is locked or busy: another process holds it,
+    nothing is damaged."""
+    text = str(getattr(e, "orig", None) or e).lower()
+    return "database is locked" in text or "database table is locked" in text or "database is busy" in text
+
+
+def _locked_error(db, waited_s: float) -> ConfigError:
+    return _storage_error(f"{db} is locked by another process (another raysim tune, or a program holding a write "
+                          f"transaction on it) and stayed locked for {waited_s:g} s; the study is not "
+                          f"damaged: wait for that process to finish (or stop it) and run again, or use a journal "
+                          f"file (journal:PATH), which several processes share without locking")
+
+
 def _sqlite_quick_check(db: Path) -> None:
-    """SQLite's own structural check of an existing database (read-only): a damaged file is refused up front."""
+    """SQLite's own structural check of an existing database (read-only): a damaged file is refused up front, and a
+    database another process holds locked is called locked (never damaged: moving it away would lose the study)."""
     import sqlite3
 
     try:
-        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=10)
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=SQLITE_CHECK_TIMEOUT_S)
         try:
             rows = con.execute("PRAGMA quick_check").fetchall()
         finally:
             con.close()
         problem = None if rows == [("ok",)] else "; ".join(str(r[0]) for r in rows[:2])
     except sqlite3.Error as e:
+        if sqlite_locked(e):
+            raise _locked_error(db, SQLITE_CHECK_TIMEOUT_S) from None
         problem = f"{type(e).__name__}: {e}"
     if problem:
         raise _storage_error(f"{db} is a damaged SQLite database ({problem[:200]}); move it away or choose another "
@@ -148,7 +169,7 @@ def open_storage(url: str):
         if "://" in url:
             if url.startswith("sqlite:///"):
                 Path(url[len("sqlite:///"):]).expanduser().parent.mkdir(parents=True, exist_ok=True)
-            kwargs = ({"connect_args": {"timeout": 60}} if url.startswith("sqlite") else  # several writers wait
+            kwargs = ({"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if url.startswith("sqlite") else  # writers wait
                       {"connect_args": {"connect_timeout": int(STORAGE_TIMEOUT_S)}} if url.startswith("postgres") else None)
             return optuna.storages.RDBStorage(url, engine_kwargs=kwargs)
         path = url[len("journal:"):] if url.startswith("journal:") else url
@@ -164,6 +185,8 @@ def storage_failure(url: str, e: BaseException) -> ConfigError:
     """A storage that passed the checks but fails in use (credentials, a damaged database or journal)."""
     text = (str(getattr(e, "orig", None) or e).strip().splitlines() or [type(e).__name__])[0][:200]
     what = f"{type(getattr(e, 'orig', None) or e).__name__}: {text}"
+    if url.startswith("sqlite") and sqlite_locked(e):
+        return _locked_error(url[len("sqlite:///"):] if url.startswith("sqlite:///") else url, SQLITE_BUSY_TIMEOUT_S)
     if "://" not in url or url.startswith("sqlite"):
         return _storage_error(f"cannot use {url}: the file is damaged or unusable ({what}); move it away or choose "
                               f"another --storage")

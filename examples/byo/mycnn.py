@@ -1,12 +1,15 @@
 """A researcher's own model: a small CNN for small grayscale images (here scikit-learn's 8x8 digits).
 
-raysim calls ``small_cnn(input_shape, num_classes, **model.params)``. The module has ``features`` (image ->
+raysim calls ``small_cnn(input_shape, num_classes, **model.params)``; a config may call it because it is marked with
+``@raysim.model_factory`` (a config names no unmarked function). The module has ``features`` (image ->
 embedding) and ``classifier`` (embedding -> logits), so prototype methods (FedProto) use the embedding without any
 further declaration. ``Net`` (below) has no such attributes: FedAvg takes it as it is, and for FedProto the config
 names its embedding layer (``model.embedding: fc1``).
 """
 import torch
 import torch.nn as nn
+
+import raysim
 
 
 class SmallCNN(nn.Module):
@@ -22,6 +25,7 @@ class SmallCNN(nn.Module):
         return self.classifier(self.features(x))
 
 
+@raysim.model_factory
 def small_cnn(input_shape, num_classes, channels: int = 16, embed_dim: int = 32) -> nn.Module:
     return SmallCNN(input_shape[0], num_classes, channels, embed_dim)
 
@@ -41,5 +45,6 @@ class Net(nn.Module):
         return self.fc2(self.drop(torch.relu(self.fc1(x))))
 
 
+@raysim.model_factory
 def net(input_shape, num_classes, hidden: int = 32) -> nn.Module:
     return Net(input_shape[0], input_shape[-1], num_classes, hidden)

@@ -1,10 +1,13 @@
 """A researcher's own dataset: scikit-learn's 8x8 digits with a fixed, stratified 80/20 train/test split.
 
-``digits(root)`` is a raysim loader (``data.dataset: mydata:digits``): it returns the arrays x_train, y_train, x_test,
+``digits(root)`` is a raysim loader (``data.dataset: mydata:digits``; marked with ``@raysim.dataset_loader``, without
+which a config may not call it): it returns the arrays x_train, y_train, x_test,
 y_test (images N x 1 x 8 x 8 as float32 in [-1, 1], labels 0..9). ``write_npz(path)`` saves the very same arrays as
 an .npz file (``data.dataset: npz``, ``data.root: <path>``), so both routes give the same run.
 """
 import numpy as np
+
+import raysim
 
 
 def arrays(seed: int = 0) -> dict:
@@ -21,6 +24,7 @@ def arrays(seed: int = 0) -> dict:
     return {"x_train": x[~test], "y_train": y[~test], "x_test": x[test], "y_test": y[test]}
 
 
+@raysim.dataset_loader
 def digits(root=None, seed: int = 0) -> dict:
     """The loader: ``root`` is unused (the data come with scikit-learn); ``seed`` fixes the train/test split."""
     return arrays(seed)

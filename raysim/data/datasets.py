@@ -21,7 +21,7 @@ from raysim.data.arrays import ArrayDataset, LoadedDataset, mnist5k_arrays, norm
 from raysim.data.multisource import load_multisource_digits
 from raysim.data.pacs import load_pacs
 from raysim.errors import DamagedFileError, DataError, read_problem
-from raysim.registry import DATASETS, is_import_path, resolve
+from raysim.registry import DATASET_LOADER, DATASETS, is_import_path, marked, refuse_unmarked, registered, resolve
 
 
 def available_memory() -> Optional[int]:
@@ -256,13 +256,24 @@ def load_dataset(name: str, root: Optional[str] = None, params: Optional[dict] =
         return LOADERS[name](root)
     if name in formats.FORMAT_LOADERS:
         return formats.FORMAT_LOADERS[name](root, params, root_key)
-    if name in DATASETS:
-        return formats.load_user_dataset(resolve(DATASETS[name], key, "loader"), name, root, params, key)
+    if name in DATASETS:  # registered from Python: trusted
+        return formats.load_user_dataset(resolve(DATASETS[name], key, "loader", trusted=True), name, root, params, key)
     if is_import_path(name):
-        return formats.load_user_dataset(resolve(name, key, "loader"), name, root, params, key)
+        return formats.load_user_dataset(resolve_loader(name, key), name, root, params, key)
     extra = f", {', '.join(DATASETS)}" if DATASETS else ""
     raise ConfigError(key, f"{name!r} is not allowed; choose one of: {', '.join(LOADERS)}, {', '.join(FORMATS)}{extra}, "
                            f"or an import path package.module:loader")
+
+
+def resolve_loader(target: str, key: str = "data.dataset") -> Callable:
+    """The loader an import path from a config names, refused (ConfigError naming ``key``) before anything calls it
+    unless it is marked with ``@raysim.dataset_loader`` or was registered from Python (``register_dataset``): a
+    config never calls ``shutil:rmtree`` or ``os:system``."""
+    loader = resolve(target, key, "loader")
+    if marked(loader, DATASET_LOADER) or registered(loader, target, DATASETS):
+        return loader
+    raise refuse_unmarked(key, target, loader, "dataset loader", "raysim.dataset_loader",
+                          "raysim.register_dataset(name, loader)")
 
 
 def register_dataset(name: str, loader) -> None:

@@ -326,8 +326,16 @@ def load_user_dataset(loader: Callable, name: str, root: Optional[str], params: 
 
     params_key = "data.dataset_params" if key == "data.dataset" else key.rsplit(".", 1)[0] + ".params"
     check_signature(loader, (root,), params, key, params_key, "loader(root, **data.dataset_params)")
+    import contextlib
+
+    from raysim import dryrun
+    from raysim.registry import installed_object
+
+    guard = contextlib.nullcontext() if installed_object(loader) else \
+        dryrun.user_code(key, f"the loader {name}")  # a dry run lets no user code write
     try:
-        m = loader(root, **params)
+        with guard:
+            m = loader(root, **params)
     except (ConfigError, DataError):
         raise
     except Exception as e:

@@ -49,6 +49,7 @@ class RunDirectory(Callback):
 
     def __init__(self, rd: "rundir.RunDir"):
         self.rd = rd
+        self.not_moved = False  # the run finished but its final rename failed: its directory is kept as it is
 
     def on_run_start(self, run: Run) -> None:
         run.dir, run.final_dir = self.rd.work, self.rd.final
@@ -67,9 +68,30 @@ class RunDirectory(Callback):
         summary["failures"] = run.failures
         summary["results_sha256"] = digest  # verified whenever the table is read (results.check_table)
         (d / "run.json").write_text(json.dumps(summary, indent=1, default=str))
-        result.out_dir = self.rd.finalise()
+        try:
+            result.out_dir = self.rd.finalise()
+        except rundir.RunNotMoved as e:  # never throw a finished run away: keep it whole, resumable, and say where
+            self.not_moved = True
+            self._keep_unmoved(run, summary, e)
+            raise
+
+    def _keep_unmoved(self, run: Run, summary: dict, e: "rundir.RunNotMoved") -> None:
+        """The final checkpoint becomes a round checkpoint (``--resume`` finds it and only writes the directory
+        again) and run.json says what happened; a failure here leaves the directory as it is."""
+        d = self.rd.work
+        try:
+            ck = d / "checkpoints"
+            target = ck / f"round_{run.round_idx:05d}"
+            if (ck / "final").is_dir() and not target.exists():
+                (ck / "final").rename(target)
+            (d / "run.json").write_text(json.dumps({**summary, "status": "finished, not moved",
+                                                    "error": str(e)}, indent=1, default=str))
+        except OSError:
+            pass
 
     def on_run_error(self, run: Run, exc: BaseException) -> None:
+        if self.not_moved:  # finished: the directory stays whole (RunNotMoved says where)
+            return
         rd, cfg = self.rd, run.cfg
         resumable = find_checkpoint(rd.work) is not None
         status = ("diverged" if isinstance(exc, safety.NonFiniteError) else

@@ -56,6 +56,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     _check_server_data(cfg, algo_cls)
     _notice_dropped(cfg)
     _check_population_memory(cfg)
+    _check_state_dir(cfg)
     fed = build_federated_data(cfg.data, cfg.seed)
     env = make_environment(cfg, fed)  # None without an env section
     check_environment(env)
@@ -105,6 +106,29 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                    code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd(),
                    server_data=tuple(algo_cls.server_data))
     return Prepared(cfg, fed, task, spec, env, algorithm, models)
+
+
+def _check_state_dir(cfg: ExperimentConfig) -> None:
+    """``backend.state_dir`` (where states spill) can be created or used: one ConfigError naming the key, before
+    any data loads (without writing anything: a dry run checks it too)."""
+    from pathlib import Path
+
+    d = cfg.backend.state_dir
+    if not d:
+        return
+    path = Path(os.path.expanduser(str(d)))
+    if path.exists() and not path.is_dir():
+        raise ConfigError("backend.state_dir", f"{d} is a file, not a directory; give a directory for the spilled "
+                                               f"client states (created if missing), or leave it out for a "
+                                               f"temporary one")
+    anc = path
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ConfigError("backend.state_dir", f"cannot create {d}: {anc} is a file, not a directory")
+    if not os.access(anc, os.W_OK | os.X_OK):
+        raise ConfigError("backend.state_dir", f"cannot write to {anc} (permission denied); choose another "
+                                               f"backend.state_dir")
 
 
 def _check_server_data(cfg: ExperimentConfig, algo_cls) -> None:

@@ -26,9 +26,20 @@ def load_runs(paths, on_damaged=None) -> tuple[pd.DataFrame, pd.DataFrame]:
     if index.empty:
         raise FileNotFoundError(f"no readable result table under {', '.join(map(str, paths))} (every run found is "
                                 f"damaged)")
-    frames, seen = [], {}
+    from raysim.errors import DamagedFileError
+
+    frames, seen, dropped = [], {}, []
+    named = {Path(p).absolute() for p in ([paths] if isinstance(paths, (str, Path)) else paths)}
     for i, row in index.iterrows():
-        df = results.read_table(Path(row["path"]) / results.RESULTS_FILE)
+        f = Path(row["path"]) / results.RESULTS_FILE
+        try:
+            df = results.read_table(f)
+        except DamagedFileError as e:  # damaged past its footer (page checksums): skipped like the others
+            if on_damaged is None or f.absolute() in named or f.parent.absolute() in named:
+                raise
+            on_damaged(e)
+            dropped.append(i)
+            continue
         rid = row["run_id"]
         seen[rid] = seen.get(rid, 0) + 1
         if seen[rid] > 1:
@@ -36,6 +47,10 @@ def load_runs(paths, on_damaged=None) -> tuple[pd.DataFrame, pd.DataFrame]:
             index.loc[i, "run_id"] = rid
             df["run_id"] = rid
         frames.append(df)
+    index = index.drop(index=dropped).reset_index(drop=True)
+    if index.empty:
+        raise FileNotFoundError(f"no readable result table under {', '.join(map(str, paths))} (every run found is "
+                                f"damaged)")
     return pd.concat(frames, ignore_index=True), index
 
 

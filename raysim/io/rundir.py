@@ -8,7 +8,13 @@ A run with intended directory ``<out>/<name>`` is built in the visible ``<out>/<
   never blocks a resume, while a second run into a directory that a live run holds fails at once;
 * a run that stops without finishing (an exception, Ctrl-C, ``kill -9``) leaves ``<name>.incomplete``; when it holds
   checkpoints, ``raysim run CONFIG --resume <name>.incomplete`` continues it and finishes into ``<name>``;
-* a finished run is never overwritten: a new name (``<name>-2``, ...) is chosen and one line says so.
+* a finished run is never overwritten: a new name (``<name>-2``, ...) is chosen and one line says so;
+* the directory a run is meant for is resolved and checked before any data loads (:func:`check_run_dir`): a
+  symbolic link (even a dangling one) is followed, ``..`` and ``.`` are resolved, and the root of the file system, a
+  file, a directory holding other files than a run, an unfinished run's ``.incomplete`` name and a mount point (a
+  run is renamed into place, which cannot cross file systems) are refused in one line;
+* a finished run whose final rename still fails is never thrown away: its ``.incomplete`` directory stays, whole
+  and resumable, and the error (:class:`RunNotMoved`) says where it is.
 
 ``results.run_index`` and ``raysim report`` skip unfinished and hidden directories (:func:`is_listed_run_path`).
 """
@@ -30,7 +36,9 @@ LOCK_FILE = ".lock"
 
 
 def notice(message: str) -> None:
-    print(f"raysim: {message}", file=sys.stderr)
+    from raysim.errors import printable
+
+    print(f"raysim: {printable(message)}", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -74,6 +82,14 @@ def _occupied(path: Path) -> bool:
     return path.exists() and (not path.is_dir() or any(path.iterdir()))
 
 
+RUN_FILES = ("results.parquet", "run.json", "config.yaml")  # a directory holding one of them is a run
+
+
+def is_run_dir(path: Path) -> bool:
+    """A directory that holds a run (finished or damaged): one of :data:`RUN_FILES`."""
+    return any(os.path.lexists(Path(path) / f) for f in RUN_FILES)
+
+
 def next_free(final: Path) -> Path:
     """``final-2``, ``final-3``, ... : the first name that neither a run nor an unfinished run uses."""
     i = 2
@@ -107,6 +123,60 @@ def check_writable(path: Path, field: str = "--out") -> None:
         raise ConfigError(field, f"cannot write to {anc} ({e.strerror or e}); choose another --out or output.dir") from None
 
 
+def resolve_run_path(path, field: str = "--out") -> Path:
+    """The directory a run meant for ``path`` really goes to: ``path`` itself (relative paths stay relative) unless
+    following symbolic links or resolving ``.``/``..`` changes it, then the resolved absolute path."""
+    p = Path(os.path.expanduser(str(path)))
+    try:
+        real = p.resolve()
+    except (RuntimeError, OSError) as e:  # a symbolic-link loop
+        raise ConfigError(field, f"cannot resolve {path}: {e.strerror if isinstance(e, OSError) else e} (a loop "
+                                 f"of symbolic links?); give a directory path") from None
+    if Path(os.path.abspath(p)) != real or p.name in ("", ".", ".."):
+        return real
+    return p
+
+
+def check_run_dir(path, field: str = "--out") -> Path:
+    """Check, before any data loads, that a run can be built for ``path`` and renamed to it; returns the resolved
+    path (:func:`resolve_run_path`). A ConfigError naming ``field`` when it is the root of the file system, a file,
+    a directory holding other files than a run, a name ending in ``.incomplete``, a mount point, or inside a
+    directory where the working directory cannot be created. A finished run there is fine (the run takes the next
+    free name)."""
+    shown = str(path)
+    final = resolve_run_path(path, field)
+    real = final.absolute()
+    if real.name in ("", ".", ".."):
+        raise ConfigError(field, f"{shown} is the root of the file system; a run needs a directory of its own (e.g. "
+                                 f"{real / 'run'})")
+    via = f" (= {real})" if final != Path(os.path.expanduser(shown)) else ""  # a link, '..' or '.' resolved
+    if real.name.endswith(INCOMPLETE):
+        raise ConfigError(field, f"{shown}{via} is the name of an unfinished run's working directory; continue that "
+                                 f"run with --resume {shown}, or give another name")
+    if real.exists() and not real.is_dir():
+        raise ConfigError(field, f"cannot create {shown}{via}: it is a file, not a directory")
+    if real.is_dir():
+        try:
+            entries = [e for e in os.listdir(real)]
+        except OSError as e:
+            raise ConfigError(field, f"cannot read {shown}{via}: {e.strerror or e}") from None
+        if entries and not is_run_dir(real):
+            raise ConfigError(field, f"{shown}{via} is a directory holding other files, not a run; --out names the "
+                                     f"run's own directory (new or empty): give {shown.rstrip('/')}/NAME, or set "
+                                     f"output.dir to put runs under it" if field == "--out" else
+                              f"{shown}{via} is a directory holding other files, not a run; choose another {field}")
+        try:
+            mount = os.stat(real).st_dev != os.stat(real.parent).st_dev
+        except OSError:
+            mount = False
+        if mount and not entries:
+            raise ConfigError(field, f"{shown}{via} is a mount point (another file system than {real.parent}); a run "
+                                     f"is built beside its directory and renamed into place, which cannot cross file "
+                                     f"systems: give a directory inside it, e.g. {shown.rstrip('/')}/run")
+    check_writable(real.parent if real.exists() else real, field)  # where the .incomplete directory is created
+    return final
+
+
 def holder(work: Path) -> Optional[str]:
     """'pid N on HOST' when a live process holds the lock of working directory ``work``, else None."""
     lock = Path(work) / LOCK_FILE
@@ -130,8 +200,21 @@ class RunDirBusy(ConfigError):
     """A live run holds the working directory (its lock)."""
 
 
+class RunNotMoved(Exception):
+    """A finished run could not be renamed from its working directory to its directory: it stays whole (results,
+    run.json, checkpoints) in ``work``."""
+
+    def __init__(self, work: Path, final: Path, reason: str):
+        self.work, self.final, self.reason = Path(work), Path(final), reason
+        super().__init__(f"the run finished, but {work} could not be renamed to {final} ({reason}); nothing is lost: "
+                         f"the run is whole in {work} — move it yourself (mv {work} {final}) or finish it into "
+                         f"another directory with: raysim run CONFIG --resume {work} --out DIR")
+
+
 def check_free(final: Path, field: str = "--out") -> None:
-    """Fail at once when a running run holds ``final``'s working directory."""
+    """Fail at once when ``final`` cannot take a run (:func:`check_run_dir`) or a running run holds its working
+    directory."""
+    final = check_run_dir(final, field)
     who = holder(work_path(final))
     if who:
         raise RunDirBusy(field, f"{work_path(final)} is being written by a running run ({who}); wait for it to "
@@ -171,7 +254,7 @@ class RunDir:
         """Claim a working directory for a new run meant for ``final``. A finished run at ``final``, or an
         unfinished one with checkpoints (kept for a resume), makes it pick the next free name and say so; a stale
         unfinished one without checkpoints is reused; one that a live run holds is an error."""
-        final = Path(final)
+        final = check_run_dir(final, field)
         while True:
             work = work_path(final)
             if _occupied(final):
@@ -207,6 +290,8 @@ class RunDir:
         is locked and continued in place (it becomes its intended directory, or ``out_dir``); a finished run's
         checkpoints are copied into a newly claimed directory (the finished run stays as it is)."""
         path = Path(path)
+        if out_dir:
+            out_dir = check_run_dir(out_dir, "--out")
         if is_unfinished_name(path):
             fd = cls._lock(path, "resume")
             return cls(Path(out_dir) if out_dir else intended_path(path), path, fd, [])
@@ -227,13 +312,17 @@ class RunDir:
         """Rename the working directory to the intended one (or the next free name if a finished run got there
         first) and release the lock. Returns the run's directory."""
         final = self.final
-        if _occupied(final):
-            new = next_free(final)
-            notify(f"{final} holds a finished run (never overwritten); writing this run to {new}")
-            final = new
-        if final.is_dir():
-            final.rmdir()  # an empty directory the user made for the run
-        os.rename(self.work, final)
+        try:
+            if _occupied(final):
+                new = next_free(final)
+                notify(f"{final} holds a finished run (never overwritten); writing this run to {new}")
+                final = new
+            if final.is_dir() and not final.is_symlink():
+                final.rmdir()  # an empty directory the user made for the run
+            os.rename(self.work, final)
+        except OSError as e:  # the run is whole in self.work: keep it, unlocked, and say where it is
+            self._release(self.work)
+            raise RunNotMoved(self.work, final, e.strerror or str(e)) from None
         self._release(final)
         self.final = final
         return final

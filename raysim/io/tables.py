@@ -131,6 +131,10 @@ def check_table(f) -> None:
         return
     info = read_run_info(f.parent) if f.name == RESULTS_FILE else None
     digest = (info or {}).get(DIGEST_KEY)
+    if digest is not None and not (isinstance(digest, str) and len(digest) == 64
+                                   and all(c in "0123456789abcdef" for c in digest)):
+        raise DamagedFileError(f.parent / RUN_INFO, f"its {DIGEST_KEY} is {digest!r:.80}, not a sha256 digest (64 hex "
+                                                    f"digits), so the table beside it cannot be verified", _TABLE_FIX)
     if digest:
         try:
             actual = file_sha256(f)
@@ -140,7 +144,54 @@ def check_table(f) -> None:
             what = "empty" if st.st_size == 0 else f"{st.st_size:,} bytes"
             raise DamagedFileError(f, f"its contents changed since the run finished ({what}; sha256 differs from "
                                       f"{DIGEST_KEY} in {f.parent / RUN_INFO})", _TABLE_FIX)
+    check_schema(f)
     _verified[key] = True
+
+
+# the result table's schema: column -> the Arrow types it may hold (a table of other columns or types is damaged or
+# not a raysim table, whatever its digest says)
+SCHEMA = {"run_id": "string", "round": "integer", "client_id": "integer", "scope": "string", "metric": "string",
+          "value": "number", "weight": "number"}
+
+
+def _arrow_kind(t) -> str:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return "string"
+    if pa.types.is_integer(t):
+        return "integer"
+    if pa.types.is_floating(t):
+        return "number"
+    return str(t)
+
+
+def check_schema(f) -> None:
+    """DamagedFileError naming ``f`` unless its columns are exactly :data:`SCHEMA`'s with those types (read from
+    the Parquet footer: no data is loaded)."""
+    import pyarrow.parquet as pq
+
+    from raysim.errors import DamagedFileError, read_problem
+
+    try:
+        schema = pq.read_schema(f)
+    except Exception as e:
+        raise DamagedFileError(f, read_problem(e), _TABLE_FIX) from None
+    names = [n for n in schema.names if not n.startswith("__index_level_")]
+    if sorted(names) != sorted(SCHEMA):
+        missing = [c for c in SCHEMA if c not in names]
+        extra = [c for c in names if c not in SCHEMA]
+        what = "; ".join(x for x in (f"no column {', '.join(missing)}" if missing else "",
+                                     f"other column(s) {', '.join(map(repr, extra[:5]))}" if extra else "") if x)
+        raise DamagedFileError(f, f"not a raysim result table ({what}; expected {', '.join(SCHEMA)})", _TABLE_FIX)
+    wrong = [f"{c} holds {_arrow_kind(schema.field(c).type)}" for c, kind in SCHEMA.items()
+             if _arrow_kind(schema.field(c).type) != kind and not (kind == "number" and
+                                                                    _arrow_kind(schema.field(c).type) == "integer")]
+    if wrong:
+        raise DamagedFileError(f, f"not a raysim result table ({'; '.join(wrong)}; expected "
+                                  f"{', '.join(f'{c}: {k}' for c, k in SCHEMA.items())})", _TABLE_FIX)
 
 
 def read_table(f, columns=None) -> pd.DataFrame:
