@@ -185,7 +185,9 @@ def _drop_foreign_params(old: str, new: str, params: dict, explicit: set, notify
 
 
 def _stderr_notice(message: str) -> None:
-    print(f"raysim: note: {message}", file=sys.stderr)
+    from raysim.errors import printable
+
+    print(f"raysim: note: {printable(message)}", file=sys.stderr)
 
 
 def read_text_file(path: str | Path, field_name: str, max_bytes: int = MAX_YAML_BYTES, what: str = "file") -> str:

@@ -197,6 +197,8 @@ UNMARKED = "def load(root):\n" + _ARRAYS
 WRITER = "import raysim\n@raysim.dataset_loader\ndef load(root):\n    open('pwned.txt', 'w').write('x')\n" + _ARRAYS
 SWALLOWER = ("import raysim\n@raysim.dataset_loader\ndef load(root):\n    try:\n        open('pwned.txt', 'w')\n"
              "    except OSError:\n        pass\n" + _ARRAYS)
+METHOD_WRITER = ("from algorithms.fedavg import FedAvg\nclass W(FedAvg):\n    def validate(self):\n"
+                 "        open('pwned.txt', 'w').close()\n")
 IMPORT_WRITER = "import raysim\nopen('pwned.txt', 'w').close()\n@raysim.dataset_loader\ndef load(root):\n" + _ARRAYS
 
 
@@ -365,6 +367,8 @@ _NEW = [
           None, code=0),
     Probe("algorithm-stdlib", ["run", "c.yaml", "--set", "algorithm.name=shutil:rmtree"], "algorithm.name",
           "standard library"),
+    Probe("algorithm-control-characters", ["run", "c.yaml", "--set", "algorithm.name=x\x1b[31m:y"], "algorithm.name",
+          "\\x1b[31m"),
     Probe("algorithm-installed-function", ["run", "c.yaml", "--set", "algorithm.name=numpy:save"], "algorithm.name",
           "not a subclass of raysim.algorithm.Algorithm"),
     # 11. a dry run writes nothing, whoever's code runs
@@ -374,6 +378,8 @@ _NEW = [
           "data.dataset", "tried to open 'pwned.txt' for writing", prep=_module("sw35", SWALLOWER)),
     Probe("dry-run-module-writes-on-import", ["run", "c.yaml", "--dry-run", "--set", "data.dataset=iw35:load"],
           "data.dataset", "importing 'iw35' tried to open", prep=_module("iw35", IMPORT_WRITER)),
+    Probe("dry-run-method-writes", ["run", "c.yaml", "--dry-run", "--set", "algorithm.name=mw35:W"],
+          "algorithm.name", "the method mw35:W tried to open 'pwned.txt'", prep=_module("mw35", METHOD_WRITER)),
     # 12. --out in every form: resolved and checked before any data loads
     Probe("out-root", ["run", "c.yaml", "--out", "/"], "--out", "root of the file system"),
     Probe("out-dotdot", ["run", "c.yaml", "--out", ".."], "--out", "holding other files, not a run"),

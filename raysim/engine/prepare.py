@@ -91,10 +91,19 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                 from raysim.engine.vectorized import check_model
 
                 check_model(built, spec.arch)
-    algorithm = algo_cls(params, task)
-    algorithm.validate()
-    for where, sched in (("schedule()", algorithm.schedule()), ("setup_schedule()", algorithm.setup_schedule()),
-                         ("evaluation_schedule()", algorithm.evaluation_schedule())):
+    import contextlib
+
+    from raysim import dryrun
+    from raysim.registry import installed_object
+
+    guard = contextlib.nullcontext() if installed_object(algo_cls) else \
+        dryrun.user_code("algorithm.name", f"the method {cfg.algorithm.name}")  # a dry run lets no user code write
+    with guard:
+        algorithm = algo_cls(params, task)
+        algorithm.validate()
+        schedules = (("schedule()", algorithm.schedule()), ("setup_schedule()", algorithm.setup_schedule()),
+                     ("evaluation_schedule()", algorithm.evaluation_schedule()))
+    for where, sched in schedules:
         check_schedule(sched, algorithm, where)
     preflight(cfg)
     if env is not None:

@@ -250,7 +250,9 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
         damaged.append(e)
         import sys
 
-        print(f"raysim report: skipped a damaged run: {e}", file=sys.stderr)
+        from raysim.errors import printable
+
+        print(f"raysim report: skipped a damaged run: {printable(e)}", file=sys.stderr)
 
     df, index = load_runs(paths, skip)
     metrics, notes = check_metrics(df, index, metrics)
