@@ -170,8 +170,10 @@ def _available_bytes() -> Optional[int]:
     return available_memory()
 
 
-POPULATION_BYTES_PER_CLIENT = 256  # CSR offsets of train/test/val (24 B), the runners' masks, the driver's per-client
-#                                    bookkeeping (sizes, domains, placement), with room to spare
+POPULATION_BYTES_PER_CLIENT = 640  # CSR offsets of train/test/val (24 B), the runners' masks, the driver's per-client
+#                                    bookkeeping (sizes, domains, placement, the partitioner's per-client arrays): the
+#                                    peak-RSS slope of a whole run measured ~600 B per client (iid with replace, 150k
+#                                    and 300k clients, sequential backend; issue 35)
 POPULATION_SHARE = 0.5  # of the free memory a population's index data may take (the data pools and models need the rest)
 
 
