@@ -85,6 +85,8 @@ def _add_reproduce(sub) -> None:
                          "Several raysim reproduce processes on one --out share the work: a run one of them is "
                          "running is left to it")
     rp.add_argument("--report-only", action="store_true", help="write the table from the finished runs; run nothing")
+    rp.add_argument("--reuse-any", action="store_true", help="also reuse finished runs made by another code version "
+                                                             "(the table names every code version)")
     rp.add_argument("--no-report", action="store_true", help="no raysim report summary/plots beside the table")
     rp.add_argument("--configs", default=None, metavar="DIR", help="configs root (default: the checkout's configs/)")
 
@@ -114,7 +116,8 @@ def _cmd_reproduce(args) -> int:
     for name in args.experiments:  # everything is checked before the first run starts
         e = exps[name]
         rp.source_entry(e, numbers)
-        plans[name] = rp.plan(e, seeds or e.seeds, args.out, overrides, check_data=not args.report_only)
+        plans[name] = rp.plan(e, seeds or e.seeds, args.out, overrides, check_data=not args.report_only,
+                              reuse_any=args.reuse_any)
         if not args.report_only:
             rp.check_jobs(plans[name], args.jobs)
     for name in args.experiments:
