@@ -89,13 +89,13 @@ MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}, "fml": {}, "fedkd": 
 
 
 def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist (the suite runs on 2 workers, pyproject.toml): every test that uses the Ray session runs on
-    one worker (one Ray session per test session), the two-node cluster tests on one worker (one cluster at a time),
-    the rest wherever a worker is free."""
+    """With pytest-xdist (the suite runs on every core, pyproject.toml): every test that uses the Ray session runs on
+    one worker (one Ray session per test session); the rest, the two-node cluster tests included (each starts its own
+    cluster on free ports in a subprocess: two at once pass), wherever a worker is free."""
     for item in items:
         if item.get_closest_marker("cluster") is not None:
-            item.add_marker(pytest.mark.xdist_group("cluster"))
-        elif "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") is not None:
+            continue
+        if "ray_session" in getattr(item, "fixturenames", ()) or item.get_closest_marker("ray") is not None:
             item.add_marker(pytest.mark.xdist_group("ray"))
 
 
