@@ -113,6 +113,9 @@ def main():
     ap.add_argument("--stop-after", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-native", dest="native", action="store_false", help="skip the native-kernels checks")
+    ap.add_argument("--byo", type=int, default=0, metavar="ROUNDS",
+                    help="also run benchmarks/two_node_byo.py's check (the user's modules in the working directory) "
+                         "for ROUNDS rounds on this cluster before the node is stopped")
     args = ap.parse_args()
     ov = [f"rounds={args.rounds}", "eval.every=4", "clients_per_round=10"]
     ref = run_experiment(load_config(args.config, ov + ["backend.name=sequential"]), progress=False, write=False)
@@ -127,6 +130,11 @@ def main():
         cluster.wait_for_nodes()
         native = native_checks(args.config, ["rounds=2", "eval.every=1", "clients_per_round=10"],
                                cluster.address, node2.node_id) if args.native else {}
+        byo = {}
+        if args.byo:
+            from two_node_byo import byo_check  # this script's folder is on sys.path
+
+            byo = {"byo": byo_check(cluster.address, node2.node_id, args.byo)}
         cfg = load_config(args.config, ov + ["backend.name=ray", "backend.num_actors=2", "backend.num_cpus=0.5",
                                              "backend.placement=spread", f"backend.address={cluster.address}"])
         stopper = StopNode(cluster, node2, args.stop_after, 0.3)
@@ -147,7 +155,7 @@ def main():
             "final_test_acc": res.final()[0], "wall_s": round(wall, 1),
             "portable_capabilities": sorted({("node2" if p["node"] == node2_id else "head") + ":" + p["cpu_capability"]
                                              for p in res.metadata["numerics_processes"]}),
-            **native,
+            **native, **byo,
         }
         print(json.dumps(out, indent=1))
         if args.json:
@@ -155,7 +163,8 @@ def main():
                 json.dump(out, f)
         if not identical:
             pd.testing.assert_frame_equal(a, b)
-        return 0 if identical and out["actor_failures"] else 1
+        ok_byo = not byo or (byo["byo"]["identical_to_sequential"] and byo["byo"]["from_shipped_copy"])
+        return 0 if identical and out["actor_failures"] and ok_byo else 1
     finally:
         if ray.is_initialized():
             ray.shutdown()

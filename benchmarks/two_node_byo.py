@@ -64,36 +64,41 @@ class Where(Callback):
             self.node2, soft=False)).remote("mycnn"))
 
 
+def byo_check(address: str, node2_id: str, rounds: int) -> dict:
+    """The user's model, loader and method on the cluster at ``address`` (the driver's working directory holds their
+    modules) against the sequential backend; also run by benchmarks/two_node.py --byo on its cluster."""
+    ref = run_experiment(make_config(config(rounds)), progress=False, write=False)
+    cfg = make_config(config(rounds, name="ray", num_actors=2, num_cpus=0.5, placement="spread", address=address))
+    where = Where(node2_id)
+    res = run_experiment(cfg, progress=False, write=False, callbacks=[where])
+    label = lambda nid: "node2" if nid == node2_id else "head"  # noqa: E731
+    identical = without_timing(ref.table).drop(columns="run_id").equals(without_timing(res.table).drop(columns="run_id"))
+    return {
+        "actors": [label(n) for n in where.nodes],
+        "shipped": where.shipped,
+        "actor_module_files": where.files,
+        "from_shipped_copy": all(f[m] and "runtime_resources" in f[m] for f in where.files for m in MODULES),
+        "plain_task_sees_user_module": where.plain,
+        "identical_to_sequential": bool(identical),
+        "final_test_acc": res.final()[0],
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    ref = run_experiment(make_config(config(args.rounds)), progress=False, write=False)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     try:
         node2 = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        cfg = make_config(config(args.rounds, name="ray", num_actors=2, num_cpus=0.5, placement="spread",
-                                 address=cluster.address))
-        where = Where(node2.node_id)
-        res = run_experiment(cfg, progress=False, write=False, callbacks=[where])
-        label = lambda nid: "node2" if nid == node2.node_id else "head"  # noqa: E731
-        identical = without_timing(ref.table).drop(columns="run_id").equals(without_timing(res.table).drop(columns="run_id"))
-        out = {
-            "actors": [label(n) for n in where.nodes],
-            "shipped": where.shipped,
-            "actor_module_files": where.files,
-            "from_shipped_copy": all(f[m] and "runtime_resources" in f[m] for f in where.files for m in MODULES),
-            "plain_task_sees_user_module": where.plain,
-            "identical_to_sequential": bool(identical),
-            "final_test_acc": res.final()[0],
-        }
+        out = byo_check(cluster.address, node2.node_id, args.rounds)
         print(json.dumps(out, indent=1))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f)
-        return 0 if identical and out["from_shipped_copy"] else 1
+        return 0 if out["identical_to_sequential"] and out["from_shipped_copy"] else 1
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -1,6 +1,7 @@
 """A real two-node Ray cluster on this machine, run in its own process (benchmarks/two_node.py): raysim connects
 with backend.address, its client actors land on both nodes, the second node is stopped mid-run by ending its
-processes, the dead actor is recreated on the surviving node and the table equals an undisturbed sequential run.
+processes, the dead actor is recreated on the surviving node and the table equals an undisturbed sequential run;
+on the same cluster the user's own modules from a temporary working directory are shipped to both nodes.
 The two nodes run different native CPU kernels (as two machines with different CPUs): portable numerics gives the
 sequential table there, native numerics another."""
 import json
@@ -17,10 +18,19 @@ pytestmark = pytest.mark.cluster
 
 
 def test_two_node_cluster_survives_a_node_stop(tmp_path):
+    """One two-node cluster (benchmarks/two_node.py, working directory tmp_path): the user's own model, loader and
+    method (issue 24) from tmp_path — not installed, not on PYTHONPATH — shipped to both nodes with the sequential
+    table; portable vs native kernels on nodes with different native kernels; then node2 stopped mid-run, its actor
+    recreated on the head, the sequential table."""
+    import shutil
+
+    for m in ("mycnn", "mydata", "mymethod"):
+        shutil.copy(ROOT / "examples" / "byo" / f"{m}.py", tmp_path / f"{m}.py")
     out = tmp_path / "two_node.json"
-    p = subprocess.run([sys.executable, "benchmarks/two_node.py", "--rounds", "6", "--stop-after", "2",
-                        "--json", str(out)], cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)),
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "two_node.py"), "--rounds", "6", "--stop-after", "2",
+                        "--byo", "2", "--config", str(ROOT / "configs" / "fedproto_mnist5k.yaml"), "--json", str(out)],
+                       cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                       timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     r = json.loads(out.read_text())
     assert sorted(r["actors_before"]) == ["head", "node2"]  # one actor on each node
@@ -33,6 +43,11 @@ def test_two_node_cluster_survives_a_node_stop(tmp_path):
     assert r["portable_capabilities"] == ["head:AVX2", "node2:AVX2"]
     assert r["native_capabilities"] == ["head:AVX2", "node2:DEFAULT"] and r["native_modes"] == ["native"]
     assert r["native_cluster_differs_from_native_sequential"]
+    byo = r["byo"]
+    assert sorted(byo["actors"]) == ["head", "node2"]
+    assert sorted(Path(s).name for s in byo["shipped"]) == ["mycnn.py", "mydata.py", "mymethod.py"]
+    assert byo["from_shipped_copy"]  # every actor imported them from the copy Ray unpacked on its node
+    assert byo["identical_to_sequential"]
 
 
 def postgresql_missing() -> str:
@@ -60,22 +75,3 @@ def test_two_node_tuning_study_on_postgresql_survives_a_node_stop(tmp_path):
     r = json.loads(out.read_text())
     assert r["finished"] == 6 and set(r["finished_on"]) == {"head", "node2"}  # trials ran on both nodes
     assert r["interrupted"] and r["no_trial_lost"] and r["no_trial_counted_twice"]
-
-
-def test_two_node_cluster_runs_user_model_data_and_method_from_a_tmp_dir(tmp_path):
-    """issue 24: a model, a loader and a method that live outside the repository (tmp_path is the working directory;
-    not installed, not on PYTHONPATH) run on the two-node cluster: shipped to both nodes, same table as sequential."""
-    import shutil
-
-    for m in ("mycnn", "mydata", "mymethod"):
-        shutil.copy(ROOT / "examples" / "byo" / f"{m}.py", tmp_path / f"{m}.py")
-    out = tmp_path / "byo.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "two_node_byo.py"), "--rounds", "2", "--json",
-                        str(out)], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True,
-                       text=True, timeout=600)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    r = json.loads(out.read_text())
-    assert sorted(r["actors"]) == ["head", "node2"]  # one actor on each node
-    assert sorted(Path(s).name for s in r["shipped"]) == ["mycnn.py", "mydata.py", "mymethod.py"]
-    assert r["from_shipped_copy"]  # every actor imported them from the copy Ray unpacked on its node
-    assert r["identical_to_sequential"]
