@@ -13,6 +13,10 @@ nearest-other-class gap, never larger than the seed's), Q_c the unweighted mean 
 mode) for all C classes are broadcast. Inference: nearest global prototype over all classes ("test_acc_proto",
 HtFLlib protocol; ``restrict_local_classes`` defaults to False here) and the client's own classifier ("test_acc").
 Server randomness (generator init, batch order) comes from ctx.generator / the (seed, round, server, "tgp") streams.
+
+Server metrics in the result table, every round: ``tgp_margin`` = delta(t); ``tgp_max_dist`` = the distance before the
+cap (so delta(t) = min(tgp_max_dist, tau)); ``tgp_margin_capped`` = 1.0 when tau binds (the margin is pinned at tau,
+not adapting), else 0.0; ``tgp_loss_first`` / ``tgp_loss_last`` (server loss, first / last epoch); ``tgp_fit_acc``.
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from algorithms.fedproto import FedProto
-from algorithms.proto_ops import pairwise_distances, tgp_contrastive_loss, tgp_margin
+from algorithms.proto_ops import pairwise_distances, tgp_contrastive_loss, tgp_margin_distance
 from raysim import rng as rngmod
 from raysim.config import ConfigError, choice, positive
 from raysim.messages import Message
@@ -130,7 +134,9 @@ class FedTGP(FedProto):
         present = cnt > 0
         q = torch.zeros(c, d, device=ctx.device)
         q[present] = sums[present] / cnt[present].unsqueeze(1).to(q.dtype)
-        delta = tgp_margin(q, present, self.params.margin_threshold, self.params.margin)
+        distance = tgp_margin_distance(q, present, self.params.margin)
+        tau = float(self.params.margin_threshold)
+        delta = min(distance, tau)  # delta(t) = min(distance, tau)
 
         gen = self.make_generator().to(ctx.device)
         gen.load_state_dict(server_state["generator"])
@@ -145,6 +151,10 @@ class FedTGP(FedProto):
             fit = float((pairwise_distances(feats, protos).argmin(dim=1) == labels).to(torch.float32).mean())
         state = {"generator": {k: v.detach().clone() for k, v in gen.state_dict().items()},
                  "protos": protos, "trained": torch.ones((), dtype=torch.bool)}
-        metrics = {"tgp_margin": delta, "tgp_loss_first": history[0] if history else float("nan"),
+        # server metrics per round: delta(t) (tgp_margin), the distance it is capped from (tgp_max_dist: the seed's
+        # largest pairwise centre distance, or the code's largest nearest-other-class gap) and whether tau binds
+        # (tgp_margin_capped: 1 when distance >= tau, i.e. delta = tau), so a run shows whether the margin adapts
+        metrics = {"tgp_margin": delta, "tgp_max_dist": distance, "tgp_margin_capped": float(distance >= tau),
+                   "tgp_loss_first": history[0] if history else float("nan"),
                    "tgp_loss_last": history[-1] if history else float("nan"), "tgp_fit_acc": fit}
         return state, metrics

@@ -19,27 +19,32 @@ def pairwise_distances(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (diff * diff).sum(-1).clamp_min(0.0).sqrt()
 
 
-def tgp_margin(centres: torch.Tensor, mask: torch.Tensor, tau: float, mode: str = "seed") -> float:
-    """FedTGP's adaptive margin delta(t) from Q (C x d, the unweighted means of this round's uploaded prototypes) over
-    the classes in ``mask``.
+def tgp_margin_distance(centres: torch.Tensor, mask: torch.Tensor, mode: str = "seed") -> float:
+    """The distance FedTGP's adaptive margin is capped from, before the cap: over the classes in ``mask`` of Q
+    (C x d, the unweighted means of this round's uploaded prototypes),
 
     ``seed`` (default; seed 002 section 5 "part 2", the same as the paper's slides p.31; ``paper`` is a synonym):
-    delta = min(max_{c != c'} ||Q_c - Q_c'||, tau) -- the largest pairwise distance between class centres.
-    ``code`` (official servertgp.py): gap_c = min_{c' != c} ||Q_c - Q_c'||, delta = min(max_c gap_c, tau).
-    Fewer than two classes: no pair, delta = 0."""
+    max_{c != c'} ||Q_c - Q_c'|| -- the largest pairwise distance between class centres;
+    ``code`` (official servertgp.py): max_c gap_c with gap_c = min_{c' != c} ||Q_c - Q_c'||.
+    Fewer than two classes: no pair, 0."""
     idx = torch.nonzero(mask).flatten()
     if len(idx) < 2:
         return 0.0
     q = centres[idx].to(torch.float64)
     d = pairwise_distances(q, q)
     if mode in ("seed", "paper"):
-        value = float(d.max())
-    elif mode == "code":
+        return float(d.max())
+    if mode == "code":
         d = d + torch.diag(torch.full((len(idx),), float("inf"), dtype=d.dtype))
-        value = float(d.min(dim=1).values.max())
-    else:
-        raise ValueError(f"unknown margin mode {mode!r}")
-    return min(value, float(tau))
+        return float(d.min(dim=1).values.max())
+    raise ValueError(f"unknown margin mode {mode!r}")
+
+
+def tgp_margin(centres: torch.Tensor, mask: torch.Tensor, tau: float, mode: str = "seed") -> float:
+    """FedTGP's adaptive margin delta(t) = min(tgp_margin_distance(centres, mask, mode), tau) (see there): ``seed``
+    delta = min(max_{c != c'} ||Q_c - Q_c'||, tau); ``code`` delta = min(max_c min_{c' != c} ||Q_c - Q_c'||, tau).
+    Fewer than two classes: no pair, delta = 0."""
+    return min(tgp_margin_distance(centres, mask, mode), float(tau))
 
 
 def tgp_contrastive_loss(feats: torch.Tensor, labels: torch.Tensor, global_protos: torch.Tensor, delta: float) -> torch.Tensor:
