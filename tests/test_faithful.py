@@ -301,11 +301,13 @@ def test_fedtgp_margin_default_is_the_seeds_formula(tiny):
     assert got[3] == pytest.approx(5.0)  # 'paper' (slides p.31) is the same formula
 
 
-def test_fedpu_default_split_is_the_seeds():
-    """Seed 000 section 5.4: each client labels a limited amount of data only in part of its classes. Default
-    labelled_classes = 2 of the client's 3 classes, rho = 0.5, 50 samples per class (>= pu_min_class 40):
-    25 + 25 labels, the third class all unlabelled; |U| = 25 + 25 + 50 = 100 -> pi = (.25, .25, .5) over the held
-    classes, 0 elsewhere; m = 1 on the two positive classes only. rate 1: the plain method (no view)."""
+def test_fedpu_default_split_is_held_and_seed_split_stays():
+    """Issue 34: the default split is ``held`` (every held class labelled; the split whose numbers match the seed's
+    Fig. 4, and the seed's caption: "positiveRate 为带标签数据占比", the share of labelled data). ``pu_split: seed``
+    (the other reading of seed 000 section 5.4): labelled_classes = 2 of the client's 3 classes, rho = 0.5, 50 samples
+    per class (>= pu_min_class 40): 25 + 25 labels, the third class all unlabelled; |U| = 25 + 25 + 50 = 100 ->
+    pi = (.25, .25, .5) over the held classes, 0 elsewhere; m = 1 on the two positive classes only. rate 1: the plain
+    method (no view)."""
     from types import SimpleNamespace
 
     import numpy as np
@@ -317,10 +319,16 @@ def test_fedpu_default_split_is_the_seeds():
 
     for cls in (FedProto, FedAvg):
         p = cls.Params()
-        assert (p.pu_split, p.labelled_classes, p.pu_min_class) == ("seed", 2, 40)
+        assert (p.pu_split, p.labelled_classes, p.pu_min_class) == ("held", 2, 40)
     y = torch.tensor([3] * 50 + [5] * 50 + [8] * 50)
     data = SimpleNamespace(y_train=y, classes=[3, 5, 8], client_id=4)
-    view = fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=0.5))
+    # the default ('held'): every held class positive, floor(0.5 * 50) = 25 labels each -> labelled share = rho
+    dflt = fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=0.5))
+    assert all(int((dflt.y_obs == c).sum()) == 25 for c in (3, 5, 8))
+    assert int((dflt.y_obs == UNLABELLED).sum()) == 75
+    assert dflt.positive[[3, 5, 8]].tolist() == [1.0, 1.0, 1.0]
+    assert fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=1.0)) is None
+    view = fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=0.5, pu_split="seed"))
     pos = fedpu.positive_classes([3, 5, 8], 2, 1, 4)
     (neg,) = sorted({3, 5, 8} - set(pos))
     counts = {c: int((view.y_obs == c).sum()) for c in (3, 5, 8)}
@@ -336,12 +344,11 @@ def test_fedpu_default_split_is_the_seeds():
     want_pi[neg] = 0.5
     assert torch.allclose(view.prior, want_pi)
     # rate 1 labels everything under the seed's split (its Fig. 4 rate-1 column is the supervised number) ...
-    assert fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=1.0)) is None
+    assert fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=1.0, pu_split="seed")) is None
     # ... while FedPU's code ('official') still leaves the non-positive class unlabelled: pi = 1 on it
     off = fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=1.0, pu_split="official"))
     assert {c: int((off.y_obs == c).sum()) for c in (3, 5, 8)} == {pos[0]: 50, pos[1]: 50, neg: 0}
     assert float(off.prior[neg]) == pytest.approx(1.0)
-    # the earlier default ('held'): every held class positive, 25 labels each
+    # 'held' named explicitly is the default
     held = fedpu.make_view(data, 10, 1, fedpu.PUParams(positive_rate=0.5, pu_split="held"))
-    assert all(int((held.y_obs == c).sum()) == 25 for c in (3, 5, 8))
-    assert held.positive[[3, 5, 8]].tolist() == [1.0, 1.0, 1.0]
+    assert torch.equal(held.y_obs, dflt.y_obs) and torch.equal(held.prior, dflt.prior)

@@ -129,7 +129,7 @@ def test_pu_options_keep_the_config_hash():
     assert cfg.identity_dict()["algorithm.params.positive_rate"] == 0.5
     assert "algorithm.params.pu_split" not in cfg.identity_dict()
     assert make_config({**base, "algorithm": {"name": "fedproto", "params": {
-        "positive_rate": 0.5, "pu_weight": 0.0, "pu_split": "seed"}}}).config_hash() == cfg.config_hash()
+        "positive_rate": 0.5, "pu_weight": 0.0, "pu_split": "held"}}}).config_hash() == cfg.config_hash()
 
 
 # ---------------------------------------------------------------------------------------------------------------
