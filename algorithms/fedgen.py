@@ -109,6 +109,10 @@ class FedGen(FedAvg):
                    "beta": self.params.beta * factor, "rng": ctx.generator("fedgen", ctx.device)}
         return LocalStart(aux=aux)
 
+    def vectorizable(self, start: LocalStart) -> bool:
+        """Only before the generator exists: its loss then draws from the client's own "fedgen" stream (not pure)."""
+        return start.aux["gen"] is None
+
     def objective(self, start: LocalStart):
         aux = start.aux
         gen = aux["gen"]

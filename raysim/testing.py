@@ -28,7 +28,9 @@ seconds (a few rounds, a few clients): every check runs it at least once, the de
   ``up_floats``;
 * :func:`check_empty_round` — server and client states pickle, and a round in which nobody uploads leaves the
   server usable;
-* :func:`check_algorithm` — all the sequential checks above, sharing one reference table.
+* :func:`check_algorithm` — all the sequential checks above, sharing one reference table;
+* :func:`check_device_residence` — no operation mixes a host tensor with one on the run's device (what fails on a
+  GPU, found on a CPU by :class:`DeviceGuard`), with the per-client loop and the vectorised executor.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import pandas as pd
 
 from raysim.config import ConfigError, ExperimentConfig, make_config, set_dotted, to_dict
 
-__all__ = ["Upload", "check_algorithm", "check_determinism", "check_empty_round", "check_message_accounting",
+__all__ = ["DeviceGuard", "Upload", "check_algorithm", "check_determinism", "check_device_residence", "check_empty_round", "check_message_accounting",
            "check_resume", "check_runs", "check_sequential_equals_ray", "check_spill", "assert_same_table"]
 
 ConfigLike = Union[ExperimentConfig, dict]
@@ -289,3 +291,128 @@ def check_algorithm(cfg: ConfigLike, workdir: Union[str, Path, None] = None) -> 
     check_message_accounting(cfg)
     check_empty_round(cfg)
     return reference
+
+
+# -- device residence: a stray host tensor found on a machine without a GPU --------------------------------------------
+
+_FACTORIES = frozenset({"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "randn", "rand", "randint",
+                        "randperm", "eye", "linspace", "from_numpy"})
+_MOVES = frozenset({"to", "cuda", "_to_copy"})
+_PASSIVE = frozenset({"__setitem__", "__getitem__", "index_put_", "index_select", "copy_"})  # cross-device is legal
+
+
+class DeviceGuard:
+    """A TorchFunctionMode that finds, on a CPU, the operations that would mix devices on a GPU.
+
+    Every tensor gets a home: ``dev`` when it was placed explicitly (``.to(device)``, ``.cuda()``, a factory given
+    ``device=``, a module moved with ``.to``) or computed from such a tensor; ``host`` when a factory made it without
+    ``device=`` (it lands on the CPU whatever the model's device) or ``.cpu()`` / ``.to("cpu")`` moved it back. An
+    operation whose non-scalar tensor inputs have both homes is what CUDA refuses ("Expected all tensors to be on
+    the same device"): it is recorded with the first raysim or method source line of the stack. Copies, indexing and
+    0-dim tensors mix devices legally and are not checked; code inside ``torch.func`` transforms is skipped (its
+    wrappers are new objects). On a CPU ``.to(device)`` returns the tensor itself, so it takes the ``dev`` home;
+    ``.cpu()`` returns a new view carrying ``host`` (an alias, as on a CPU without the guard)."""
+
+    def __init__(self, roots=None):
+        import os
+
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        self.roots = tuple(roots or (os.path.join(here, "raysim") + os.sep, os.path.join(here, "algorithms") + os.sep))
+        self.home: dict = {}
+        self.findings: dict = {}
+        guard = self
+
+        class _Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return guard._call(func, args, kwargs or {})
+
+        self._mode = _Mode()
+        self._torch = torch
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    # homes by object identity (tensors compare by value, so no WeakKeyDictionary)
+    def _get(self, t):
+        e = self.home.get(id(t))
+        return e[1] if e is not None and e[0]() is t else None
+
+    def _set(self, t, tag: str) -> None:
+        import weakref
+
+        k, home = id(t), self.home
+        try:
+            ref = weakref.ref(t, lambda r, k=k: home.pop(k, None) if home.get(k, (None,))[0] is r else None)
+        except TypeError:
+            return
+        home[k] = (ref, tag)
+
+    def _call(self, func, args, kwargs):
+        import torch
+        from torch._C._functorch import is_batchedtensor, is_gradtrackingtensor
+        from torch.utils._pytree import tree_flatten
+
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        tens = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        if any(is_batchedtensor(t) or is_gradtrackingtensor(t) for t in tens):
+            return out
+        to_host = name == "cpu" or (name in _MOVES and any(isinstance(a, str) and a == "cpu" for a in args[1:]))
+        if name in _FACTORIES:
+            tag = "dev" if "device" in kwargs else "host"
+        elif to_host:
+            if args and out is args[0]:
+                out = out.view_as(out)
+            tag = "host"
+        elif name in _MOVES and ("device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args[1:])):
+            tag = "dev"
+        else:
+            homes = {self._get(t) for t in tens if t.dim() > 0}
+            if "dev" in homes and "host" in homes and name not in _PASSIVE:
+                self._record(name)
+            tag = "dev" if "dev" in homes else ("host" if "host" in homes else None)
+        if tag is not None:
+            for o in tree_flatten(out)[0]:
+                if isinstance(o, torch.Tensor):
+                    self._set(o, tag)
+        return out
+
+    def _record(self, name: str) -> None:
+        import traceback
+
+        for fr in reversed(traceback.extract_stack()[:-3]):
+            if fr.filename.startswith(self.roots):
+                key = f"{fr.filename.rsplit('/', 2)[-2]}/{fr.filename.rsplit('/', 1)[-1]}:{fr.lineno} {name}: {fr.line}"
+                self.findings[key] = self.findings.get(key, 0) + 1
+                return
+
+
+def check_device_residence(cfg: ConfigLike, vectorize: Optional[bool] = None) -> None:
+    """Run ``cfg`` (sequential backend) under :class:`DeviceGuard`, with the per-client loop and, where the method
+    allows it, the vectorised executor: no operation may mix a host tensor with one on the run's device — what fails
+    on a GPU with "Expected all tensors to be on the same device" fails here on a CPU."""
+    from raysim.engine.loop import run_experiment
+
+    base = _variant(_config(cfg), **{"backend.name": "sequential"})
+    for vec in ((False, True) if vectorize is None else (vectorize,)):
+        try:
+            run_cfg = _variant(base, **{"backend.vectorize": vec})
+        except ConfigError:
+            continue  # the method or config cannot run vectorised (e.g. local_steps)
+        with DeviceGuard() as guard:
+            try:
+                run_experiment(run_cfg, write=False, progress=False)
+            except ConfigError:
+                if not vec:
+                    raise
+                continue  # refused before it ran (e.g. train.local_steps is per-client-loop only)
+        assert not guard.findings, (f"check_device_residence (vectorize={vec}): operations that mix host and device "
+                                    f"tensors (fail on a GPU):\n" + "\n".join(f"  {k} (x{n})" for k, n in
+                                                                               sorted(guard.findings.items())))

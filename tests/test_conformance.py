@@ -5,6 +5,8 @@ checkpoint, and (Ray tests) on the Ray backend with 2 actors and spilled states;
 with no uploads. Message accounting runs per method in tests/test_privacy.py (with the leak check). The checks
 themselves are shown to fail on a method that breaks them (below)."""
 import pandas as pd
+
+from tests.conftest import method_overrides
 import pytest
 
 from raysim import testing
@@ -88,3 +90,35 @@ def test_slaugfl_runs_its_small_generator_in_the_suites(tiny):
     cfg = cfg_for(tiny, "slaugfl")
     assert cfg.data.server_val == 100
     assert all(cfg.algorithm.params[k] == v for k, v in SLAUGFL_SMALL.items()), cfg.algorithm.params
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_no_stray_host_tensor_on_the_device_path(tiny, name):
+    """issue "GPU-first execution": every method's client and server steps, evaluation and the vectorised executor
+    keep tensors where the run's device is (raysim.testing.DeviceGuard): a CPU tensor that would meet a CUDA one on
+    a GPU fails here, on a CPU."""
+    cfg = tiny(rounds=2, clients_per_round=4, algorithm={"name": name, "params": {}}, **method_overrides(name))
+    testing.check_device_residence(cfg)
+
+
+def test_device_guard_finds_what_cuda_refuses():
+    """The guard's rules on a hand-made case: a mask made without device= meets parameters moved to the device (the
+    vectorised optimiser's old CUDA crash), .cpu() on both sides, a factory given device=, a scalar."""
+    import os
+
+    import torch
+
+    here = (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+    dev = torch.device("cpu")
+    with testing.DeviceGuard(roots=here) as g:
+        p = torch.ones(3, 4).to(dev)
+        torch.where(torch.zeros(3, 1, dtype=torch.bool), p, p)  # recorded: host mask, device tensors
+    assert len(g.findings) == 1 and "where" in next(iter(g.findings))
+    with testing.DeviceGuard(roots=here) as g:
+        p = torch.ones(3, 4).to(dev)
+        torch.where(torch.zeros(3, 1, dtype=torch.bool, device=dev), p, p)  # placed: fine
+        p.cpu() + torch.ones(3, 4)  # both on the host: fine
+        p * torch.tensor(2.0)  # a 0-dim host scalar: fine
+        q = torch.zeros(3, 4)
+        q.copy_(p)  # a copy across devices: fine
+    assert not g.findings, g.findings

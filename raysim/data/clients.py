@@ -99,8 +99,6 @@ class ClientData:
             return self._replace(self._decode(self.x_train, device), self.y_train.to(device),
                                  self._decode(self.x_test, device), self.y_test.to(device),
                                  self._decode(self.x_val, device), self.y_val.to(device))
-        if str(device) == "cpu" and (self.cross_test is None or self.cross_test[0].device.type == "cpu"):
-            return self
         return self._replace(self.x_train.to(device), self.y_train.to(device), self.x_test.to(device),
                              self.y_test.to(device), self.x_val.to(device), self.y_val.to(device))
 
