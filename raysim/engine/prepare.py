@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 from raysim.io import rundir
 from raysim.algorithm import SERVER_DATA, LocalTraining, Task
 from raysim.backends import preflight
+from raysim import numerics
 from raysim.config import ConfigError, ExperimentConfig, from_dict
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.models import client_archs
@@ -266,25 +267,13 @@ def versions() -> dict:
             out[pkg] = importlib_metadata.version(pkg)
         except importlib_metadata.PackageNotFoundError:
             out[pkg] = None
-    out["cpu"] = _cpu_model()
+    out["cpu"] = numerics.cpu_model()
     # the code version (raysim's version, a digest of the packages' source, the git commit when there is one):
     # raysim reproduce reuses a finished run only when it equals this process's (raysim/provenance.py)
     from raysim.provenance import code_version
 
     out["code"] = dict(code_version())
     return out
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def resume_hash(cfg: ExperimentConfig) -> str:
