@@ -141,3 +141,14 @@ def test_portable_quick_start_equals_the_reference_table_bit_for_bit():
     table, res = run()
     assert res.metadata["numerics"]["mode"] == "portable"
     pd.testing.assert_frame_equal(table, pd.read_parquet(REF / f"{NAME}.parquet"), check_exact=True)
+
+
+def test_a_cluster_node_without_avx2_is_refused_before_the_run_naming_it():
+    """On a cluster (backend.address) every node reports its CPU before any actor starts (ray_preflight)."""
+    from raysim.backends.ray_preflight import node_numerics_refusal
+
+    nodes = [("head", "AMD EPYC 7B13", True), ("old-box", "Intel(R) Xeon(R) CPU E5-2670", False)]
+    why = node_numerics_refusal("portable", nodes)
+    assert "node old-box (Intel(R) Xeon(R) CPU E5-2670) has none" in why and "backend.numerics: native" in why
+    assert node_numerics_refusal("native", nodes) is None
+    assert node_numerics_refusal("portable", nodes[:1]) is None

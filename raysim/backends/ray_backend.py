@@ -18,7 +18,7 @@ from raysim.backends import ray_serialization, ray_watchdog
 from raysim.backends.base import Backend, run_state_dir
 from raysim.backends.ray_actors import WARM, ClientActor, ServerActor, alive, release_warm_actors, take_warm
 from raysim.backends.ray_preflight import (ADDRESS_FIX, actor_runtime_env, address_error, check_address,
-                                          check_node_resources, check_resources, code_runtime_env)
+                                          check_node_numerics, check_node_resources, check_resources, code_runtime_env)
 from raysim.data.federated import LazyClients
 from raysim.engine.placement import cost_model, ideal, moves, plan
 from raysim.engine.runners import ClientReport, server_data
@@ -58,6 +58,7 @@ class RayBackend(Backend):
         check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
                         float(res.get("memory", 0)))
         check_node_resources(cfg, ray.nodes())
+        check_node_numerics(cfg, ray.nodes())
 
         self.spec, self._state_dir = run_state_dir(self.spec)
         n = min(b.num_actors, cfg.data.num_clients)

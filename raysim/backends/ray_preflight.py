@@ -34,6 +34,41 @@ def check_node_resources(cfg, nodes: list[dict]) -> None:
                                               f"CPU, {biggest.get('GPU', 0):g} GPU)")
 
 
+def node_numerics_refusal(mode: str, reports: list) -> str | None:
+    """Why ``mode`` cannot run on the nodes described by ``reports`` ((host, CPU model, has AVX2 and FMA) per node),
+    or None: portable numerics needs AVX2 and FMA on every node (raysim/numerics.py)."""
+    if mode != "portable":
+        return None
+    lacking = [f"{host} ({model})" for host, model, ok in reports if not ok]
+    if not lacking:
+        return None
+    return (f"portable needs a CPU with AVX2 and FMA on every node; node {', '.join(lacking)} has none: use "
+            f"backend.numerics: native (the table then depends on the CPU), or leave that node out of the cluster")
+
+
+def check_node_numerics(cfg, nodes: list[dict]) -> None:
+    """On a cluster (``backend.address``), before any actor starts: every alive node can run ``backend.numerics``
+    (one zero-CPU task per node reads its CPU). A local cluster is this machine, which the driver checked already."""
+    if cfg.backend.numerics != "portable" or not cfg.backend.address:
+        return
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(_node_cpu)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
+            for n in nodes if n.get("Alive")]
+    why = node_numerics_refusal("portable", ray.get(refs))
+    if why:
+        raise ConfigError("backend.numerics", why)
+
+
+def _node_cpu() -> tuple:
+    import socket
+
+    from raysim import numerics
+
+    return socket.gethostname(), numerics.cpu_model(), numerics.has_avx2()
+
+
 def code_runtime_env(address) -> dict:
     """How raysim's code reaches the workers: on a local cluster the checkout's path (PYTHONPATH); on an existing
     cluster (``backend.address``) also Ray's ``py_modules`` (the packages are uploaded and unpacked on every node)."""
