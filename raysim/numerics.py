@@ -60,29 +60,26 @@ ENV_MODE = "RAYSIM_NUMERICS"  # portable (default) | native: what ``import raysi
 _mode: Optional[str] = None  # the mode this process computes in, once a runner has entered it
 
 
-def cpu_model() -> str:
+def _cpuinfo(key: str):
+    """The first value of ``key`` in /proc/cpuinfo (None where there is none: not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name":
+                k, _, value = line.partition(":")
+                if k.strip() == key:
                     return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def cpu_flags() -> set:
     """The CPU's feature flags (/proc/cpuinfo); empty where there is none (then nothing is refused for it)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    return set(value.split())
-    except OSError:
-        pass
-    return set()
+    return set((_cpuinfo("flags") or "").split())
 
 
 def has_avx2(flags: Optional[set] = None) -> bool:

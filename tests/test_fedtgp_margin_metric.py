@@ -8,7 +8,6 @@ import torch
 
 import raysim.rng as rngmod
 from raysim.algorithm import ServerContext
-from raysim.messages import Message
 from raysim.engine.runners import make_algorithm
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
@@ -20,19 +19,11 @@ def _algo(tiny, params):
 
 
 def _uploads(d):
-    """Two clients; Q_0 = mean((-1, 0), (1, 0)) = (0, 0), Q_1 = (3, 0), Q_2 = (0, 4) in the first two coordinates.
+    """tests/test_faithful.py's two clients: Q_0 = (0, 0), Q_1 = (3, 0), Q_2 = (0, 4) in the first two coordinates.
     By hand: ||Q_0 - Q_1|| = 3, ||Q_0 - Q_2|| = 4, ||Q_1 - Q_2|| = 5."""
-    def proto(x, y):
-        v = torch.zeros(d)
-        v[0], v[1] = x, y
-        return v
+    from tests.test_faithful import _tgp_uploads
 
-    a = torch.stack([proto(-1, 0), proto(3, 0)])
-    b = torch.stack([proto(1, 0), proto(0, 4)])
-    return {0: {"protos": Message("prototypes", {"protos": a, "classes": torch.tensor([0, 1]),
-                                                 "counts": torch.tensor([5, 5])})},
-            1: {"protos": Message("prototypes", {"protos": b, "classes": torch.tensor([0, 2]),
-                                                 "counts": torch.tensor([5, 5])})}}
+    return _tgp_uploads(d)
 
 
 @pytest.mark.parametrize("params, delta, distance, capped", [
