@@ -55,6 +55,17 @@ def sample_weighted_average(uploads, ids, key: str = "model") -> dict:
     return weighted_average_states([uploads[i][key].tensors for i in ids], sample_counts(uploads, ids))
 
 
+def merge_sample_weighted(uploads: dict, key: str = "model") -> dict:
+    """A partial aggregate of FedAvg's rule: the uploads' sample-weighted average under ``key`` with the summed
+    sample count, itself an upload of the same form (the weighted average of such partials, weighted by their
+    counts, is the weighted average of all: sum_j N_j (sum_{i in j} n_i w_i / N_j) / N)."""
+    ids = sorted(uploads)
+    first = uploads[ids[0]][key]
+    n = sum(sample_counts(uploads, ids))
+    return {key: Message(first.kind, sample_weighted_average(uploads, ids, key), first.meta),
+            "num_samples": Message("num_samples", {"n": torch.tensor([n], dtype=torch.int64)})}
+
+
 class FedAvg(LocalTraining):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
 
@@ -213,6 +224,9 @@ class FedAvg(LocalTraining):
         if not ids:
             return server_state, {}
         return {"model": sample_weighted_average(uploads, ids)}, {}
+
+    def merge_uploads(self, uploads):
+        return merge_sample_weighted(uploads) if uploads else None
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

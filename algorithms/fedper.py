@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from algorithms.fedavg import sample_weighted_average
+from algorithms.fedavg import merge_sample_weighted, sample_weighted_average
 from algorithms.local import ce_loss
 from algorithms.proto_ops import select_prefix
 from raysim.algorithm import Context, LocalStart, LocalTraining
@@ -86,6 +86,9 @@ class SharedPartAverage(LocalTraining):
         if not ids:
             return server_state, {}
         return {"shared": sample_weighted_average(uploads, ids, "shared")}, {}
+
+    def merge_uploads(self, uploads):
+        return merge_sample_weighted(uploads, "shared") if uploads else None
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

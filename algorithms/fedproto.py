@@ -78,6 +78,21 @@ class FedProto(LocalTraining):
         protos[keep] = server_state["protos"][keep]
         return {"protos": protos, "mask": mask | server_state["mask"]}, {"num_global_protos": float((mask | server_state["mask"]).sum())}
 
+    def merge_uploads(self, uploads):
+        """A partial aggregate of the paper's weighted rule: per class sum_i n_ic p_ic / sum_i n_ic with the summed
+        counts (an upload of the same form). The ``mean`` rule (the official code) weighs clients, not samples: a
+        merged upload cannot carry it, so it is not merged."""
+        if not uploads or self.params.proto_agg != "weighted":
+            return None
+        ups = [(u["protos"]["classes"], u["protos"]["protos"], u["protos"]["counts"]) for _, u in sorted(uploads.items())]
+        protos, mask = aggregate_prototypes(ups, self.task.num_classes, self.embed_dim(), "weighted")
+        counts = torch.zeros(self.task.num_classes, dtype=torch.int64)
+        for classes, _, n in ups:
+            counts.index_add_(0, classes.cpu(), n.cpu().to(torch.int64))
+        classes = torch.nonzero(mask).flatten()
+        return {"protos": Message("prototypes", {"protos": protos[classes], "classes": classes,
+                                                 "counts": counts[classes]})}
+
     # -- client -------------------------------------------------------------------------------------------------
     @staticmethod
     def unpack(payload, num_classes, dim, device):

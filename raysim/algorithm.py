@@ -256,6 +256,15 @@ class Algorithm:
     def aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> tuple[Any, dict]:
         return server_state, {}
 
+    def merge_uploads(self, uploads: dict) -> Optional[dict]:
+        """The default schedule's merge (``ServerStep.merge``): one upload that ``aggregate`` treats as the uploads
+        of ``uploads`` (client id -> upload, sorted) together, or None when this method's aggregation is not a
+        merge of sums (the default). A method whose ``aggregate`` is a weighted sum defines it (FedAvg: the sample-
+        weighted average with the summed sample count); with ``backend.partial_aggregate`` each client runner then
+        sends one merged upload per step. A subclass that overrides ``aggregate`` without its own merge is never
+        merged (:func:`upload_merger`). The per-client message accounting is unchanged: it is made before merging."""
+        return None
+
     def evaluate_server(self, server_state: Any, test: ArrayDataset, ctx: ServerContext) -> dict:
         return {}
 
@@ -334,3 +343,20 @@ class LocalTraining(Algorithm):
             new_state = {**(new_state or {}), "opt": opt_state}
         return ClientUpdate(new_state, upload, metrics)
 
+
+def upload_merger(algorithm: "Algorithm", step) -> Optional[Callable[[dict], Optional[dict]]]:
+    """The merge a server step declares (``ServerStep.merge``), or None when it declares none, or when the class
+    that defines the merge sits above the one that defines the aggregation it stands for (a subclass changed the
+    aggregation and its parent's merge no longer describes it: e.g. SCAFFOLD or VHL under FedAvg)."""
+    name = getattr(step, "merge", None)
+    if not name:
+        return None
+    targets = [step.method] + (["aggregate"] if step.method == "classic_aggregate" else [])
+
+    def owner(attr):
+        return next((c for c in type(algorithm).__mro__ if attr in vars(c)), None)
+
+    m = owner(name)
+    if m is None or m is Algorithm or any(owner(t) is None or not issubclass(m, owner(t)) for t in targets):
+        return None
+    return getattr(algorithm, name)

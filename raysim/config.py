@@ -205,6 +205,10 @@ class BackendConfig:
     #                             native: torch's fastest kernels for each CPU (raysim/numerics.py); part of the identity
     vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
     #                          the numbers within a stated tolerance, so it is part of the run's identity
+    partial_aggregate: bool = False  # each client runner merges its clients' uploads into one (a partial aggregate)
+    #                                  when the method's server step declares a merge: one message per actor instead
+    #                                  of one per client; with several actors the sums are grouped differently (numbers
+    #                                  within the stated tolerance), so it is part of the run's identity when on
     code: Any = "auto"  # Ray: the user code shipped to every actor: auto (the modules the config's import paths and
     #                     registrations load from outside installed packages, with their sibling modules), none,
     #                     working_dir (the whole working directory as Ray's working_dir), or a list of module files /
@@ -296,6 +300,8 @@ class ExperimentConfig:
                 spec.pop("embedding", None)
         # the executor and the kernel choice change the numbers (the executor within tolerance, kernels in last bits)
         d["backend"] = {"vectorize": self.backend.vectorize, "numerics": self.backend.numerics}
+        if self.backend.partial_aggregate:  # a key added later: absent unless on (every earlier identity unchanged)
+            d["backend"]["partial_aggregate"] = True
         d.pop("output")
         d.pop("name")
         d.pop("on_actor_failure")  # recovery policies: a retried client reproduces exactly

@@ -50,6 +50,20 @@ def payload_sizes(payload: Mapping[str, Message]) -> dict[str, tuple[int, int]]:
     return out
 
 
+def tensor_bytes(obj) -> int:
+    """The bytes of every tensor inside ``obj`` (messages, dicts, lists, tuples): what a transport moves for it, its
+    pickling overhead left out (the Ray backend's object-store accounting)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, Message):
+        return obj.num_bytes
+    if isinstance(obj, Mapping):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
 def state_message(kind: str, state_dict: Mapping[str, torch.Tensor]) -> Message:
     """A model (or part of one) as a message: its tensors, detached, copied, on CPU.
 

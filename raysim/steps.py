@@ -54,6 +54,11 @@ class ServerStep:
     name: str
     fn: Optional[str] = None
     mode: str = "train"  # "train" | "evaluate" (fn(server_state, global_test, ctx) -> metrics)
+    # an algorithm method ``merge(uploads) -> upload | None`` that combines the uploads of some clients into one
+    # upload this step treats as theirs (a partial aggregate: e.g. FedAvg's sample-weighted average with the summed
+    # sample count). With ``backend.partial_aggregate`` each client runner sends one merged upload instead of one per
+    # client (:func:`raysim.algorithm.upload_merger` says when a merge applies)
+    merge: Optional[str] = None
 
     @property
     def method(self) -> str:
@@ -98,6 +103,10 @@ def check_schedule(schedule, algorithm, where: str) -> None:
         if not callable(getattr(algorithm, step.method, None)):
             raise TypeError(f"{type(algorithm).__name__}.{where}: step {step.name!r} calls {step.method!r}, which the "
                             f"algorithm does not define")
+        merge = getattr(step, "merge", None)
+        if merge is not None and not callable(getattr(algorithm, merge, None)):
+            raise TypeError(f"{type(algorithm).__name__}.{where}: step {step.name!r} merges uploads with {merge!r}, "
+                            f"which the algorithm does not define")
         if it == 0:
             if (type(step), step.name) in names:
                 raise ValueError(f"{type(algorithm).__name__}.{where}: step name {step.name!r} is used twice")
@@ -105,6 +114,7 @@ def check_schedule(schedule, algorithm, where: str) -> None:
 
 
 # the classic one-exchange round built from the hooks (broadcast, client_update, aggregate)
-CLASSIC_ROUND = (ClientStep("update", "client_update"), ServerStep("aggregate", "classic_aggregate"))
+CLASSIC_ROUND = (ClientStep("update", "client_update"),
+                 ServerStep("aggregate", "classic_aggregate", merge="merge_uploads"))
 EVALUATION = (ClientStep("evaluate", "evaluate_client", clients=ALL, mode="evaluate"),
               ServerStep("evaluate_server", "evaluate_server", mode="evaluate"))

@@ -12,6 +12,7 @@ class Backend(ABC):
     name = "base"
     numerics_report: list = []  # the kernel choice of each computing process other than the driver (Ray: the server
     #                             and client actors, with their nodes); the sequential backend computes in the driver
+    object_store: dict = {}  # round -> tensor bytes moved through a transport (Ray: its object store); in-process: {}
 
     def start(self) -> None: ...
 
@@ -20,9 +21,11 @@ class Backend(ABC):
         """The payload round ``round_idx`` starts with, built from the server state (run start, resume, after setup)."""
 
     @abstractmethod
-    def client_step(self, step, payload: Any, round_idx: int, iteration: int, client_ids: list[int]) -> tuple[Any, list]:
+    def client_step(self, step, payload: Any, round_idx: int, iteration: int, client_ids: list[int],
+                    merge=None) -> tuple[Any, list]:
         """Run ``step`` for ``client_ids``; return (handle to their uploads, ClientReports sorted by client id).
-        One call per actor per step. New client states stay pending until :meth:`commit`."""
+        One call per actor per step. New client states stay pending until :meth:`commit`. ``merge``: the server step
+        the uploads feed, when each runner is to send one partial aggregate (``ClientRunner.run_client_step``)."""
 
     @abstractmethod
     def commit(self, client_ids: list[int], token: Optional[str] = None) -> None:

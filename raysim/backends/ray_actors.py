@@ -7,7 +7,9 @@ import ray
 from raysim import numerics
 from raysim.backends import ray_serialization
 from raysim.data.federated import ClientSet, LazyClients
+from raysim.engine.reports import StepReports
 from raysim.engine.runners import ClientRunner, ServerRunner
+from raysim.messages import tensor_bytes
 
 
 # -- warm actors between runs -----------------------------------------------------------------------------------------
@@ -100,11 +102,15 @@ class ClientActor(ClientRunner):
         self.commit(client_ids, token)
         self.discard()
 
-    def run_client_step(self, step, payload, round_idx, iteration, client_ids, pre=()):
-        """``pre``: the driver's commits not sent yet (carried by this call, carried out first, in order)."""
+    def run_client_step(self, step, payload, round_idx, iteration, client_ids, pre=(), merge=None):
+        """``pre``: the driver's commits not sent yet (carried by this call, carried out first, in order). The
+        reports carry the bytes of the returned uploads (``StepReports.upload_bytes``)."""
         for group, token in pre:
             self.commit_and_discard(group, token)
-        return super().run_client_step(step, payload, round_idx, iteration, client_ids)
+        uploads, reports = super().run_client_step(step, payload, round_idx, iteration, client_ids, merge)
+        reports = StepReports(reports)
+        reports.upload_bytes = tensor_bytes(uploads)
+        return uploads, reports
 
 
 class ServerActor(ServerRunner):
@@ -130,9 +136,14 @@ class ServerActor(ServerRunner):
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 
+    def initial_payload_ref(self, round_idx):
+        payload = self.initial_payload(round_idx)
+        return payload, tensor_bytes(payload)
+
     def run_server_step_ref(self, step, round_idx, iteration, failures, *upload_groups, keep=None):
+        """(payload, (whether there is one, metrics, its bytes))."""
         payload, metrics = self.run_server_step(step, round_idx, iteration, failures, *upload_groups, keep=keep)
-        return payload, (payload is not None, metrics)
+        return payload, (payload is not None, metrics, tensor_bytes(payload) if payload is not None else 0)
 
     def run_server_step_ahead(self, step, round_idx, iteration, prior_failures, n, *refs, keep=None):
         """The server step submitted right behind a client step: ``refs`` = n upload groups, then the n report

@@ -34,6 +34,10 @@ class RayBackend(Backend):
         self._watchdog = None
         self._state_dir = None
         self.actor_failures: list[dict] = []  # every client actor death seen (round, step, actor, action)
+        # what travels through the object store, per round: payload bytes read by the actors' calls (one read per
+        # actor and step) and upload bytes the actors returned, by step mode (train / evaluate); tensor bytes
+        self.object_store: dict[int, dict] = {}
+        self._payload_bytes: dict = {}  # payload ObjectRef -> its tensor bytes (the latest few)
 
     def start(self) -> None:
         cfg = self.spec.cfg
@@ -251,11 +255,26 @@ class RayBackend(Backend):
         return groups
 
     def initial_payload(self, round_idx):
-        return self.server.initial_payload.remote(round_idx)  # an ObjectRef: the payload is stored once
+        # an ObjectRef: the payload is stored once
+        ref, nbytes = self.server.initial_payload_ref.options(num_returns=2).remote(round_idx)
+        self._note_payload(ref, ray.get(nbytes))
+        return ref
+
+    def _note_payload(self, ref, nbytes: int) -> None:
+        self._payload_bytes[ref] = int(nbytes)
+        while len(self._payload_bytes) > 4:
+            self._payload_bytes.pop(next(iter(self._payload_bytes)))
+
+    def _count_traffic(self, step, round_idx: int, payload, reports_by_actor: list) -> None:
+        row = self.object_store.setdefault(round_idx, {"train_down": 0, "train_up": 0, "evaluate_down": 0,
+                                                       "evaluate_up": 0})
+        mode = "evaluate" if step.mode == "evaluate" else "train"
+        row[f"{mode}_down"] += self._payload_bytes.get(payload, 0) * len(reports_by_actor)
+        row[f"{mode}_up"] += sum(int(getattr(r, "upload_bytes", 0)) for r in reports_by_actor)
 
     runs_server_step_ahead = True  # client_step(..., then=...) submits the following server step at once
 
-    def client_step(self, step, payload, round_idx, iteration, client_ids, then=None):
+    def client_step(self, step, payload, round_idx, iteration, client_ids, then=None, merge=None):
         """``then = (server step, failures so far, keep)``: submit that server step right behind the client calls,
         on their upload and report refs (the server actor adds the step's failed reports to the failures), so it
         starts when the last upload exists instead of after a driver round trip; :meth:`server_step` collects it
@@ -279,9 +298,10 @@ class RayBackend(Backend):
             self._ahead = ((nstep.name, round_idx, iteration), ups, refs)
 
         out = self._call_actors(groups, lambda a, g: a.run_client_step.options(num_returns=2).remote(
-            step, payload, round_idx, iteration, g, self._take_unsent(a)), where, submit_server)
+            step, payload, round_idx, iteration, g, self._take_unsent(a), merge), where, submit_server)
         upload_refs, reports = [], []
-        self._last_client_step = (step, payload, round_idx, iteration, groups)
+        self._last_client_step = (step, payload, round_idx, iteration, groups, merge)
+        self._count_traffic(step, round_idx, payload, [reps for _, reps in out.values() if reps is not None])
         self._upload_actor = {}
         for k in sorted(out):
             up, reps = out[k]
@@ -342,7 +362,9 @@ class RayBackend(Backend):
             _, ups, (payload_ref, info_ref) = ahead
             if ups == list(uploads or []):
                 try:
-                    has_payload, metrics = ray.get(info_ref)
+                    has_payload, metrics, nbytes = ray.get(info_ref)
+                    if has_payload:
+                        self._note_payload(payload_ref, nbytes)
                     return (payload_ref if has_payload else None), metrics
                 except ray.exceptions.RayError as e:
                     if not alive(self.server):
@@ -361,7 +383,7 @@ class RayBackend(Backend):
         payload_ref, info_ref = self.server.run_server_step_ref.options(num_returns=2).remote(
             step, round_idx, iteration, failures, *(uploads or []), keep=keep)
         try:
-            has_payload, metrics = ray.get(info_ref)
+            has_payload, metrics, nbytes = ray.get(info_ref)
         except ray.exceptions.RayError as e:
             if not alive(self.server):
                 raise SimulationError(f"the server actor died in round {round_idx}, step '{step.name}' "
@@ -369,13 +391,15 @@ class RayBackend(Backend):
                                       f"(resume from its last checkpoint with --resume)") from None
             uploads = self._redo_lost_uploads(list(uploads or []), e, f"round {round_idx}, step '{step.name}'")
             return self.server_step(step, round_idx, iteration, uploads, failures, keep)
+        if has_payload:
+            self._note_payload(payload_ref, nbytes)
         return (payload_ref if has_payload else None), metrics
 
     def _redo_lost_uploads(self, uploads: list, error, where: str) -> list:
         """The server could not read some uploads: they lived in the object store of a node (or actor) that is
         gone. Recreate the dead client actors and run their share of the last client step again (their states are
         still the committed ones from before it), then hand the fresh uploads to the server step."""
-        step, payload, round_idx, iteration, groups = self._last_client_step
+        step, payload, round_idx, iteration, groups, merge = self._last_client_step
         redo = sorted({k for ref, k in self._upload_actor.items() if ref in uploads and not alive(self.actors[k])})
         if not redo:
             raise error
@@ -383,7 +407,7 @@ class RayBackend(Backend):
             old = next(ref for ref, a in self._upload_actor.items() if a == k)
             self._on_actor_death(k, where + " (its uploads were lost)", error, 0)
             up, rep = self.actors[k].run_client_step.options(num_returns=2).remote(step, payload, round_idx, iteration,
-                                                                                   groups[k])
+                                                                                   groups[k], (), merge)
             ray.get(rep)  # same reports as before (the retried clients reproduce exactly)
             uploads[uploads.index(old)] = up
             del self._upload_actor[old]

@@ -24,8 +24,8 @@ class SequentialBackend(Backend):
     def initial_payload(self, round_idx):
         return self.server.initial_payload(round_idx)
 
-    def client_step(self, step, payload, round_idx, iteration, client_ids):
-        uploads, reports = self.clients.run_client_step(step, payload, round_idx, iteration, client_ids)
+    def client_step(self, step, payload, round_idx, iteration, client_ids, merge=None):
+        uploads, reports = self.clients.run_client_step(step, payload, round_idx, iteration, client_ids, merge)
         return [uploads], reports
 
     def commit(self, client_ids, token=None):

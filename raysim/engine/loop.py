@@ -16,6 +16,7 @@ from typing import Optional
 import yaml
 
 from raysim import numerics
+from raysim.algorithm import upload_merger
 from raysim import rng as rngmod
 from raysim.io import rundir
 from raysim.engine import safety
@@ -35,7 +36,8 @@ EQUALITY_POLICY = {
                      "actor count, state_memory_mb setting and after a resume, but for the wall-time rows (round_s, "
                      "step_s@<step>; results.without_timing drops them); with backend.numerics = portable (the "
                      "default) also on every machine whose CPU has AVX2, with the same torch and numpy versions",
-    "tolerance": "vectorised executors and GPU runs: metrics within 1e-4 absolute of the CPU reference on short "
+    "tolerance": "vectorised executors, partial aggregates (backend.partial_aggregate) over several actors and GPU "
+                 "runs: metrics within 1e-4 absolute of the CPU reference on short "
                  "runs (not bit-identical: kernels reorder floating-point sums); over long runs the trajectories "
                  "separate as runs on two CPU models do: compare by means over clients and seeds",
 }
@@ -58,6 +60,18 @@ def eval_clients(cfg: ExperimentConfig, round_idx: int) -> list[int]:
     k = max(1, math.ceil(cfg.eval.fraction * n))
     r = rngmod.numpy_rng(cfg.seed, round_idx, rngmod.SERVER, "eval-sampling")
     return sorted(r.choice(n, size=k, replace=False).tolist())
+
+
+def _merge_into(run: Run, step, nxt) -> Optional[ServerStep]:
+    """The server step a client step's uploads feed as partial aggregates (``backend.partial_aggregate``): the next
+    step, when it is a training server step whose merge applies to this method (``upload_merger``), and no
+    environment decides after the step which uploads arrive (a merged upload cannot be split again)."""
+    if not run.cfg.backend.partial_aggregate or run.env is not None or step.mode != "train" or nxt is None:
+        return None
+    server = nxt[0]
+    if not isinstance(server, ServerStep) or server.mode != "train" or upload_merger(run.algorithm, server) is None:
+        return None
+    return server
 
 
 def _run_steps(run: Run, schedule, round_idx: int, selected: list[int], step_s: dict) -> None:
@@ -83,15 +97,16 @@ def _run_steps(run: Run, schedule, round_idx: int, selected: list[int], step_s: 
             if to_commit is not None:
                 backend.commit(*to_commit)
             nxt = items[pos + 1] if pos + 1 < len(items) else None
+            merge = _merge_into(run, step, nxt)
             if (ahead and nxt is not None and isinstance(nxt[0], ServerStep)
                     and not (env is not None and not env_seen and round_idx >= 0)):
                 # the backend may submit the server step that follows right behind this one, without waiting for
                 # the reports: its failures are this list plus the step's failed reports (computed where it runs)
                 # and nothing else can change them before it (the environment decides on a round's first step)
                 uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids,
-                                                       then=(nxt[0], list(failures), keep))
+                                                       then=(nxt[0], list(failures), keep), merge=merge)
             else:
-                uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids)
+                uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids, merge=merge)
             # committed once the uploads have been consumed too (the next server step), so that a step whose
             # uploads are lost with a node can still be run again from the previous states
             to_commit = ([r.client_id for r in reports if r.ok], step_token(round_idx, step, it))
@@ -332,6 +347,8 @@ def _metadata(run: Run) -> dict:
         "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures],
         "equality_policy": EQUALITY_POLICY,
         "actor_failures": list(getattr(run.backend, "actor_failures", [])),
+        # tensor bytes through Ray's object store per round (payload reads by the actors' calls, returned uploads)
+        "object_store_bytes": [dict(round=r, **v) for r, v in sorted(run.backend.object_store.items())],
         "schedule": [f"{type(s).__name__}:{s.name}" + (f"#{i}" if i else "") for s, i in flatten(run.algorithm.schedule())],
     }
     if run.algorithm.setup_schedule() is not None:

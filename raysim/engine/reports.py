@@ -24,6 +24,13 @@ class ClientReport:
     nonfinite: str = ""  # what was NaN/inf in the update (raysim.engine.safety); the update was discarded
 
 
+class StepReports(list):
+    """One runner call's reports (a list of :class:`ClientReport`), with the bytes of the uploads the call returned
+    beside them (``upload_bytes``: the Ray backend counts what travels through its object store)."""
+
+    upload_bytes: int = 0
+
+
 def step_token(round_idx: int, step, iteration: int) -> str:
     """Names one execution of a client step (its staged states on disk carry it)."""
     return f"{round_idx}.{step.name}.{iteration}"

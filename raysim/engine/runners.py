@@ -22,7 +22,7 @@ import torch
 
 from raysim import numerics, registry
 from raysim import rng as rngmod
-from raysim.algorithm import Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task
+from raysim.algorithm import Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task, upload_merger
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
@@ -156,9 +156,22 @@ class ClientRunner(BatchedSteps):
             if old is not None:
                 self._decoded_bytes -= _data_nbytes(old)
 
-    def run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
-                        client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
-        """Run ``step`` for ``client_ids`` (hosted here) in order; returns (uploads by client, reports)."""
+    def run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int, client_ids: list[int],
+                        merge: Optional[ServerStep] = None) -> tuple[dict, list[ClientReport]]:
+        """Run ``step`` for ``client_ids`` (hosted here) in order; returns (uploads by client, reports). ``merge``:
+        the server step these uploads feed, when the driver asks for a partial aggregate (``backend.
+        partial_aggregate``): the uploads leave as one merged upload under the smallest of their client ids (the
+        reports, and so the accounted messages, are per client as ever)."""
+        uploads, reports = self._run_client_step(step, payload, round_idx, iteration, client_ids)
+        merger = upload_merger(self.algorithm, merge) if merge is not None else None
+        if merger is not None and len(uploads) > 1:
+            merged = merger({cid: uploads[cid] for cid in sorted(uploads)})
+            if merged is not None:
+                uploads = {min(uploads): merged}
+        return uploads, reports
+
+    def _run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
+                         client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
         fn = getattr(self.algorithm, step.method)
         evaluate = step.mode == "evaluate"
         uploads, reports = {}, []
