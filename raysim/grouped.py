@@ -33,7 +33,6 @@ import torch.nn.functional as F
 
 from raysim.config import TrainConfig
 from raysim.layers import Dropout, SplitModel
-from raysim.models import _CNNMnistBody
 
 
 class Ineligible(Exception):
@@ -108,17 +107,6 @@ def _dropout(m: Dropout, a: _Act, masks: Iterator) -> _Act:
     return a.like(a.t * mask * (1.0 / (1.0 - m.p)))
 
 
-def _cnn_mnist_body(m: _CNNMnistBody, a: _Act, p: dict, name: str, masks: Iterator) -> _Act:
-    # the same sequence as _CNNMnistBody.forward
-    a = _conv(m.conv1, a, p, f"{name}.conv1")
-    a = a.like(F.relu(F.max_pool2d(a.t, 2)))
-    a = _conv(m.conv2, a, p, f"{name}.conv2")
-    a = _dropout(m.drop, a, masks)
-    a = a.like(F.relu(F.max_pool2d(a.t, 2)))
-    z = _linear(_flatten(a), p, f"{name}.fc1", True)
-    return z.like(F.relu(z.t))
-
-
 def _run(m: nn.Module, a: _Act, p: dict, name: str, masks: Iterator) -> _Act:
     pre = f"{name}." if name else ""
     if isinstance(m, nn.Sequential):
@@ -143,13 +131,11 @@ def _run(m: nn.Module, a: _Act, p: dict, name: str, masks: Iterator) -> _Act:
         return _flatten(a)
     if isinstance(m, Dropout):
         return _dropout(m, a, masks)
-    if isinstance(m, _CNNMnistBody):
-        return _cnn_mnist_body(m, a, p, name, masks)
     raise Ineligible(f"{name or 'model'}: {type(m).__name__} has no grouped form")
 
 
 _KNOWN = (SplitModel, nn.Sequential, nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten,
-          Dropout, _CNNMnistBody) + _ELEMENTWISE
+          Dropout) + _ELEMENTWISE
 
 
 def _plain(m: nn.Module) -> bool:
@@ -177,8 +163,6 @@ def supported(model: nn.Module) -> bool:
             return set(m._modules) == {"body", "head"} and all(ok(c) for c in m.children())
         if isinstance(m, nn.Sequential):
             return all(ok(c) for c in m.children())
-        if isinstance(m, _CNNMnistBody):
-            return all(_plain(c) for c in m.children())
         if isinstance(m, nn.Conv2d):
             return m.padding_mode == "zeros" and not isinstance(m.padding, str)
         if isinstance(m, nn.Flatten):

@@ -12,7 +12,6 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from raysim.adapt import build_user_model, resolve_factory
 from raysim.config import ArchSpec, ConfigError, ModelConfig
@@ -21,22 +20,20 @@ from raysim.layers import (Dropout, SplitModel, dropout_masks_of, num_parameters
 from raysim.registry import MODELS
 
 
-class _CNNMnistBody(nn.Module):
+def cnn_mnist_body(in_channels: int, out_channels: int, embed_dim: int, input_hw: int,
+                   conv_dropout: float = 0.5) -> nn.Sequential:
     """FedProto's CNNMnist feature extractor (official ``lib/models/models.py``): conv 1->10 k5, pool, relu;
-    conv 10->oc k5, dropout2d, pool, relu; fc -> embed_dim, relu (the prototype, taken before dropout)."""
+    conv 10->oc k5, dropout2d, pool, relu; fc -> embed_dim, relu (the prototype, taken before dropout). Standard
+    layers in a Sequential (no forward of its own), so every executor — the loop, vmap, the grouped form — runs
+    the same layers; the parameters keep their names (conv1, conv2, fc1)."""
+    from collections import OrderedDict
 
-    def __init__(self, in_channels: int, out_channels: int, embed_dim: int, input_hw: int, conv_dropout: float = 0.5):
-        super().__init__()
-        self.conv1 = nn.Conv2d(in_channels, 10, kernel_size=5)
-        self.conv2 = nn.Conv2d(10, out_channels, kernel_size=5)
-        self.drop = Dropout(conv_dropout, channelwise=True)
-        side = ((input_hw - 4) // 2 - 4) // 2
-        self.fc1 = nn.Linear(out_channels * side * side, embed_dim)
-
-    def forward(self, x):
-        x = F.relu(F.max_pool2d(self.conv1(x), 2))
-        x = F.relu(F.max_pool2d(self.drop(self.conv2(x)), 2))
-        return F.relu(self.fc1(x.flatten(1)))
+    side = ((input_hw - 4) // 2 - 4) // 2
+    return nn.Sequential(OrderedDict([
+        ("conv1", nn.Conv2d(in_channels, 10, kernel_size=5)), ("pool1", nn.MaxPool2d(2)), ("relu1", nn.ReLU()),
+        ("conv2", nn.Conv2d(10, out_channels, kernel_size=5)), ("drop", Dropout(conv_dropout, channelwise=True)),
+        ("pool2", nn.MaxPool2d(2)), ("relu2", nn.ReLU()), ("flatten", nn.Flatten()),
+        ("fc1", nn.Linear(out_channels * side * side, embed_dim)), ("relu3", nn.ReLU())]))
 
 
 def cnn_mnist(input_shape, num_classes, out_channels: int = 20, embed_dim: int = 50, dropout: float = 0.5,
@@ -47,7 +44,7 @@ def cnn_mnist(input_shape, num_classes, out_channels: int = 20, embed_dim: int =
     for name, p in (("dropout", dropout), ("conv_dropout", conv_dropout)):
         if not 0.0 <= p < 1.0:
             raise ConfigError(f"model.params.{name}", f"must be in [0, 1), got {p}")
-    body = _CNNMnistBody(input_shape[0], out_channels, embed_dim, input_shape[-1], conv_dropout)
+    body = cnn_mnist_body(input_shape[0], out_channels, embed_dim, input_shape[-1], conv_dropout)
     return SplitModel(body, nn.Sequential(Dropout(dropout), nn.Linear(embed_dim, num_classes)), embed_dim)
 
 

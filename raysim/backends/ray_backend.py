@@ -23,6 +23,7 @@ from raysim.data.federated import LazyClients
 from raysim.engine.placement import cost_model, ideal, moves, plan
 from raysim.engine.runners import ClientReport, server_data
 from raysim.errors import SimulationError
+from raysim.messages import tensor_bytes
 
 
 class RayBackend(Backend):
@@ -269,7 +270,9 @@ class RayBackend(Backend):
         row = self.object_store.setdefault(round_idx, {"train_down": 0, "train_up": 0, "evaluate_down": 0,
                                                        "evaluate_up": 0})
         mode = "evaluate" if step.mode == "evaluate" else "train"
-        row[f"{mode}_down"] += self._payload_bytes.get(payload, 0) * len(reports_by_actor)
+        nbytes = (self._payload_bytes.get(payload, 0) if isinstance(payload, ray.ObjectRef)
+                  else tensor_bytes(payload))  # the setup's first payload is passed inline
+        row[f"{mode}_down"] += nbytes * len(reports_by_actor)
         row[f"{mode}_up"] += sum(int(getattr(r, "upload_bytes", 0)) for r in reports_by_actor)
 
     runs_server_step_ahead = True  # client_step(..., then=...) submits the following server step at once

@@ -1,6 +1,6 @@
 """What a client step reports back (:class:`ClientReport`), and the names of a step's executions: the token its staged
 states carry and the purpose of its per-client random streams. Shared by the client runner and its batched step
-executors (:mod:`raysim.engine.batched`)."""
+executors (:mod:`raysim.engine.executors`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

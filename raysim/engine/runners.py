@@ -6,13 +6,12 @@ A :class:`ClientRunner` hosts a fixed group of virtual clients: their data (comp
 step) and a :class:`~raysim.engine.store.StateStore` of their states (created lazily, spilled to disk beyond
 ``backend.state_memory_mb``). ``run_client_step`` runs one step of the schedule for some of its clients, one after
 another, each inside a failure guard; new states stay *pending* until the driver calls ``commit`` (the step's reports
-have reached it); with ``backend.vectorize`` a step may run batched instead (:mod:`raysim.engine.batched`: a method's
-group form, or the vectorised executor). A :class:`ServerRunner` holds the server state and the server-held data the
+have reached it); with ``backend.vectorize`` a step may run batched instead (:mod:`raysim.engine.executors`: a
+method's group form, or the vectorised executor). A :class:`ServerRunner` holds the server state and the server-held data the
 method declared, and runs server steps. What a client step reports, and the step's names: :mod:`raysim.engine.reports`.
 """
 from __future__ import annotations
 
-import time
 import traceback as tb
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +21,12 @@ import torch
 
 from raysim import numerics, registry
 from raysim import rng as rngmod
-from raysim.algorithm import Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task, upload_merger
+from raysim.algorithm import Context, ModelCache, ServerContext, ServerUpdate, Task, upload_merger
 from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
-from raysim.engine.batched import BatchedSteps
-from raysim.engine.reports import ClientReport, step_purpose as _purpose, step_token  # noqa: F401 (re-exported)
+from raysim.engine.executors import executor_chain
+from raysim.engine.reports import ClientReport, step_purpose as _purpose, step_token  # noqa: F401 (step_token re-exported)
 from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
@@ -91,7 +90,7 @@ def _data_nbytes(d: ClientData) -> int:
     return sum(t.numel() * t.element_size() for t in (d.x_train, d.y_train, d.x_test, d.y_test, d.x_val, d.y_val))
 
 
-class ClientRunner(BatchedSteps):
+class ClientRunner:
     """Hosts a group of virtual clients: their data stays resident, their states live in the store."""
 
     def __init__(self, spec: RunSpec, clients: list[ClientData], name: str = "clients"):
@@ -113,7 +112,7 @@ class ClientRunner(BatchedSteps):
         self._decoded: dict[int, ClientData] = {}
         self._decoded_bytes = 0
         self._decoded_budget = int(spec.cfg.backend.decoded_cache_mb * 2**20)
-        self._group_warned: set = set()  # group forms that failed once (warned), see _run_group
+        self.executors = executor_chain(spec.cfg.backend)  # how a step runs (raysim.engine.executors)
         mem = spec.cfg.backend.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
@@ -172,44 +171,11 @@ class ClientRunner(BatchedSteps):
 
     def _run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
                          client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
-        fn = getattr(self.algorithm, step.method)
-        evaluate = step.mode == "evaluate"
-        uploads, reports = {}, []
-        if not evaluate and self.spec.cfg.backend.vectorize:
-            if step.method == "client_update" and isinstance(self.algorithm, LocalTraining):
-                return self._run_vectorized(step, payload, round_idx, iteration, client_ids)
-            group_fn = getattr(self.algorithm, f"{step.method}_group", None)
-            if group_fn is not None and len(client_ids) > 1:
-                done = self._run_group(step, group_fn, payload, round_idx, iteration, client_ids)
-                if done is not None:
-                    return done
-        for cid in client_ids:
-            if evaluate and self.data[cid].y_test.numel() == 0:
-                continue  # a client without local test data is not evaluated
-            t0 = time.perf_counter()
-            rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
-            try:
-                ctx = self._ctx(round_idx, cid, step.name, iteration)
-                down = self.algorithm.downlink(payload, cid, ctx)
-                if not evaluate:
-                    rep.down = payload_sizes(down)
-                state = self.state(cid, keep=not evaluate)
-                rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
-                if evaluate:
-                    data = self._data(cid)
-                    rep.metrics = dict(fn(down, state, data, ctx))
-                    if data.has_val:  # the same evaluation on the validation split: test_* -> val_*
-                        rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
-                        vm = fn(down, state, data.validation_view(), ctx)
-                        rep.metrics.update({"val_" + k[5:]: v for k, v in vm.items() if k.startswith("test_")})
-                else:
-                    self._finish_update(rep, cid, fn(down, state, self._data(cid), ctx),
-                                        step_token(round_idx, step, iteration), uploads)
-            except Exception as e:  # a failing client is a value, not a crashed pool
-                self._fail(rep, cid, e, uploads)
-            rep.seconds = time.perf_counter() - t0
-            reports.append(rep)
-        return uploads, reports
+        for executor in self.executors:  # the first that takes the step runs it (the loop takes every step)
+            out = executor.run(self, step, payload, round_idx, iteration, client_ids)
+            if out is not None:
+                return out
+        raise AssertionError("the executor chain ends with the per-client loop")
 
     def _fail(self, rep: ClientReport, cid: int, e: BaseException, uploads: Optional[dict] = None) -> None:
         """A client's step failed: the report says why, its staged state and its upload are dropped. A damaged state

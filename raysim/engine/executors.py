@@ -1,0 +1,215 @@
+"""Executors: the ways a client runner runs a client step for its hosted clients, as objects behind one interface
+(:class:`Executor`). A runner holds a chain of them, chosen once from the run's settings (:func:`executor_chain`);
+a step goes to the first that takes it (``run`` returns None to pass it on):
+
+* :class:`GroupForm` — a method's group form of the step (``<fn>_group(payloads, states, datas, ctxs)``, MAFML's);
+* :class:`Vectorized` — local training of ``LocalTraining`` methods batched per architecture
+  (:mod:`raysim.engine.vectorized`: the grouped network of :mod:`raysim.grouped` where the model has one, else
+  ``torch.func.vmap``);
+* :class:`Loop` — one client after another (always last: it takes every step).
+
+Each keeps the per-client loop's contract: each client's report, staged state and upload, and its own failure. They
+read the runner's parts (``algorithm``, ``spec``, ``_ctx``, ``state``, ``_data``, ``_finish_update``, ``_fail``)
+and hold no client state of their own."""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Optional
+
+import torch
+
+from raysim import rng as rngmod
+from raysim.algorithm import ClientUpdate, LocalTraining
+from raysim.engine.reports import ClientReport, step_purpose as _purpose, step_token
+from raysim.engine.vectorized import check_model, vmap_local_sgd
+from raysim.errors import DamagedFileError
+from raysim.messages import payload_sizes
+from raysim.steps import ClientStep
+
+
+class Executor:
+    """One way of running a client step. ``run`` returns (uploads by client, reports in ``client_ids`` order), or
+    None when it does not take this step (the next executor of the chain runs it)."""
+
+    name = "executor"
+
+    def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
+            client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
+        raise NotImplementedError
+
+
+class GroupForm(Executor):
+    """``backend.vectorize``: a training step whose method has a group form, for two clients or more."""
+
+    name = "group_form"
+
+    def __init__(self):
+        self._warned: set = set()  # group forms that failed once (warned)
+
+    def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
+            client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
+        """``backend.vectorize`` for a step whose method has a group form (``<fn>_group(payloads, states, datas,
+        ctxs)``, the contract in the comment after :meth:`raysim.algorithm.Algorithm.evaluate_client`): one call for
+        the hosted clients of the step. The group form returns None when it cannot take this group (the per-client
+        loop runs instead); if it raises, the per-client loop runs too (warned once per step), so a failing client
+        fails alone and with its own error. A result that is not one ClientUpdate per client is the method's bug: a
+        TypeError naming it."""
+        if step.mode == "evaluate" or len(client_ids) < 2 or getattr(r.algorithm, f"{step.method}_group", None) is None:
+            return None
+        t0 = time.perf_counter()
+        name = f"{type(r.algorithm).__name__}.{step.method}_group"
+        try:
+            ctxs = [r._ctx(round_idx, cid, step.name, iteration) for cid in client_ids]
+            downs = [r.algorithm.downlink(payload, cid, ctx) for cid, ctx in zip(client_ids, ctxs)]
+            states = [r.state(cid) for cid in client_ids]
+            datas = [r._data(cid) for cid in client_ids]
+            results = getattr(r.algorithm, f"{step.method}_group")(downs, states, datas, ctxs)
+        except DamagedFileError:
+            raise
+        except Exception as e:
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(f"{name} failed ({type(e).__name__}: {e}); its clients run the per-client steps",
+                              RuntimeWarning, stacklevel=2)
+            return None
+        if results is None:
+            return None
+        if (not isinstance(results, (list, tuple)) or len(results) != len(client_ids)
+                or not all(isinstance(u, ClientUpdate) for u in results)):
+            raise TypeError(f"{name} must return None or one ClientUpdate per client ({len(client_ids)}), got "
+                            f"{type(results).__name__}"
+                            f"{f' of {len(results)}' if isinstance(results, (list, tuple)) else ''}")
+        token = step_token(round_idx, step, iteration)
+        share = (time.perf_counter() - t0) / len(client_ids)
+        uploads, reports = {}, []
+        for cid, down, res in zip(client_ids, downs, results):
+            rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
+            rep.down = payload_sizes(down)
+            try:
+                r._finish_update(rep, cid, res, token, uploads)
+            except Exception as e:
+                r._fail(rep, cid, e, uploads)
+            rep.seconds = share
+            reports.append(rep)
+        return uploads, reports
+
+
+class Vectorized(Executor):
+    """``backend.vectorize``: the local training step (``client_update``) of a ``LocalTraining`` method."""
+
+    name = "vectorized"
+
+    def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
+            client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
+        """``backend.vectorize``: ``client_init`` per client, the local training of every client whose method opts
+        in (``vectorizable``) batched per architecture (:mod:`raysim.engine.vectorized`), ``client_final`` per client;
+        every client keeps its own failure guard. Clients that do not opt in run the per-client loop."""
+        if step.mode == "evaluate" or step.method != "client_update" or not isinstance(r.algorithm, LocalTraining):
+            return None
+        alg, cfg = r.algorithm, r.spec.task.train
+        token = step_token(round_idx, step, iteration)
+        uploads, reports, pending, groups = {}, {}, {}, {}
+        for cid in client_ids:
+            t0 = time.perf_counter()
+            rep = reports[cid] = ClientReport(cid, round_idx, step.name, iteration=iteration)
+            try:
+                ctx = r._ctx(round_idx, cid, step.name, iteration)
+                down = alg.downlink(payload, cid, ctx)
+                rep.down = payload_sizes(down)
+                state = r.state(cid)
+                data = r._data(cid)
+                rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                model = alg.live_model(ctx)
+                start = alg.client_init(model, down, state, data, ctx)
+                if alg.vectorizable(start):
+                    check_model(model)
+                    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+                    opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
+                    pending[cid] = (ctx, down, state, data, start, params, opt_state)
+                    groups.setdefault(id(model), (model, []))[1].append(cid)
+                else:
+                    rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                    r._finish_update(rep, cid, alg.client_update(down, state, data, ctx), token, uploads)
+            except Exception as e:
+                r._fail(rep, cid, e, uploads)
+                pending.pop(cid, None)
+            rep.seconds += time.perf_counter() - t0
+        for model, cids in groups.values():
+            cids = [c for c in cids if c in pending]
+            if not cids:
+                continue
+            t0 = time.perf_counter()
+            items = [pending[c] for c in cids]
+            try:
+                trained, metrics, opt_states = vmap_local_sgd(
+                    model, alg.objective(items[0][4]), [it[5] for it in items],
+                    [it[3].x_train if it[4].x is None else it[4].x for it in items], [it[3].y_train if it[4].y is None else it[4].y for it in items],
+                    cfg, [it[0].generator("batches") for it in items],
+                    [it[0].generator("dropout", device=it[0].device) for it in items], [it[6] for it in items])
+            except Exception as e:  # the batched computation failed: every client in it failed with the error
+                for c in cids:
+                    r._fail(reports[c], c, e)
+                continue
+            share = (time.perf_counter() - t0) / len(cids)
+            for j, c in enumerate(cids):
+                t1 = time.perf_counter()
+                ctx, down, state, data, start, _, _ = pending[c]
+                rep = reports[c]
+                try:
+                    with torch.no_grad():
+                        for n, p in model.named_parameters():
+                            p.copy_(trained[j][n])
+                    new_state, upload = alg.client_final(model, start, down, state, data, ctx)
+                    if cfg.persist_optimizer:
+                        new_state = {**(new_state or {}), "opt": opt_states[j]}
+                    r._finish_update(rep, c, ClientUpdate(new_state, upload, metrics[j]), token, uploads)
+                except Exception as e:
+                    r._fail(rep, c, e, uploads)
+                rep.seconds += share + time.perf_counter() - t1
+        return uploads, [reports[c] for c in client_ids]
+
+
+class Loop(Executor):
+    """One client after another, each inside its own failure guard (training and evaluation steps)."""
+
+    name = "loop"
+
+    def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
+            client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
+        fn = getattr(r.algorithm, step.method)
+        evaluate = step.mode == "evaluate"
+        uploads, reports = {}, []
+        for cid in client_ids:
+            if evaluate and r.data[cid].y_test.numel() == 0:
+                continue  # a client without local test data is not evaluated
+            t0 = time.perf_counter()
+            rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
+            try:
+                ctx = r._ctx(round_idx, cid, step.name, iteration)
+                down = r.algorithm.downlink(payload, cid, ctx)
+                if not evaluate:
+                    rep.down = payload_sizes(down)
+                state = r.state(cid, keep=not evaluate)
+                rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                if evaluate:
+                    data = r._data(cid)
+                    rep.metrics = dict(fn(down, state, data, ctx))
+                    if data.has_val:  # the same evaluation on the validation split: test_* -> val_*
+                        rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                        vm = fn(down, state, data.validation_view(), ctx)
+                        rep.metrics.update({"val_" + k[5:]: v for k, v in vm.items() if k.startswith("test_")})
+                else:
+                    r._finish_update(rep, cid, fn(down, state, r._data(cid), ctx),
+                                        step_token(round_idx, step, iteration), uploads)
+            except Exception as e:  # a failing client is a value, not a crashed pool
+                r._fail(rep, cid, e, uploads)
+            rep.seconds = time.perf_counter() - t0
+            reports.append(rep)
+        return uploads, reports
+
+
+def executor_chain(backend_cfg) -> tuple[Executor, ...]:
+    """The executors a runner tries, in order: with ``backend.vectorize`` the vectorised executor and group forms
+    first; the per-client loop always last."""
+    return ((Vectorized(), GroupForm()) if backend_cfg.vectorize else ()) + (Loop(),)
