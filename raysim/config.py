@@ -209,6 +209,9 @@ class BackendConfig:
     #                                  when the method's server step declares a merge: one message per actor instead
     #                                  of one per client; with several actors the sums are grouped differently (numbers
     #                                  within the stated tolerance), so it is part of the run's identity when on
+    # Ray: per-architecture actor pools ([{arch, num_actors, num_cpus, num_gpus, gpu_memory_mb}]): the clients of
+    # each listed architecture run on actors of their own shape; the others on the num_actors default actors
+    model_resources: Optional[list[ModelResources]] = None
     code: Any = "auto"  # Ray: the user code shipped to every actor: auto (the modules the config's import paths and
     #                     registrations load from outside installed packages, with their sibling modules), none,
     #                     working_dir (the whole working directory as Ray's working_dir), or a list of module files /
@@ -244,6 +247,38 @@ class BackendConfig:
             v = getattr(self, name)
             if v > 1 and not float(v).is_integer():
                 raise ConfigError(_p(path, name), f"a fraction must be <= 1, or a whole number of GPUs; got {v}")
+        seen = set()
+        for i, r in enumerate(self.model_resources or []):
+            r.check(_p(path, f"model_resources[{i}]"))
+            if r.arch in seen:
+                raise ConfigError(_p(path, f"model_resources[{i}].arch"), f"{r.arch!r} is listed twice")
+            seen.add(r.arch)
+
+
+@dataclass(frozen=True)
+class ModelResources:
+    """Ray: the actors that host the clients of one architecture (``backend.model_resources`` entries): their own
+    resource shape and count, and a cap on each one's GPU memory."""
+
+    arch: str = ""  # an architecture of the run (model.arch, or an arch of model.per_client)
+    num_actors: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0  # a fraction <= 1 or a whole number
+    gpu_memory_mb: float = 0.0  # cap per actor (torch's per-process memory fraction); 0: num_gpus x the GPU's memory
+
+    def check(self, path: str) -> None:
+        if not isinstance(self.arch, str) or not self.arch:
+            raise ConfigError(_p(path, "arch"), "names the architecture these actors host (model.arch or an arch of "
+                                                "model.per_client)")
+        positive(_p(path, "num_actors"), self.num_actors)
+        positive(_p(path, "num_cpus"), self.num_cpus, allow_zero=True)
+        positive(_p(path, "num_gpus"), self.num_gpus, allow_zero=True)
+        positive(_p(path, "gpu_memory_mb"), self.gpu_memory_mb, allow_zero=True)
+        if self.num_gpus > 1 and not float(self.num_gpus).is_integer():
+            raise ConfigError(_p(path, "num_gpus"), f"a fraction must be <= 1, or a whole number of GPUs; got "
+                                                    f"{self.num_gpus}")
+        if self.gpu_memory_mb and not self.num_gpus:
+            raise ConfigError(_p(path, "gpu_memory_mb"), "caps GPU memory: set num_gpus too")
 
 
 @dataclass(frozen=True)
@@ -283,6 +318,11 @@ class ExperimentConfig:
         choice("on_nonfinite", self.on_nonfinite, ["stop", "skip_client"])
         choice("on_actor_failure", self.on_actor_failure, ["retry", "skip", "stop"])
         positive("max_retries", self.max_retries, allow_zero=True)
+        archs = [self.model.arch] if self.model.per_client is None else [a.arch for a in self.model.per_client]
+        for i, r in enumerate(self.backend.model_resources or []):
+            if r.arch not in archs:
+                raise ConfigError(f"backend.model_resources[{i}].arch", f"{r.arch!r} is not an architecture of this "
+                                                                        f"run; choose one of: {', '.join(dict.fromkeys(archs))}")
         if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
         if self.model.assign == "tier" and getattr(self.model, "tiers", None) is None and (

@@ -35,6 +35,9 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None
+        real = [a for a in args if a is not type(None)]
+        if len(real) == 1:  # Optional[X]: X's own error names the exact field (e.g. 'model.per_client[0].bogus')
+            return _coerce(value, real[0], path)
         errors = []
         for a in args:
             if a is type(None):

@@ -98,6 +98,27 @@ class PlacementProbe(FedAvg):
         return out
 
 
+class PoolProbe(FedProto):
+    """A FedProto (any mix of architectures) whose clients report the Ray resources of the process they ran in."""
+
+    name = "pool_probe"
+
+    def evaluate_client(self, payload, state, data, ctx):
+        import os
+
+        import ray
+
+        out = super().evaluate_client(payload, state, data, ctx)
+        try:  # in an actor: its resources; in the driver (the sequential backend) there are none
+            got = ray.get_runtime_context().get_assigned_resources()
+        except Exception:
+            got = {}
+        out["probe_pid"] = float(os.getpid())
+        out["probe_gpu_share"] = float(got.get("GPU", 0.0))
+        out["probe_cpu_share"] = float(got.get("CPU", 0.0))
+        return out
+
+
 class HoldFedProto(FedProto):
     """A FedProto that lets a study be killed mid-trial at a known point: with RAYSIM_TEST_HOLD_DIR set, every run
     appends a line to ``runs`` there in its first round, and the third run, in its second round, writes ``holding``

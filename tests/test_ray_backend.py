@@ -131,3 +131,60 @@ def test_resource_arithmetic(tiny):
     with pytest.raises(ConfigError, match="do not fit"):  # 0.4 packs 2 per GPU: 3 actors need 2 GPUs
         check_resources(cfg, cpus=2, gpus=1.0, where="x")
     check_resources(cfg, cpus=2, gpus=2.0, where="x")
+
+
+TWO_ARCHS = {"assign": "cycle", "per_client": [{"arch": "mlp", "params": {"hidden": 16, "embed_dim": 16}},
+                                               {"arch": "cnn_small", "params": {"channels": 8, "embed_dim": 16}}]}
+
+
+def test_model_resources_give_each_architecture_its_own_actors(ray_session, tiny, monkeypatch):
+    """backend.model_resources: the cnn_small clients (1, 3, 5) run on two actors of 0.5 GPU each, the mlp clients
+    (0, 2, 4) on the one default actor of 0.25 GPU (fake GPUs; nothing calls CUDA); the table is the sequential one."""
+    register_for_test(monkeypatch, pool_probe="tests.failing_algo:PoolProbe")
+    over = dict(rounds=1, model=TWO_ARCHS, algorithm={"name": "pool_probe", "params": {}})
+    t = table(tiny(**over, backend={"name": "ray", "num_actors": 1, "num_cpus": 0.5, "num_gpus": 0.25,
+                                    "model_resources": [{"arch": "cnn_small", "num_actors": 2, "num_cpus": 0.5,
+                                                         "num_gpus": 0.5}]}))
+    probe = t[(t.scope == "client") & t.metric.str.startswith("probe_")].pivot_table(
+        index="client_id", columns="metric", values="value")
+    assert probe.loc[[0, 2, 4], "probe_gpu_share"].eq(0.25).all() and probe.loc[[0, 2, 4], "probe_pid"].nunique() == 1
+    assert probe.loc[[1, 3, 5], "probe_gpu_share"].eq(0.5).all() and probe.loc[[1, 3, 5], "probe_pid"].nunique() == 2
+    assert set(probe.loc[[0, 2, 4], "probe_pid"]).isdisjoint(probe.loc[[1, 3, 5], "probe_pid"])
+    seq = table(tiny(**over))
+    keep = ~t.metric.str.startswith("probe_")
+    pd.testing.assert_frame_equal(seq[~seq.metric.str.startswith("probe_")].reset_index(drop=True),
+                                  t[keep].reset_index(drop=True), check_exact=True)
+
+
+def test_a_gpu_budget_below_the_models_footprint_is_refused_before_any_actor(ray_session, tiny, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "remote", lambda *a, **k: pytest.fail("an actor was defined"))
+    cfg = tiny(rounds=1, model=TWO_ARCHS, backend={
+        "name": "ray", "num_actors": 1, "num_cpus": 0.5, "decoded_cache_mb": 0,
+        "model_resources": [{"arch": "cnn_small", "num_gpus": 0.5, "gpu_memory_mb": 0.01}]})
+    with pytest.raises(ConfigError) as e:
+        run_experiment(cfg, write=False)
+    assert e.value.field == "backend.model_resources[0].gpu_memory_mb"
+    assert "cnn_small needs about" in str(e.value) and "activations of a batch" in str(e.value)
+    too_many = tiny(rounds=1, model=TWO_ARCHS, backend={
+        "name": "ray", "num_actors": 1, "num_cpus": 0.5, "num_gpus": 1,
+        "model_resources": [{"arch": "cnn_small", "num_actors": 3, "num_cpus": 0.1, "num_gpus": 0.6}]})
+    with pytest.raises(ConfigError, match="do not fit") as e:
+        run_experiment(too_many, write=False)
+    assert e.value.field == "backend.model_resources[0].num_gpus"
+
+
+def test_actor_pools_and_placement_stay_within_a_pool(tiny):
+    from raysim.engine.placement import actor_pools, plan_pools
+
+    cfg = tiny(model=TWO_ARCHS, backend={"name": "ray", "num_actors": 2,
+                                         "model_resources": [{"arch": "cnn_small", "num_actors": 1, "num_gpus": 0.5}]})
+    pools, layout = actor_pools(cfg.backend, ["mlp", "cnn_small"] * 3)
+    assert [(p.arch, p.actors, p.num_gpus) for p in pools] == [(None, [0, 1], 0.0), ("cnn_small", [2], 0.5)]
+    assert layout == {0: 0, 2: 1, 4: 0, 1: 2, 3: 2, 5: 2}
+    # all the load on actor 0: the plan may move mlp clients to actor 1, never a cnn_small client off actor 2
+    new = plan_pools({0: 10.0, 2: 1.0, 4: 10.0, 1: 5.0, 3: 5.0, 5: 5.0}, {0: 0, 2: 0, 4: 0, 1: 2, 3: 2, 5: 2}, pools)
+    assert {new[c] for c in (1, 3, 5)} == {2} and {new[c] for c in (0, 2, 4)} == {0, 1}
+    plain, lay = actor_pools(tiny(backend={"name": "ray", "num_actors": 4}).backend, ["mlp"] * 6)
+    assert len(plain) == 1 and lay == {c: c % 4 for c in range(6)}

@@ -57,7 +57,7 @@ def take_warm(kind: str, key, n: int) -> list:
 
 
 class ClientActor(ClientRunner):
-    def __init__(self, spec, clients, name="clients", source=None):
+    def __init__(self, spec, clients, name="clients", source=None, gpu_memory_mb: float = 0.0):
         numerics.enter(spec.cfg.backend.numerics)  # before anything computes here (the data may be built below)
         ray_serialization.register()
         if source is not None:  # client ids into the shared pools
@@ -72,11 +72,23 @@ class ClientActor(ClientRunner):
             clients = (fed.clients.view(clients) if isinstance(fed.clients, LazyClients)
                        else [fed.clients[i] for i in clients])
         super().__init__(spec, clients, name)
+        self.gpu_memory_mb = float(gpu_memory_mb)
+        if self.gpu_memory_mb and self.device.type == "cuda":  # backend.model_resources[].gpu_memory_mb: a cap, so
+            # that one actor cannot take the memory of the others sharing its GPU
+            import torch
 
-    def reset(self, spec, clients, name="clients", source=None) -> bool:
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self.gpu_memory_mb * 2**20 / total), self.device)
+
+    def reset(self, spec, clients, name="clients", source=None, gpu_memory_mb: float = 0.0) -> bool:
         """Host another run's clients in this process (keep_actors_warm): as a new actor would."""
-        self.__init__(spec, clients, name, source)
+        self.__init__(spec, clients, name, source, gpu_memory_mb)
         return True
+
+    def hosting(self) -> dict:
+        """What this actor hosts and holds: its client ids, its Ray resources and its GPU memory cap."""
+        return {"clients": self.client_ids(), "resources": dict(ray.get_runtime_context().get_assigned_resources()),
+                "gpu_memory_mb": self.gpu_memory_mb}
 
     def close(self) -> None:
         if self.store is not None:

@@ -20,7 +20,7 @@ from raysim.backends.ray_actors import WARM, ClientActor, ServerActor, alive, re
 from raysim.backends.ray_preflight import (ADDRESS_FIX, actor_runtime_env, address_error, check_address,
                                           check_node_numerics, check_node_resources, check_resources, code_runtime_env)
 from raysim.data.federated import LazyClients
-from raysim.engine.placement import cost_model, ideal, moves, plan
+from raysim.engine.placement import actor_pools, cost_model, ideal, moves, plan_pools
 from raysim.engine.runners import ClientReport, server_data
 from raysim.errors import SimulationError
 from raysim.messages import tensor_bytes
@@ -66,8 +66,10 @@ class RayBackend(Backend):
         check_node_numerics(cfg, ray.nodes())
 
         self.spec, self._state_dir = run_state_dir(self.spec)
-        n = min(b.num_actors, cfg.data.num_clients)
-        self.assignment = {cid: cid % n for cid in range(len(self.fed_data.clients))}
+        # actor pools: one per backend.model_resources entry (its architecture's clients), the default one for the rest
+        self.pools, self.assignment = actor_pools(b, [a.arch for a in self.spec.task.archs])
+        self._pool_of = {k: p for p in self.pools for k in p.actors}
+        n = len(self._pool_of)
         on_actors = b.data == "actors" or (b.data == "auto" and bool(b.address))
         # clients as index ranges into shared pools (LazyClients): the pools go to the object store once, each actor
         # gets its client ids (no per-client objects shipped)
@@ -88,11 +90,11 @@ class RayBackend(Backend):
         self.shipped = list(self.spec.code) + ([os.getcwd()] if b.code == "working_dir" else [])
         Server = ray.remote(ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
                                                   max_concurrency=1, scheduling_strategy=here, **extra)
-        self._Client = ray.remote(ClientActor).options(num_cpus=b.num_cpus, num_gpus=b.num_gpus,
-                                                        scheduling_strategy="SPREAD" if b.placement == "spread" else "DEFAULT",
-                                                        **extra)
+        self._Clients = [ray.remote(ClientActor).options(
+            num_cpus=p.num_cpus, num_gpus=p.num_gpus, scheduling_strategy="SPREAD" if b.placement == "spread" else
+            "DEFAULT", **extra) for p in self.pools]
         self._warm_keys = None
-        if WARM["on"] and not self._own_session and not b.address:
+        if WARM["on"] and not self._own_session and not b.address and not b.model_resources:
             self._warm_keys = (("client", b.num_cpus, b.num_gpus, b.placement, repr(renv), b.numerics),
                                ("server", b.server_num_cpus, b.server_num_gpus, repr(renv), b.numerics))
         self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test),
@@ -100,12 +102,18 @@ class RayBackend(Backend):
         self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit issued
         self._unsent: list = [[] for _ in range(n)]  # per actor: commits not sent yet (they ride on its next step call)
         self._unconfirmed: list = [[] for _ in range(n)]  # per actor: commits issued since its last call that returned
-        self.cost = cost_model(self.spec.task, self.fed_data) if b.balance == "cost" and n > 1 else None
+        self.cost = (cost_model(self.spec.task, self.fed_data)
+                     if b.balance == "cost" and any(len(p.actors) > 1 for p in self.pools) else None)
         self._warm: set = set()  # (actor, step name) pairs that have run once
         self.balance_log: list[dict] = []  # per balanced step: predicted/measured per-actor loads, moves
         ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
         # every computing process's kernel choice, in the run metadata (numerics_processes)
         self.numerics_report = ray.get([a.numerics.remote() for a in [self.server, *self.actors]])
+
+    def _new_client_actor(self, k: int):
+        pool = self._pool_of[k]
+        return self._Clients[self.pools.index(pool)].remote(self._spec_ref, self._group_refs[k], f"actor{k}",
+                                                            self._source_ref, pool.gpu_memory_mb)
 
     def _group(self, k: int):
         """What actor k is built with: its client ids (lazy clients, or data built on the actors) or their data."""
@@ -148,7 +156,7 @@ class RayBackend(Backend):
             server = Server.remote(self._spec_ref, global_test_ref, server_data_ref)
         for k in range(n):
             if clients[k] is None:
-                clients[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)
+                clients[k] = self._new_client_actor(k)
         return server, clients
 
     # -- cost-aware placement (backend.balance: cost) ---------------------------------------------------------------
@@ -157,7 +165,7 @@ class RayBackend(Backend):
         committed state go actor to actor through the object store; the old actor forgets them only once the new
         one holds them, so a move interrupted by an actor's death loses nothing)."""
         costs = {c: self.cost.predict(step.name, c) for c in client_ids}
-        new = plan(costs, self.assignment, len(self.actors))
+        new = plan_pools(costs, self.assignment, self.pools)
         todo = moves(self.assignment, new)
         if todo:
             self._flush_commits()  # a moving client leaves with its committed state
@@ -201,7 +209,7 @@ class RayBackend(Backend):
             pass
         if self.cost is not None:  # clients may have moved since the start: the group as it is now
             self._group_refs[k] = ray.put(self._group(k))
-        self.actors[k] = self._Client.remote(self._spec_ref, self._group_refs[k], f"actor{k}", self._source_ref)
+        self.actors[k] = self._new_client_actor(k)
         # the commits the dead actor may not have carried out, in order (else the last one issued); replaying one it
         # did carry out is harmless (a commit renames the staged file when it is still there)
         replay = self._unconfirmed[k] or ([self._last_commit[k]] if self._last_commit[k] is not None else [])

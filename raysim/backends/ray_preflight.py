@@ -23,15 +23,15 @@ def gpu_capacity(per_actor: float, gpus: float) -> int:
 
 def check_node_resources(cfg, nodes: list[dict]) -> None:
     """Per node: an actor must fit on at least one alive node (a cluster of small nodes cannot host a big actor)."""
-    b = cfg.backend
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
     if not alive:
         return
-    if not any(r.get("CPU", 0) + 1e-9 >= b.num_cpus and r.get("GPU", 0) + 1e-9 >= b.num_gpus for r in alive):
-        biggest = max(alive, key=lambda r: r.get("CPU", 0))
-        raise ConfigError("backend.num_cpus", f"a client actor asks for {b.num_cpus:g} CPU / {b.num_gpus:g} GPU, but no "
-                                              f"node of the Ray cluster has that much (largest: {biggest.get('CPU', 0):g} "
-                                              f"CPU, {biggest.get('GPU', 0):g} GPU)")
+    for key, _, c, g in actor_shapes(cfg):
+        if not any(r.get("CPU", 0) + 1e-9 >= c and r.get("GPU", 0) + 1e-9 >= g for r in alive):
+            biggest = max(alive, key=lambda r: r.get("CPU", 0))
+            raise ConfigError("backend.num_cpus" if key == "backend.num_actors" else key + ".num_cpus",
+                              f"a client actor asks for {c:g} CPU / {g:g} GPU, but no node of the Ray cluster has that "
+                              f"much (largest: {biggest.get('CPU', 0):g} CPU, {biggest.get('GPU', 0):g} GPU)")
 
 
 def node_numerics_refusal(mode: str, reports: list) -> str | None:
@@ -129,6 +129,8 @@ def check_resources(cfg, cpus: float, gpus: float, where: str, memory: float = 0
     """Fail fast where Ray would leave actors pending forever, or where the client actors' in-memory state stores
     (backend.state_memory_mb each) cannot fit in ``memory`` bytes (0: unknown, not checked)."""
     b = cfg.backend
+    if b.model_resources:
+        return _check_pools(cfg, cpus, gpus, where, memory)
     n = min(b.num_actors, cfg.data.num_clients)
     store = n * b.state_memory_mb * 2**20
     if memory > 0 and store > memory:
@@ -157,6 +159,60 @@ def check_resources(cfg, cpus: float, gpus: float, where: str, memory: float = 0
         raise ConfigError("backend.num_actors", f"{n} actors{capped} x {b.num_cpus} CPU + server {b.server_num_cpus} CPU = "
                                                 f"{need_cpu:g} CPUs, but {where} has {cpus:g}; lower backend.num_actors "
                                                 f"or backend.num_cpus (fractions allowed)")
+
+
+def actor_shapes(cfg) -> list[tuple[str, int, float, float]]:
+    """(config key, actors at most, CPUs, GPUs) of each kind of client actor: the default actors when some
+    architecture of the run is not in ``backend.model_resources``, then one per entry."""
+    b, n = cfg.backend, cfg.data.num_clients
+    archs = {cfg.model.arch} if cfg.model.per_client is None else {a.arch for a in cfg.model.per_client}
+    listed = list(b.model_resources or [])
+    shapes = []
+    if not listed or archs - {r.arch for r in listed}:
+        shapes.append(("backend.num_actors", min(b.num_actors, n), b.num_cpus, b.num_gpus))
+    shapes += [(f"backend.model_resources[{i}]", min(r.num_actors, n), r.num_cpus, r.num_gpus)
+               for i, r in enumerate(listed)]
+    return shapes
+
+
+def _check_pools(cfg, cpus: float, gpus: float, where: str, memory: float) -> None:
+    """check_resources with per-architecture actor pools: every pool's actors (and the server) must fit at once —
+    GPU fractions packed first-fit-decreasing onto whole GPUs, as Ray places them."""
+    b = cfg.backend
+    shapes = actor_shapes(cfg)
+    actors = sum(k for _, k, _, _ in shapes)
+    if memory > 0 and actors * b.state_memory_mb * 2**20 > memory:
+        raise ConfigError("backend.state_memory_mb", f"{actors} client actors x {b.state_memory_mb} MB of in-memory "
+                                                     f"client states exceed the {memory / 2**30:.1f} GiB {where} has")
+    items = sorted([(g, key) for key, k, _, g in shapes for _ in range(k) if g > 0]
+                   + ([(b.server_num_gpus, "backend.server_num_gpus")] if b.server_num_gpus > 0 else []), reverse=True)
+    if items and gpus <= 0:
+        raise ConfigError(items[0][1] + ("" if items[0][1].endswith("gpus") else ".num_gpus"),
+                          f"asks for GPUs but {where} has none (torch.cuda.is_available() is False and no GPUs are "
+                          f"declared to Ray)")
+    free = [1.0] * int(math.floor(gpus + 1e-9)) + ([gpus % 1] if gpus % 1 > 1e-9 else [])
+    for g, key in items:
+        if g > 1:  # whole GPUs
+            whole = [i for i, f in enumerate(free) if f >= 1 - 1e-9][:int(g)]
+            if len(whole) < g:
+                raise ConfigError(key if key.endswith("gpus") else key + ".num_gpus",
+                                  f"{sum(g for g, _ in items):g} GPUs asked in all (actors of every pool + server) do "
+                                  f"not fit on the {gpus:g} GPU(s) of {where}")
+            for i in whole:
+                free[i] = 0.0
+            continue
+        slot = next((i for i, f in enumerate(free) if f + 1e-9 >= g), None)
+        if slot is None:
+            raise ConfigError(key if key.endswith("gpus") else key + ".num_gpus",
+                              f"{sum(g for g, _ in items):g} GPUs asked in all (actors of every pool + server) do not "
+                              f"fit on the {gpus:g} GPU(s) of {where}")
+        free[slot] -= g
+    need_cpu = sum(k * c for _, k, c, _ in shapes) + b.server_num_cpus
+    if need_cpu > cpus + 1e-9:
+        key = max(shapes, key=lambda s: s[1] * s[2])[0]
+        raise ConfigError(key if key == "backend.num_actors" else key + ".num_actors",
+                          f"the client actors of every pool + the server ask for {need_cpu:g} CPUs, but {where} has "
+                          f"{cpus:g}; lower num_actors or num_cpus (fractions allowed)")
 
 
 HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS

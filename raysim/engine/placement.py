@@ -17,6 +17,9 @@ Flower's simulation). Placement only moves work: a client's result never depends
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 
 class CostModel:
     def __init__(self, samples: dict[int, int], arch: dict[int, int], arch_params: dict[int, int],
@@ -137,3 +140,51 @@ def cost_model(task, fed_data) -> "CostModel":
             params[index[k]] = sum(p.numel() for p in task.build_model(cid).parameters())
     samples = dict(enumerate(client_sizes(fed_data.clients, "train")))
     return CostModel(samples, {cid: index[k] for cid, k in enumerate(keys)}, params)
+
+
+# -- actor pools per architecture (backend.model_resources) --------------------------------------------------------
+@dataclass
+class ActorPool:
+    """The actors of one resource shape: those of a ``backend.model_resources`` entry (``arch``: the clients of that
+    architecture), or the default ones (``arch`` None: every other client; backend.num_actors x num_cpus/num_gpus)."""
+
+    arch: Optional[str]
+    actors: list  # global actor indices
+    num_cpus: float
+    num_gpus: float
+    gpu_memory_mb: float = 0.0
+
+
+def actor_pools(backend, arch_names: list[str]) -> tuple[list[ActorPool], dict[int, int]]:
+    """The run's actor pools and the initial layout (client -> actor): a listed architecture's clients on its own
+    pool (min(num_actors, its clients) actors), the rest on the default pool; within a pool the i-th client (by id)
+    on its (i mod n)-th actor. Without ``model_resources``: one default pool, client i on actor i mod n (as ever)."""
+    listed = {r.arch: r for r in (backend.model_resources or [])}
+    by_pool: dict[Optional[str], list[int]] = {}
+    for cid, name in enumerate(arch_names):
+        by_pool.setdefault(name if name in listed else None, []).append(cid)
+    pools, layout, k = [], {}, 0
+    for key in [None] + list(listed):
+        clients = by_pool.get(key)
+        if not clients:
+            continue
+        r = listed.get(key)
+        n = min(r.num_actors if r else backend.num_actors, len(clients))
+        pools.append(ActorPool(key, list(range(k, k + n)), r.num_cpus if r else backend.num_cpus,
+                               r.num_gpus if r else backend.num_gpus, r.gpu_memory_mb if r else 0.0))
+        for i, cid in enumerate(clients):
+            layout[cid] = k + i % n
+        k += n
+    return pools, layout
+
+
+def plan_pools(costs: dict[int, float], current: dict[int, int], pools: list[ActorPool]) -> dict[int, int]:
+    """:func:`plan` within each pool: a client only ever moves between actors of its own pool."""
+    out = {}
+    for pool in pools:
+        local = {a: i for i, a in enumerate(pool.actors)}
+        mine = {c: w for c, w in costs.items() if current[c] in local}
+        if mine:
+            new = plan(mine, {c: local[current[c]] for c in mine}, len(pool.actors))
+            out.update({c: pool.actors[i] for c, i in new.items()})
+    return out

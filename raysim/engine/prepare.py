@@ -107,6 +107,10 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     for where, sched in schedules:
         check_schedule(sched, algorithm, where)
     preflight(cfg)
+    if cfg.backend.name == "ray" and cfg.backend.model_resources:
+        from raysim.engine.footprint import check_gpu_budgets
+
+        check_gpu_budgets(cfg, task)
     if env is not None:
         env.bind(task)
     from raysim import registry, usercode
