@@ -23,7 +23,7 @@ from raysim.engine import safety
 from raysim.backends import make_backend
 from raysim.config import ConfigError, ExperimentConfig, check_path_component, to_dict
 from raysim.errors import SimulationError
-from raysim.engine.runners import step_token
+from raysim.engine.reports import step_token
 from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
 from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, ProgressBar, RunDirectory

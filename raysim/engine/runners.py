@@ -26,7 +26,7 @@ from raysim.config import ConfigError, ExperimentConfig
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
 from raysim.engine.executors import executor_chain
-from raysim.engine.reports import ClientReport, step_purpose as _purpose, step_token  # noqa: F401 (step_token re-exported)
+from raysim.engine.reports import ClientReport, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
 from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
