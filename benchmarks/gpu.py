@@ -89,6 +89,19 @@ class GpuSampler:
                 "gpu_mem_used_mb_max": max(s[1] for s in self.samples) / 2**20}
 
 
+def _store_mb(meta) -> float | None:
+    """Mean MB of training traffic through Ray's object store per round (payload reads + uploads)."""
+    rows = [r for r in meta.get("object_store_bytes", []) if r["round"] >= 0]
+    return statistics.mean((r["train_down"] + r["train_up"]) / 1e6 for r in rows) if rows else None
+
+
+def _model_mb(cfg) -> float:
+    from raysim.engine.prepare import prepare
+    from raysim.messages import tensor_bytes
+
+    return tensor_bytes(prepare(cfg).task.build_model(0).state_dict()) / 1e6
+
+
 def one(model, variant, backend, args) -> dict:
     import torch
 
@@ -106,7 +119,7 @@ def one(model, variant, backend, args) -> dict:
     steps = 5  # 50 images, batch 10, one epoch
     out = {"model": model, "variant": variant, "s_round": s, "client_updates_per_s": args.cohort / s,
            "ms_per_step": 1e3 * s / (args.cohort * steps), "wall_s": wall, "final_test_acc": res.final()[0],
-           "object_store_bytes_per_round": res.metadata.get("object_store_bytes_per_round"), **gs.summary()}
+           "object_store_mb_per_round": _store_mb(res.metadata), "model_mb": _model_mb(cfg), **gs.summary()}
     if torch.cuda.is_available():
         out["torch_peak_mem_mb"] = torch.cuda.max_memory_allocated() / 2**20
     print(json.dumps(out), flush=True)
@@ -137,15 +150,20 @@ def main(argv=None):
         rows.append(one(model, "sequential", dict(common), args))
         rows.append(one(model, "ray 1 actor", dict(common, name="ray", num_actors=1, num_cpus=1,
                                                     num_gpus=1.0 if gpu else 0.0), args))
+        ray1 = rows[-1]
+        rows.append(one(model, "ray 1 actor, partial aggregates", dict(
+            common, name="ray", num_actors=1, num_cpus=1, num_gpus=1.0 if gpu else 0.0, partial_aggregate=True), args))
         if gpu:
             for f in args.fractions:
                 if f == 1.0:
                     continue
                 n = int(round(1 / f))
-                rows.append(one(model, f"ray {n} x {f:g} GPU", dict(common, name="ray", num_actors=n, num_cpus=1,
-                                                                      num_gpus=f), args))
-        seq, ray1 = rows[-1 - (len(args.fractions) - 1 if gpu else 0) - 1], rows[-1 - (len(args.fractions) - 1 if gpu else 0)]
-        print(f"{model}: Ray (1 actor) / sequential = {ray1['s_round'] / seq['s_round']:.2f}", flush=True)
+                rows.append(one(model, f"ray {n} x {f:g} GPU, partial aggregates", dict(
+                    common, name="ray", num_actors=n, num_cpus=1, num_gpus=f, partial_aggregate=True), args))
+        seq = next(r for r in rows if r["model"] == model and r["variant"] == "sequential")
+        part = next(r for r in rows if r["model"] == model and r["variant"] == "ray 1 actor, partial aggregates")
+        print(f"{model}: Ray (1 actor) / sequential = {ray1['s_round'] / seq['s_round']:.2f}; with partial aggregates "
+              f"{part['s_round'] / seq['s_round']:.2f}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": gpu, "args": vars(args), "rows": rows}, indent=1))
 
