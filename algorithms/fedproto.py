@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from algorithms import fedpu
 from raysim.algorithm import Context, LocalStart, LocalTraining
-from raysim.config import ConfigError, choice
+from raysim.config import choice
+from raysim.errors import ConfigError
 from raysim.messages import Message
 from raysim.ops import aggregate_prototypes, class_prototypes, nearest_prototype, prototype_regulariser
 from raysim.training import accuracy, clone_state, epoch_count, forward_all

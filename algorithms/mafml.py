@@ -41,7 +41,8 @@ from algorithms import mafml_group
 from algorithms.mutual_ops import (WarmClients, domain_metrics, flat_grad, project_conflicting, random_batch,
                                    set_flat_grad, weighted_kl)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
-from raysim.config import ConfigError, positive
+from raysim.config import positive
+from raysim.errors import ConfigError
 from raysim.messages import Message
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import clone_state

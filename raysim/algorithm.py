@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from raysim import rng as rngmod
-from raysim.config import ConfigError, TrainConfig
+from raysim.config import TrainConfig
+from raysim.errors import ConfigError
 from raysim.data.arrays import ArrayDataset
 from raysim.data.federated import ClientData
 from raysim.messages import Payload

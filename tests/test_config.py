@@ -1,7 +1,8 @@
 """Bad configs: one clear error naming the field and the allowed values."""
 import pytest
 
-from raysim.config import ConfigError, make_config
+from raysim.config import make_config
+from raysim.errors import ConfigError
 from raysim.data import DataError
 from raysim.engine.prepare import prepare
 from tests.conftest import tiny_config

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
 from raysim.engine.runners import make_algorithm

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from raysim.algorithm import Algorithm, ClientUpdate, Context, LocalStart, LocalTraining, ServerContext
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.engine import loop
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare

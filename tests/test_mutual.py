@@ -9,7 +9,8 @@ import torch
 import torch.nn as nn
 
 from algorithms.mutual_ops import domain_metrics, project_conflicting, weighted_kl
-from raysim.config import ConfigError, DataConfig
+from raysim.config import DataConfig
+from raysim.errors import ConfigError
 from raysim.data.federated import ClientData, build_federated_data, local_split_sizes
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment

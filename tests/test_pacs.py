@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from raysim.config import ConfigError, load_config
+from raysim.config import load_config
+from raysim.errors import ConfigError
 from raysim.data import DataError, load_dataset
 from raysim.data.pacs import CLASSES, DOMAINS
 

@@ -23,7 +23,7 @@ import torch
 from raysim import numerics, registry
 from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalTraining, ModelCache, ServerContext, ServerUpdate, Task
-from raysim.config import ConfigError, ExperimentConfig
+from raysim.config import ExperimentConfig
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
 from raysim.engine.batched import BatchedSteps
@@ -32,7 +32,7 @@ from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
 from raysim.engine.store import StateStore, atomic_save, load_file
-from raysim.errors import DamagedFileError
+from raysim.errors import ConfigError, DamagedFileError
 
 
 def resolve_device(name: str) -> torch.device:

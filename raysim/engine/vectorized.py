@@ -41,7 +41,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from raysim.config import ConfigError, TrainConfig
+from raysim.config import TrainConfig
+from raysim.errors import ConfigError
 from raysim import grouped as _grouped
 from raysim.grouped import StackedOptimizer
 from raysim.layers import _MASKS
