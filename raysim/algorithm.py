@@ -236,7 +236,7 @@ class Algorithm:
 
     def initial_payload(self, server_state: Any, ctx: ServerContext) -> Payload:
         """The payload the round ``ctx.round_idx`` starts with, built from the server state alone (run start and
-        resume). Must equal what the previous round's last server step left."""
+        resume). Must equal what the previous round's last server step left, or download the same (``downlink``)."""
         return self.broadcast(server_state, ctx)
 
     def classic_aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> ServerUpdate:
