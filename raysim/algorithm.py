@@ -32,9 +32,9 @@ import torch
 
 from raysim import rng as rngmod
 from raysim.config import TrainConfig
-from raysim.errors import ConfigError
 from raysim.data.arrays import ArrayDataset
 from raysim.data.federated import ClientData
+from raysim.errors import ConfigError
 from raysim.messages import Payload
 from raysim.models import SplitModel, arch_key, build_model
 from raysim.steps import CLASSIC_ROUND, EVALUATION

@@ -2,9 +2,9 @@
 import pytest
 
 from raysim.config import make_config
-from raysim.errors import ConfigError
 from raysim.data import DataError
 from raysim.engine.prepare import prepare
+from raysim.errors import ConfigError
 from tests.conftest import tiny_config
 
 

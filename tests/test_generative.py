@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from raysim.config import make_config
-from raysim.errors import ConfigError
 from raysim.engine.loop import run_experiment
+from raysim.errors import ConfigError
 from raysim.io.results import without_timing
 from tests.conftest import tiny_config
 

@@ -3,10 +3,10 @@ their state, clients without test data skipped, iid with replacement for populat
 import pytest
 
 from raysim.config import make_config
-from raysim.errors import ConfigError
 from raysim.engine.loop import eval_clients, run_experiment
 from raysim.engine.prepare import prepare
 from raysim.engine.runners import ClientRunner
+from raysim.errors import ConfigError
 from raysim.steps import EVALUATION
 
 def pop_cfg(**over):
