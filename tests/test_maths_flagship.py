@@ -10,7 +10,7 @@ example (plain Python floats with ``math``), never from the code under test; whe
 through more than one layer, the gradient is autograd's on a float64 copy of the written-out formula (checked equal
 to the plain-Python value first) and the update is written out (SGD, or Adam with its bias correction). Models are
 tiny linear modules with weights set by hand, so every term is a closed form, and each test fails when one term of
-its formula changes (ARCHITECTURE.md, "Hand-computed maths")."""
+its formula changes (ARCHITECTURE.md, "The maths by hand")."""
 import math
 from types import SimpleNamespace
 
