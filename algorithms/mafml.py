@@ -155,7 +155,8 @@ class MAFML(Algorithm):
 
     # -- server: a relay ----------------------------------------------------------------------------------------
     def relay(self, server_state, uploads, ctx: Context) -> ServerUpdate:
-        return ServerUpdate(server_state, {"teachers": Teachers(teachers={j: uploads[j]["soft"] for j in sorted(uploads)})})
+        relayed = Teachers(teachers={j: uploads[j]["soft"] for j in sorted(uploads)})
+        return ServerUpdate(server_state, {"teachers": relayed})
 
     def downlink(self, payload, client_id, ctx=None):
         """The global step downloads the other nodes' soft labels; the local step (and evaluation) nothing."""

@@ -126,8 +126,9 @@ def test_config_error_is_imported_from_raysim_errors():
     for folder in ("raysim", "algorithms", "envs", "tuning", "tests"):
         for p in sorted((ROOT / folder).rglob("*.py")):
             for node in ast.walk(ast.parse(p.read_text(), str(p))):
-                if (isinstance(node, ast.ImportFrom) and not node.level and node.module not in ("raysim", "raysim.errors")
-                        and (node.module or "").startswith("raysim") and "ConfigError" in {a.name for a in node.names}):
+                if (isinstance(node, ast.ImportFrom) and not node.level
+                        and node.module not in ("raysim", "raysim.errors") and (node.module or "").startswith("raysim")
+                        and "ConfigError" in {a.name for a in node.names}):
                     bad.append(f"{p.relative_to(ROOT)}:{node.lineno} from {node.module}")
     assert not bad, f"ConfigError imported past raysim.errors: {bad}"
 

@@ -494,9 +494,10 @@ def test_mafml_local_and_global_step_by_hand(project):
 
     # -- global step against node 0 (A = 0.5, sample 0, p = (0.7, 0.3)) and node 2 (A = 1, sample 2, p = (0.2, 0.8))
     teachers = {0: (0.5, [1.0, 1.0], 1, [0.7, 0.3]), 2: (1.0, [0.0, 1.0], 0, [0.2, 0.8])}
-    relayed = {"teachers": Teachers(teachers={j: Message("soft_labels", {"idx": torch.tensor([j]), "p": torch.tensor([pj]),
-                                                                       "acc": torch.tensor([a])})
-                                              for j, (a, _, _, pj) in {**teachers, 1: (1.0, 0, 0, [0.5, 0.5])}.items()})}
+    uploads = {**teachers, 1: (1.0, None, 0, [0.5, 0.5])}  # the relay forwards node 1's own upload too
+    relayed = {"teachers": Teachers(teachers={
+        j: Message("soft_labels", {"idx": torch.tensor([j]), "p": torch.tensor([pj]), "acc": torch.tensor([a])})
+        for j, (a, _, _, pj) in uploads.items()})}
     # node 1 downloads the relay's message without its own soft labels, and only in its global step
     payload = algo.downlink(relayed, 1, SimpleNamespace(step="global"))
     assert sorted(payload["teachers"].teachers) == [0, 2]

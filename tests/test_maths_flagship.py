@@ -378,7 +378,8 @@ def test_slaugfl_prototype_generator_step_by_hand():
     assert float((lp + ld).detach()) == pytest.approx(l_proto + l_div, rel=1e-9)  # the copy is the formula above
     (lp + ld).backward()
     for name, v in (("w", w), ("u", u)):
-        want = [adam_steps(float(a), [float(ga)], [0.01], b1=0.5) for a, ga in zip(v.detach().flatten(), v.grad.flatten())]
+        want = [adam_steps(float(a), [float(ga)], [0.01], b1=0.5)
+                for a, ga in zip(v.detach().flatten(), v.grad.flatten())]
         assert close(sd[name].flatten(), want, 1e-6), name
 
 
@@ -472,7 +473,8 @@ def test_slaugfl_acgan_discriminator_then_generator_step_by_hand():
     assert float(lg_t.detach()) == pytest.approx(l_g, rel=1e-9)
     lg_t.backward()
     for name, v in (("w", w), ("u", u)):
-        want = [adam_steps(float(a), [float(ga)], [0.1], b1=0.5) for a, ga in zip(v.detach().flatten(), v.grad.flatten())]
+        want = [adam_steps(float(a), [float(ga)], [0.1], b1=0.5)
+                for a, ga in zip(v.detach().flatten(), v.grad.flatten())]
         assert close(sd[name].flatten(), want, 1e-6), name
 
 
