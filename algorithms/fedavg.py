@@ -37,7 +37,7 @@ from algorithms.local import ce_loss
 from algorithms.mutual_ops import domain_metrics, random_batch
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.messages import Message, payload_sizes, state_message
 from raysim.ops import weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep

@@ -27,7 +27,8 @@ from algorithms.local import ce_loss
 from algorithms.proto_ops import flatten_state
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
-from raysim.config import ConfigError, positive
+from raysim.config import positive
+from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
 from raysim.training import accuracy, clone_state, forward_all, train_epochs

@@ -74,7 +74,7 @@ class FedGen(FedAvg):
             for k in ("gen_batch", "gen_steps", "gen_lr", "noise_dim", "hidden"):
                 positive(f"{path}.{k}", getattr(self, k))
             if not 0.0 < self.decay <= 1.0:
-                from raysim.config import ConfigError
+                from raysim.errors import ConfigError
                 raise ConfigError(f"{path}.decay", f"must be in (0, 1], got {self.decay}")
 
     def pu_view(self, data):

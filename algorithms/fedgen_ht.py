@@ -38,7 +38,8 @@ from algorithms.generators import FeatureGenerator
 from algorithms.lgfedavg import LGFedAvg
 from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalStart
-from raysim.config import ConfigError, positive
+from raysim.config import positive
+from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.training import clone_state, make_optimizer
 

@@ -29,7 +29,8 @@ from algorithms.fml import shared_model
 from algorithms.mutual_ops import domain_metrics, step_batches
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
-from raysim.config import ConfigError, positive
+from raysim.config import positive
+from raysim.errors import ConfigError
 from raysim.messages import Message
 from raysim.ops import weighted_average_states
 from raysim.training import clone_state, make_optimizer, optimizer_state

@@ -21,7 +21,8 @@ from algorithms.fedavg import merge_sample_weighted, sample_weighted_average
 from algorithms.local import ce_loss
 from algorithms.proto_ops import select_prefix
 from raysim.algorithm import Context, LocalStart, LocalTraining
-from raysim.config import ConfigError, choice
+from raysim.config import choice
+from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.training import accuracy, clone_state, forward_all
 

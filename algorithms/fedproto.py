@@ -7,7 +7,8 @@ Evaluation reports the client's own classifier ("test_acc", w/o protos) and near
 ("test_acc_proto"), restricted to the client's own classes as in the official code, or over all classes (HtFLlib).
 Options ``positive_rate`` / ``pu_weight``: the FedPU positive-unlabelled setting (algorithms/fedpu.py); then the CE
 and prototype terms use the labelled rows only, prototypes are means over labelled samples, and the PU loss is added.
-Subclasses (FedProto-UH, FedTGP) change the model (``build_client_model`` / ``live_model``) or the server side.
+Subclasses (FedProto-UH, FedTGP) change the model (``build_client_model`` / :meth:`LocalTraining.live_model`) or the
+server side.
 """
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 
 from algorithms import fedpu
 from raysim.algorithm import Context, LocalStart, LocalTraining
-from raysim.config import ConfigError, choice
+from raysim.config import choice
+from raysim.errors import ConfigError
 from raysim.messages import Message
 from raysim.ops import aggregate_prototypes, class_prototypes, nearest_prototype, prototype_regulariser
 from raysim.training import accuracy, clone_state, epoch_count, forward_all
@@ -107,10 +109,6 @@ class FedProto(LocalTraining):
     def build_client_model(self, client_id: int):
         """A fresh model for a client (its initial weights)."""
         return self.task.build_model(client_id)
-
-    def live_model(self, ctx: Context):
-        """The runner's live module for this client's architecture (weights are loaded into it)."""
-        return ctx.model()
 
     def init_client_state(self, ctx: Context):
         return {"model": clone_state(self.build_client_model(ctx.client_id))}

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from algorithms.fedproto import FedProto
 from algorithms.proto_ops import orthogonal_head, uh_logits
 from raysim import rng as rngmod
-from raysim.config import ConfigError, choice
+from raysim.config import choice
+from raysim.errors import ConfigError
 from raysim.models import SplitModel, arch_key
 
 

@@ -42,7 +42,7 @@ import torch
 
 from algorithms.proto_ops import UNLABELLED, labelled_ce, pu_loss, pu_split
 from raysim import rng as rngmod
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 
 @dataclass

@@ -29,7 +29,8 @@ import torch.nn as nn
 from algorithms.fedproto import FedProto
 from algorithms.proto_ops import pairwise_distances, tgp_contrastive_loss, tgp_margin_distance
 from raysim import rng as rngmod
-from raysim.config import ConfigError, choice, positive
+from raysim.config import choice, positive
+from raysim.errors import ConfigError
 from raysim.messages import Message
 from raysim.training import make_optimizer
 

@@ -34,7 +34,8 @@ from algorithms.local import ce_loss
 from algorithms.proto_ops import assign_nearest, flatten_state
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
-from raysim.config import ConfigError, choice, positive
+from raysim.config import choice, positive
+from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
 from raysim.training import accuracy, clone_state, forward_all, train_epochs

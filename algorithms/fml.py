@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from algorithms.mutual_ops import domain_metrics, step_batches
 from raysim.algorithm import Algorithm, ClientUpdate, Context
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.messages import state_message
 from raysim.ops import weighted_average_states
 from raysim.training import clone_state, make_optimizer, optimizer_state

@@ -38,7 +38,8 @@ import torch.nn.functional as F
 from algorithms.local import ce_loss
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
-from raysim.config import ConfigError, choice, positive
+from raysim.config import choice, positive
+from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import set_dropout_generator
 from raysim.ops import weighted_average_states

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from algorithms.fedper import SharedPartAverage
 from algorithms.proto_ops import select_prefix
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.training import clone_state
 
 

@@ -10,13 +10,17 @@ validation interval), each a schedule of two exchanges:
    ``x_train``); g_loc = ∇ CE (eq. 1-2); Adam step with lr β = ``train.lr``. Then a batch d_pub^i of its own public
    share: soft labels p^i = softmax(f_i(x)) and the batch accuracy A_i (eq. before 3), uploaded as
    (public indices, soft labels, A_i) — never the samples;
-2. ``relay`` (server): forwards every upload; node i downloads the other nodes' (``downlink``);
+2. ``relay`` (server): forwards every upload as one :class:`Teachers` message (node id -> soft labels); in the global
+   step node i downloads the other nodes' (``downlink``: ``Teachers.without(i)``), in the local step nothing;
 3. ``global`` (every node i as student of every j ≠ i): KL term (1/(N-1)) Σ_j A_j KL(p^j ‖ softmax(f_i(x_pub^j)))
    (eq. 3-4) + CE term (1/(N-1)) Σ_j CE(f_i(x_pub^j), y_pub^j) (eq. 5); g_pub = ∇(KL + CE) (eq. 6); if
    cos(g_pub, g_loc) < 0 the projection g~ = g_pub − (g_loc·g_pub/‖g_loc‖²) g_loc (eq. 7), else g~ = g_pub; Adam step
    with lr η = ``public_lr`` (default β). ``per_teacher: true``: Algorithm 1's loop form instead — for each teacher j
-   in id order, g_pub = ∇(A_j KL_j + CE_j), the same check and projection against g_loc, one Adam step each;
-4. ``sync`` (server): leaves the empty payload the next iteration starts from.
+   in id order, g_pub = ∇(A_j KL_j + CE_j), the same check and projection against g_loc, one Adam step each.
+
+The relay's teachers stay the current payload until the next relay, through the next iteration's local step and the
+round's end; since only the global step downloads them, a round (or a resumed run, which starts from
+``initial_payload``'s empty payload) downloads exactly what the seed's exchange sends.
 
 Choices the seed leaves open [INFERRED]: one Adam state per node serves both updates (β and η are its step sizes;
 weight decay ``train.weight_decay`` in both) and persists across iterations and rounds in the client state; batches
@@ -31,8 +35,8 @@ down 963 floats per iteration.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +45,9 @@ from algorithms import mafml_group
 from algorithms.mutual_ops import (WarmClients, domain_metrics, flat_grad, project_conflicting, random_batch,
                                    set_flat_grad, weighted_kl)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
-from raysim.config import ConfigError, positive
-from raysim.messages import Message
+from raysim.config import positive
+from raysim.errors import ConfigError
+from raysim.messages import Message, payload_sizes
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import clone_state
 
@@ -59,16 +64,38 @@ def require_public_shares(algo, what: str) -> None:
                                                      f"raise the public share")
 
 
+@dataclass(frozen=True)
+class Teachers(Message):
+    """The relay's message: every node's soft-label upload (``soft_labels``: public indices ``idx``, softmax outputs
+    ``p``, batch accuracy ``acc`` = A_j) by node id. Node i's global step downloads :meth:`without` i, its teachers.
+    Accounted as the uploads it carries, so relaying them costs the floats and bytes of sending each one."""
+
+    kind: str = "soft_labels"
+    teachers: Mapping[int, Message] = field(default_factory=dict)
+
+    @property
+    def num_floats(self) -> int:
+        return sum(m.num_floats for m in self.teachers.values())
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(m.num_bytes for m in self.teachers.values())
+
+    def without(self, node: int) -> "Teachers":
+        return Teachers(self.kind, teachers={j: m for j, m in self.teachers.items() if j != node})
+
+    def to(self, device) -> "Teachers":
+        return Teachers(self.kind, teachers={j: m.to(device) for j, m in self.teachers.items()})
+
+
 def floats_per_iteration(num_clients: int, num_classes: int, public_batch: int) -> int:
     """MAFML's floats per iteration over all nodes, up and down, as the accounting counts them: the messages of
     :meth:`MAFML.local` built at their shapes (N uploads; each node downloads the other N - 1), i.e. N^2 (B*C + 1)."""
-    from raysim.messages import payload_sizes
-
     b, c, n = int(public_batch), int(num_classes), int(num_clients)
     msg = Message("soft_labels", {"idx": torch.zeros(b, dtype=torch.int64), "p": torch.zeros(b, c),
                                   "acc": torch.zeros(1)})
     up = payload_sizes({"soft": msg})["soft_labels"][0]
-    down = payload_sizes({f"soft_{j}": msg for j in range(n - 1)})["soft_labels"][0]
+    down = payload_sizes({"teachers": Teachers(teachers={j: msg for j in range(n - 1)})})["soft_labels"][0]
     return n * (up + down)
 
 
@@ -82,6 +109,10 @@ def public_shares(task, ctx):
         return pub.x.to(ctx.device), pub.y.to(ctx.device), own
 
     return ctx.models.get("public_shares", make)
+
+
+LOCAL = ClientStep("local", clients=ALL)
+GLOBAL = ClientStep("global", fn="step_global", clients=ALL)
 
 
 class MAFML(Algorithm):
@@ -120,18 +151,19 @@ class MAFML(Algorithm):
                                                  f"adam")
 
     def schedule(self):
-        return (Repeat(self.params.iterations, (ClientStep("local", clients=ALL), ServerStep("relay"),
-                                                ClientStep("global", fn="step_global", clients=ALL), ServerStep("sync"))),)
+        return (Repeat(self.params.iterations, (LOCAL, ServerStep("relay"), GLOBAL)),)
 
     # -- server: a relay ----------------------------------------------------------------------------------------
     def relay(self, server_state, uploads, ctx: Context) -> ServerUpdate:
-        return ServerUpdate(server_state, {f"soft_{j}": uploads[j]["soft"] for j in sorted(uploads)})
-
-    def sync(self, server_state, uploads, ctx: Context) -> ServerUpdate:
-        return ServerUpdate(server_state, {})
+        relayed = Teachers(teachers={j: uploads[j]["soft"] for j in sorted(uploads)})
+        return ServerUpdate(server_state, {"teachers": relayed})
 
     def downlink(self, payload, client_id, ctx=None):
-        return {k: v for k, v in payload.items() if k != f"soft_{client_id}"}  # the other nodes' soft labels
+        """The global step downloads the other nodes' soft labels; the local step (and evaluation) nothing."""
+        relayed = payload.get("teachers")
+        if relayed is None or ctx is None or ctx.step != GLOBAL.name:
+            return {}
+        return {"teachers": relayed.without(client_id)}
 
     # -- client -------------------------------------------------------------------------------------------------
     def init_client_state(self, ctx: Context):
@@ -176,11 +208,12 @@ class MAFML(Algorithm):
         return kl, ce
 
     def teachers(self, payload, device):
-        out = []
-        for key in sorted(payload, key=lambda k: int(k.split("_")[1])):
-            m = payload[key]
-            out.append((float(m["acc"][0]), m["idx"].to(device), m["p"].to(device)))
-        return out
+        """[(A_j, idx_j, p_j)] of the downloaded teachers, in node order."""
+        relayed = payload.get("teachers")
+        if relayed is None:
+            return []
+        return [(float(m["acc"][0]), m["idx"].to(device), m["p"].to(device))
+                for _, m in sorted(relayed.teachers.items())]
 
     def step_global(self, payload, state, data, ctx: Context) -> ClientUpdate:
         cfg = self.task.train

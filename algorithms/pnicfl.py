@@ -50,7 +50,8 @@ from algorithms.fedavg import sample_weighted_average
 from algorithms.pnicfl_ops import (body_state, e_step, embed_all, episode_losses, estep_embeddings, kmeans_init, m_step,
                                    sample_episode, sq_dists, user_embedding)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
-from raysim.config import ConfigError, choice, positive
+from raysim.config import choice, positive
+from raysim.errors import ConfigError
 from raysim.messages import Message
 from raysim.models import set_dropout_generator
 from raysim.steps import ClientStep, ServerStep

@@ -57,8 +57,9 @@ from algorithms.generators import (ACGANDiscriminator, ACGANGenerator, ProtoGene
 from algorithms.local import ce_loss
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerContext, ServerUpdate
-from raysim.config import ConfigError, choice, positive
+from raysim.config import choice, positive
 from raysim.data.class_folders import load_class_folders
+from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
 from raysim.ops import aggregate_prototypes, class_prototypes

@@ -25,7 +25,8 @@ from algorithms.fedavg import sample_weighted_average
 from algorithms.generators import VirtualGenerator
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
-from raysim.config import ConfigError, positive
+from raysim.config import positive
+from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
 from raysim.steps import ALL, ClientStep, ServerStep

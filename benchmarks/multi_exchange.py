@@ -10,7 +10,7 @@ the other three nodes' public batches, projected against g_loc when they conflic
 * ``plain``: the loop above in one process: 4 models and 4 Adam optimisers kept alive, no messages, no state copies
   (the same maths: algorithms.mutual_ops).
 * ``sequential`` / ``ray``: raysim's MAFML on the same data (``backend.name``; Ray with ``--actors`` client actors);
-  seconds per iteration from the table's wall-time rows (``step_s@local + relay + global + sync``, the first round
+  seconds per iteration from the table's wall-time rows (``step_s@local + relay + global``, the first round
   a warm-up and evaluation excluded).
 
 PN-ICFL (``pnicfl``): the seed's general setting (configs/seed001_pnicfl/table3_general_pnicfl.yaml: 48 users x
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from algorithms.mutual_ops import flat_grad, project_conflicting, set_flat_grad, weighted_kl
 
 ITER = 50
-STEPS = ("local", "relay", "global", "sync")
+STEPS = ("local", "relay", "global")
 
 
 def config(rounds: int, backend: str, actors: int) -> dict:

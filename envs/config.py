@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from raysim.config import ConfigError, choice, from_dict
+from raysim.config import choice, from_dict
+from raysim.errors import ConfigError
 
 DISTS = {
     "constant": ("value",),

@@ -11,7 +11,7 @@ from typing import Optional
 import numpy as np
 
 from raysim import rng as rngmod
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from envs.config import EnvConfig, parse_dist
 from envs.traces import load_availability, load_devices
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 DEVICE_COLUMNS = ("speed", "down_mbps", "up_mbps", "latency_s", "tier")
 AVAILABILITY_COLUMNS = ("device_id", "start_s", "end_s")

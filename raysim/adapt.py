@@ -31,7 +31,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
-from raysim.config import ArchSpec, ConfigError
+from raysim.config import ArchSpec
+from raysim.errors import ConfigError
 from raysim.layers import Dropout, SplitModel, num_parameters
 from raysim.registry import (MODEL_FACTORY, MODELS, check_signature, is_import_path, marked, refuse_unmarked,
                              registered, resolve)

@@ -31,9 +31,10 @@ import numpy as np
 import torch
 
 from raysim import rng as rngmod
-from raysim.config import ConfigError, TrainConfig
+from raysim.config import TrainConfig
 from raysim.data.arrays import ArrayDataset
 from raysim.data.federated import ClientData
+from raysim.errors import ConfigError
 from raysim.messages import Payload
 from raysim.models import SplitModel, arch_key, build_model
 from raysim.steps import CLASSIC_ROUND, EVALUATION
@@ -235,7 +236,7 @@ class Algorithm:
 
     def initial_payload(self, server_state: Any, ctx: ServerContext) -> Payload:
         """The payload the round ``ctx.round_idx`` starts with, built from the server state alone (run start and
-        resume). Must equal what the previous round's last server step left."""
+        resume). Must equal what the previous round's last server step left, or download the same (``downlink``)."""
         return self.broadcast(server_state, ctx)
 
     def classic_aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> ServerUpdate:

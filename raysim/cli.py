@@ -11,8 +11,7 @@ import argparse
 import signal
 import sys
 
-from raysim.config import ConfigError
-from raysim.errors import DataError, printable
+from raysim.errors import ConfigError, DataError, printable
 
 
 def _parser() -> argparse.ArgumentParser:

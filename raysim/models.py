@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from raysim.adapt import build_user_model, resolve_factory
-from raysim.config import ArchSpec, ConfigError, ModelConfig
+from raysim.config import ArchSpec, ModelConfig
+from raysim.errors import ConfigError
 from raysim.layers import (Dropout, SplitModel, dropout_masks_of, num_parameters, replay_masks,
                            set_dropout_generator)
 from raysim.registry import MODELS

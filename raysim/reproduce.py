@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-from raysim.config import ConfigError, load_config, load_yaml_mapping
+from raysim.config import load_config, load_yaml_mapping
+from raysim.errors import ConfigError
 
 CONFIGS_ROOT = Path(__file__).resolve().parent.parent / "configs"
 NUMBERS_FILE = "seed_numbers.yaml"

@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from raysim import verdicts
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 from raysim.reproduce import Experiment, Planned, diverged_reason, paper_value, source_entry
 

@@ -19,8 +19,9 @@ step name. Evaluation is a schedule of the same steps (:data:`EVALUATION`).
 A setup schedule starts with the empty payload ``{}``. The round's payload at the start of round ``t`` is
 ``initial_payload(server_state, t)`` when a run starts or resumes, and otherwise whatever the previous round's server
 steps left; so the last server step of a round must leave what ``initial_payload`` would build from the same server
-state (the default schedule's ``aggregate`` step ends with ``broadcast``), which is what makes a resumed run equal an
-uninterrupted one.
+state (the default schedule's ``aggregate`` step ends with ``broadcast``), or at least a payload every client
+downloads (``downlink``) as it would that one, which is what makes a resumed run equal an uninterrupted one (MAFML's
+relay leaves teachers that only its global step downloads: the next local step downloads nothing either way).
 """
 from __future__ import annotations
 

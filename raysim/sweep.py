@@ -5,7 +5,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional
 
-from raysim.config import ConfigError, ExperimentConfig
+from raysim.config import ExperimentConfig
+from raysim.errors import ConfigError
 
 
 MAX_SEEDS = 10_000

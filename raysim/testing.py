@@ -44,7 +44,8 @@ from typing import Optional, Union
 
 import pandas as pd
 
-from raysim.config import ConfigError, ExperimentConfig, make_config, set_dotted, to_dict
+from raysim.config import ExperimentConfig, make_config, set_dotted, to_dict
+from raysim.errors import ConfigError
 
 __all__ = ["DeviceGuard", "Upload", "check_algorithm", "check_determinism", "check_device_residence", "check_empty_round", "check_message_accounting",
            "check_resume", "check_runs", "check_sequential_equals_ray", "check_spill", "assert_same_table"]

@@ -21,7 +21,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 OWN_PACKAGES = ("raysim", "algorithms", "envs", "tuning")
 ROOT = Path(__file__).resolve().parent.parent  # raysim's checkout (or site-packages when installed)

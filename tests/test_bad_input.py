@@ -212,8 +212,9 @@ def test_population_that_cannot_fit_is_refused_before_any_data_is_built(tmp_path
     """A population whose index data alone exceeds half the free memory: one line naming data.num_clients with the
     estimate and the keys to change, exit 2, nothing written; the estimate itself on a hand example."""
     from raysim.cli import main as cli_main
-    from raysim.config import ConfigError, make_config
+    from raysim.config import make_config
     from raysim.engine.prepare import POPULATION_BYTES_PER_CLIENT, _check_population_memory, population_bytes
+    from raysim.errors import ConfigError
     from tests.conftest import tiny_config
 
     cfg = make_config(tiny_config(data__num_clients=1000, data__partition="iid",

@@ -20,8 +20,8 @@ from raysim.io.results import without_timing
 import raysim
 from raysim import registry
 from raysim.cli import main
-from raysim.config import ArchSpec, ConfigError, make_config
-from raysim.errors import DataError
+from raysim.config import ArchSpec, make_config
+from raysim.errors import ConfigError, DataError
 from raysim.data.federated import build_federated_data
 from raysim.models import SplitModel, build_model
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from raysim.config import ConfigError, make_config
-from raysim.errors import DataError
+from raysim.config import make_config
+from raysim.errors import ConfigError, DataError
 from raysim.data.federated import ClientData, build_federated_data
 from raysim.data.skew import domain_dirichlet
 from raysim.engine.loop import run_experiment

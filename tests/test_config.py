@@ -1,9 +1,10 @@
 """Bad configs: one clear error naming the field and the allowed values."""
 import pytest
 
-from raysim.config import ConfigError, make_config
+from raysim.config import make_config
 from raysim.data import DataError
 from raysim.engine.prepare import prepare
+from raysim.errors import ConfigError
 from tests.conftest import tiny_config
 
 

@@ -157,7 +157,7 @@ def test_resume_after_a_crash_equals_an_uninterrupted_run(tiny, tmp_path, use_en
 
 
 def test_resume_refuses_a_different_config(tiny, tmp_path):
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
 
     over = dict(rounds=3, output={"progress": False, "checkpoint_every": 1})
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from raysim.config import ConfigError
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
 from raysim.engine.runners import make_algorithm
+from raysim.errors import ConfigError
 
 MNIST = {"data": {"dataset": "mnist5k", "num_clients": 4, "partition": "iid",
                   "partition_params": {"samples_per_client": 20, "test_per_client": 10}},

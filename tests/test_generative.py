@@ -6,8 +6,9 @@ import pandas as pd
 import pytest
 import torch
 
-from raysim.config import ConfigError, make_config
+from raysim.config import make_config
 from raysim.engine.loop import run_experiment
+from raysim.errors import ConfigError
 from raysim.io.results import without_timing
 from tests.conftest import tiny_config
 

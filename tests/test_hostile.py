@@ -17,8 +17,8 @@ import pytest
 import yaml
 
 from raysim.cli import main
-from raysim.config import ConfigError, make_config
-from raysim.errors import DataError
+from raysim.config import make_config
+from raysim.errors import ConfigError, DataError
 from tests.conftest import tiny_config
 from tests.hostile_table import PROBES, RAY, TUNE, laughs, run_probe, setup, verdict
 

@@ -118,6 +118,21 @@ def test_algorithms_import_only_the_contract():
     assert not bad, f"methods reaching past the contract: {bad}"
 
 
+def test_config_error_is_imported_from_raysim_errors():
+    """ConfigError is imported from ``raysim.errors``, where it is defined and which imports nothing of raysim, never
+    through a module that merely uses it (``raysim.config``): a method's dependency on the error is not one on the
+    config plumbing."""
+    bad = []
+    for folder in ("raysim", "algorithms", "envs", "tuning", "tests"):
+        for p in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+                if (isinstance(node, ast.ImportFrom) and not node.level
+                        and node.module not in ("raysim", "raysim.errors") and (node.module or "").startswith("raysim")
+                        and "ConfigError" in {a.name for a in node.names}):
+                    bad.append(f"{p.relative_to(ROOT)}:{node.lineno} from {node.module}")
+    assert not bad, f"ConfigError imported past raysim.errors: {bad}"
+
+
 def test_the_environment_is_reached_through_the_declared_protocol():
     """envs.Environment satisfies the engine's protocol; an implementation lacking a method is refused naming env."""
     import pytest

@@ -106,7 +106,8 @@ def test_pu_params_are_defined_once_and_shared():
 
 @pytest.mark.parametrize("name", ["fedavg", "fedproto", "fedtgp"])
 def test_pu_options_stay_flat_keys_and_are_checked(name):
-    from raysim.config import ConfigError, from_dict
+    from raysim.config import from_dict
+    from raysim.errors import ConfigError
     from raysim.registry import algorithm_class
 
     cls = algorithm_class(name).Params

@@ -460,7 +460,7 @@ def test_mafml_local_and_global_step_by_hand(project):
     and accuracy of its one public sample. Global step (eq. 3-7) against the hand-made uploads of nodes 0 and 2: the
     accuracy-weighted KL and the CE over the two teachers, averaged (N - 1 = 2), the conflict check against g_loc
     and the projection, then a second Adam step (the same Adam state) with lr eta."""
-    from algorithms.mafml import MAFML
+    from algorithms.mafml import MAFML, Teachers
 
     beta, eta = 0.1, 0.05
     w0 = [[0.5, -0.2], [0.1, 0.3]]  # W[c][k]
@@ -494,9 +494,14 @@ def test_mafml_local_and_global_step_by_hand(project):
 
     # -- global step against node 0 (A = 0.5, sample 0, p = (0.7, 0.3)) and node 2 (A = 1, sample 2, p = (0.2, 0.8))
     teachers = {0: (0.5, [1.0, 1.0], 1, [0.7, 0.3]), 2: (1.0, [0.0, 1.0], 0, [0.2, 0.8])}
-    payload = {f"soft_{j}": Message("soft_labels", {"idx": torch.tensor([j]), "p": torch.tensor([pj]),
-                                                    "acc": torch.tensor([a])})
-               for j, (a, _, _, pj) in teachers.items()}
+    uploads = {**teachers, 1: (1.0, None, 0, [0.5, 0.5])}  # the relay forwards node 1's own upload too
+    relayed = {"teachers": Teachers(teachers={
+        j: Message("soft_labels", {"idx": torch.tensor([j]), "p": torch.tensor([pj]), "acc": torch.tensor([a])})
+        for j, (a, _, _, pj) in uploads.items()})}
+    # node 1 downloads the relay's message without its own soft labels, and only in its global step
+    payload = algo.downlink(relayed, 1, SimpleNamespace(step="global"))
+    assert sorted(payload["teachers"].teachers) == [0, 2]
+    assert algo.downlink(relayed, 1, SimpleNamespace(step="local")) == {}
     glob = algo.step_global(payload, out.state, data, ctx)
     kl = ce = 0.0
     g_pub = [[0.0, 0.0], [0.0, 0.0]]

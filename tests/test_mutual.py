@@ -9,10 +9,11 @@ import torch
 import torch.nn as nn
 
 from algorithms.mutual_ops import domain_metrics, project_conflicting, weighted_kl
-from raysim.config import ConfigError, DataConfig
+from raysim.config import DataConfig
 from raysim.data.federated import ClientData, build_federated_data, local_split_sizes
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
+from raysim.errors import ConfigError
 from raysim.io.results import without_timing
 
 SPLIT = {"public": 0.1, "val": 0.1, "test": 0.15}

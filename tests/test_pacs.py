@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from raysim.config import ConfigError, load_config
+from raysim.config import load_config
 from raysim.data import DataError, load_dataset
 from raysim.data.pacs import CLASSES, DOMAINS
+from raysim.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "seed003_mafml"
 PACS_CONFIGS = ["pacs_mafml.yaml", "pacs_mafml_hetero.yaml", "pacs_ind.yaml", "pacs_agg.yaml", "pacs_fedmd.yaml",

@@ -119,7 +119,7 @@ def test_actor_killed_after_moves_is_replaced_with_its_current_clients(ray_sessi
 
 
 def test_balance_is_checked(tiny):
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="backend.balance"):
         tiny(backend={"name": "ray", "balance": "fastest"})

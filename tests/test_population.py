@@ -2,10 +2,11 @@
 their state, clients without test data skipped, iid with replacement for populations larger than the data."""
 import pytest
 
-from raysim.config import ConfigError, make_config
+from raysim.config import make_config
 from raysim.engine.loop import eval_clients, run_experiment
 from raysim.engine.prepare import prepare
 from raysim.engine.runners import ClientRunner
+from raysim.errors import ConfigError
 from raysim.steps import EVALUATION
 
 def pop_cfg(**over):

@@ -10,8 +10,9 @@ from algorithms.fedtgp import PrototypeGenerator, train_generator
 from algorithms.proto_ops import UNLABELLED, min_pairwise_distance, tgp_margin
 from raysim import rng as rngmod
 from raysim.algorithm import Context, ServerContext
-from raysim.config import ConfigError, make_config
+from raysim.config import make_config
 from raysim.data.federated import ClientData
+from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import ZOO_28, build_model, client_archs, num_parameters
 from raysim.engine.runners import make_algorithm

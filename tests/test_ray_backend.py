@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from raysim.backends.ray_preflight import check_resources
-from raysim.config import ConfigError
 from raysim.engine.loop import run_experiment
+from raysim.errors import ConfigError
 from raysim.io.results import without_timing
 from tests.conftest import register_for_test
 

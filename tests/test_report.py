@@ -12,7 +12,7 @@ import yaml
 from tests.conftest import tiny_config
 from raysim.io import results
 from raysim.cli import main
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.io.report import build_report
 from raysim.io.results import ResultTable, write_parquet
 from raysim.sweep import parse_seeds

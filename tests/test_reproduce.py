@@ -11,7 +11,7 @@ import yaml
 from raysim import reproduce as rp
 from raysim.reproduce_table import run_value
 from raysim.cli import main
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from tests.conftest import tiny_config
 
 

@@ -20,7 +20,8 @@ from raysim.io import rundir
 from raysim.io import runs
 from raysim.engine import safety
 from raysim.cli import main
-from raysim.config import ConfigError, load_config, make_config
+from raysim.config import load_config, make_config
+from raysim.errors import ConfigError
 from raysim.messages import Message
 from raysim.engine.callbacks import EvalCallback
 from raysim.engine.loop import run_experiment

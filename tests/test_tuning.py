@@ -19,7 +19,8 @@ import yaml
 from tests.conftest import tiny_config
 from raysim.io import results
 from raysim.cli import main
-from raysim.config import ConfigError, load_config
+from raysim.config import load_config
+from raysim.errors import ConfigError
 from raysim.io.results import ResultTable
 from tuning.space import apply_params, check_against_config, parse_space
 from tuning.study import RoundMonitor, counted, nonfinite_loss, objective_value, open_storage, tune

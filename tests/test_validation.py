@@ -73,7 +73,7 @@ def test_compact_and_to_keep_the_val_split():
 
 
 def test_val_fraction_checked():
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
 
     with pytest.raises(ConfigError, match="val_fraction"):
         make_config({"data": {"val_fraction": 1.0}})
@@ -99,7 +99,7 @@ def test_evaluate_reports_val_metrics(tmp_path):
 
 
 def test_objective_reads_val_unless_allowed():
-    from raysim.config import ConfigError
+    from raysim.errors import ConfigError
     from tests.conftest import tiny_config
     from tuning.space import parse_space, resolve_objective
 

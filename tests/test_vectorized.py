@@ -8,9 +8,10 @@ import pandas as pd
 import pytest
 import torch
 
-from raysim.config import ConfigError, make_config
+from raysim.config import make_config
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
+from raysim.errors import ConfigError
 from raysim.io.results import without_timing
 from raysim.grouped import StackedOptimizer as _Optimizer
 from raysim.config import TrainConfig

@@ -10,7 +10,7 @@ import yaml
 
 from raysim import reproduce as rp
 from raysim import verdicts as vd
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 from raysim.reproduce_table import render_records, summarise, table_markdown
 
 

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from raysim.config import (ConfigError, choice, from_dict, load_yaml_mapping, make_config, positive, set_dotted,
-                           to_dict)
+from raysim.config import choice, from_dict, load_yaml_mapping, make_config, positive, set_dotted, to_dict
+from raysim.errors import ConfigError
 
 PRUNERS = ("none", "median", "percentile", "successive_halving")
 SAMPLERS = ("tpe", "random", "grid")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 STORAGE_TIMEOUT_S = 5.0  # how long --storage's server may take to accept a connection
 _DB_PORTS = {"postgresql": 5432, "mysql": 3306, "mariadb": 3306, "mssql": 1433, "oracle": 1521}

@@ -27,8 +27,8 @@ from typing import Callable, Optional
 import pandas as pd
 
 from raysim.io import results
-from raysim.config import ConfigError, apply_overrides, check_path_component, load_config_dict, make_config, to_dict
-from raysim.errors import DataError
+from raysim.config import apply_overrides, check_path_component, load_config_dict, make_config, to_dict
+from raysim.errors import ConfigError, DataError
 from tuning.export import TuneResult, export, trial_outcome, trials_frame, tuned_seeds
 from tuning.space import SearchSpace, check_against_config, parse_space, resolve_objective, trial_config
 from tuning.storage import (STORAGE_TIMEOUT_S, driver_id, is_stale, absolute_storage_url, check_storage,

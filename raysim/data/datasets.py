@@ -15,12 +15,11 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from raysim.config import ConfigError
 from raysim.data import formats
 from raysim.data.arrays import ArrayDataset, LoadedDataset, mnist5k_arrays, normalise, sklearn_digits_arrays
 from raysim.data.multisource import load_multisource_digits
 from raysim.data.pacs import load_pacs
-from raysim.errors import DamagedFileError, DataError, read_problem
+from raysim.errors import ConfigError, DamagedFileError, DataError, read_problem
 from raysim.registry import DATASET_LOADER, DATASETS, is_import_path, marked, refuse_unmarked, registered, resolve
 
 

@@ -29,9 +29,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from raysim.config import ConfigError
 from raysim.data.arrays import ArrayDataset, LoadedDataset
-from raysim.errors import DataError
+from raysim.errors import ConfigError, DataError
 
 PIXEL_NORM = (0.5, 0.5)  # uint8 pixels -> [-1, 1]
 REQUIRED = ("x_train", "y_train", "x_test", "y_test")

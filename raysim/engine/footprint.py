@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ from raysim import rng as rngmod
 from raysim.io import rundir
 from raysim.engine import safety
 from raysim.backends import make_backend
-from raysim.config import ConfigError, ExperimentConfig, check_path_component, to_dict
-from raysim.errors import SimulationError
+from raysim.config import ExperimentConfig, check_path_component, to_dict
+from raysim.errors import ConfigError, SimulationError
 from raysim.engine.reports import step_token
 from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.steps import ALL, ClientStep, ServerStep, flatten

@@ -15,8 +15,9 @@ from raysim.io import rundir
 from raysim.algorithm import SERVER_DATA, LocalTraining, Task
 from raysim.backends import preflight
 from raysim import numerics
-from raysim.config import ConfigError, ExperimentConfig, from_dict
+from raysim.config import ExperimentConfig, from_dict
 from raysim.data.federated import FederatedData, build_federated_data
+from raysim.errors import ConfigError
 from raysim.models import client_archs
 from raysim.registry import algorithm_class, algorithm_target, make_environment
 from raysim.engine.environment import check_environment

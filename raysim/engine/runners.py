@@ -22,7 +22,7 @@ import torch
 from raysim import numerics, registry
 from raysim import rng as rngmod
 from raysim.algorithm import Context, ModelCache, ServerContext, ServerUpdate, Task, upload_merger
-from raysim.config import ConfigError, ExperimentConfig
+from raysim.config import ExperimentConfig
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
 from raysim.engine.executors import executor_chain
@@ -31,7 +31,7 @@ from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
 from raysim.engine.store import StateStore, atomic_save, load_file
-from raysim.errors import DamagedFileError
+from raysim.errors import ConfigError, DamagedFileError
 
 
 def resolve_device(name: str) -> torch.device:

@@ -41,8 +41,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 
-from raysim.config import ConfigError, TrainConfig
+from raysim.config import TrainConfig
 from raysim import grouped as _grouped
+from raysim.errors import ConfigError
 from raysim.grouped import StackedOptimizer
 from raysim.layers import _MASKS
 from raysim.models import dropout_masks_of, replay_masks

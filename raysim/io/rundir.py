@@ -29,7 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
-from raysim.config import ConfigError
+from raysim.errors import ConfigError
 
 INCOMPLETE = ".incomplete"
 LOCK_FILE = ".lock"
