@@ -188,3 +188,28 @@ def test_actor_pools_and_placement_stay_within_a_pool(tiny):
     assert {new[c] for c in (1, 3, 5)} == {2} and {new[c] for c in (0, 2, 4)} == {0, 1}
     plain, lay = actor_pools(tiny(backend={"name": "ray", "num_actors": 4}).backend, ["mlp"] * 6)
     assert len(plain) == 1 and lay == {c: c % 4 for c in range(6)}
+
+
+def test_cuda_without_a_visible_gpu_is_one_line_before_anything_starts(tiny, monkeypatch):
+    """backend.device: cuda where no process could see a GPU: sequential without CUDA here; Ray actors (any pool)
+    or the server asking for no GPU (Ray hides the GPUs a process did not reserve)."""
+    import torch
+
+    from raysim.backends import check_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError) as e:
+        check_device(tiny(backend={"name": "sequential", "device": "cuda"}))
+    assert e.value.field == "backend.device"
+    with pytest.raises(ConfigError) as e:
+        check_device(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0}))
+    assert e.value.field == "backend.num_gpus"
+    with pytest.raises(ConfigError) as e:
+        check_device(tiny(model=TWO_ARCHS, backend={"name": "ray", "device": "cuda", "num_gpus": 0.5,
+                                                    "server_num_gpus": 0.1,
+                                                    "model_resources": [{"arch": "mlp", "num_gpus": 0}]}))
+    assert e.value.field == "backend.model_resources[0].num_gpus"
+    with pytest.raises(ConfigError) as e:
+        check_device(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0.5}))
+    assert e.value.field == "backend.server_num_gpus"
+    check_device(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0.5, "server_num_gpus": 0.1}))
