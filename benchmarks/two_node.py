@@ -128,7 +128,7 @@ def main():
         restore(saved)
     try:
         cluster.wait_for_nodes()
-        native = native_checks(args.config, ["rounds=2", "eval.every=1", "clients_per_round=10"],
+        native = native_checks(args.config, ["rounds=1", "eval.every=1", "clients_per_round=10"],
                                cluster.address, node2.node_id) if args.native else {}
         byo = {}
         if args.byo:

@@ -27,8 +27,8 @@ def test_two_node_cluster_survives_a_node_stop(tmp_path):
     for m in ("mycnn", "mydata", "mymethod"):
         shutil.copy(ROOT / "examples" / "byo" / f"{m}.py", tmp_path / f"{m}.py")
     out = tmp_path / "two_node.json"
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "two_node.py"), "--rounds", "6", "--stop-after", "2",
-                        "--byo", "2", "--config", str(ROOT / "configs" / "fedproto_mnist5k.yaml"), "--json", str(out)],
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "two_node.py"), "--rounds", "4", "--stop-after", "1",
+                        "--byo", "1", "--config", str(ROOT / "configs" / "fedproto_mnist5k.yaml"), "--json", str(out)],
                        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
