@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-COPIES = {"aten.copy_.default", "aten.clone.default", "aten._to_copy.default", "aten.detach.default",
+COPIES = {"aten.copy_.default", "aten.clone.default", "aten._to_copy.default",
           "aten.cat.default", "aten.stack.default", "aten.index.Tensor", "aten.lift_fresh.default"}
 
 

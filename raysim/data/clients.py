@@ -81,7 +81,8 @@ class ClientData:
 
     def _decode(self, u: torch.Tensor, device) -> torch.Tensor:
         mean, std = self.norm
-        return (u.to(device=device, dtype=torch.float32) / 255.0 - mean) / std
+        # the uint8 pixels travel (4x fewer bytes to a GPU), then become floats where they will be used
+        return (u.to(device).to(torch.float32) / 255.0 - mean) / std
 
     def compact(self) -> "ClientData":
         """The same client with images stored as uint8 pixels (4x smaller), when the source was uint8 and decoding
