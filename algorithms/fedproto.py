@@ -29,6 +29,7 @@ class FedProto(LocalTraining):
         return {"prototypes"}
 
     name = "fedproto"
+    asynchronous = True  # server.mode: async (staleness-weighted prototypes: async_mix)
     headline = ("test_acc", "test_acc_proto")  # own classifier, nearest global prototype
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
 
@@ -77,6 +78,15 @@ class FedProto(LocalTraining):
         keep = server_state["mask"] & ~mask
         protos[keep] = server_state["protos"][keep]
         return {"protos": protos, "mask": mask | server_state["mask"]}, {"num_global_protos": float((mask | server_state["mask"]).sum())}
+
+    def async_mix(self, server_state, target, weight, ctx: Context):
+        """Staleness-weighted prototypes (server.mode: async): a class both states hold moves ``weight`` of the way
+        to the target's prototype; a class only the target holds (first seen) takes it; the others stay."""
+        old, new = server_state["protos"], target["protos"]
+        both = server_state["mask"] & target["mask"]
+        protos = new.clone()
+        protos[both] = old[both] + (new[both] - old[both]) * weight
+        return {"protos": protos, "mask": server_state["mask"] | target["mask"]}
 
     # -- client -------------------------------------------------------------------------------------------------
     @staticmethod

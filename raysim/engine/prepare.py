@@ -106,6 +106,10 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                      ("evaluation_schedule()", algorithm.evaluation_schedule()))
     for where, sched in schedules:
         check_schedule(sched, algorithm, where)
+    if cfg.server.mode == "async":
+        from raysim.asyncrules import check_async
+
+        check_async(cfg, algorithm, env)
     preflight(cfg)
     if env is not None:
         env.bind(task)
