@@ -77,6 +77,16 @@ def mix_trees(old, new, w: float):
     return new
 
 
+def check_async_method(cfg, algorithm_cls) -> None:
+    """The method must declare ``Algorithm.asynchronous`` (checked before any data is loaded)."""
+    from raysim.errors import ConfigError
+
+    if cfg.server.mode == "async" and not getattr(algorithm_cls, "asynchronous", False):
+        raise ConfigError("server.mode", f"{cfg.algorithm.name} does not aggregate asynchronously (its "
+                                         f"Algorithm.asynchronous is False); use server.mode: sync, or fedavg, "
+                                         f"fedprox, fedper, lgfedavg, fedproto, fedtgp")
+
+
 def check_async(cfg, algorithm, env) -> None:
     """What ``server.mode: async`` needs beyond the config section's own checks (raysim.config.ServerConfig): a
     method that declares ``Algorithm.asynchronous`` with the classic one-exchange round and no setup phase, and an
@@ -85,10 +95,7 @@ def check_async(cfg, algorithm, env) -> None:
     from raysim.steps import CLASSIC_ROUND, flatten
 
     name = cfg.algorithm.name
-    if not getattr(type(algorithm), "asynchronous", False):
-        raise ConfigError("server.mode", f"{name} does not aggregate asynchronously (its Algorithm.asynchronous is "
-                                         f"False); use server.mode: sync, or fedavg, fedprox, fedper, lgfedavg, "
-                                         f"fedproto, fedtgp")
+    check_async_method(cfg, type(algorithm))
     steps = [(type(s).__name__, s.mode) for s, _ in flatten(algorithm.schedule())]
     if (steps != [(type(s).__name__, s.mode) for s, _ in flatten(CLASSIC_ROUND)]
             or algorithm.setup_schedule() is not None):
