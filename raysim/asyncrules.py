@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 
-import torch
+from raysim.ops import mix_tensor, mix_trees  # noqa: F401 (the interpolation the rules use; part of the contract)
 
 STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")
 RULES = ("fedbuff", "fedasync")
@@ -52,29 +52,6 @@ def mixing_weight(rule: str, staleness: list[int], *, alpha: float = 0.6, server
     if rule == "fedbuff":
         return float(server_lr) * math.fsum(s) / len(s)
     raise ValueError(f"unknown rule {rule!r}; choose one of: {', '.join(RULES)}")
-
-
-def mix_tensor(old: torch.Tensor, new: torch.Tensor, w: float) -> torch.Tensor:
-    """old + w (new - old) for floating tensors; anything else (counts, masks, flags) takes the new value."""
-    if not (torch.is_floating_point(old) and torch.is_floating_point(new)) or old.shape != new.shape:
-        return new
-    if w == 1.0:
-        return new.clone()
-    return old + (new.to(old.dtype) - old) * w
-
-
-def mix_trees(old, new, w: float):
-    """:func:`mix_tensor` over a tree of dicts / lists of tensors. Keys only in ``new`` take the new value, keys only
-    in ``old`` keep the old one."""
-    if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor):
-        return mix_tensor(old, new, w)
-    if isinstance(new, dict) and isinstance(old, dict):
-        out = {k: mix_trees(old[k], v, w) if k in old else v for k, v in new.items()}
-        out.update({k: v for k, v in old.items() if k not in new})
-        return out
-    if isinstance(new, (list, tuple)) and isinstance(old, (list, tuple)) and len(new) == len(old):
-        return type(new)(mix_trees(o, n, w) for o, n in zip(old, new))
-    return new
 
 
 def check_async_method(cfg, algorithm_cls) -> None:
