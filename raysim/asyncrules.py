@@ -12,13 +12,12 @@
 
 Which state is "x" is the method's business: :meth:`raysim.algorithm.Algorithm.async_aggregate` computes the
 method's own ``aggregate`` of the buffered uploads (the target) and :meth:`~raysim.algorithm.Algorithm.async_mix`
-moves the server state toward it by the mixing weight computed here (:func:`mix_trees` for plain trees of tensors).
+moves the server state toward it by the mixing weight computed here (:func:`raysim.ops.mix_trees` for plain trees
+of tensors).
 """
 from __future__ import annotations
 
 import math
-
-from raysim.ops import mix_tensor, mix_trees  # noqa: F401 (the interpolation the rules use; part of the contract)
 
 STALENESS_FUNCTIONS = ("constant", "polynomial", "hinge")
 RULES = ("fedbuff", "fedasync")
