@@ -6,8 +6,9 @@ runs with ``--k`` clients in flight and a buffer of ``--buffer`` (rounds * k / b
 in flight applies each update (rounds * k versions). Reported per method and mode: the simulated time (seconds) at
 which the mean local test accuracy first reaches ``--target``, the final mean local test accuracy, the simulated
 time at the end, and the traffic (bytes up + down, all clients); then each async mode minus sync, paired by seed
-(mean, 95 % Student-t interval). Writes the run directories, ``summary.json`` and ``raysim report``'s tables and
-plots (accuracy against simulated time, sync and async side by side) under ``--out``.
+(mean, 95 % Student-t interval). Writes the run directories, ``summary-<methods>-<target>.md/.json`` and ``raysim report``'s tables and
+plots (accuracy against simulated time, sync and async side by side) under ``--out``. Run directories that already
+hold a ``results.parquet`` are read instead of run again (another ``--target`` on the same runs).
 
     nice -n 10 python benchmarks/async_compare.py --seeds 1 2 3 --out runs/async_compare
 """
@@ -95,8 +96,12 @@ def main() -> None:
             for seed in args.seeds:
                 d = out / f"{method}-{mode}-s{seed}"
                 t0 = time.perf_counter()
-                res = run_experiment(make_config(mode_config(args, method, mode, seed)), out_dir=d, progress=False)
-                m = measure(res.table, args.target)
+                if (d / "results.parquet").is_file():  # a finished run of an earlier invocation: re-read it
+                    table = results.load(d)
+                else:
+                    table = run_experiment(make_config(mode_config(args, method, mode, seed)), out_dir=d,
+                                           progress=False).table
+                m = measure(table, args.target)
                 m["wall_s"] = time.perf_counter() - t0
                 values.setdefault((method, mode), {})[seed] = m
                 dirs.append(str(d))
@@ -111,7 +116,7 @@ def main() -> None:
             xs = [per_seed[s][k] for s in args.seeds]
             fin = [x for x in xs if math.isfinite(x)]
             iv = interval(fin) if fin else {"mean": math.nan}
-            cell = format_interval({**iv, "mean": iv["mean"]}, digits=3 if k == "final_acc" else 1).lstrip("+")
+            cell = format_interval(iv, digits=3 if k == "final_acc" else (2 if k == "traffic_mb" else 1)).lstrip("+")
             if len(fin) < len(xs):
                 cell += f" ({len(xs) - len(fin)} of {len(xs)} never)"
             cells.append(cell)
@@ -125,19 +130,21 @@ def main() -> None:
             for k in keys:
                 d = [values[(method, mode)][s][k] - values[(method, "sync")][s][k] for s in args.seeds]
                 d = [x for x in d if math.isfinite(x)]
-                cells.append(format_interval(interval(d), digits=3 if k == "final_acc" else 1) if d else "–")
+                cell = format_interval(interval(d), digits=3 if k == "final_acc" else (2 if k == "traffic_mb" else 1)) if d else "–"
+                cells.append(cell + (f" (n={len(d)})" if d and len(d) < len(args.seeds) else ""))
             lines.append(f"| {method} | {mode} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print("\n" + table)
     print(f"\nwall time of the whole comparison: {time.perf_counter() - t_all:.0f} s")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.md").write_text(table + "\n")
-    (out / "summary.json").write_text(json.dumps({f"{m}/{mo}": v for (m, mo), v in values.items()}, indent=1,
+    tag = f"{'-'.join(args.methods)}-{args.target:g}"
+    (out / f"summary-{tag}.md").write_text(table + "\n")
+    (out / f"summary-{tag}.json").write_text(json.dumps({f"{m}/{mo}": v for (m, mo), v in values.items()}, indent=1,
                                                  default=float))
     from raysim.io.report import build_report
 
-    build_report(dirs, out / "report", target=args.target)
-    print(f"report: {out / 'report'}")
+    build_report(dirs, out / f"report-{tag}", target=args.target)
+    print(f"report: {out / f'report-{tag}'}")
 
 
 if __name__ == "__main__":
