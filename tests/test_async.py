@@ -208,3 +208,14 @@ def test_cli_exit_2_names_server_mode(tmp_path):
     p = run_cli("run", str(cfg), "--dry-run")
     assert p.returncode == 2, p.stderr
     assert "server.mode" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_every_client_busy_and_nobody_online():
+    # concurrency = population: a buffered client's slot stays empty until the aggregation frees it
+    df = table(async_cfg(rounds=4, n=6, concurrency=6, buffer_size=3,
+                         env={"preset": "uniform", "participation": {"idle_s": 0.0}}))
+    assert df[(df.scope == "env") & (df.metric == "updates")]["value"].tolist() == [3.0] * 4
+    # nobody online: the server waits, retrying every idle_s of simulated time, and the run still ends
+    df = table(async_cfg(rounds=2, env={"preset": "uniform", "participation": {
+        "availability": {"mode": "bernoulli", "p": 0.05}, "idle_s": 30.0}}))
+    assert df[(df.scope == "env") & (df.metric == "sim_time")]["value"].max() >= 30.0

@@ -116,10 +116,13 @@ class AsyncServer:
     def dispatch(self, now: float) -> None:
         while len(self.flights) < self.cfg.server.concurrency:
             seq, c = self._pick(now)
-            if c is None:  # nobody online and idle: the free slots retry after the environment's idle time
-                if not self.wake_pending:
+            if c is None:
+                # idle clients, none online: the free slots retry after the environment's idle time (at least 1 s,
+                # so the clock moves); no idle client at all: the next arrival or aggregation frees one
+                if not self.wake_pending and len(self.busy) < self.n:
                     self.wake_pending = True
-                    heapq.heappush(self.events, (now + self.env.cfg.participation.idle_s, WAKE))
+                    idle_s = getattr(getattr(getattr(self.env, "cfg", None), "participation", None), "idle_s", 60.0)
+                    heapq.heappush(self.events, (now + max(float(idle_s), 1.0), WAKE))
                 return
             _, _, dt, _, _ = self.env.async_event(seq, c, None)
             f = Flight(c, seq, now, self.version, now + dt)
