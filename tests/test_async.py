@@ -150,8 +150,12 @@ def test_same_seed_same_table_and_spill():
     assert not a.drop(columns="run_id").equals(table(dataclasses.replace(cfg, seed=8)).drop(columns="run_id"))
 
 
-def test_sequential_equals_ray_one_and_two_actors(ray_session):
-    # identical devices (uniform preset) and clients of equal size: event times tie, the order is by client id
+def test_sequential_equals_ray_one_and_two_actors(ray_session, monkeypatch):
+    # identical devices (uniform preset) and clients of equal size: event times tie, the order is by client id;
+    # batches of at most 3 clients (the initial 5 dispatches train in two client steps)
+    from raysim.engine import async_loop
+
+    monkeypatch.setattr(async_loop, "MAX_BATCH", 3)
     kw = dict(rounds=4, stdev=0, env={"preset": "uniform", "participation": {"dropout": 0.2}})
     seq = table(async_cfg(**kw))
     times = seq[(seq.scope == "client") & (seq.metric == "sim_finish_s")]["value"]

@@ -11,7 +11,8 @@ client (uniform among the online clients that are neither in flight nor waiting 
 **Determinism.** Events are ordered by (simulated time, client id), never by wall-clock arrival. Training does not
 happen at dispatch: a dispatched client waits, *untrained*, until the earliest time its event could happen (its
 event time with no bytes counted, a lower bound) is not after the earliest known event; then every untrained client
-is trained at once, one backend ``client_step`` per dispatch version (the batch: one call per actor). A client's
+is trained at once, one backend ``client_step`` per dispatch version and at most ``MAX_BATCH`` clients (the batch:
+one call per actor). A client's
 training depends only on its dispatch payload, its state (it cannot be dispatched twice at once) and its random
 streams, keyed by the batch's index (``round_idx`` of the client step; deterministic, since the batching decisions
 are made on simulated times only). So the table is the same on every backend, actor count and spill setting.
@@ -39,6 +40,10 @@ from raysim.steps import ClientStep, ServerStep, flatten
 
 WAKE = -1  # a pseudo client id: retry dispatching when no client was online (sorts before real ids at equal times)
 EXACT_PICK_MAX = 4096  # populations up to this size pick among the idle clients exactly; larger ones by rejection
+# clients per client step: an aggregation reads the whole upload groups of its updates' batches (the backends return
+# one handle per actor and step), so a batch of 1,000 would make every FedAsync version deserialise 1,000 uploads;
+# batches of at most this many keep that read small for one extra backend call per 64 clients trained
+MAX_BATCH = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -132,13 +137,15 @@ class AsyncServer:
 
     # -- training in batches ----------------------------------------------------------------------------------------
     def flush(self) -> None:
-        """Train every untrained client: one client step per dispatch version, in version order."""
+        """Train every untrained client: one client step per dispatch version (at most MAX_BATCH clients each), in
+        version order."""
         by_version: dict[int, list[int]] = {}
         for _, c in self.untrained:
             by_version.setdefault(self.flights[c].version, []).append(c)
         self.untrained = []
-        for v in sorted(by_version):
-            ids = sorted(by_version[v])
+        chunks = [(v, ids[i:i + MAX_BATCH]) for v in sorted(by_version) for ids in [sorted(by_version[v])]
+                  for i in range(0, len(ids), MAX_BATCH)]
+        for v, ids in chunks:
             b = self.batch
             self.batch += 1
             t0 = time.perf_counter()
