@@ -53,7 +53,7 @@ def one(mode: str, args) -> dict:
     if args.max_batch:
         from raysim.engine import async_loop
 
-        async_loop.MAX_BATCH = args.max_batch  # the driver's batching of untrained clients (its default: 64)
+        async_loop.MAX_BATCH = args.max_batch  # the driver's batching of untrained clients (its default: 16)
     versions = args.fedbuff_versions if mode == "fedbuff" else args.fedasync_versions
     cfg = make_config(config(mode, args.clients, args.in_flight, args.buffer, versions, args.rounds))
     sampler = _Sampler()
@@ -77,7 +77,7 @@ def one(mode: str, args) -> dict:
         out["server_step_wall_s"] = round(a["server_step_s"], 1)
         out["server_step_ms_per_version"] = round(1e3 * a["server_step_s"] / cfg.rounds, 1)
         out["wall_s_per_update_ms"] = round(1e3 * a["wall_s"] / max(a["updates"], 1), 2)
-        out["max_batch"] = args.max_batch or 64
+        out["max_batch"] = args.max_batch or 16
     else:
         out["rounds"] = cfg.rounds
         out["trained_updates"] = trained
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--fedasync-versions", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=1, help="synchronous rounds of --in-flight clients")
     ap.add_argument("--modes", nargs="+", default=["sync", "fedbuff", "fedasync"])
-    ap.add_argument("--max-batch", type=int, default=None, help="clients per client step (async_loop.MAX_BATCH)")
+    ap.add_argument("--max-batch", type=int, default=None, help="clients per client step (async_loop.MAX_BATCH, default 16)")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:

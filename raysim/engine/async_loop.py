@@ -42,8 +42,9 @@ WAKE = -1  # a pseudo client id: retry dispatching when no client was online (so
 EXACT_PICK_MAX = 4096  # populations up to this size pick among the idle clients exactly; larger ones by rejection
 # clients per client step: an aggregation reads the whole upload groups of its updates' batches (the backends return
 # one handle per actor and step), so a batch of 1,000 would make every FedAsync version deserialise 1,000 uploads;
-# batches of at most this many keep that read small for one extra backend call per 64 clients trained
-MAX_BATCH = 64
+# batches of at most this many keep that read small (benchmarks/ASYNC.md: 16 brought a FedAsync version at
+# 100,000 clients from 409 ms to 13 ms) for one extra backend call per 16 clients trained
+MAX_BATCH = 16
 
 
 @dataclass(frozen=True, eq=False)
