@@ -68,6 +68,15 @@ class FedProto(LocalTraining):
         return {"global_protos": Message("global_prototypes", {"protos": server_state["protos"][classes].clone(),
                                                                "classes": classes})}
 
+    def async_mix(self, server_state, target, weight, ctx: Context):
+        """Staleness-weighted prototypes (server.mode: async): a class both states hold moves ``weight`` of the way
+        to the target's prototype; a class only the target holds (first seen) takes it; the others stay."""
+        old, new = server_state["protos"], target["protos"]
+        both = server_state["mask"] & target["mask"]
+        protos = new.clone()
+        protos[both] = old[both] + (new[both] - old[both]) * weight
+        return {"protos": protos, "mask": server_state["mask"] | target["mask"]}
+
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)
         if not ids:
@@ -78,15 +87,6 @@ class FedProto(LocalTraining):
         keep = server_state["mask"] & ~mask
         protos[keep] = server_state["protos"][keep]
         return {"protos": protos, "mask": mask | server_state["mask"]}, {"num_global_protos": float((mask | server_state["mask"]).sum())}
-
-    def async_mix(self, server_state, target, weight, ctx: Context):
-        """Staleness-weighted prototypes (server.mode: async): a class both states hold moves ``weight`` of the way
-        to the target's prototype; a class only the target holds (first seen) takes it; the others stay."""
-        old, new = server_state["protos"], target["protos"]
-        both = server_state["mask"] & target["mask"]
-        protos = new.clone()
-        protos[both] = old[both] + (new[both] - old[both]) * weight
-        return {"protos": protos, "mask": server_state["mask"] | target["mask"]}
 
     # -- client -------------------------------------------------------------------------------------------------
     @staticmethod
