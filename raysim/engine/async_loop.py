@@ -34,7 +34,7 @@ from raysim import rng as rngmod
 from raysim.asyncrules import mixing_weight, staleness_weight
 from raysim.engine import safety
 from raysim.engine.record import RoundLog, Run
-from raysim.engine.runners import step_token
+from raysim.engine.reports import step_token
 from raysim.errors import SimulationError
 from raysim.steps import ClientStep, ServerStep, flatten
 
