@@ -240,3 +240,10 @@ def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
     text = (tmp_path / "report" / "summary.md").read_text()
     assert "server.mode=async" in text and "server.mode=sync" in text and "sim_round_s to 0" in text
     assert out
+
+
+def test_max_staleness_discards_stale_updates():
+    df = table(async_cfg("fedasync", "fedavg", rounds=6, max_staleness=0))
+    env = df[df.scope == "env"].pivot_table(index="round", columns="metric", values="value")
+    assert env["discarded"].sum() > 0 and env["staleness_max"].max() == 0  # only fresh updates were applied
+    assert (df[(df.scope == "client") & (df.metric == "discarded")]["value"] > 0).sum() == env["discarded"].sum()
