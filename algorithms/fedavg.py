@@ -73,6 +73,7 @@ class FedAvg(LocalTraining):
         return {"weights", "num_samples"}
 
     name = "fedavg"
+    asynchronous = True  # server.mode: async (FedBuff / FedAsync on the global model; FedProx inherits it)
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
 
     @dataclass(frozen=True)

@@ -51,6 +51,7 @@ def ensemble_loss(logits_per_client: list, weights: torch.Tensor, y: torch.Tenso
 class FedGen(FedAvg):
     needs_embedding = True  # (FedAvg's subclass) reads the embedding / the head
     name = "fedgen"
+    asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = "Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021"
 
     def declared_uploads(self):

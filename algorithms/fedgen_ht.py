@@ -55,6 +55,7 @@ def ensemble_logits(heads: list, weights: list, z: torch.Tensor) -> torch.Tensor
 class FedGenHt(LGFedAvg):
     needs_embedding = True
     name = "fedgen_ht"
+    asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = ("Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021 "
              "(HtFLlib's heterogeneous form, as the FedTGP paper runs it)")
 

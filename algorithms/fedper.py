@@ -35,6 +35,7 @@ class SharedPartAverage(LocalTraining):
         return {f"{self.shared}_weights", "num_samples"}
 
     shared: str = "body"
+    asynchronous = True  # server.mode: async on the shared part (FedPer's body, LG-FedAvg's head)
 
     @dataclass(frozen=True)
     class Params:

@@ -31,6 +31,7 @@ class FedProto(LocalTraining):
         return {"prototypes"}
 
     name = "fedproto"
+    asynchronous = True  # server.mode: async (staleness-weighted prototypes: async_mix)
     headline = ("test_acc", "test_acc_proto")  # own classifier, nearest global prototype
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
 
@@ -68,6 +69,15 @@ class FedProto(LocalTraining):
         classes = torch.nonzero(mask).flatten()
         return {"global_protos": Message("global_prototypes", {"protos": server_state["protos"][classes].clone(),
                                                                "classes": classes})}
+
+    def async_mix(self, server_state, target, weight, ctx: Context):
+        """Staleness-weighted prototypes (server.mode: async): a class both states hold moves ``weight`` of the way
+        to the target's prototype; a class only the target holds (first seen) takes it; the others stay."""
+        old, new = server_state["protos"], target["protos"]
+        both = server_state["mask"] & target["mask"]
+        protos = new.clone()
+        protos[both] = old[both] + (new[both] - old[both]) * weight
+        return {"protos": protos, "mask": server_state["mask"] | target["mask"]}
 
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)

@@ -74,6 +74,7 @@ def uh_model(base: SplitModel, weight: torch.Tensor, scale: float, learn_scale: 
 
 class FedProtoUH(FedProto):
     name = "fedproto_uh"
+    asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = ("Tan et al., FedProto, AAAI 2022 + the fixed orthogonal head (FedUH) of Dai et al., FedNH, AAAI 2023")
 
     @dataclass(frozen=True)

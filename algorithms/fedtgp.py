@@ -72,6 +72,7 @@ def train_generator(gen: PrototypeGenerator, feats: torch.Tensor, labels: torch.
 
 class FedTGP(FedProto):
     name = "fedtgp"
+    asynchronous = True  # server.mode: async: the generator trains on the arrived uploads, then async_mix
     paper = ("Zhang et al., FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive Learning "
              "for Data and Model Heterogeneity in Federated Learning, AAAI 2024")
 
@@ -109,6 +110,21 @@ class FedTGP(FedProto):
         return {"generator": {k: v.detach().clone() for k, v in gen.state_dict().items()},
                 "protos": torch.zeros(self.task.num_classes, d),
                 "trained": torch.zeros((), dtype=torch.bool)}
+
+    def async_mix(self, server_state, target, weight, ctx):
+        """server.mode: async: the generator trained on the arrived uploads (``aggregate``, from the current one) is
+        mixed with the current generator by ``weight``; the global prototypes are the mixed generator's outputs."""
+        if weight == 1.0 or not bool(server_state["trained"]):
+            return target
+        from raysim.ops import mix_trees
+
+        gen = self.make_generator().to(ctx.device)
+        gen.load_state_dict(mix_trees(server_state["generator"], target["generator"], weight))
+        gen.eval()
+        with torch.no_grad():
+            protos = gen(torch.arange(self.task.num_classes, device=ctx.device)).detach()
+        return {"generator": {k: v.detach().clone() for k, v in gen.state_dict().items()}, "protos": protos,
+                "trained": torch.ones((), dtype=torch.bool)}
 
     def broadcast(self, server_state, ctx):
         if not bool(server_state["trained"]):

@@ -34,6 +34,7 @@ def moon_contrastive(z: torch.Tensor, z_glob: torch.Tensor, z_prev: torch.Tensor
 class Moon(FedAvg):
     needs_embedding = True  # (FedAvg's subclass) reads the embedding / the head
     name = "moon"
+    asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = "Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021"
 
     def declared_uploads(self):

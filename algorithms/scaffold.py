@@ -66,6 +66,7 @@ def server_update(x: dict, c: dict, delta_y: list, delta_c: list, num_clients: i
 class Scaffold(FedAvg):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "scaffold"
+    asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020"
 
     def declared_uploads(self):

@@ -28,6 +28,16 @@ from envs.participation import is_available, round_draws, select, uniform
 log = logging.getLogger("envs")
 
 
+@dataclass(frozen=True)
+class _Bytes:
+    down: dict
+    up: dict
+    ok: bool = True
+
+
+_NO_BYTES = _Bytes({}, {})
+
+
 @dataclass
 class RoundOutcome:
     round_idx: int
@@ -144,6 +154,30 @@ class Environment:
         up = transfer_s(message_bytes(report.up) if report.ok else 0.0, jittered(d.up_mbps[c], nw.jitter, draws.z_up),
                         d.latency_s[c])
         return float(compute), down, up, straggler, draws
+
+    # -- the asynchronous server (server.mode: async; raysim/engine/async_loop.py) --------------------------------
+    def async_available(self, key: int, client_id: int, t: float) -> bool:
+        """Whether ``client_id`` is online at simulated time ``t`` for dispatch number ``key`` (the availability
+        pattern of synchronous rounds, drawn per dispatch instead of per round)."""
+        a = self.cfg.participation.availability
+        if a.mode == "always":
+            return True
+        return is_available(a, self.devices, client_id, t, uniform(self.seed, key, client_id, "env-async/u_available"))
+
+    def async_event(self, key: int, client_id: int, report=None) -> tuple[float, float, float, bool, bool]:
+        """(compute_s, comm_s, seconds from dispatch to the event, dropped, straggler) of dispatch number ``key``:
+        the upload's arrival, or the moment the client drops out (a uniform point of its work, as in rounds). The
+        draws are keyed by (seed, key, client), so the time is known before training; ``report=None`` counts no
+        bytes (a lower bound of the time, used to decide when a client's training must have run)."""
+        if report is None:
+            report = _NO_BYTES
+        compute, down, up, straggler, draws = self.client_times(key, client_id, report)
+        total = down + compute + up
+        if not report.ok:
+            return compute, down + up, down + compute, False, straggler
+        if draws.u_dropout < self.cfg.participation.dropout:
+            return compute, down + up, draws.u_drop_point * total, True, straggler
+        return compute, down + up, total, False, straggler
 
     def outcome(self, round_idx: int, reports: list) -> RoundOutcome:
         """Simulate the round from the clients' reports; advance the simulated clock."""

@@ -145,6 +145,9 @@ class ServerContext(Context):
 
     failures: list = field(default_factory=list)  # (client_id, reason) of the round's failed clients
     server_data: dict = field(default_factory=dict)  # name (in Algorithm.server_data) -> ArrayDataset
+    # server.mode: async, in async_aggregate only: {"rule", "mix" (the weight toward the aggregate), "staleness"
+    # {client_id: tau}, "weights" {client_id: s(tau)}, "version"} (raysim/asyncrules.py); None in synchronous rounds
+    asynchronous: Optional[dict] = None
 
     def next_round(self) -> "ServerContext":
         """The context of the next round's broadcast (a round's last server step builds the next payload with it)."""
@@ -198,6 +201,11 @@ class Algorithm:
     # whether evaluate_client reports each client's cluster as the metric ``cluster``: with ground-truth domains in
     # the data (FederatedData.domains) the driver then adds the ARI of the assignment (ClusterAgreement)
     reports_clusters: ClassVar[bool] = False
+    # whether the method aggregates asynchronously (server.mode: async, FedBuff / FedAsync): its server state is
+    # moved toward the ``aggregate`` of the arrived uploads by ``async_mix`` (see async_aggregate). Methods whose
+    # server step is not one aggregate of uploads (multi-exchange schedules, setup phases, control variates) keep
+    # False and refuse async with one line naming server.mode
+    asynchronous: ClassVar[bool] = False
 
     def declared_uploads(self) -> Optional[set]:
         """The message kinds this method's clients may send to the server (the privacy boundary: tests check that
@@ -246,6 +254,25 @@ class Algorithm:
         if uploads:
             server_state, metrics = self.aggregate(server_state, uploads, ctx)
         return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()), dict(metrics))
+
+    def async_aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> ServerUpdate:
+        """The asynchronous server step (``server.mode: async``; methods with ``asynchronous = True``): the method's
+        own ``aggregate`` of the arrived uploads (FedBuff's buffer, or FedAsync's one update) is the target, and the
+        server state moves toward it by ``ctx.asynchronous["mix"]`` (FedBuff: server_lr * mean s(tau); FedAsync:
+        alpha * s(tau); raysim/asyncrules.py) through :meth:`async_mix`; then the next version's broadcast."""
+        metrics = {}
+        if uploads:
+            target, metrics = self.aggregate(server_state, uploads, ctx)
+            server_state = self.async_mix(server_state, target, float(ctx.asynchronous["mix"]), ctx)
+        return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()), dict(metrics))
+
+    def async_mix(self, server_state: Any, target: Any, weight: float, ctx: ServerContext) -> Any:
+        """``server_state + weight * (target - server_state)`` on every floating tensor (other leaves take the
+        target's value). Methods whose state is not a plain point to interpolate override it (FedProto: per class
+        and only where both have a prototype; FedTGP: the generator, then its prototypes)."""
+        from raysim.ops import mix_trees
+
+        return mix_trees(server_state, target, weight)
 
     # -- server -------------------------------------------------------------------------------------------------
     def init_server_state(self, ctx: ServerContext) -> Any:

@@ -292,6 +292,54 @@ class OutputConfig:
 
 
 @dataclass(frozen=True)
+class StalenessConfig:
+    """s(tau), the weight of an update that is tau server versions old (Xie et al. 2019): constant (1), polynomial
+    ((1 + tau)^-a) or hinge (1 up to b versions, then 1 / (a (tau - b) + 1))."""
+
+    fn: str = "constant"
+    a: float = 0.5
+    b: int = 4
+
+    def check(self, path: str) -> None:
+        choice(_p(path, "fn"), self.fn, ["constant", "polynomial", "hinge"])
+        if self.a < 0:
+            raise ConfigError(_p(path, "a"), f"the staleness exponent must be >= 0, got {self.a}")
+        positive(_p(path, "b"), self.b, allow_zero=True)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """``mode: sync`` (rounds: the default) or ``async``: an event-driven server on the environment's simulated
+    clock (raysim/engine/async_loop.py). ``concurrency`` clients train at once; each is dispatched with the current
+    server state and its update arrives when the environment says; ``rule: fedbuff`` aggregates every
+    ``buffer_size`` arrivals and steps ``server_lr`` toward the aggregate, ``rule: fedasync`` applies each arrival
+    with weight ``alpha * s(tau)``. Each applied aggregation is a server version; ``rounds`` counts versions.
+    ``max_staleness``: updates older than this many versions are discarded (wasted work; None: none)."""
+
+    mode: str = "sync"
+    rule: str = "fedbuff"
+    concurrency: int = 10
+    buffer_size: int = 5
+    server_lr: float = 1.0
+    alpha: float = 0.6
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    max_staleness: Optional[int] = None
+
+    def check(self, path: str) -> None:
+        choice(_p(path, "mode"), self.mode, ["sync", "async"])
+        choice(_p(path, "rule"), self.rule, ["fedbuff", "fedasync"])
+        positive(_p(path, "concurrency"), self.concurrency)
+        positive(_p(path, "buffer_size"), self.buffer_size)
+        positive(_p(path, "server_lr"), self.server_lr)
+        if not 0.0 < self.alpha <= 1.0:
+            raise ConfigError(_p(path, "alpha"), f"must be in (0, 1], got {self.alpha}")
+        positive(_p(path, "max_staleness"), self.max_staleness, allow_zero=True)
+        if self.mode == "async" and self.rule == "fedbuff" and self.buffer_size > self.concurrency:
+            raise ConfigError(_p(path, "buffer_size"), f"{self.buffer_size} exceeds server.concurrency="
+                                                       f"{self.concurrency} (the buffer could never fill)")
+
+
+@dataclass(frozen=True)
 class ExperimentConfig:
     name: str = "experiment"
     seed: int = 1234
@@ -309,6 +357,7 @@ class ExperimentConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     env: Optional[dict] = None  # simulated environment (envs/, validated there); None: no simulation
+    server: ServerConfig = field(default_factory=ServerConfig)  # sync rounds, or async on the simulated clock
 
     def check(self, path: str) -> None:
         check_path_component("name", self.name)
@@ -325,11 +374,27 @@ class ExperimentConfig:
                                                                         f"run; choose one of: {', '.join(dict.fromkeys(archs))}")
         if self.clients_per_round is not None and self.clients_per_round > self.data.num_clients:
             raise ConfigError("clients_per_round", f"{self.clients_per_round} exceeds data.num_clients={self.data.num_clients}")
+        if self.server.mode == "async":
+            self._check_async()
         if self.model.assign == "tier" and getattr(self.model, "tiers", None) is None and (
                 self.env is None or self.model.per_client is None):
             raise ConfigError("model.tiers", "assign=tier gives client i per_client[tier of i]; it needs model.per_client "
                                              "and either model.tiers (a tier per client) or an env section whose devices "
                                              "have memory tiers (e.g. env: {preset: mobile-heterogeneous})")
+
+    def _check_async(self) -> None:
+        s = self.server
+        if s.concurrency > self.data.num_clients:
+            raise ConfigError("server.concurrency", f"{s.concurrency} exceeds data.num_clients={self.data.num_clients}")
+        if self.env is None:
+            raise ConfigError("server.mode", "async runs on the environment's simulated clock; add an env section "
+                                             "(e.g. env: {preset: mobile-heterogeneous})")
+        if self.clients_per_round is not None:
+            raise ConfigError("clients_per_round", "is a round setting; with server.mode: async the clients in flight "
+                                                   "are server.concurrency (remove clients_per_round)")
+        if self.output.checkpoint_every:
+            raise ConfigError("output.checkpoint_every", "async runs cannot be resumed (the clients in flight are not "
+                                                         "checkpointed); set it to 0")
 
     # -- identity -----------------------------------------------------------------------------------------------
     def science_dict(self) -> dict:
@@ -418,6 +483,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
 # the public names of the configuration layer (the sections here; dict <-> dataclass in raysim.fields; YAML and
 # overrides in raysim.yamlio): importable from raysim.config as before
 __all__ = ["AlgorithmConfig", "ArchSpec", "BackendConfig", "ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig",
+           "ServerConfig", "StalenessConfig",
            "MAX_YAML_BYTES", "ModelConfig", "OutputConfig", "TrainConfig", "YamlBoundsError", "apply_overrides",
            "check_path_component", "choice", "from_dict", "load_config", "load_config_dict", "load_yaml_mapping",
            "make_config", "parse_override", "positive", "read_text_file", "set_dotted", "to_dict", "yaml_error_text",

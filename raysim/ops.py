@@ -65,3 +65,27 @@ def prototype_regulariser(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor
     has = mask.to(z.device)[y]
     target = torch.where(has.unsqueeze(1), protos.to(z.device)[y], z.detach())
     return torch.nn.functional.mse_loss(z, target)
+
+
+# server.mode: async (raysim/asyncrules.py): the server state moved toward an aggregate
+def mix_tensor(old: torch.Tensor, new: torch.Tensor, w: float) -> torch.Tensor:
+    """old + w (new - old) for floating tensors; anything else (counts, masks, flags) takes the new value."""
+    if not (torch.is_floating_point(old) and torch.is_floating_point(new)) or old.shape != new.shape:
+        return new
+    if w == 1.0:
+        return new.clone()
+    return old + (new.to(old.dtype) - old) * w
+
+
+def mix_trees(old, new, w: float):
+    """:func:`mix_tensor` over a tree of dicts / lists of tensors. Keys only in ``new`` take the new value, keys only
+    in ``old`` keep the old one."""
+    if isinstance(new, torch.Tensor) and isinstance(old, torch.Tensor):
+        return mix_tensor(old, new, w)
+    if isinstance(new, dict) and isinstance(old, dict):
+        out = {k: mix_trees(old[k], v, w) if k in old else v for k, v in new.items()}
+        out.update({k: v for k, v in old.items() if k not in new})
+        return out
+    if isinstance(new, (list, tuple)) and isinstance(old, (list, tuple)) and len(new) == len(old):
+        return type(new)(mix_trees(o, n, w) for o, n in zip(old, new))
+    return new

@@ -165,6 +165,10 @@ def _evaluate(run: Run, round_idx: int, step_s: dict) -> None:
 
 def run_loop(run: Run, callbacks: list[Callback]) -> None:
     cfg, backend, env = run.cfg, run.backend, run.env
+    if cfg.server.mode == "async":  # the event-driven server on the simulated clock
+        from raysim.engine.async_loop import run_async
+
+        return run_async(run, callbacks, _evaluate)
     if not run.setup_done:
         t0 = time.perf_counter()
         step_s: dict = {}
@@ -244,6 +248,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
     """
     check_path_component("name", cfg.name)  # also for configs built without validation (it names directories)
+    if resume is not None and cfg.server.mode == "async":
+        raise ConfigError("server.mode", "async runs cannot be resumed (the clients in flight are not checkpointed); "
+                                         "start the run again")
     run_id = cfg.run_id()
     target, where = (Path(out_dir), "--out") if out_dir else (Path(cfg.output.dir) / run_id, "output.dir")
     if write and resume is None:  # a bad or busy output directory fails before any data is loaded
@@ -355,4 +362,6 @@ def _metadata(run: Run) -> dict:
         meta["setup_schedule"] = [f"{type(s).__name__}:{s.name}" for s, _ in flatten(run.algorithm.setup_schedule())]
     if run.env is not None:
         meta["env"] = run.env.summary()
+    if getattr(run, "async_summary", None) is not None:
+        meta["async"] = run.async_summary
     return meta

@@ -56,6 +56,10 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                 raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
                                                          f"{', '.join(arch_params(spec.arch))}")
     _check_server_data(cfg, algo_cls)
+    if cfg.server.mode == "async":
+        from raysim.asyncrules import check_async_method
+
+        check_async_method(cfg, algo_cls)
     _notice_dropped(cfg)
     _check_population_memory(cfg)
     _check_state_dir(cfg)
@@ -107,6 +111,10 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                      ("evaluation_schedule()", algorithm.evaluation_schedule()))
     for where, sched in schedules:
         check_schedule(sched, algorithm, where)
+    if cfg.server.mode == "async":
+        from raysim.asyncrules import check_async
+
+        check_async(cfg, algorithm, env)
     preflight(cfg)
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
         from raysim.engine.footprint import check_gpu_budgets

@@ -286,6 +286,7 @@ class ServerRunner:
         id, whatever the actor layout."""
         fn = getattr(self.algorithm, step.method)
         ctx = self._ctx(round_idx, failures, step.name, iteration)
+        ctx.asynchronous = getattr(step, "asynchronous", None)  # server.mode: async (raysim/engine/async_loop.py)
         rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, rngmod.SERVER, _purpose(step, iteration))
         if step.mode == "evaluate":
             if self.global_test is None:

@@ -153,14 +153,22 @@ def cumulative(df: pd.DataFrame, time: str = "round") -> pd.DataFrame:
 def time_to_target(df: pd.DataFrame, metric: str = "test_acc", target: float | None = None,
                    time: str = "round") -> pd.DataFrame:
     """Per run: the first evaluated round whose mean ``metric`` reaches ``target`` and the time axis there
-    (rounds completed, bytes, or simulated time; see :func:`cumulative`). NaN where the target is never reached."""
+    (rounds completed, bytes, or simulated time; see :func:`cumulative`). NaN where the target is never reached.
+    With a simulated environment also ``sim_time``: the simulated clock (seconds) at that round's end, for
+    synchronous rounds and for the server versions of ``server.mode: async`` alike."""
     pr = per_round(df, metric).merge(cumulative(df, time), on=["run_id", "round"], how="left")
+    clock = env_time(df)
+    if not clock.empty:
+        pr = pr.merge(clock, on=["run_id", "round"], how="left")
     out = []
     for run_id, g in pr.groupby("run_id"):
         hit = g[g["mean"] >= target].sort_values("round")
-        out.append({"run_id": run_id, "round": int(hit["round"].iloc[0]) if len(hit) else np.nan,
-                    "time": float(hit["x"].iloc[0]) if len(hit) else np.nan})
-    return pd.DataFrame(out, columns=["run_id", "round", "time"])
+        row = {"run_id": run_id, "round": int(hit["round"].iloc[0]) if len(hit) else np.nan,
+               "time": float(hit["x"].iloc[0]) if len(hit) else np.nan}
+        if not clock.empty:
+            row["sim_time"] = float(hit["sim_time"].iloc[0]) if len(hit) else np.nan
+        out.append(row)
+    return pd.DataFrame(out, columns=["run_id", "round", "time"] + ([] if clock.empty else ["sim_time"]))
 
 
 def run_index(paths, on_damaged=None) -> pd.DataFrame:

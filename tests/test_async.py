@@ -1,0 +1,249 @@
+"""server.mode: async (issue 36): the rules' maths by hand, the contract attribute, the determinism rule (sequential
+== Ray with 1 and 2 actors == spilled states, ties by client id), the result rows, time_to_target on the simulated
+clock, and bad input (one line naming the key, exit 2)."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from raysim import asyncrules
+from raysim.algorithm import ServerContext
+from raysim.config import ConfigError, make_config
+from raysim.engine.loop import run_experiment
+from raysim.engine.prepare import prepare
+from raysim.io import results
+from raysim import registry
+from raysim import rng as rngmod
+from tests.conftest import run_cli, tiny_config
+
+SUPPORTED = {"fedavg", "fedprox", "fedper", "lgfedavg", "fedproto", "fedtgp"}
+
+
+def async_cfg(rule="fedbuff", alg="fedproto", rounds=5, n=10, params=None, backend=None, env=None, stdev=1, **server):
+    s = {"mode": "async", "rule": rule, "concurrency": 5, "buffer_size": 2,
+         "staleness": {"fn": "polynomial", "a": 0.5}, **server}
+    data = {"dataset": "synthetic", "num_clients": n, "partition": "nway_kshot",
+            "partition_params": {"ways": 3, "shots": 10, "stdev": stdev, "test_shots": 5}}
+    return make_config(tiny_config(rounds=rounds, data=data, algorithm={"name": alg, "params": params or {}},
+                                   env=env or {"preset": "mobile-heterogeneous", "participation": {"dropout": 0.2}},
+                                   server=s, backend=backend or {"name": "sequential"}))
+
+
+def table(cfg):
+    return results.without_timing(run_experiment(cfg, write=False, progress=False).table)
+
+
+# -- the maths, by hand ---------------------------------------------------------------------------------------------
+def test_staleness_functions_by_hand():
+    w = asyncrules.staleness_weight
+    assert w(7, "constant") == 1.0
+    assert w(3, "polynomial", a=0.5) == 0.5  # (1 + 3)^-0.5
+    assert w(0, "polynomial", a=2.0) == 1.0
+    assert w(1, "polynomial", a=2.0) == 0.25
+    assert w(2, "hinge", a=0.5, b=2) == 1.0  # within b: no discount
+    assert w(4, "hinge", a=0.5, b=2) == 0.5  # 1 / (0.5 * (4 - 2) + 1)
+    assert w(6, "hinge", a=1.0, b=2) == 0.2  # 1 / (1 * 4 + 1)
+    mw = asyncrules.mixing_weight
+    assert mw("fedasync", [3], alpha=0.6, fn="polynomial", a=0.5) == pytest.approx(0.3)
+    assert mw("fedbuff", [0, 3], server_lr=0.5, fn="polynomial", a=0.5) == 0.375  # 0.5 * (1 + 0.5) / 2
+    assert mw("fedbuff", [0, 9], server_lr=1.0) == 1.0  # constant s: plain FedBuff
+
+
+@pytest.fixture(scope="module")
+def fedavg_prep():
+    return prepare(make_config(tiny_config(algorithm={"name": "fedavg", "params": {}})))
+
+
+def _fill(state, v):
+    return {k: torch.full_like(t, float(v)) if torch.is_floating_point(t) else t.clone() for k, t in state.items()}
+
+
+def _fedavg_step(prep, server_state, uploads, rule, taus, **kw):
+    from raysim.messages import Message, state_message
+
+    alg = prep.algorithm
+    ups = {c: {"model": state_message("weights", _fill(server_state["model"], v)),
+               "num_samples": Message("num_samples", {"n": torch.tensor([n], dtype=torch.int64)})}
+           for c, (v, n) in uploads.items()}
+    s = {k: kw[k] for k in ("fn", "a", "b") if k in kw}
+    mix = asyncrules.mixing_weight(rule, [taus[c] for c in sorted(ups)], **kw)
+    ctx = ServerContext(0, rngmod.SERVER, 1, torch.device("cpu"), prep.task,
+                        asynchronous={"rule": rule, "mix": mix, "staleness": taus,
+                                      "weights": {c: asyncrules.staleness_weight(t, **s) for c, t in taus.items()}})
+    return alg.async_aggregate(server_state, ups, ctx)
+
+
+def test_fedbuff_and_fedasync_by_hand(fedavg_prep):
+    x0 = {"model": _fill(fedavg_prep.algorithm.init_server_state(None)["model"], 0.0)}
+    # FedBuff: buffer {client 1: ones, 1 sample; client 2: threes, 3 samples} -> aggregate 2.5; server_lr 0.5,
+    # staleness (1 + tau)^-0.5 at tau 0 and 3 -> mean 0.75: x = 0 + 0.5 * 0.75 * (2.5 - 0) = 0.9375
+    out = _fedavg_step(fedavg_prep, x0, {1: (1.0, 1), 2: (3.0, 3)}, "fedbuff", {1: 0, 2: 3}, server_lr=0.5,
+                       fn="polynomial", a=0.5)
+    for t in out.state["model"].values():
+        if torch.is_floating_point(t):
+            assert torch.all(t == 0.9375)
+    assert torch.all(next(iter(out.payload["model"].tensors.values())) == 0.9375)  # the next version's broadcast
+    # FedAsync from x = 1 with one update of 3: x = (1 - a_t) * 1 + a_t * 3, a_t = alpha * s(tau)
+    x1 = {"model": _fill(x0["model"], 1.0)}
+    for fn, tau, a, b, expect in (("constant", 5, 0.5, 4, 1 + 0.6 * 2),  # s = 1
+                                  ("polynomial", 3, 0.5, 4, 1 + 0.6 * 0.5 * 2),  # s = (1 + 3)^-0.5
+                                  ("hinge", 4, 0.5, 2, 1 + 0.6 * 0.5 * 2),  # s = 1 / (0.5 * 2 + 1)
+                                  ("hinge", 2, 0.5, 2, 1 + 0.6 * 2)):  # within b
+        out = _fedavg_step(fedavg_prep, x1, {4: (3.0, 7)}, "fedasync", {4: tau}, alpha=0.6, fn=fn, a=a, b=b)
+        got = next(t for t in out.state["model"].values() if torch.is_floating_point(t))
+        assert torch.allclose(got, torch.full_like(got, expect), rtol=0, atol=1e-6), (fn, tau)
+
+
+def test_fedproto_staleness_weighted_prototypes_by_hand():
+    prep = prepare(make_config(tiny_config()))
+    alg = prep.algorithm
+    old = {"protos": torch.tensor([[0.0, 0.0], [9.0, 9.0], [5.0, 5.0]]), "mask": torch.tensor([True, False, True])}
+    new = {"protos": torch.tensor([[2.0, 2.0], [4.0, 4.0], [5.0, 5.0]]), "mask": torch.tensor([True, True, True])}
+    out = alg.async_mix(old, new, 0.25, None)
+    # class 0 held by both: 0 + 0.25 * (2 - 0); class 1 first seen: taken; class 2 not uploaded (aggregate kept it)
+    assert torch.equal(out["protos"], torch.tensor([[0.5, 0.5], [4.0, 4.0], [5.0, 5.0]]))
+    assert out["mask"].tolist() == [True, True, True]
+
+
+# -- the contract attribute ------------------------------------------------------------------------------------------
+def test_methods_declare_async_support():
+    declared = {name for name in registry.ALGORITHMS if getattr(registry.algorithm_class(name), "asynchronous", False)}
+    assert declared == SUPPORTED
+
+
+@pytest.mark.parametrize("alg", sorted(SUPPORTED))
+def test_every_supporting_method_runs_async(alg):
+    params = {"shared": "body"} if alg == "fedper" else ({"server_epochs": 3} if alg == "fedtgp" else {})
+    df = table(async_cfg("fedasync", alg, rounds=4, params=params))
+    env = df[df.scope == "env"].pivot_table(index="round", columns="metric", values="value")
+    assert list(env.index) == [0, 1, 2, 3] and (env["updates"] == 1).all()
+    assert df[df.scope == "client"]["value"].notna().all()
+    assert (df[(df.scope == "mean") & (df.metric == "test_acc")]["round"] == 3).any()
+
+
+# -- determinism ----------------------------------------------------------------------------------------------------
+def test_rows_keyed_by_server_version():
+    df = table(async_cfg(rounds=6))
+    env = df[df.scope == "env"].pivot_table(index="round", columns="metric", values="value")
+    assert list(env.index) == list(range(6))
+    assert (env["updates"] == 2).all() and env["sim_time"].is_monotonic_increasing
+    assert (env["sim_round_s"].cumsum() - env["sim_time"]).abs().max() < 1e-9
+    st = df[(df.scope == "client") & (df.metric == "staleness")]
+    assert len(st) == 12 and st["value"].max() > 0  # per update; some stale
+    assert env["dropped"].sum() > 0 and env["wasted_s"].sum() > 0  # dropouts recorded as wasted work
+    # the mixing weight is the rule's: server_lr 1 * mean (1 + tau)^-0.5 over the buffer
+    for r, g in st.groupby("round"):
+        expect = sum((1 + t) ** -0.5 for t in g["value"]) / len(g)
+        assert env.loc[r, "mix"] == pytest.approx(expect)
+    assert (df[(df.scope == "total") & (df.metric == "up_bytes")]["value"] > 0).all()  # traffic per version
+
+
+def test_same_seed_same_table_and_spill():
+    cfg = async_cfg(rounds=5)
+    a = table(cfg)
+    pd.testing.assert_frame_equal(a, table(cfg), check_exact=True)
+    spilled = async_cfg(rounds=5, backend={"name": "sequential", "state_memory_mb": 0})
+    pd.testing.assert_frame_equal(a.drop(columns="run_id"), table(spilled).drop(columns="run_id"), check_exact=True)
+    import dataclasses
+
+    assert not a.drop(columns="run_id").equals(table(dataclasses.replace(cfg, seed=8)).drop(columns="run_id"))
+
+
+def test_sequential_equals_ray_one_and_two_actors(ray_session, monkeypatch):
+    # identical devices (uniform preset) and clients of equal size: event times tie, the order is by client id;
+    # batches of at most 3 clients (the initial 5 dispatches train in two client steps)
+    from raysim.engine import async_loop
+
+    monkeypatch.setattr(async_loop, "MAX_BATCH", 3)
+    kw = dict(rounds=4, stdev=0, env={"preset": "uniform", "participation": {"dropout": 0.2}})
+    seq = table(async_cfg(**kw))
+    times = seq[(seq.scope == "client") & (seq.metric == "sim_finish_s")]["value"]
+    assert times.duplicated().any() and seq[(seq.scope == "client") & (seq.metric == "staleness")]["value"].max() > 0
+    for actors in (1, 2):
+        ray_df = table(async_cfg(backend={"name": "ray", "num_actors": actors}, **kw))
+        pd.testing.assert_frame_equal(seq.drop(columns="run_id"), ray_df.drop(columns="run_id"), check_exact=True)
+
+
+def test_time_to_target_on_the_simulated_clock():
+    df = table(async_cfg(rounds=6))
+    tt = results.time_to_target(df, "test_acc", 0.0)
+    clock = results.env_time(df).set_index("round")["sim_time"]
+    assert tt["round"].iloc[0] == 0 and tt["sim_time"].iloc[0] == clock[0]
+    assert pd.isna(results.time_to_target(df, "test_acc", 1.01)["sim_time"].iloc[0])
+
+
+# -- bad input ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("over, key", [
+    ({"buffer_size": 6}, "server.buffer_size"),
+    ({"staleness": {"fn": "polynomial", "a": -0.5}}, "server.staleness.a"),
+    ({"concurrency": 11}, "server.concurrency"),
+])
+def test_bad_server_config_names_the_key(over, key):
+    with pytest.raises(ConfigError) as e:
+        async_cfg(**over)
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("alg, env, key", [
+    ("scaffold", None, "server.mode"),
+    ("local", None, "server.mode"),
+    ("fedproto", {"preset": "mobile-heterogeneous", "participation": {"deadline_s": 30.0}},
+     "env.participation.deadline_s"),
+])
+def test_unsupported_async_is_refused(alg, env, key):
+    with pytest.raises(ConfigError) as e:
+        prepare(async_cfg(alg=alg, env=env))
+    assert key in str(e.value) and "\n" not in str(e.value)
+
+
+def test_resume_and_checkpoints_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="server.mode"):
+        run_experiment(async_cfg(), resume=tmp_path)
+    with pytest.raises(ConfigError, match="output.checkpoint_every"):
+        make_config({**tiny_config(env={"preset": "uniform"}, server={"mode": "async", "concurrency": 3, "buffer_size": 2}),
+                     "output": {"checkpoint_every": 2}})
+
+
+def test_cli_exit_2_names_server_mode(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("algorithm: {name: scaffold}\ndata: {dataset: synthetic, num_clients: 6}\n"
+                   "env: {preset: uniform}\nserver: {mode: async, concurrency: 3, buffer_size: 2}\n")
+    p = run_cli("run", str(cfg), "--dry-run")
+    assert p.returncode == 2, p.stderr
+    assert "server.mode" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_every_client_busy_and_nobody_online():
+    # concurrency = population: a buffered client's slot stays empty until the aggregation frees it
+    df = table(async_cfg(rounds=4, n=6, concurrency=6, buffer_size=3,
+                         env={"preset": "uniform", "participation": {"idle_s": 0.0}}))
+    assert df[(df.scope == "env") & (df.metric == "updates")]["value"].tolist() == [3.0] * 4
+    # nobody online: the server waits, retrying every idle_s of simulated time, and the run still ends
+    df = table(async_cfg(rounds=2, env={"preset": "uniform", "participation": {
+        "availability": {"mode": "bernoulli", "p": 0.05}, "idle_s": 30.0}}))
+    assert df[(df.scope == "env") & (df.metric == "sim_time")]["value"].max() >= 30.0
+
+
+def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
+    from raysim.io.report import build_report
+
+    base = tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"}, data={
+        "dataset": "synthetic", "num_clients": 10, "partition": "nway_kshot",
+        "partition_params": {"ways": 3, "shots": 10, "stdev": 1, "test_shots": 5}})
+    sync = make_config(base, ["clients_per_round=4"])
+    asyn = make_config(base, ["server.mode=async", "server.concurrency=4", "server.buffer_size=2"])  # --set works
+    for name, cfg in (("sync", sync), ("async", asyn)):
+        run_experiment(cfg, out_dir=tmp_path / name, progress=False)
+    out = build_report([tmp_path / "sync", tmp_path / "async"], tmp_path / "report", target=0.0, log=lambda *a: None)
+    assert (tmp_path / "report" / "acc_vs_time.png").stat().st_size > 0
+    text = (tmp_path / "report" / "summary.md").read_text()
+    assert "server.mode=async" in text and "server.mode=sync" in text and "sim_round_s to 0" in text
+    assert out
+
+
+def test_max_staleness_discards_stale_updates():
+    df = table(async_cfg("fedasync", "fedavg", rounds=6, max_staleness=0))
+    env = df[df.scope == "env"].pivot_table(index="round", columns="metric", values="value")
+    assert env["discarded"].sum() > 0 and env["staleness_max"].max() == 0  # only fresh updates were applied
+    assert (df[(df.scope == "client") & (df.metric == "discarded")]["value"] > 0).sum() == env["discarded"].sum()
