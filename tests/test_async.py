@@ -9,7 +9,8 @@ import torch
 
 from raysim import asyncrules
 from raysim.algorithm import ServerContext
-from raysim.config import ConfigError, make_config
+from raysim.config import make_config
+from raysim.errors import ConfigError
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
 from raysim.io import results
