@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from algorithms.mafml import public_shares, require_public_shares
+from algorithms.mafml import require_public_shares
+from algorithms.mutual_ops import public_shares
 from algorithms.mutual_ops import domain_metrics, step_batches
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate

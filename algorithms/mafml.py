@@ -42,8 +42,8 @@ import torch
 import torch.nn.functional as F
 
 from algorithms import mafml_group
-from algorithms.mutual_ops import (WarmClients, domain_metrics, flat_grad, project_conflicting, random_batch,
-                                   set_flat_grad, weighted_kl)
+from algorithms.mutual_ops import (WarmClients, domain_metrics, flat_grad, project_conflicting, public_shares,
+                                   random_batch, set_flat_grad, weighted_kl)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import positive
 from raysim.errors import ConfigError
@@ -97,18 +97,6 @@ def floats_per_iteration(num_clients: int, num_classes: int, public_batch: int) 
     up = payload_sizes({"soft": msg})["soft_labels"][0]
     down = payload_sizes({"teachers": Teachers(teachers={j: msg for j in range(n - 1)})})["soft_labels"][0]
     return n * (up + down)
-
-
-def public_shares(task, ctx):
-    """The public dataset on the runner's device (kept in the runner's cache, ``ctx.models``): x, y and each node's
-    global indices."""
-
-    def make():
-        pub = task.public
-        own = [torch.nonzero(pub.owner == i).flatten() for i in range(task.num_clients)]
-        return pub.x.to(ctx.device), pub.y.to(ctx.device), own
-
-    return ctx.models.get("public_shares", make)
 
 
 LOCAL = ClientStep("local", clients=ALL)

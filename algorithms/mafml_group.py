@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from algorithms.mutual_ops import project_conflicting, random_batch, weighted_kl
+from algorithms.mutual_ops import project_conflicting, public_shares, random_batch, weighted_kl
 from raysim import grouped
 from raysim.algorithm import ClientUpdate
 from raysim.layers import Dropout
@@ -69,7 +69,6 @@ def _group(alg, states, ctxs, lr) -> Optional[_Group]:
 def local(alg, payloads, states, datas, ctxs) -> Optional[list]:
     """:meth:`MAFML.local` for every node of the group: a private Adam step, the local gradient kept, soft labels of a
     batch of the node's own public share."""
-    from algorithms.mafml import public_shares
 
     cfg = alg.task.train
     gens = [ctx.generator("batches") for ctx in ctxs]
@@ -112,7 +111,6 @@ def local(alg, payloads, states, datas, ctxs) -> Optional[list]:
 def step_global(alg, payloads, states, datas, ctxs) -> Optional[list]:
     """:meth:`MAFML.step_global` for every node of the group (the summed form, eq. 3-6): the student's KL + CE on its
     teachers' public batches, the conflict projection against the node's local gradient (eq. 7), an Adam step."""
-    from algorithms.mafml import public_shares
 
     if alg.params.per_teacher:
         return None

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.local import Local
-from algorithms.mafml import public_shares, require_public_shares
+from algorithms.mafml import require_public_shares
+from algorithms.mutual_ops import public_shares
 from raysim.algorithm import ClientUpdate, Context
 
 

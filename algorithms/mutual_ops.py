@@ -169,3 +169,15 @@ class _Layout:
         self.modules = list(model.modules())
         # setting the flags directly is what Module.train does, unless a module overrides train()
         self.plain_modes = all(type(m).train is torch.nn.Module.train for m in self.modules)
+
+
+def public_shares(task, ctx):
+    """The public dataset on the runner's device (kept in the runner's cache, ``ctx.models``): x, y and each node's
+    global indices."""
+
+    def make():
+        pub = task.public
+        own = [torch.nonzero(pub.owner == i).flatten() for i in range(task.num_clients)]
+        return pub.x.to(ctx.device), pub.y.to(ctx.device), own
+
+    return ctx.models.get("public_shares", make)

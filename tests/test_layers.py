@@ -155,3 +155,78 @@ def test_the_environment_is_reached_through_the_declared_protocol():
     with pytest.raises(ConfigError, match="env.*lacks archs, bind, outcome"):
         check_environment(Partial())
     check_environment(None)
+
+
+PACKAGES = ("raysim", "algorithms", "envs", "tuning")
+
+
+def folder_of(module: str) -> str:
+    """A module's room: a subpackage of raysim (``raysim.engine``, ``raysim.io``, ...), a top-level package beside it
+    (``algorithms``, ``envs``, ``tuning``), or a top-level raysim module on its own (``raysim.config``)."""
+    parts = module.split(".")
+    if parts[0] == "raysim":
+        return ".".join(parts[:2]) if len(parts) >= 3 or (ROOT / "raysim" / parts[-1]).is_dir() else module
+    return parts[0]
+
+
+def all_imports() -> dict[str, set[str]]:
+    """{module: every module of the four packages it imports}, across packages too, lazy imports included."""
+    names = {}
+    for pkg in PACKAGES:
+        for p in sorted((ROOT / pkg).rglob("*.py")):
+            parts = p.relative_to(ROOT).with_suffix("").parts
+            names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+
+    def known(name):
+        while name and name not in names:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    edges = {}
+    for name, path in names.items():
+        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names]
+            for t in targets:
+                k = known(t)
+                if k and k != name and k not in PACKAGES:  # a package's __init__ re-exports only
+                    out.add(k)
+        edges[name] = out
+    return edges
+
+
+def test_no_module_cycle_in_any_package():
+    """raysim/, algorithms/, envs/ and tuning/: no import circle among their modules, lazy imports included (e.g.
+    MAFML and its group forms: the shared public-data helper lives in algorithms/mutual_ops.py)."""
+    edges = all_imports()
+    assert {"algorithms.mafml", "algorithms.mafml_group", "envs", "tuning.study"} & set(edges)
+    found = cycles(edges)
+    assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_folders_import_downwards_only():
+    """Rooms (folders; top-level raysim modules each their own) form no circle: the driver side of the engine gets
+    its backend by name through raysim/engine/backend.py (the interface), never by importing raysim/backends/; io/'s
+    file helpers (raysim/io/files.py) sit below both io/ and the state store."""
+    rooms: dict[str, set[str]] = {}
+    for m, outs in all_imports().items():
+        rooms.setdefault(folder_of(m), set()).update(folder_of(o) for o in outs if folder_of(o) != folder_of(m))
+    for outs in list(rooms.values()):
+        for o in outs:
+            rooms.setdefault(o, set())
+    found = cycles(rooms)
+    assert not found, "folders importing each other:\n" + "\n".join(" <-> ".join(c) for c in found)
+    assert "raysim.backends" not in rooms["raysim.engine"] and "raysim.engine" not in rooms["raysim.io"]
+
+
+def test_the_folder_check_finds_a_circle():
+    assert cycles({"raysim.engine": {"raysim.backends"}, "raysim.backends": {"raysim.engine"}})

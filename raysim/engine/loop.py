@@ -20,7 +20,7 @@ from raysim.algorithm import upload_merger
 from raysim import rng as rngmod
 from raysim.io import rundir
 from raysim.engine import safety
-from raysim.backends import make_backend
+from raysim.engine.backend import make_backend
 from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
 from raysim.engine.reports import step_token
@@ -220,7 +220,7 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
     manifest = meta.get("manifest") or {}
     shards = [manifest.get("server")] + list(manifest.get("clients") or [])
-    from raysim.engine.store import load_file
+    from raysim.io.files import load_file
 
     for name in shards:  # every shard must load before a run directory is claimed (a damaged one: one line)
         if not isinstance(name, str) or Path(name).name != name or name in (".", ".."):

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from raysim.io import rundir
 from raysim.algorithm import SERVER_DATA, LocalTraining, Task
-from raysim.backends import preflight
+from raysim.engine.backend import preflight
 from raysim import numerics
 from raysim.config import ExperimentConfig, from_dict
 from raysim.data.federated import FederatedData, build_federated_data

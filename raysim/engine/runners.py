@@ -30,7 +30,8 @@ from raysim.engine.reports import ClientReport, step_purpose as _purpose  # noqa
 from raysim.messages import payload_sizes
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
-from raysim.engine.store import StateStore, atomic_save, load_file
+from raysim.engine.store import StateStore
+from raysim.io.files import atomic_save, load_file
 from raysim.errors import ConfigError, DamagedFileError
 
 

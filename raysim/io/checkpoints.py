@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
-from raysim.engine.store import atomic_save, file_sha256, load_file
+from raysim.io.files import atomic_save, file_sha256, load_file
 
 META = "meta.pt"
 

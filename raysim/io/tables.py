@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from raysim.engine.store import file_sha256
+from raysim.io.files import file_sha256
 from raysim.errors import MetricError
 
 COLUMNS = ["run_id", "round", "client_id", "scope", "metric", "value", "weight"]

@@ -1,0 +1,90 @@
+"""The backend interface the driver talks to (two generic primitives — run a client step for a set of client ids, run
+a server step — plus commit, checkpoint shards and lifecycle), and how the driver gets one: by name, from the
+implementations in ``raysim/backends/`` (which sit above the engine and import its runners), resolved when a run
+starts (:func:`make_backend`, :func:`preflight`), so the driver side of the engine imports no backend module.
+Backends hold no algorithm logic. Handles (payloads, uploads) are opaque: in-process objects for the sequential
+backend, Ray object references for the Ray backend."""
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+
+class Backend(ABC):
+    name = "base"
+    numerics_report: list = []  # the kernel choice of each computing process other than the driver (Ray: the server
+    #                             and client actors, with their nodes); the sequential backend computes in the driver
+    object_store: dict = {}  # round -> tensor bytes moved through a transport (Ray: its object store); in-process: {}
+
+    def start(self) -> None: ...
+
+    @abstractmethod
+    def initial_payload(self, round_idx: int) -> Any:
+        """The payload round ``round_idx`` starts with, built from the server state (run start, resume, after setup)."""
+
+    @abstractmethod
+    def client_step(self, step, payload: Any, round_idx: int, iteration: int, client_ids: list[int],
+                    merge=None) -> tuple[Any, list]:
+        """Run ``step`` for ``client_ids``; return (handle to their uploads, ClientReports sorted by client id).
+        One call per actor per step. New client states stay pending until :meth:`commit`. ``merge``: the server step
+        the uploads feed, when each runner is to send one partial aggregate (``ClientRunner.run_client_step``)."""
+
+    @abstractmethod
+    def commit(self, client_ids: list[int], token: Optional[str] = None) -> None:
+        """The step's reports reached the driver: commit the new states of ``client_ids``; drop other pending ones."""
+
+    @abstractmethod
+    def server_step(self, step, round_idx: int, iteration: int, uploads: Any, failures: list,
+                    keep: Optional[list] = None) -> tuple[Optional[Any], dict]:
+        """Run a server step on the uploads (only those of ``keep``, when given); return (handle to the new payload
+        or None when the step left it unchanged, server metrics)."""
+
+    @abstractmethod
+    def save_checkpoint(self, directory: str) -> dict:
+        """Write the server state and every client state as shards under ``directory`` (no gathering on the
+        driver); return a manifest {"server": file, "clients": [files]}."""
+
+    @abstractmethod
+    def load_checkpoint(self, directory: str, manifest: dict) -> None:
+        """Restore states from shards written by any number of actors."""
+
+    def store_stats(self) -> list[dict]:
+        return []
+
+    def shutdown(self) -> None: ...
+
+
+def run_state_dir(spec):
+    """A fresh directory for this run's state stores, under ``backend.state_dir`` (or the system's temporary
+    directory); the backend removes it at shutdown. Returns (spec with state_dir set, the directory)."""
+    import dataclasses
+    import tempfile
+
+    base = spec.cfg.backend.state_dir
+    if base:
+        os.makedirs(base, exist_ok=True)
+    d = tempfile.mkdtemp(prefix=f"raysim-{spec.cfg.name}-", dir=base or None)
+    durable = spec.cfg.backend.name == "ray" and spec.cfg.on_actor_failure == "retry"
+    return dataclasses.replace(spec, state_dir=d, durable=durable), d
+
+
+# the implementations by name ("module:attribute", imported when a run starts)
+BACKENDS = {"sequential": "raysim.backends.sequential:SequentialBackend", "ray": "raysim.backends.ray_backend:RayBackend"}
+PREFLIGHT = "raysim.backends:preflight"
+
+
+def make_backend(name: str, spec, fed_data) -> Backend:
+    from raysim.registry import load_target
+
+    if name not in BACKENDS:
+        raise ValueError(name)
+    return load_target(BACKENDS[name])(spec, fed_data)
+
+
+def preflight(cfg) -> None:
+    """The checks that must pass before a run starts (``raysim.backends.preflight``: the GPUs a config asks for
+    exist, a cluster answers, ...)."""
+    from raysim.registry import load_target
+
+    load_target(PREFLIGHT)(cfg)
