@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -77,74 +78,104 @@ def _merge_into(run: Run, step, nxt) -> Optional[ServerStep]:
 def _run_steps(run: Run, schedule, round_idx: int, selected: list[int], step_s: dict) -> None:
     """Walk one schedule (a round's or the setup's): client steps, server steps, repeats. Adds each step's wall
     seconds (summed over its iterations) to ``step_s``."""
-    cfg, backend, env = run.cfg, run.backend, run.env
-    log = RoundLog()
-    uploads = None
-    failures: list = []  # (client_id, reason) handed to server steps
-    out_of_round: set[int] = set()  # failed, dropped or late this round: skip the round's later client steps
-    keep = None
-    to_commit = None  # (client ids, token) of the last client step, not yet committed
-    env_seen = False
-    t_env = 0.0
-    compute = 0.0
-    all_clients = range(cfg.data.num_clients)  # not a list: O(1) per round however large the population
-    items = list(flatten(schedule))
-    ahead = getattr(backend, "runs_server_step_ahead", False)
-    for pos, (step, it) in enumerate(items):
+    walk = _RoundWalk(run, round_idx, selected, list(flatten(schedule)))
+    for pos, (step, it) in enumerate(walk.items):
         t_step = time.perf_counter()
         if isinstance(step, ClientStep):
-            ids = [c for c in (all_clients if step.clients == ALL else selected) if c not in out_of_round]
-            if to_commit is not None:
-                backend.commit(*to_commit)
-            nxt = items[pos + 1] if pos + 1 < len(items) else None
-            merge = _merge_into(run, step, nxt)
-            if (ahead and nxt is not None and isinstance(nxt[0], ServerStep)
-                    and not (env is not None and not env_seen and round_idx >= 0)):
-                # the backend may submit the server step that follows right behind this one, without waiting for
-                # the reports: its failures are this list plus the step's failed reports (computed where it runs)
-                # and nothing else can change them before it (the environment decides on a round's first step)
-                uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids,
-                                                       then=(nxt[0], list(failures), keep), merge=merge)
-            else:
-                uploads, reports = backend.client_step(step, run.payload, round_idx, it, ids, merge=merge)
-            # committed once the uploads have been consumed too (the next server step), so that a step whose
-            # uploads are lost with a node can still be run again from the previous states
-            to_commit = ([r.client_id for r in reports if r.ok], step_token(round_idx, step, it))
-            compute += sum(r.seconds for r in reports)
-            log.add(step.name, reports)
-            skipped = safety.decide(cfg.on_nonfinite, round_idx, reports, step.name)  # raises under stop
-            failed = run.log_failures(reports)
-            if failed and ((cfg.on_client_failure == "stop" and len(failed) > len(skipped)) or len(failed) == len(reports)):
-                r = failed[0]
-                raise SimulationError(f"round {round_idx}, step '{step.name}': {len(failed)} of {len(reports)} clients "
-                                      f"failed; first: client {r.client_id}: {r.error}\n{r.traceback}")
-            failures = sorted(set(failures) | {(r.client_id, r.error) for r in failed})
-            out_of_round |= {r.client_id for r in failed}
-            if env is not None and not env_seen and round_idx >= 0:
-                # the environment decides once per round, on the first client step's traffic, who delivers
-                env_seen = True
-                t0 = time.perf_counter()
-                outcome = env.outcome(round_idx, reports)
-                for row in outcome.rows():
-                    run.table.add(*row)
-                failures, keep = sorted(set(failures) | set(outcome.failures())), list(outcome.keep)
-                out_of_round |= set(r.client_id for r in reports) - set(keep)
-                t_env += time.perf_counter() - t0
+            walk.client(pos, step, it)
         else:
-            payload, metrics = backend.server_step(step, round_idx, it, uploads, failures, keep=keep)
-            if to_commit is not None:
-                backend.commit(*to_commit)
-                to_commit = None
-            safety.check_metrics(round_idx, -1, step.name, metrics)
-            if payload is not None:
-                run.payload = payload
-            run.recorder.server(round_idx, metrics)
+            walk.server(step, it)
         step_s[step.name] = step_s.get(step.name, 0.0) + time.perf_counter() - t_step
-    if to_commit is not None:
-        backend.commit(*to_commit)
-    run.recorder.round(round_idx, log)
-    run.timing["client_compute_s"].append(compute)
-    run.timing["env_s"].append(t_env)
+    walk.finish()
+
+
+@dataclass
+class _RoundWalk:
+    """One walk through a schedule: what its steps hand on to the next ones."""
+
+    run: Run
+    round_idx: int
+    selected: list
+    items: list
+    log: RoundLog = field(default_factory=RoundLog)
+    uploads: object = None
+    failures: list = field(default_factory=list)  # (client_id, reason) handed to server steps
+    out_of_round: set = field(default_factory=set)  # failed, dropped or late: skip the round's later client steps
+    keep: Optional[list] = None  # the uploads the environment delivered (None: all)
+    to_commit: Optional[tuple] = None  # (client ids, token) of the last client step, not yet committed
+    env_seen: bool = False
+    t_env: float = 0.0
+    compute: float = 0.0
+
+    def _env_pending(self) -> bool:
+        """The environment decides once per round, on the round's first client step."""
+        return self.run.env is not None and not self.env_seen and self.round_idx >= 0
+
+    def client(self, pos: int, step: ClientStep, it: int) -> None:
+        run, backend = self.run, self.run.backend
+        everyone = range(run.cfg.data.num_clients)  # not a list: O(1) per round however large the population
+        ids = [c for c in (everyone if step.clients == ALL else self.selected) if c not in self.out_of_round]
+        if self.to_commit is not None:
+            backend.commit(*self.to_commit)
+        nxt = self.items[pos + 1] if pos + 1 < len(self.items) else None
+        merge = _merge_into(run, step, nxt)
+        if (getattr(backend, "runs_server_step_ahead", False) and nxt is not None
+                and isinstance(nxt[0], ServerStep) and not self._env_pending()):
+            # the backend may submit the server step that follows right behind this one, without waiting for the
+            # reports: its failures are this list plus the step's failed reports (computed where it runs) and
+            # nothing else can change them before it (the environment decides on a round's first step)
+            self.uploads, reports = backend.client_step(step, run.payload, self.round_idx, it, ids,
+                                                        then=(nxt[0], list(self.failures), self.keep), merge=merge)
+        else:
+            self.uploads, reports = backend.client_step(step, run.payload, self.round_idx, it, ids, merge=merge)
+        # committed once the uploads have been consumed too (the next server step), so that a step whose uploads
+        # are lost with a node can still be run again from the previous states
+        self.to_commit = ([r.client_id for r in reports if r.ok], step_token(self.round_idx, step, it))
+        self.compute += sum(r.seconds for r in reports)
+        self.log.add(step.name, reports)
+        self._failures(step, reports)
+        if self._env_pending():
+            self._environment(reports)
+
+    def _failures(self, step: ClientStep, reports: list) -> None:
+        cfg, round_idx = self.run.cfg, self.round_idx
+        skipped = safety.decide(cfg.on_nonfinite, round_idx, reports, step.name)  # raises under stop
+        failed = self.run.log_failures(reports)
+        if failed and ((cfg.on_client_failure == "stop" and len(failed) > len(skipped)) or len(failed) == len(reports)):
+            r = failed[0]
+            raise SimulationError(f"round {round_idx}, step '{step.name}': {len(failed)} of {len(reports)} clients "
+                                  f"failed; first: client {r.client_id}: {r.error}\n{r.traceback}")
+        self.failures = sorted(set(self.failures) | {(r.client_id, r.error) for r in failed})
+        self.out_of_round |= {r.client_id for r in failed}
+
+    def _environment(self, reports: list) -> None:
+        """Who delivers this round (the environment's outcome on the first client step's traffic)."""
+        self.env_seen = True
+        t0 = time.perf_counter()
+        outcome = self.run.env.outcome(self.round_idx, reports)
+        for row in outcome.rows():
+            self.run.table.add(*row)
+        self.failures, self.keep = sorted(set(self.failures) | set(outcome.failures())), list(outcome.keep)
+        self.out_of_round |= set(r.client_id for r in reports) - set(self.keep)
+        self.t_env += time.perf_counter() - t0
+
+    def server(self, step: ServerStep, it: int) -> None:
+        run, backend = self.run, self.run.backend
+        payload, metrics = backend.server_step(step, self.round_idx, it, self.uploads, self.failures, keep=self.keep)
+        if self.to_commit is not None:
+            backend.commit(*self.to_commit)
+            self.to_commit = None
+        safety.check_metrics(self.round_idx, -1, step.name, metrics)
+        if payload is not None:
+            run.payload = payload
+        run.recorder.server(self.round_idx, metrics)
+
+    def finish(self) -> None:
+        if self.to_commit is not None:
+            self.run.backend.commit(*self.to_commit)
+        self.run.recorder.round(self.round_idx, self.log)
+        self.run.timing["client_compute_s"].append(self.compute)
+        self.run.timing["env_s"].append(self.t_env)
 
 
 def _evaluate(run: Run, round_idx: int, step_s: dict) -> None:
