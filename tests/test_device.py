@@ -52,7 +52,7 @@ def test_the_per_client_loop_reads_the_host_once_per_metric_not_per_step():
 
 
 def _syncs_of_vectorised(epochs: int, n: int = 8) -> list:
-    from raysim.engine.vectorized import vmap_local_sgd
+    from raysim.engine.vectorized import Member, vmap_local_sgd
 
     torch.manual_seed(0)
     model = cnn_mnist((1, 28, 28), 10)
@@ -61,8 +61,8 @@ def _syncs_of_vectorised(epochs: int, n: int = 8) -> list:
     xs, ys = [torch.rand(n, 1, 28, 28)] * 3, [torch.randint(0, 10, (n,))] * 3
     gens = [torch.Generator().manual_seed(i) for i in range(3)]
     with CountSyncs() as c:
-        vmap_local_sgd(model, _ce, [start] * 3, xs, ys, cfg, gens, [torch.Generator().manual_seed(9 + i)
-                                                                    for i in range(3)], [None] * 3)
+        vmap_local_sgd(model, _ce, Member.zip([start] * 3, xs, ys, gens, [torch.Generator().manual_seed(9 + i)
+                                                                          for i in range(3)]), cfg)
     return c.calls
 
 

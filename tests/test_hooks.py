@@ -176,7 +176,7 @@ def test_vmap_groups_clients_at_different_epochs_apart():
     """Clients of 8 and 12 samples (batch 4): at step 2 both have a batch of 4, one in epoch 1, the other in epoch 0;
     an epoch-dependent loss gives each the loop's weights."""
     from raysim.config import TrainConfig
-    from raysim.engine.vectorized import vmap_local_sgd
+    from raysim.engine.vectorized import Member, vmap_local_sgd
     from raysim.training import local_sgd
 
     torch.manual_seed(0)
@@ -189,9 +189,9 @@ def test_vmap_groups_clients_at_different_epochs_apart():
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     xs = [torch.randn(8, 3), torch.randn(12, 3)]
     ys = [torch.randint(0, 2, (8,)), torch.randint(0, 2, (12,))]
-    trained, _, _ = vmap_local_sgd(model, loss_fn, [start, start], xs, ys, cfg,
-                                   [torch.Generator().manual_seed(i) for i in range(2)],
-                                   [torch.Generator().manual_seed(9) for _ in range(2)], [None, None])
+    trained, _, _ = vmap_local_sgd(model, loss_fn, Member.zip([start, start], xs, ys,
+                                                              [torch.Generator().manual_seed(i) for i in range(2)],
+                                                              [torch.Generator().manual_seed(9) for _ in range(2)]), cfg)
     for i in range(2):
         with torch.no_grad():
             for n, p in model.named_parameters():

@@ -22,7 +22,7 @@ import torch
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, LocalTraining
 from raysim.engine.reports import ClientReport, step_purpose as _purpose, step_token
-from raysim.engine.vectorized import check_model, vmap_local_sgd
+from raysim.engine.vectorized import Member, check_model, vmap_local_sgd
 from raysim.errors import DamagedFileError
 from raysim.messages import payload_sizes
 from raysim.steps import ClientStep
@@ -142,11 +142,10 @@ class Vectorized(Executor):
             t0 = time.perf_counter()
             items = [pending[c] for c in cids]
             try:
-                trained, metrics, opt_states = vmap_local_sgd(
-                    model, alg.objective(items[0][4]), [it[5] for it in items],
-                    [it[3].x_train if it[4].x is None else it[4].x for it in items], [it[3].y_train if it[4].y is None else it[4].y for it in items],
-                    cfg, [it[0].generator("batches") for it in items],
-                    [it[0].generator("dropout", device=it[0].device) for it in items], [it[6] for it in items])
+                members = [Member(it[5], it[3].x_train if it[4].x is None else it[4].x,
+                                  it[3].y_train if it[4].y is None else it[4].y, it[0].generator("batches"),
+                                  it[0].generator("dropout", device=it[0].device), it[6]) for it in items]
+                trained, metrics, opt_states = vmap_local_sgd(model, alg.objective(items[0][4]), members, cfg)
             except Exception as e:  # the batched computation failed: every client in it failed with the error
                 for c in cids:
                     r._fail(reports[c], c, e)

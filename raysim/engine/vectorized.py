@@ -36,6 +36,7 @@ from the loop's in the last bits (the equality policy's "stated tolerance": metr
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -85,121 +86,146 @@ def _detached(parts: dict) -> dict:
     return {key: (v if torch.is_tensor(v) else torch.tensor(float(v))).detach() for key, v in parts.items()}
 
 
-def vmap_local_sgd(model: nn.Module, loss_fn: Callable, params: list[dict], xs: list[torch.Tensor],
-                   ys: list[torch.Tensor], cfg: TrainConfig, batch_generators: list[torch.Generator],
-                   dropout_generators: list[torch.Generator], opt_states: list[Optional[dict]],
-                   epochs: Optional[int] = None, lr: Optional[float] = None,
+@dataclass
+class Member:
+    """One client of a vectorised group: its starting parameters (name -> tensor), its training data, its own
+    batch-order and dropout generators, and its optimiser state (None: fresh)."""
+
+    params: dict
+    x: torch.Tensor
+    y: torch.Tensor
+    batches: torch.Generator
+    dropout: torch.Generator
+    opt_state: Optional[dict] = None
+
+    @classmethod
+    def zip(cls, params, xs, ys, batches, dropouts, opt_states=None) -> list["Member"]:
+        return [cls(p, x, y, b, d, o) for p, x, y, b, d, o in
+                zip(params, xs, ys, batches, dropouts, opt_states or [None] * len(params))]
+
+
+def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
                    grouped: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
-    """Train K clients of one architecture together. ``params[k]``: client k's starting parameters (name ->
-    tensor); ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained
-    parameters, ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client.
-    ``grouped``: use grouped execution (:mod:`raysim.grouped`) where the model and the objective allow it,
-    else ``vmap`` throughout."""
-    k = len(params)
-    epochs = cfg.local_epochs if epochs is None else epochs
-    lr = cfg.lr if lr is None else lr
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head) get no step
-    names = [n for n in params[0] if n in trainable]
-    stacked = {n: torch.stack([p[n].detach() for p in params]).clone() for n in names}
-    frozen = {n: torch.stack([p[n].detach() for p in params]) for n in params[0] if n not in trainable}
-    buffers = {n: b for n, b in model.named_buffers()}
-    opt = StackedOptimizer(cfg, stacked, opt_states, lr)
+    """Train K clients of one architecture together (``cfg.local_epochs`` epochs at ``cfg.lr``);
+    ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained parameters,
+    ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client. ``grouped``: use
+    grouped execution (:mod:`raysim.grouped`) where the model and the objective allow it, else ``vmap`` throughout."""
+    return _GroupTraining(model, loss_fn, members, cfg, grouped).run()
 
-    # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm per
-    # epoch)
-    plans = []
-    for i in range(k):
-        n = int(ys[i].shape[0])
-        plans.append([(e, idx) for e in range(epochs) for idx in minibatches(n, cfg.batch_size, batch_generators[i])])
-    steps = max((len(p) for p in plans), default=0)
 
-    probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws: (shape, dtype, p)
-    calls: dict[tuple, Optional[list]] = {}  # (batch size, epoch) -> the objective's model calls (None: use vmap)
-    use_grouped = grouped and bool(names) and _grouped.supported(model)
+class _GroupTraining:
+    def __init__(self, model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig, grouped: bool):
+        self.model, self.loss_fn, self.members, self.cfg = model, loss_fn, members, cfg
+        self.k = len(members)
+        params = [m.params for m in members]
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head): no step
+        self.names = [n for n in params[0] if n in trainable]
+        self.stacked = {n: torch.stack([p[n].detach() for p in params]).clone() for n in self.names}
+        self.frozen = {n: torch.stack([p[n].detach() for p in params]) for n in params[0] if n not in trainable}
+        self.buffers = {n: b for n, b in model.named_buffers()}
+        self.opt = StackedOptimizer(cfg, self.stacked, [m.opt_state for m in members], cfg.lr)
+        # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm
+        # per epoch)
+        self.plans = [[(e, idx) for e in range(cfg.local_epochs)
+                       for idx in minibatches(int(m.y.shape[0]), cfg.batch_size, m.batches)] for m in members]
+        self.probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws
+        self.calls: dict[tuple, Optional[list]] = {}  # (batch size, epoch) -> the objective's model calls (None: vmap)
+        self.use_grouped = grouped and bool(self.names) and _grouped.supported(model)
+        self.grad_fn = torch.func.vmap(torch.func.grad(self._one, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
+        self.totals: list[dict] = [{} for _ in range(self.k)]
+        self.counts = [0] * self.k
 
-    def probe(b: int, epoch: int, i: int) -> list:
-        if (b, epoch) not in probes:
-            fm = _FunctionalModel(model, {**{n: stacked[n][i] for n in names}, **{n: t[i] for n, t in frozen.items()}},
-                                  buffers)
-            x0, y0 = xs[i][plans[i][0][1][:b]], ys[i][plans[i][0][1][:b]]
-            with torch.no_grad():  # draws from a throw-away generator: the clients' streams are untouched
-                g = torch.Generator(device=x0.device)
-                from raysim.models import set_dropout_generator
-                set_dropout_generator(model, g)
-                rec = _grouped.RecordingModel(fm, x0, lambda: len(_MASKS.record))
-                done = []
+    def probe(self, b: int, epoch: int, i: int) -> list:
+        """The dropout masks (shape, dtype, p) one forward of batch size ``b`` draws, and the objective's model
+        calls, found once per (batch size, epoch) on client ``i``'s first batch with a throw-away generator."""
+        if (b, epoch) in self.probes:
+            return self.probes[b, epoch]
+        from raysim.models import set_dropout_generator
 
-                def forward():
-                    loss_fn(rec, x0, y0, epoch)
-                    done.append(rec.finished())  # while the masks are still being recorded
+        fm = _FunctionalModel(self.model, {**{n: self.stacked[n][i] for n in self.names},
+                                           **{n: t[i] for n, t in self.frozen.items()}}, self.buffers)
+        first = self.plans[i][0][1][:b]
+        x0, y0 = self.members[i].x[first], self.members[i].y[first]
+        with torch.no_grad():  # the clients' own streams are untouched
+            set_dropout_generator(self.model, torch.Generator(device=x0.device))
+            rec = _grouped.RecordingModel(fm, x0, lambda: len(_MASKS.record))
+            done = []
 
-                try:
-                    probes[b, epoch] = dropout_masks_of(forward)
-                    calls[b, epoch] = rec.calls if use_grouped and done[0] and rec.calls else None
-                finally:
-                    set_dropout_generator(model, None)
-        return probes[b, epoch]
+            def forward():
+                self.loss_fn(rec, x0, y0, epoch)
+                done.append(rec.finished())  # while the masks are still being recorded
 
-    def one(p, fz, xb, yb, masks, epoch):
+            try:
+                self.probes[b, epoch] = dropout_masks_of(forward)
+                self.calls[b, epoch] = rec.calls if self.use_grouped and done[0] and rec.calls else None
+            finally:
+                set_dropout_generator(self.model, None)
+        return self.probes[b, epoch]
+
+    def _one(self, p, fz, xb, yb, masks, epoch):
         with replay_masks(masks):
-            loss, parts = loss_fn(_FunctionalModel(model, {**p, **fz}, buffers), xb, yb, epoch)
+            loss, parts = self.loss_fn(_FunctionalModel(self.model, {**p, **fz}, self.buffers), xb, yb, epoch)
         return loss, (loss.detach(), _detached(parts))
 
-    grad_fn = torch.func.vmap(torch.func.grad(one, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
-
-    def grouped_grad(p, fz, xb, yb, masks, epoch, seen):
-        # the model's forward for the group at once, the objective per client under vmap on its outputs, per-client
-        # gradients by autograd of the summed losses (raysim.grouped)
+    def _grouped_grad(self, p, fz, batch, masks, epoch, seen):
+        """The model's forward for the group at once, the objective per client under vmap on its outputs,
+        per-client gradients by autograd of the summed losses (raysim.grouped)."""
+        xb, yb = batch
         leaves = {n: t.detach().requires_grad_(True) for n, t in p.items()}
-        every = {**leaves, **fz}
-        it = iter(masks)
-        outs = [_grouped.grouped_forward(model, every, xb, bool(kw.get("return_embedding", False)), it)
+        every, it = {**leaves, **fz}, iter(masks)
+        outs = [_grouped.grouped_forward(self.model, every, xb, bool(kw.get("return_embedding", False)), it)
                 for kw in seen]
 
         def obj(lp, lfz, louts, lxb, lyb):
-            loss, parts = loss_fn(_grouped.ReplayModel(model, {**lp, **lfz}, lxb, louts, seen), lxb, lyb, epoch)
+            replay = _grouped.ReplayModel(self.model, {**lp, **lfz}, lxb, louts, seen)
+            loss, parts = self.loss_fn(replay, lxb, lyb, epoch)
             return loss, _detached(parts)
 
         losses, parts = torch.func.vmap(obj)(leaves, fz, outs, xb, yb)
         return _grouped.stacked_grads(losses.sum(), leaves), (losses.detach(), parts)
-    totals: list[dict] = [{} for _ in range(k)]
-    counts = [0] * k
-    model.train()
-    for s in range(steps):
-        # clients that still train, grouped by batch size and epoch (the loss function receives the epoch: one value
-        # per batched computation)
+
+    def step(self, s: int) -> None:
+        """Step ``s`` of every client that still trains, grouped by batch size and epoch (the loss function receives
+        the epoch: one value per batched computation)."""
         by_size: dict[tuple, list[int]] = {}
-        for i in range(k):
-            if s < len(plans[i]):
-                e, idx = plans[i][s]
+        for i in range(self.k):
+            if s < len(self.plans[i]):
+                e, idx = self.plans[i][s]
                 by_size.setdefault((int(idx.numel()), e), []).append(i)
         for (b, e), group in by_size.items():
-            spec = probe(b, e, group[0])
-            xb = torch.stack([xs[i][plans[i][s][1].to(xs[i].device)] for i in group])
-            yb = torch.stack([ys[i][plans[i][s][1].to(ys[i].device)] for i in group])
-            masks = [torch.stack([torch.empty(shape, device=xb.device, dtype=dt).bernoulli_(
-                1.0 - p, generator=dropout_generators[i]) for i in group]) for shape, dt, p in spec]
-            rows = torch.as_tensor(group, device=xb.device)  # indexes the stacked tensors and optimiser state
-            whole = len(group) == k
-            sub = stacked if whole else {n: t[rows] for n, t in stacked.items()}
-            fz = frozen if whole else {n: t[rows] for n, t in frozen.items()}
-            seen = calls.get((b, e))
-            out = None
-            if seen is not None:
-                try:
-                    out = grouped_grad(sub, fz, xb, yb, masks, e, seen)
-                except Exception:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so
-                    calls[b, e] = None  # the step runs with vmap instead (which raises a genuine error itself)
-            grads, (loss, parts) = out if out is not None else grad_fn(sub, fz, xb, yb, masks, e)
-            opt.step(stacked, grads, rows, whole, host_rows=group)
-            for j, i in enumerate(group):
-                counts[i] += 1
-                t = totals[i]
-                accumulate_metric(t, "loss", loss[j])  # on the device: no host synchronisation per step
-                for key, v in parts.items():
-                    accumulate_metric(t, key, v[j])
-    trained = [{**{n: stacked[n][i].clone() for n in names}, **{n: t[i].clone() for n, t in frozen.items()}}
-               for i in range(k)]
-    metrics = [{f"train_{key}": float(v) / max(counts[i], 1) for key, v in totals[i].items()} for i in range(k)]
-    states = [opt.state_of(i, names) for i in range(k)]
-    return trained, metrics, states
+            self._group_step(s, b, e, group)
+
+    def _group_step(self, s: int, b: int, e: int, group: list[int]) -> None:
+        spec = self.probe(b, e, group[0])
+        ms = [self.members[i] for i in group]
+        xb = torch.stack([m.x[self.plans[i][s][1].to(m.x.device)] for i, m in zip(group, ms)])
+        yb = torch.stack([m.y[self.plans[i][s][1].to(m.y.device)] for i, m in zip(group, ms)])
+        masks = [torch.stack([torch.empty(shape, device=xb.device, dtype=dt).bernoulli_(1.0 - p, generator=m.dropout)
+                              for m in ms]) for shape, dt, p in spec]
+        rows = torch.as_tensor(group, device=xb.device)  # indexes the stacked tensors and optimiser state
+        whole = len(group) == self.k
+        sub = self.stacked if whole else {n: t[rows] for n, t in self.stacked.items()}
+        fz = self.frozen if whole else {n: t[rows] for n, t in self.frozen.items()}
+        seen, out = self.calls.get((b, e)), None
+        if seen is not None:
+            try:
+                out = self._grouped_grad(sub, fz, (xb, yb), masks, e, seen)
+            except Exception:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so the
+                self.calls[b, e] = None  # step runs with vmap instead (which raises a genuine error itself)
+        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, fz, xb, yb, masks, e)
+        self.opt.step(self.stacked, grads, rows, whole, host_rows=group)
+        for j, i in enumerate(group):
+            self.counts[i] += 1
+            accumulate_metric(self.totals[i], "loss", loss[j])  # on the device: no host synchronisation per step
+            for key, v in parts.items():
+                accumulate_metric(self.totals[i], key, v[j])
+
+    def run(self) -> tuple[list[dict], list[dict], list[dict]]:
+        self.model.train()
+        for s in range(max((len(p) for p in self.plans), default=0)):
+            self.step(s)
+        trained = [{**{n: self.stacked[n][i].clone() for n in self.names},
+                    **{n: t[i].clone() for n, t in self.frozen.items()}} for i in range(self.k)]
+        metrics = [{f"train_{key}": float(v) / max(self.counts[i], 1) for key, v in self.totals[i].items()}
+                   for i in range(self.k)]
+        return trained, metrics, [self.opt.state_of(i, self.names) for i in range(self.k)]
