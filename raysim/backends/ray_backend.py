@@ -16,17 +16,19 @@ import ray
 
 from raysim.backends import ray_serialization, ray_watchdog
 from raysim.backends.base import Backend, run_state_dir
+from raysim.backends.ray_balance import CostBalancing
+from raysim.backends.ray_recovery import ActorRecovery
 from raysim.backends.ray_actors import WARM, ClientActor, ServerActor, alive, release_warm_actors, take_warm
 from raysim.backends.ray_preflight import (ADDRESS_FIX, actor_runtime_env, address_error, check_address,
                                           check_node_numerics, check_node_resources, check_resources, code_runtime_env)
 from raysim.data.federated import LazyClients
-from raysim.engine.placement import actor_pools, cost_model, ideal, moves, plan_pools
+from raysim.engine.placement import actor_pools, cost_model
 from raysim.engine.runners import ClientReport, server_data
 from raysim.errors import SimulationError
 from raysim.messages import tensor_bytes
 
 
-class RayBackend(Backend):
+class RayBackend(ActorRecovery, CostBalancing, Backend):
     name = "ray"
 
     def __init__(self, spec, fed_data):
@@ -41,6 +43,12 @@ class RayBackend(Backend):
         self._payload_bytes: dict = {}  # payload ObjectRef -> its tensor bytes (the latest few)
 
     def start(self) -> None:
+        self._connect()
+        self._layout()
+        self._launch()
+
+    def _connect(self) -> None:
+        """Join (or start) the Ray session; check its resources, its nodes and their kernels before any actor."""
         cfg = self.spec.cfg
         b = cfg.backend
         if not ray.is_initialized():
@@ -65,6 +73,9 @@ class RayBackend(Backend):
         check_node_resources(cfg, ray.nodes())
         check_node_numerics(cfg, ray.nodes())
 
+    def _layout(self) -> None:
+        """The state directory, the actor pools and the first client layout, and what each actor is built with."""
+        b = self.spec.cfg.backend
         self.spec, self._state_dir = run_state_dir(self.spec)
         # actor pools: one per backend.model_resources entry (its architecture's clients), the default one for the rest
         self.pools, self.assignment = actor_pools(b, [a.arch for a in self.spec.task.archs])
@@ -79,7 +90,14 @@ class RayBackend(Backend):
         groups = [self._group(a) for a in range(n)]
         self._spec_ref = ray.put(self.spec)
         self._group_refs = [ray.put(g) for g in groups]
+
+    def _launch(self) -> None:
+        """The server actor (on the head node) and the client actors of every pool (warm ones reused when they fit),
+        then the per-actor bookkeeping."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        b = self.spec.cfg.backend
+        n = len(self._pool_of)
 
         # the server actor holds the server state alone: keep it on the head node (where the GCS lives, the last
         # node to go), else the driver's (soft: elsewhere if it must)
@@ -159,103 +177,7 @@ class RayBackend(Backend):
                 clients[k] = self._new_client_actor(k)
         return server, clients
 
-    # -- cost-aware placement (backend.balance: cost) ---------------------------------------------------------------
-    def _rebalance(self, step, client_ids, where: str) -> None:
-        """Place a training step's clients by predicted cost; move the clients whose actor changes (their data and
-        committed state go actor to actor through the object store; the old actor forgets them only once the new
-        one holds them, so a move interrupted by an actor's death loses nothing)."""
-        costs = {c: self.cost.predict(step.name, c) for c in client_ids}
-        new = plan_pools(costs, self.assignment, self.pools)
-        todo = moves(self.assignment, new)
-        if todo:
-            self._flush_commits()  # a moving client leaves with its committed state
-            by_src: dict[int, list[int]] = {}
-            for c, (a, _) in todo.items():
-                by_src.setdefault(a, []).append(c)
-            exports = {a: self.actors[a].export_clients.remote(sorted(cs)) for a, cs in by_src.items()}
-            by_dst: dict[int, list[int]] = {}
-            for c, (a, b) in todo.items():
-                by_dst.setdefault(b, []).append(a)
-            adopted = {b: self.actors[b].adopt_clients.remote(*[exports[a] for a in sorted(set(srcs))])
-                       for b, srcs in by_dst.items()}
-            try:
-                ray.get(list(adopted.values()))
-            except ray.exceptions.RayError:
-                # an actor died mid-move: keep the old layout (every source still holds its clients); the step's
-                # call on a dead actor is handled by the failure policy as usual. A destination that survived may
-                # hold copies it never uses (they are forgotten below).
-                for b, ref in adopted.items():
-                    try:
-                        ray.get(ref)
-                    except ray.exceptions.RayError:
-                        continue
-                    gone = sorted(c for c, (_, d) in todo.items() if d == b)
-                    if alive(self.actors[b]):
-                        self.actors[b].forget_clients.remote(gone)
-                return
-            for a, cs in by_src.items():
-                self.actors[a].forget_clients.remote(sorted(cs))
-            for c, (_, b) in todo.items():
-                self.assignment[c] = b
-        self._pending_balance = {"where": where, "predicted": costs, "moves": len(todo)}
 
-    # -- actor failures -------------------------------------------------------------------------------------------
-    def _replace_actor(self, k: int) -> None:
-        """A new actor for group k: same clients, states from the durable store; the last commit is replayed
-        (idempotent: it renames the staged files the dead actor may not have committed)."""
-        try:
-            ray.kill(self.actors[k], no_restart=True)
-        except Exception:
-            pass
-        if self.cost is not None:  # clients may have moved since the start: the group as it is now
-            self._group_refs[k] = ray.put(self._group(k))
-        self.actors[k] = self._new_client_actor(k)
-        # the commits the dead actor may not have carried out, in order (else the last one issued); replaying one it
-        # did carry out is harmless (a commit renames the staged file when it is still there)
-        replay = self._unconfirmed[k] or ([self._last_commit[k]] if self._last_commit[k] is not None else [])
-        self._unsent[k], self._unconfirmed[k] = [], []
-        for ids, token in replay:
-            self.actors[k].commit_and_discard.remote(ids, token)
-        ray.get(self.actors[k].ready.remote())
-
-    def _on_actor_death(self, k: int, where: str, error: BaseException, attempt: int) -> str:
-        """What to do about client actor k dying during ``where``: 'retry' or 'skip' (or raise for stop)."""
-        cfg = self.spec.cfg
-        policy = cfg.on_actor_failure
-        action = policy if policy != "retry" or attempt < cfg.max_retries else "skip"
-        self.actor_failures.append({"where": where, "actor": k, "attempt": attempt + 1, "action": action,
-                                    "error": type(error).__name__})
-        if action == "stop":
-            raise SimulationError(f"client actor {k} died during {where} ({type(error).__name__}); "
-                                  f"on_actor_failure: stop")
-        self._replace_actor(k)
-        return action
-
-    def _call_actors(self, groups, submit, where: str, submitted=None):
-        """Submit ``submit(actor, group)`` -> (result_ref, report_ref) for every non-empty group and collect the
-        reports; a dead actor is replaced and its call retried (on_actor_failure), or its clients are failed.
-        ``submitted(calls)``: called once every first call is submitted, before any report is awaited."""
-        calls = {k: submit(self.actors[k], g) for k, g in enumerate(groups) if g}
-        if submitted is not None:
-            submitted(dict(calls))
-        out = {}
-        for k in sorted(calls):
-            attempt = 0
-            while True:
-                res_ref, rep_ref = calls[k]
-                try:
-                    out[k] = (res_ref, ray.get(rep_ref))
-                    self._unconfirmed[k] = []  # the actor ran its calls in order: every commit before this one too
-                    break
-                except ray.exceptions.RayActorError as e:
-                    action = self._on_actor_death(k, where, e, attempt)
-                    if action == "retry":
-                        attempt += 1
-                        calls[k] = submit(self.actors[k], groups[k])
-                        continue
-                    out[k] = (None, None)
-                    break
-        return out
 
     def _groups(self, client_ids):
         groups = [[] for _ in self.actors]
@@ -328,24 +250,6 @@ class RayBackend(Backend):
             self._log_balance(reports, step.name)
         return upload_refs, sorted(reports, key=lambda r: r.client_id)
 
-    def _log_balance(self, reports, step_name: str) -> None:
-        n = len(self.actors)
-        measured, pred = [0.0] * n, [0.0] * n
-        seconds = {}
-        for r in reports:
-            k = self.assignment[r.client_id]
-            if r.ok and r.seconds > 0:
-                if (k, step_name) in self._warm:  # an actor's first call of a step also builds models: not observed
-                    self.cost.observe(step_name, r.client_id, r.seconds)
-                seconds[r.client_id] = r.seconds
-            measured[k] += r.seconds
-        self._warm |= {(self.assignment[r.client_id], step_name) for r in reports}
-        for c, w in self._pending_balance["predicted"].items():
-            pred[self.assignment[c]] += w
-        self.balance_log.append({"where": self._pending_balance["where"], "moves": self._pending_balance["moves"],
-                                 "predicted_loads": pred, "measured_loads": measured,
-                                 "ideal_s": ideal(seconds, n) if seconds else 0.0})
-
     def commit(self, client_ids, token=None):
         # carried by the actor's next step call (run before the step, in order; no task of its own), or sent by
         # _flush_commits before any other call that reads client states; remembered per actor so that a replacement
@@ -405,25 +309,6 @@ class RayBackend(Backend):
         if has_payload:
             self._note_payload(payload_ref, nbytes)
         return (payload_ref if has_payload else None), metrics
-
-    def _redo_lost_uploads(self, uploads: list, error, where: str) -> list:
-        """The server could not read some uploads: they lived in the object store of a node (or actor) that is
-        gone. Recreate the dead client actors and run their share of the last client step again (their states are
-        still the committed ones from before it), then hand the fresh uploads to the server step."""
-        step, payload, round_idx, iteration, groups, merge = self._last_client_step
-        redo = sorted({k for ref, k in self._upload_actor.items() if ref in uploads and not alive(self.actors[k])})
-        if not redo:
-            raise error
-        for k in redo:
-            old = next(ref for ref, a in self._upload_actor.items() if a == k)
-            self._on_actor_death(k, where + " (its uploads were lost)", error, 0)
-            up, rep = self.actors[k].run_client_step.options(num_returns=2).remote(step, payload, round_idx, iteration,
-                                                                                   groups[k], (), merge)
-            ray.get(rep)  # same reports as before (the retried clients reproduce exactly)
-            uploads[uploads.index(old)] = up
-            del self._upload_actor[old]
-            self._upload_actor[up] = k
-        return uploads
 
     def save_checkpoint(self, directory):
         self._flush_commits()
