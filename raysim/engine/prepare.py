@@ -40,21 +40,9 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     """Everything that can be checked before a run starts, cheapest first: algorithm and model parameters, then the
     data (loading and partitioning), then the algorithm against the task, then the resources the backend needs.
     The typed Params travel to the runners, which never parse or validate again."""
-    from raysim.adapt import WholeModel, describe, resolve_factory, suggest_embedding
-    from raysim.models import ARCHS, arch_key, arch_params, build_model
-
     algo_cls = algorithm_class(cfg.algorithm.name)
     params = from_dict(algo_cls.Params, dict(cfg.algorithm.params or {}), "algorithm.params")
-    specs = [("model", cfg.model)] if cfg.model.per_client is None else [
-        (f"model.per_client[{i}]", s) for i, s in enumerate(cfg.model.per_client)]
-    for path, spec in specs:
-        if spec.arch not in ARCHS:
-            resolve_factory(spec.arch, f"{path}.arch", ARCHS)  # a user model: its import path resolves (built below)
-            continue
-        for k in spec.params:
-            if k not in arch_params(spec.arch):
-                raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
-                                                         f"{', '.join(arch_params(spec.arch))}")
+    _check_model_params(cfg)
     _check_server_data(cfg, algo_cls)
     if cfg.server.mode == "async":
         from raysim.asyncrules import check_async_method
@@ -70,47 +58,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     archs = tuple(env.archs(cfg.model) if env_tiers else client_archs(cfg.model, cfg.data.num_clients))
     task = Task(fed.num_classes, tuple(fed.input_shape), cfg.data.num_clients, archs, cfg.train, cfg.seed, cfg.rounds,
                 fed.public, cfg.data.val_fraction)
-    models = {}  # arch key -> {"params": count, "embed_dim": size or None}
-    for i, spec in enumerate(archs):  # build each architecture once: bad values fail here, naming the field
-        if arch_key(spec) not in models:
-            path = "model" if cfg.model.per_client is None else _per_client_path(cfg.model, spec, i)
-            _check_model_size(spec, task, path)
-            try:
-                built = build_model(spec, task.input_shape, task.num_classes, path)
-            except (TypeError, ValueError, RuntimeError) as e:
-                if isinstance(e, ConfigError):
-                    raise
-                raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
-            models[arch_key(spec)] = describe(built)
-            if isinstance(built, WholeModel) and algo_cls.needs_embedding:
-                hint = suggest_embedding(built)
-                raise ConfigError(f"{path}.embedding",
-                                  f"{cfg.algorithm.name} needs the model's embedding, and {spec.arch} has no known "
-                                  f"body/head split: set {path}.embedding to the layer whose output is the embedding"
-                                  f"{f' (e.g. {hint!r}, the input of the last linear layer)' if hint else ''}, or give "
-                                  f"the module `features` (input -> embedding) and `classifier` (embedding -> logits) "
-                                  f"attributes, or return a raysim.models.SplitModel")
-            if cfg.backend.vectorize and cfg.train.local_steps is not None and issubclass(algo_cls, LocalTraining):
-                raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
-                                                       "executor runs whole epochs); use local_epochs")
-            if cfg.backend.vectorize:
-                from raysim.engine.vectorized import check_model
-
-                check_model(built, spec.arch)
-    import contextlib
-
-    from raysim import dryrun
-    from raysim.registry import installed_object
-
-    guard = contextlib.nullcontext() if installed_object(algo_cls) else \
-        dryrun.user_code("algorithm.name", f"the method {cfg.algorithm.name}")  # a dry run lets no user code write
-    with guard:
-        algorithm = algo_cls(params, task)
-        algorithm.validate()
-        schedules = (("schedule()", algorithm.schedule()), ("setup_schedule()", algorithm.setup_schedule()),
-                     ("evaluation_schedule()", algorithm.evaluation_schedule()))
-    for where, sched in schedules:
-        check_schedule(sched, algorithm, where)
+    models = _build_models_once(cfg, algo_cls, task)
+    algorithm = _make_algorithm(cfg, algo_cls, params, task)
     if cfg.server.mode == "async":
         from raysim.asyncrules import check_async
 
@@ -129,6 +78,80 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
                    code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd(),
                    server_data=tuple(algo_cls.server_data))
     return Prepared(cfg, fed, task, spec, env, algorithm, models)
+
+
+def _check_model_params(cfg: ExperimentConfig) -> None:
+    """Every architecture's name resolves and its params are ones it takes (before any data is loaded)."""
+    from raysim.adapt import resolve_factory
+    from raysim.models import ARCHS, arch_params
+
+    specs = [("model", cfg.model)] if cfg.model.per_client is None else [
+        (f"model.per_client[{i}]", s) for i, s in enumerate(cfg.model.per_client)]
+    for path, spec in specs:
+        if spec.arch not in ARCHS:
+            resolve_factory(spec.arch, f"{path}.arch", ARCHS)  # a user model: its import path resolves (built below)
+            continue
+        for k in spec.params:
+            if k not in arch_params(spec.arch):
+                raise ConfigError(f"{path}.params.{k}", f"unknown parameter for {spec.arch}; allowed: "
+                                                         f"{', '.join(arch_params(spec.arch))}")
+
+
+def _build_models_once(cfg: ExperimentConfig, algo_cls, task: Task) -> dict:
+    """Build each architecture once: bad values fail here, naming the field; a user model without an embedding for
+    a method that needs one, and models the vectorised executor refuses, too. Returns arch key -> its description."""
+    from raysim.adapt import WholeModel, describe, suggest_embedding
+    from raysim.models import arch_key, build_model
+
+    models = {}  # arch key -> {"params": count, "embed_dim": size or None}
+    for i, spec in enumerate(task.archs):
+        if arch_key(spec) in models:
+            continue
+        path = "model" if cfg.model.per_client is None else _per_client_path(cfg.model, spec, i)
+        _check_model_size(spec, task, path)
+        try:
+            built = build_model(spec, task.input_shape, task.num_classes, path)
+        except (TypeError, ValueError, RuntimeError) as e:
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{path}.params", f"cannot build {spec.arch} with {spec.params}: {e}") from None
+        models[arch_key(spec)] = describe(built)
+        if isinstance(built, WholeModel) and algo_cls.needs_embedding:
+            hint = suggest_embedding(built)
+            raise ConfigError(f"{path}.embedding",
+                              f"{cfg.algorithm.name} needs the model's embedding, and {spec.arch} has no known "
+                              f"body/head split: set {path}.embedding to the layer whose output is the embedding"
+                              f"{f' (e.g. {hint!r}, the input of the last linear layer)' if hint else ''}, or give "
+                              f"the module `features` (input -> embedding) and `classifier` (embedding -> logits) "
+                              f"attributes, or return a raysim.models.SplitModel")
+        if cfg.backend.vectorize and cfg.train.local_steps is not None and issubclass(algo_cls, LocalTraining):
+            raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
+                                                   "executor runs whole epochs); use local_epochs")
+        if cfg.backend.vectorize:
+            from raysim.engine.vectorized import check_model
+
+            check_model(built, spec.arch)
+    return models
+
+
+def _make_algorithm(cfg: ExperimentConfig, algo_cls, params, task: Task):
+    """The driver's instance of the method (schedules only; never trained): validated against the task, its
+    schedules checked; a user's method runs under the dry-run guard (it may write nothing while being checked)."""
+    import contextlib
+
+    from raysim import dryrun
+    from raysim.registry import installed_object
+
+    guard = contextlib.nullcontext() if installed_object(algo_cls) else \
+        dryrun.user_code("algorithm.name", f"the method {cfg.algorithm.name}")  # a dry run lets no user code write
+    with guard:
+        algorithm = algo_cls(params, task)
+        algorithm.validate()
+        schedules = (("schedule()", algorithm.schedule()), ("setup_schedule()", algorithm.setup_schedule()),
+                     ("evaluation_schedule()", algorithm.evaluation_schedule()))
+    for where, sched in schedules:
+        check_schedule(sched, algorithm, where)
+    return algorithm
 
 
 def _check_state_dir(cfg: ExperimentConfig) -> None:
