@@ -300,18 +300,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         write = True
     elif write:
         rd = rundir.RunDir.claim(target, where)
-    cbs: list[Callback] = []
-    if prep.fed_data.domains is not None and prep.algorithm.reports_clusters:
-        cbs.append(ClusterAgreement())  # first: its rows belong to the round the checkpointer saves
-    started: list[Callback] = []  # the claimed directory is cleaned up on any error
-    if rd is not None:
-        (rd.work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        started.append(RunDirectory(rd))
-        cbs += [started[0], Checkpointer(cfg.output.checkpoint_every)]
-    if cfg.output.progress if progress is None else progress:
-        cbs.append(ProgressBar(prep.algorithm.headline))
-    cbs += list(callbacks or [])
-
+    cbs, started = _callbacks(cfg, prep, rd, progress, callbacks)
     backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)
     run = Run(prep, backend, run_id)
     try:
@@ -320,18 +309,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         run.timing["setup_s"] = time.perf_counter() - t0
         if resume_meta is not None:
             _restore(run, ck_dir, resume_meta)
-        for cb in cbs:
-            if cb not in started:
-                started.append(cb)
-            cb.on_run_start(run)
-        run_loop(run, cbs)
-        run.store_stats = backend.store_stats()
-        if getattr(backend, "balance_log", None):
-            run.timing["balance"] = backend.balance_log  # cost-aware placement: per-step loads and moves
-        result = RunResult(run_id, None, run.table.frame(), _metadata(run), run.timing)
-        for cb in reversed(cbs):
-            cb.on_run_end(run, result)
-        return result
+        return _drive(run, cbs, started)
     except BaseException as exc:
         for cb in reversed(started):
             try:
@@ -341,6 +319,39 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         raise
     finally:
         backend.shutdown()
+
+
+def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress: Optional[bool],
+               callbacks: Optional[list]) -> tuple[list, list]:
+    """The run's callbacks in order, and the list of those started so far (the run directory's from the start: the
+    claimed directory is cleaned up on any error)."""
+    cbs: list[Callback] = []
+    if prep.fed_data.domains is not None and prep.algorithm.reports_clusters:
+        cbs.append(ClusterAgreement())  # first: its rows belong to the round the checkpointer saves
+    started: list[Callback] = []
+    if rd is not None:
+        (rd.work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+        started.append(RunDirectory(rd))
+        cbs += [started[0], Checkpointer(cfg.output.checkpoint_every)]
+    if cfg.output.progress if progress is None else progress:
+        cbs.append(ProgressBar(prep.algorithm.headline))
+    return cbs + list(callbacks or []), started
+
+
+def _drive(run: Run, cbs: list, started: list) -> RunResult:
+    """Start the callbacks, run the rounds, and end with the result."""
+    for cb in cbs:
+        if cb not in started:
+            started.append(cb)
+        cb.on_run_start(run)
+    run_loop(run, cbs)
+    run.store_stats = run.backend.store_stats()
+    if getattr(run.backend, "balance_log", None):
+        run.timing["balance"] = run.backend.balance_log  # cost-aware placement: per-step loads and moves
+    result = RunResult(run.run_id, None, run.table.frame(), _metadata(run), run.timing)
+    for cb in reversed(cbs):
+        cb.on_run_end(run, result)
+    return result
 
 
 def _restore(run: Run, ck_dir: Path, meta: dict) -> None:
