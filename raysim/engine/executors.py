@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -95,78 +96,112 @@ class GroupForm(Executor):
         return uploads, reports
 
 
+@dataclass
+class _Pending:
+    """A client whose local training waits for its architecture's batched computation."""
+
+    ctx: object
+    down: dict
+    state: object
+    data: object
+    start: object
+    params: dict
+    opt_state: Optional[dict]
+
+
+@dataclass
+class _VectorStep:
+    """One vectorised client step's bookkeeping: every client's report, the uploads so far, the clients waiting for
+    their architecture's batched training (grouped by live model)."""
+
+    token: str
+    reports: dict = field(default_factory=dict)
+    uploads: dict = field(default_factory=dict)
+    pending: dict = field(default_factory=dict)
+    groups: dict = field(default_factory=dict)
+
+
 class Vectorized(Executor):
-    """``backend.vectorize``: the local training step (``client_update``) of a ``LocalTraining`` method."""
+    """``backend.vectorize``: the local training step (``client_update``) of a ``LocalTraining`` method:
+    ``client_init`` per client, the local training of every client whose method opts in (``vectorizable``) batched
+    per architecture (:mod:`raysim.engine.vectorized`), ``client_final`` per client; every client keeps its own
+    failure guard. Clients that do not opt in run the per-client loop."""
 
     name = "vectorized"
 
     def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
-            client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
-        """``backend.vectorize``: ``client_init`` per client, the local training of every client whose method opts
-        in (``vectorizable``) batched per architecture (:mod:`raysim.engine.vectorized`), ``client_final`` per client;
-        every client keeps its own failure guard. Clients that do not opt in run the per-client loop."""
+            client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
         if step.mode == "evaluate" or step.method != "client_update" or not isinstance(r.algorithm, LocalTraining):
             return None
-        alg, cfg = r.algorithm, r.spec.task.train
-        token = step_token(round_idx, step, iteration)
-        uploads, reports, pending, groups = {}, {}, {}, {}
+        vs = _VectorStep(step_token(round_idx, step, iteration))
         for cid in client_ids:
             t0 = time.perf_counter()
-            rep = reports[cid] = ClientReport(cid, round_idx, step.name, iteration=iteration)
+            rep = vs.reports[cid] = ClientReport(cid, round_idx, step.name, iteration=iteration)
             try:
-                ctx = r._ctx(round_idx, cid, step.name, iteration)
-                down = alg.downlink(payload, cid, ctx)
-                rep.down = payload_sizes(down)
-                state = r.state(cid)
-                data = r._data(cid)
-                rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
-                model = alg.live_model(ctx)
-                start = alg.client_init(model, down, state, data, ctx)
-                if alg.vectorizable(start):
-                    check_model(model)
-                    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-                    opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
-                    pending[cid] = (ctx, down, state, data, start, params, opt_state)
-                    groups.setdefault(id(model), (model, []))[1].append(cid)
-                else:
-                    rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
-                    r._finish_update(rep, cid, alg.client_update(down, state, data, ctx), token, uploads)
+                self._start(r, vs, step, payload, (round_idx, iteration), cid)
             except Exception as e:
-                r._fail(rep, cid, e, uploads)
-                pending.pop(cid, None)
+                r._fail(rep, cid, e, vs.uploads)
+                vs.pending.pop(cid, None)
             rep.seconds += time.perf_counter() - t0
-        for model, cids in groups.values():
-            cids = [c for c in cids if c in pending]
-            if not cids:
-                continue
-            t0 = time.perf_counter()
-            items = [pending[c] for c in cids]
+        for model, cids in vs.groups.values():
+            cids = [c for c in cids if c in vs.pending]
+            if cids:
+                self._train(r, vs, model, cids)
+        return vs.uploads, [vs.reports[c] for c in client_ids]
+
+    @staticmethod
+    def _start(r, vs: _VectorStep, step: ClientStep, payload, when: tuple, cid: int) -> None:
+        """``client_init`` for one client: it joins its architecture's group, or runs the per-client loop."""
+        alg, cfg = r.algorithm, r.spec.task.train
+        round_idx, iteration = when
+        ctx = r._ctx(round_idx, cid, step.name, iteration)
+        down = alg.downlink(payload, cid, ctx)
+        vs.reports[cid].down = payload_sizes(down)
+        state = r.state(cid)
+        data = r._data(cid)
+        rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+        model = alg.live_model(ctx)
+        start = alg.client_init(model, down, state, data, ctx)
+        if alg.vectorizable(start):
+            check_model(model)
+            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
+            vs.pending[cid] = _Pending(ctx, down, state, data, start, params, opt_state)
+            vs.groups.setdefault(id(model), (model, []))[1].append(cid)
+        else:
+            rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+            r._finish_update(vs.reports[cid], cid, alg.client_update(down, state, data, ctx), vs.token, vs.uploads)
+
+    @staticmethod
+    def _train(r, vs: _VectorStep, model, cids: list[int]) -> None:
+        """The group's batched local training, then ``client_final`` per client (each in its own failure guard)."""
+        alg, cfg = r.algorithm, r.spec.task.train
+        t0 = time.perf_counter()
+        items = [vs.pending[c] for c in cids]
+        try:
+            members = [Member(it.params, it.data.x_train if it.start.x is None else it.start.x,
+                              it.data.y_train if it.start.y is None else it.start.y, it.ctx.generator("batches"),
+                              it.ctx.generator("dropout", device=it.ctx.device), it.opt_state) for it in items]
+            trained, metrics, opt_states = vmap_local_sgd(model, alg.objective(items[0].start), members, cfg)
+        except Exception as e:  # the batched computation failed: every client in it failed with the error
+            for c in cids:
+                r._fail(vs.reports[c], c, e)
+            return
+        share = (time.perf_counter() - t0) / len(cids)
+        for j, (c, it) in enumerate(zip(cids, items)):
+            t1 = time.perf_counter()
+            rep = vs.reports[c]
             try:
-                members = [Member(it[5], it[3].x_train if it[4].x is None else it[4].x,
-                                  it[3].y_train if it[4].y is None else it[4].y, it[0].generator("batches"),
-                                  it[0].generator("dropout", device=it[0].device), it[6]) for it in items]
-                trained, metrics, opt_states = vmap_local_sgd(model, alg.objective(items[0][4]), members, cfg)
-            except Exception as e:  # the batched computation failed: every client in it failed with the error
-                for c in cids:
-                    r._fail(reports[c], c, e)
-                continue
-            share = (time.perf_counter() - t0) / len(cids)
-            for j, c in enumerate(cids):
-                t1 = time.perf_counter()
-                ctx, down, state, data, start, _, _ = pending[c]
-                rep = reports[c]
-                try:
-                    with torch.no_grad():
-                        for n, p in model.named_parameters():
-                            p.copy_(trained[j][n])
-                    new_state, upload = alg.client_final(model, start, down, state, data, ctx)
-                    if cfg.persist_optimizer:
-                        new_state = {**(new_state or {}), "opt": opt_states[j]}
-                    r._finish_update(rep, c, ClientUpdate(new_state, upload, metrics[j]), token, uploads)
-                except Exception as e:
-                    r._fail(rep, c, e, uploads)
-                rep.seconds += share + time.perf_counter() - t1
-        return uploads, [reports[c] for c in client_ids]
+                with torch.no_grad():
+                    for n, p in model.named_parameters():
+                        p.copy_(trained[j][n])
+                new_state, upload = alg.client_final(model, it.start, it.down, it.state, it.data, it.ctx)
+                if cfg.persist_optimizer:
+                    new_state = {**(new_state or {}), "opt": opt_states[j]}
+                r._finish_update(rep, c, ClientUpdate(new_state, upload, metrics[j]), vs.token, vs.uploads)
+            except Exception as e:
+                r._fail(rep, c, e, vs.uploads)
+            rep.seconds += share + time.perf_counter() - t1
 
 
 class Loop(Executor):
