@@ -20,6 +20,15 @@ with its choice. The server averages the returned models within each cluster wit
   client's training data, then ``local_steps`` (tau = 10) full-batch gradient steps of plain gradient descent at
   ``lr``. IFCA's Rotated-MNIST defaults: MLP 784-200-10 (``model.arch: mlp1``), tau = 10, lr 0.1, K = 4.
 
+Initialisation: by default one random initialisation of the K models per seed (IFCA's; the PN-ICFL seed runs both
+methods with 5 seeds, "5 cluster initialisations", and reports the mean). ``init_restarts: N`` (N >= 2) gives IFCA
+the budget PN-ICFL gets with k-means restarts (issue 34: compared methods, same budget): a setup phase (round -1)
+sends N candidate initialisations of the K models to every user, each user reports, per candidate, the mean
+training loss of its best model min_k loss_k on all its training data (N floats and its sample count up), and the
+server keeps the candidate with the lowest sample-weighted total (ties: the earlier candidate; candidate 0 is the
+default initialisation). Server metrics at round -1: ``ifca_init_chosen``, ``ifca_init_loss`` (the kept
+candidate's) and ``ifca_init_loss_first`` (candidate 0's).
+
 Evaluation: the client again picks the lowest-loss model on the data its protocol estimates cluster identity on
 (``eval_assign: train``: the held-out share under ``seed``, all training data under ``official``); the official
 code picks on the test machine's test data, which uses test labels: ``eval_assign: test`` reproduces that. It reports
@@ -37,12 +46,13 @@ import torch.nn.functional as F
 
 from algorithms.local import ce_loss
 from raysim import rng as rngmod
-from raysim.algorithm import Algorithm, ClientUpdate, Context
+from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import set_dropout_generator
 from raysim.ops import weighted_average_states
+from raysim.steps import ALL, ClientStep, ServerStep
 from raysim.training import accuracy, clone_state, forward_all, make_optimizer, train_epochs
 
 
@@ -88,7 +98,7 @@ class IFCA(Algorithm):
     paper = "Ghosh et al., An Efficient Framework for Clustered Federated Learning, NeurIPS 2020"
 
     def declared_uploads(self):
-        return {"weights", "cluster_id"}
+        return {"weights", "cluster_id", "init_losses"}
 
     @dataclass(frozen=True)
     class Params:
@@ -101,6 +111,9 @@ class IFCA(Algorithm):
         local_steps: int = 10  # official protocol: tau full-batch gradient steps
         eval_assign: str = "train"  # the data a client picks its model on at test time: train (the protocol's
         #                             identity data) | test (official code; uses test labels)
+        init_restarts: int = 0  # 0 or 1: one random initialisation (IFCA's, the seed's); N >= 2: best of N random
+        #                         initialisations by the users' training loss (a setup phase; the budget PN-ICFL
+        #                         gets with init_restarts: N)
 
         def check(self, path):
             positive(f"{path}.num_clusters", self.num_clusters)
@@ -111,6 +124,7 @@ class IFCA(Algorithm):
             positive(f"{path}.batch_size", self.batch_size)
             positive(f"{path}.local_steps", self.local_steps)
             choice(f"{path}.eval_assign", self.eval_assign, ["train", "test"])
+            positive(f"{path}.init_restarts", self.init_restarts, allow_zero=True)
 
     def validate(self):
         self.require_homogeneous()
@@ -118,12 +132,52 @@ class IFCA(Algorithm):
             raise ConfigError("algorithm.params.num_clusters", f"must be <= data.num_clients ({self.task.num_clients}), "
                                                                f"got {self.params.num_clusters}")
 
-    def init_server_state(self, ctx: Context):
+    def _candidate(self, n: int) -> list:
+        """The K models of initialisation candidate n (n = 0: the default initialisation), derived from the seed."""
         models = []
         for k in range(self.params.num_clusters):
-            with rngmod.init_seed(self.task.seed, f"ifca_model_{k}"):
+            with rngmod.init_seed(self.task.seed, f"ifca_model_{k}" if n == 0 else f"ifca_model_{k}_init{n}"):
                 models.append(clone_state(self.task.build_model(0)))
-        return {"models": models}
+        return models
+
+    def init_server_state(self, ctx: Context):
+        return {"models": self._candidate(0)}
+
+    # -- best of N initialisations (init_restarts >= 2; setup phase, round -1) -------------------------------------
+    def setup_schedule(self):
+        if self.params.init_restarts < 2:
+            return None
+        return (ServerStep("init_candidates"), ClientStep("init_losses", clients=ALL), ServerStep("init_pick"))
+
+    def init_candidates(self, state, uploads, ctx) -> ServerUpdate:
+        payload = {f"cand_{n}_model_{k}": state_message("weights", m)
+                   for n in range(self.params.init_restarts) for k, m in enumerate(self._candidate(n))}
+        return ServerUpdate(state, payload, {})
+
+    def init_losses(self, payload, state, data, ctx: Context) -> ClientUpdate:
+        model = ctx.model()
+        p = self.params
+        best = []
+        for n in range(p.init_restarts):
+            states = [payload[f"cand_{n}_model_{k}"].tensors for k in range(p.num_clusters)]
+            best.append(float(model_losses(model, states, data.x_train, data.y_train).min()))
+        upload = {"init_losses": Message("init_losses", {
+            "loss": torch.tensor(best, dtype=torch.float64),
+            "n": torch.tensor([int(data.y_train.shape[0])], dtype=torch.int64)})}
+        return ClientUpdate(state, upload, {})
+
+    def init_pick(self, state, uploads, ctx) -> ServerUpdate:
+        ids = sorted(uploads)
+        metrics = {}
+        if ids:
+            loss = torch.stack([uploads[i]["init_losses"]["loss"] for i in ids])  # users x N
+            n = torch.cat([uploads[i]["init_losses"]["n"] for i in ids]).to(torch.float64)
+            total = (n.unsqueeze(1) * loss).sum(0) / n.sum()
+            best = int(torch.argmin(total))  # ties: the earlier candidate
+            state = {**state, "models": self._candidate(best)}
+            metrics = {"ifca_init_chosen": float(best), "ifca_init_loss": float(total[best]),
+                       "ifca_init_loss_first": float(total[0])}
+        return ServerUpdate(state, self.broadcast(state, ctx), metrics)
 
     def broadcast(self, state, ctx: Context):
         return {f"model_{k}": state_message("weights", m) for k, m in enumerate(state["models"])}

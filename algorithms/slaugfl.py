@@ -10,7 +10,10 @@ IEEE TMC 2024; seed 004, reference §5; public code mobinets/SlaugFL for the col
 2. ``prep_select`` (server): every model is tested per class on the server-held validation set (``server_data``:
    ``data.server_val`` samples carved from the training pool before partitioning: disjoint from every device's data
    and from the reported test set, which no setup or training step can read). The seed tests on "the global test
-   set"; that would pick representatives on the numbers it then reports, so it is not offered. For each class c the
+   set", which picks representatives on the numbers it then reports: that is the named option ``selection: test``
+   (issue 34; the server then also holds the test set, ``Algorithm.declared_server_data``), reported beside the
+   default ``selection: validation``; the client split is the same under both (data.server_val is carved either
+   way). For each class c the
    device with the highest class-c top-1 accuracy among those holding class-c validation data is the representative
    (ties: lowest client id) and its model the representative model; each representative is asked for its target
    classes (a small int64 message).
@@ -77,6 +80,9 @@ class SlaugFL(LocalTraining):
     def declared_uploads(self):
         return {"weights", "num_samples", "prototypes", "class_counts"}
 
+    def declared_server_data(self) -> tuple:
+        return self.server_data + (("global_test",) if self.params.selection == "test" else ())
+
     @dataclass(frozen=True)
     class Params:
         scenario: int = 2  # 1: ACGAN on filtered candidate data | 2: prototype-guided generator
@@ -99,9 +105,12 @@ class SlaugFL(LocalTraining):
         candidate_dir: Optional[str] = None  # scenario 1: folder <class index>/<images>; None: data.public
         candidate_top_k: int = 1000  # per class (seed)
         candidate_delta: Optional[float] = None  # optional cosine-distance threshold
+        selection: str = "validation"  # representatives chosen on: validation (data.server_val) | test (the seed's
+        #                                "global test set": the reported test set; a named option, issue 34)
 
         def check(self, path):
             choice(f"{path}.scenario", self.scenario, [1, 2])
+            choice(f"{path}.selection", self.selection, ["validation", "test"])
             for k in ("lam_syn", "lam_sep", "lam_div"):
                 positive(f"{path}.{k}", getattr(self, k), allow_zero=True)
             for k in ("beta", "gen_lr", "prep_epochs", "prep_patience", "gen_steps", "gen_batch", "gen_channels",
@@ -176,7 +185,7 @@ class SlaugFL(LocalTraining):
         return out
 
     def prep_select(self, state, uploads, ctx: ServerContext):
-        val = ctx.server_data["server_val"]
+        val = ctx.server_data["global_test" if self.params.selection == "test" else "server_val"]
         x, y = val.x.to(ctx.device), val.y.to(ctx.device)
         ids = sorted(uploads)
         c = self.task.num_classes

@@ -131,6 +131,9 @@ SERVER_DATA = {
     # test set (the test set reaches evaluation steps only, as their argument)
     "server_val": ("data.server_val", "its size in samples (e.g. 1000; carved class-stratified from the training "
                                       "pool, disjoint from the clients' data and the test set)"),
+    # the reported test set itself, for a method's *named option* that reproduces a paper selecting on it (SlaugFL's
+    # ``selection: test``): never a class-level declaration, only an instance's (Algorithm.declared_server_data)
+    "global_test": (None, "nothing to set: it is the run's test set, handed to the server only by a named option"),
 }
 
 
@@ -206,6 +209,12 @@ class Algorithm:
     # server step is not one aggregate of uploads (multi-exchange schedules, setup phases, control variates) keep
     # False and refuse async with one line naming server.mode
     asynchronous: ClassVar[bool] = False
+
+    def declared_server_data(self) -> tuple:
+        """The server-held data sets this instance's server steps read: the class's ``server_data``, plus what a named
+        option of its params adds (``global_test``: the test set, for an option that reproduces a paper selecting on
+        it; reported as such beside the default)."""
+        return tuple(self.server_data)
 
     def declared_uploads(self) -> Optional[set]:
         """The message kinds this method's clients may send to the server (the privacy boundary: tests check that

@@ -27,7 +27,7 @@ NUMBERS_FILE = "seed_numbers.yaml"
 MANIFEST = "experiments.yaml"
 _KEYS = {"title", "source", "seeds", "min_seeds", "metric", "extra_metrics", "select", "select_per", "percent", "scaled", "set",
          "runs", "claims", "extends", "description"}
-_RUN_KEYS = {"label", "config", "set", "paper"}
+_RUN_KEYS = {"label", "config", "set", "paper", "metric"}
 _CLAIM_KEYS = {"text", "better", "worse", "metric", "lower_is_better"}
 
 
@@ -46,6 +46,9 @@ class RunSpec:
     config: Path
     overrides: tuple = ()
     paper: Optional[str] = None
+    metric: Optional[str] = None  # the metric the seed reports for this method, when it is not the experiment's
+    #                               (e.g. FedTGP's prototype accuracy beside the baselines' classifiers): claims
+    #                               without a metric of their own compare each side on its run's metric
 
     @property
     def slug(self) -> str:
@@ -166,8 +169,13 @@ def _build(name: str, path: Path, body: dict) -> Experiment:
         cfg = folder / str(r["config"])
         if not cfg.is_file():
             raise ConfigError(f"{where}.runs[{i}].config", f"{cfg} does not exist")
+        metric = None if r.get("metric") is None else str(r["metric"])
+        shown = [str(body["metric"]), *[str(m) for m in _as_list(body.get("extra_metrics"), f"{where}.extra_metrics")]]
+        if metric is not None and metric not in shown:
+            raise ConfigError(f"{where}.runs[{i}].metric", f"{metric!r} must be the experiment's metric or one of its "
+                                                           f"extra_metrics ({', '.join(shown)})")
         runs.append(RunSpec(str(r["label"]), cfg, _overrides(r.get("set"), f"{where}.runs[{i}].set"),
-                            None if r.get("paper") is None else str(r["paper"])))
+                            None if r.get("paper") is None else str(r["paper"]), metric))
     slugs = [r.slug for r in runs]
     if len(set(slugs)) != len(slugs):
         raise ConfigError(f"{where}.runs", f"two run labels give the same directory name: {slugs}")

@@ -158,15 +158,18 @@ def summarise(exp: Experiment, per_run: pd.DataFrame, numbers: dict) -> tuple[pd
         out.append(row)
     table = pd.DataFrame(out)
     claims = []
+    own = {r.label: (r.metric or exp.metric) for r in exp.runs}
     for c in exp.claims:
-        m = c.metric or exp.metric
-        col = "floats" if m == "floats" else m
-        res = verdicts.judge(_per_seed(per_run, c.better, col), _per_seed(per_run, c.worse, col),
+        # a claim's own metric for both sides; else each side's run metric (the one the seed reports for it)
+        mb, mw = (c.metric, c.metric) if c.metric else (own[c.better], own[c.worse])
+        m = mb if mb == mw else f"{mb} vs {mw}"
+        cb, cw = ("floats" if mb == "floats" else mb), ("floats" if mw == "floats" else mw)
+        res = verdicts.judge(_per_seed(per_run, c.better, cb), _per_seed(per_run, c.worse, cw),
                              c.lower_is_better, exp.min_seeds)
         paper = math.nan
         if m != "floats":
             b, w = table.set_index("label").loc[c.better], table.set_index("label").loc[c.worse]
-            pb, pw = b.get(f"{m}_paper", math.nan), w.get(f"{m}_paper", math.nan)
+            pb, pw = b.get(f"{mb}_paper", math.nan), w.get(f"{mw}_paper", math.nan)
             if np.isfinite(pb) and np.isfinite(pw):
                 paper = (-1.0 if c.lower_is_better else 1.0) * (pb - pw)
         claims.append({"text": c.text, "metric": m, "better": c.better, "worse": c.worse,

@@ -387,6 +387,59 @@ def test_ifca_downloads_k_models_and_finds_separable_domains(tiny):
     assert float(ari[ari["round"] == 2]["value"].iloc[0]) == 1.0
 
 
+def test_ifca_best_of_n_initialisations_by_training_loss(tiny):
+    """init_restarts: N gives IFCA the budget PN-ICFL's k-means restarts get: a setup phase sends N candidate
+    initialisations of the K models to every user; the server keeps the candidate with the lowest sample-weighted
+    mean of min_k loss_k on the users' training data (recomputed here by hand) and round 0 starts from it."""
+    from algorithms.ifca import model_losses
+    from raysim.config import ArchSpec
+    from raysim.engine.prepare import prepare
+    from raysim.models import build_model
+
+    assert prepare(rotated_tiny(tiny, "ifca", {"num_clusters": 2})).algorithm.setup_schedule() is None  # default
+    cfg = rotated_tiny(tiny, "ifca", {"num_clusters": 2, "init_restarts": 3}, rounds=1)
+    prep = prepare(cfg)
+    alg = prep.algorithm
+    for a, b in zip(alg._candidate(0), alg.init_server_state(None)["models"]):  # candidate 0: the default init
+        assert all(torch.equal(a[n], b[n]) for n in a)
+    model = prep.task.build_model(0)
+    totals = []
+    for n in range(3):
+        cand = alg._candidate(n)
+        num = den = 0.0
+        for c in prep.fed_data.clients:
+            num += c.num_train * float(model_losses(model, cand, c.x_train, c.y_train).min())
+            den += c.num_train
+        totals.append(num / den)
+    assert len(set(totals)) == 3  # the candidates differ
+    res = run_experiment(cfg, write=False)
+    t = res.table
+    srv = t[(t["scope"] == "server") & (t["round"] == -1)]
+    val = {m: float(srv[srv["metric"] == m]["value"].iloc[0]) for m in
+           ("ifca_init_chosen", "ifca_init_loss", "ifca_init_loss_first")}
+    best = int(np.argmin(totals))
+    assert val["ifca_init_chosen"] == best
+    assert val["ifca_init_loss"] == pytest.approx(totals[best], rel=1e-6)
+    assert val["ifca_init_loss_first"] == pytest.approx(totals[0], rel=1e-6)
+    # round 0's cluster losses are those of the kept candidate (the held-out share, the seed's protocol)
+    from algorithms.ifca import holdout_split
+    from raysim import rng as rngmod
+
+    c = prep.fed_data.clients[0]
+    _, ho = holdout_split(c.num_train, 0.2, rngmod.numpy_rng(cfg.seed, rngmod.NO_ROUND, 0, "ifca_holdout"))
+    ho = torch.as_tensor(ho)
+    got = rows(t, "cluster_loss")
+    got = got[(got["client_id"] == 0) & (got["round"] == 0)]["value"].iloc[0]
+    assert got == pytest.approx(float(model_losses(model, alg._candidate(best), c.x_train[ho], c.y_train[ho]).min()),
+                                rel=1e-5)
+    # accounting: N x K models down once per user in the setup phase, N losses + the sample count up
+    m = build_model(ArchSpec("mlp", {"hidden": 32, "embed_dim": 16}), (1, 8, 8), 10)
+    size = sum(p.numel() for p in m.parameters())
+    setup = rows(t, "down_floats@init_losses")
+    assert set(setup["value"]) == {3 * 2 * size} and len(setup) == 8
+    assert set(rows(t, "up_floats@init_losses")["value"]) == {3}
+
+
 # -- FeSEM -------------------------------------------------------------------------------------------------------------
 
 def test_fesem_why_clients_never_move_and_how_they_can():

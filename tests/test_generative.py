@@ -235,8 +235,8 @@ class _Tripwire:
         return getattr(self._ds, k)
 
 
-@pytest.mark.parametrize("scenario", [1, 2])
-def test_slaugfl_never_reads_the_test_set_before_the_final_evaluation(monkeypatch, tmp_path, scenario):
+@pytest.mark.parametrize("scenario,selection", [(1, "validation"), (2, "validation"), (2, "test")])
+def test_slaugfl_never_reads_the_test_set_before_the_final_evaluation(monkeypatch, tmp_path, scenario, selection):
     """Issue 21: the representatives are chosen on the server-held validation set; the reported test set is read only
     by the final evaluation (every sample access to it is logged with the server step that made it)."""
     import raysim.engine.prepare as driver
@@ -265,11 +265,16 @@ def test_slaugfl_never_reads_the_test_set_before_the_final_evaluation(monkeypatc
     monkeypatch.setattr(driver, "build_federated_data", wrapped)
     monkeypatch.setattr(ServerRunner, "run_server_step", traced)
     over = {"data__public": {"dataset": "synthetic", "size": 300}} if scenario == 1 else {}
-    cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": {**SLAUG, "scenario": scenario}}, rounds=3,
+    cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": {**SLAUG, "scenario": scenario,
+                                                                          "selection": selection}}, rounds=3,
                                   eval={"every": 100}, data__server_val=60, **over))
     run_experiment(cfg, out_dir=tmp_path / "run")
-    assert test_reads and set(test_reads) == {(2, "evaluate_server", "evaluate")}  # the final evaluation only
-    assert (-1, "prep_select", "train") in val_reads  # the selection read the validation set
+    if selection == "test":  # issue 34: the seed's protocol as a named option: the selection reads the test set
+        assert set(test_reads) == {(2, "evaluate_server", "evaluate"), (-1, "prep_select", "train")}
+        assert (-1, "prep_select", "train") not in val_reads
+    else:
+        assert test_reads and set(test_reads) == {(2, "evaluate_server", "evaluate")}  # the final evaluation only
+        assert (-1, "prep_select", "train") in val_reads  # the selection read the validation set
     meta = results.load_metadata(tmp_path / "run")
     assert meta["data"]["server_val"]["size"] == 60 and meta["data"]["server_val"]["per_class"] == [6] * 10
 

@@ -53,6 +53,18 @@ class NeedsUnknown(SetupProbe):
     server_data = ("server_secret",)
 
 
+class ClassWantsTest(SetupProbe):
+    name = "class_wants_test"
+    server_data = ("global_test",)  # only an instance's named option may add the test set
+
+
+class InstanceAddsSecret(NeedsServerVal):
+    name = "instance_adds_secret"
+
+    def declared_server_data(self):
+        return ("server_val", "server_secret")
+
+
 class EpochScaled(LocalTraining):
     """CE scaled by (1 + epoch): the trained weights depend on every batch getting its own epoch."""
 
@@ -93,7 +105,8 @@ class EpochScaled(LocalTraining):
 def _test_algorithms(monkeypatch):
     register_for_test(monkeypatch, setup_probe="tests.test_hooks:SetupProbe",
                       needs_server_val="tests.test_hooks:NeedsServerVal", needs_unknown="tests.test_hooks:NeedsUnknown",
-                      epoch_scaled="tests.test_hooks:EpochScaled")
+                      epoch_scaled="tests.test_hooks:EpochScaled", class_wants_test="tests.test_hooks:ClassWantsTest",
+                      instance_adds_secret="tests.test_hooks:InstanceAddsSecret")
 
 
 def rows(df, metric, scope="client"):
@@ -137,6 +150,24 @@ def test_declared_server_data_missing_is_one_config_error_before_any_data_loads(
     assert e.value.field == "data.server_val"
     with pytest.raises(TypeError, match="server_secret"):
         prepare(tiny(algorithm={"name": "needs_unknown", "params": {}}))
+    with pytest.raises(TypeError, match="global_test"):  # a class never declares the test set
+        prepare(tiny(algorithm={"name": "class_wants_test", "params": {}}))
+
+
+def test_an_instance_adds_only_the_test_set_and_only_by_a_named_option(tiny):
+    """Issue 34: SlaugFL's ``selection: test`` (the seed's protocol) hands the server the test set through
+    ``declared_server_data``; the default does not; any other addition by an instance is refused."""
+    from raysim.engine.runners import server_data
+
+    with pytest.raises(TypeError, match="server_secret"):
+        prepare(tiny(algorithm={"name": "instance_adds_secret", "params": {}}, data__server_val=20))
+    slaug = {"gen_steps": 2, "gen_channels": 4, "prep_epochs": 1}
+    default = prepare(tiny(algorithm={"name": "slaugfl", "params": slaug}, data__server_val=20))
+    assert default.spec.server_data == ("server_val",)
+    test_sel = prepare(tiny(algorithm={"name": "slaugfl", "params": {**slaug, "selection": "test"}}, data__server_val=20))
+    assert test_sel.spec.server_data == ("server_val", "global_test")
+    held = server_data(test_sel.spec, test_sel.fed_data)
+    assert held["global_test"] is test_sel.fed_data.global_test
 
 
 def test_only_declared_server_data_reaches_the_server(tiny):

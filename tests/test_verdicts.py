@@ -179,6 +179,32 @@ def test_render_records_recomputes_the_verdicts_of_a_stored_table(tmp_path):
     assert "| A | 3 | 81.00 ± 1.00 | 70.00 | +11.00 |" in md
 
 
+def test_a_run_metric_makes_one_metric_per_method_in_every_claim(tmp_path):
+    """Issue 34: a method whose seed number is another metric (FedTGP's prototype accuracy beside the baselines'
+    classifiers) is compared on that metric in every claim without a metric of its own; a claim's metric still wins."""
+    folder = tmp_path / "configs" / "seed999_toy"
+    folder.mkdir(parents=True)
+    (folder / "a.yaml").write_text("name: a\n")
+    body = {"title": "toy", "source": "seed999.table1", "metric": "test_acc", "extra_metrics": ["test_acc_proto"],
+            "runs": [{"label": "T", "config": "a.yaml", "metric": "test_acc_proto"}, {"label": "B", "config": "a.yaml"}],
+            "claims": [{"text": "T beats B", "better": "T", "worse": "B"},
+                       {"text": "T beats B (classifiers)", "better": "T", "worse": "B", "metric": "test_acc"}]}
+    (folder / "experiments.yaml").write_text(yaml.safe_dump({"toy": body}))
+    (tmp_path / "configs" / "seed_numbers.yaml").write_text(yaml.safe_dump({"seed999": {"table1": {"values": {}}}}))
+    exp = rp.load_experiments(tmp_path / "configs")["toy"]
+    assert exp.run("T").metric == "test_acc_proto" and exp.run("B").metric is None
+    rows = [{"label": "T", "seed": s, "test_acc": 50.0, "test_acc_proto": 90.0 + s, "floats": 1.0} for s in (1, 2, 3)]
+    rows += [{"label": "B", "seed": s, "test_acc": 80.0, "test_acc_proto": math.nan, "floats": 1.0} for s in (1, 2, 3)]
+    _, claims = summarise(exp, pd.DataFrame(rows), {"seed999": {"table1": {"values": {}}}})
+    assert claims[0]["metric"] == "test_acc_proto vs test_acc" and claims[0]["ours"] == pytest.approx(12.0)
+    assert claims[0]["verdict"] == "held"
+    assert claims[1]["metric"] == "test_acc" and claims[1]["verdict"] == "reversed"
+    body["runs"][0]["metric"] = "val_acc"  # not shown in the table: refused
+    (folder / "experiments.yaml").write_text(yaml.safe_dump({"toy": body}))
+    with pytest.raises(ConfigError, match="runs\\[0\\].metric"):
+        rp.load_experiments(tmp_path / "configs")
+
+
 @pytest.mark.parametrize("bad", [2, "five", True, 3.5])
 def test_bad_min_seeds_is_one_config_error(tmp_path, bad):
     with pytest.raises(ConfigError, match="min_seeds"):

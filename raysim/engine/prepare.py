@@ -76,7 +76,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     code = usercode.code_to_ship(cfg) if cfg.backend.name == "ray" else ()
     spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params, registry=registry.snapshot(),
                    code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd(),
-                   server_data=tuple(algo_cls.server_data))
+                   server_data=_instance_server_data(algorithm, algo_cls))
     return Prepared(cfg, fed, task, spec, env, algorithm, models)
 
 
@@ -177,13 +177,24 @@ def _check_state_dir(cfg: ExperimentConfig) -> None:
                                                f"backend.state_dir")
 
 
+def _instance_server_data(algorithm, algo_cls) -> tuple:
+    """The server-held data sets the prepared method reads: its class's, plus ``global_test`` where a named option of
+    its params asks for it (``Algorithm.declared_server_data``); any other addition is refused."""
+    names = tuple(algorithm.declared_server_data())
+    extra = set(names) - set(algo_cls.server_data)
+    if extra - {"global_test"}:
+        raise TypeError(f"{algo_cls.__name__}.declared_server_data adds {sorted(extra - {'global_test'})}; an "
+                        f"instance may add only 'global_test' to its class's server_data")
+    return names
+
+
 def _check_server_data(cfg: ExperimentConfig, algo_cls) -> None:
     """Every server-held data set the method declares (``Algorithm.server_data``) is configured: one ConfigError
     naming the config field that provides it, before any data is loaded."""
     for name in algo_cls.server_data:
-        if name not in SERVER_DATA:
-            raise TypeError(f"{algo_cls.__name__}.server_data names {name!r}; the server-held data sets are "
-                            f"{', '.join(sorted(SERVER_DATA))}")
+        if name not in SERVER_DATA or SERVER_DATA[name][0] is None:
+            raise TypeError(f"{algo_cls.__name__}.server_data names {name!r}; the server-held data sets a class may "
+                            f"declare are {', '.join(sorted(k for k, v in SERVER_DATA.items() if v[0]))}")
         path, hint = SERVER_DATA[name]
         value = cfg
         for part in path.split("."):
