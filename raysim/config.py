@@ -205,10 +205,11 @@ class BackendConfig:
     #                             native: torch's fastest kernels for each CPU (raysim/numerics.py); part of the identity
     vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
     #                          the numbers within a stated tolerance, so it is part of the run's identity
-    partial_aggregate: bool = False  # each client runner merges its clients' uploads into one (a partial aggregate)
-    #                                  when the method's server step declares a merge: one message per actor instead
-    #                                  of one per client; with several actors the sums are grouped differently (numbers
-    #                                  within the stated tolerance), so it is part of the run's identity when on
+    partial_aggregate: Any = "auto"  # each client runner merges its clients' uploads into one (a partial aggregate)
+    #   when the method's server step declares a merge: one message per actor instead of one per client. auto: only
+    #   with one client runner (sequential, Ray with one actor), where the merged upload is exactly what the server
+    #   would compute (same table); true: with any number of actors (their sums grouped differently: numbers within
+    #   the stated tolerance, so part of the run's identity); false: never (the server sees every client's upload)
     # Ray: per-architecture actor pools ([{arch, num_actors, num_cpus, num_gpus, gpu_memory_mb}]): the clients of
     # each listed architecture run on actors of their own shape; the others on the num_actors default actors
     model_resources: Optional[list[ModelResources]] = None
@@ -236,6 +237,9 @@ class BackendConfig:
                                                    "to start a local cluster)")
         choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
         choice(_p(path, "numerics"), self.numerics, ["portable", "native"])
+        if self.partial_aggregate not in (True, False, "auto"):
+            raise ConfigError(_p(path, "partial_aggregate"), f"must be auto, true or false, got "
+                                                             f"{self.partial_aggregate!r}")
         if isinstance(self.code, str):
             if self.code not in ("auto", "none", "working_dir"):
                 raise ConfigError(_p(path, "code"), f"{self.code!r} is not allowed; choose one of: auto, none, "
@@ -405,7 +409,7 @@ class ExperimentConfig:
                 spec.pop("embedding", None)
         # the executor and the kernel choice change the numbers (the executor within tolerance, kernels in last bits)
         d["backend"] = {"vectorize": self.backend.vectorize, "numerics": self.backend.numerics}
-        if self.backend.partial_aggregate:  # a key added later: absent unless on (every earlier identity unchanged)
+        if self.backend.partial_aggregate is True:  # a key added later: absent unless on (earlier identities unchanged)
             d["backend"]["partial_aggregate"] = True
         d.pop("output")
         d.pop("name")

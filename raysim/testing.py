@@ -215,8 +215,8 @@ def check_message_accounting(cfg: ConfigLike) -> list:
     from raysim.engine.prepare import prepare
 
     cfg = _config(cfg)
-    if cfg.backend.name != "sequential":
-        cfg = _variant(cfg, backend__name="sequential")
+    # the server must see each client's own upload (no partial aggregates)
+    cfg = _variant(cfg, backend__name="sequential", backend__partial_aggregate=False)
     name = cfg.algorithm.name
     declared = prepare(cfg).algorithm.declared_uploads()
     if declared is None:

@@ -38,9 +38,10 @@ def _algorithm(tiny, name, **params):
 def test_one_runner_merging_gives_the_table_bit_for_bit(tiny, name):
     """The sequential backend hosts every client in one runner: its one merged upload is what the server step
     would have computed from the per-client uploads, so the table (message accounting included) is unchanged."""
-    plain = table(tiny(**_over(name)))
+    plain = table(tiny(**_over(name, backend={"name": "sequential", "partial_aggregate": False})))
     merged = table(tiny(**_over(name, backend={"name": "sequential", "partial_aggregate": True})))
     pd.testing.assert_frame_equal(plain, merged, check_exact=True)
+    pd.testing.assert_frame_equal(plain, table(tiny(**_over(name))), check_exact=True)  # auto (the default) merges
 
 
 def test_which_methods_merge(tiny):
@@ -102,7 +103,7 @@ def test_ray_partial_aggregates_one_upload_per_actor(ray_session, tiny):
     """FedAvg on Ray with 2 actors: with partial aggregates a round's training traffic through the object store is
     one payload read and one upload per actor (<= 2 x actors x model bytes + the sample counts), against one upload
     per client without; the table stays within the stated tolerance of the per-client uploads' and its message
-    accounting (client rows) is identical; one actor merging equals the sequential table bit for bit."""
+    accounting (client rows) is identical; with one actor ``auto`` merges and gives the sequential table bit for bit."""
     over = _over("fedavg", clients_per_round=6)
     plain = run_experiment(tiny(**over, backend={"name": "ray", "num_actors": 2, "num_cpus": 1}), write=False)
     part = run_experiment(tiny(**over, backend={"name": "ray", "num_actors": 2, "num_cpus": 1,
@@ -117,5 +118,10 @@ def test_ray_partial_aggregates_one_upload_per_actor(ray_session, tiny):
     bytes_rows = a["metric"].str.contains("bytes|floats")
     pd.testing.assert_frame_equal(a[bytes_rows], b[bytes_rows], check_exact=True)
     pd.testing.assert_series_equal(a["value"], b["value"], check_exact=False, atol=1e-4, rtol=0)
-    one = table(tiny(**over, backend={"name": "ray", "num_actors": 1, "num_cpus": 1, "partial_aggregate": True}))
-    pd.testing.assert_frame_equal(table(tiny(**over)), one, check_exact=True)
+    # one actor: auto (the default) merges, and the table is the sequential one bit for bit; false sends every upload
+    for mode, ups in (("auto", 1), (False, 6)):
+        res = run_experiment(tiny(**over, backend={"name": "ray", "num_actors": 1, "num_cpus": 1,
+                                                   "partial_aggregate": mode}), write=False)
+        assert {r["train_up"] for r in res.metadata["object_store_bytes"] if r["round"] >= 0} == {ups * (model_bytes + 8)}
+        pd.testing.assert_frame_equal(table(tiny(**over)), without_timing(res.table).drop(columns="run_id"),
+                                      check_exact=True)

@@ -80,7 +80,7 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         # actor pools: one per backend.model_resources entry (its architecture's clients), the default one for the rest
         self.pools, self.assignment = actor_pools(b, [a.arch for a in self.spec.task.archs])
         self._pool_of = {k: p for p in self.pools for k in p.actors}
-        n = len(self._pool_of)
+        n = self.client_runners = len(self._pool_of)
         on_actors = b.data == "actors" or (b.data == "auto" and bool(b.address))
         # clients as index ranges into shared pools (LazyClients): the pools go to the object store once, each actor
         # gets its client ids (no per-client objects shipped)

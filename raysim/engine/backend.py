@@ -15,6 +15,7 @@ class Backend(ABC):
     name = "base"
     numerics_report: list = []  # the kernel choice of each computing process other than the driver (Ray: the server
     #                             and client actors, with their nodes); the sequential backend computes in the driver
+    client_runners: int = 1  # how many client runners host the clients (Ray: its client actors); in-process: one
     object_store: dict = {}  # round -> tensor bytes moved through a transport (Ray: its object store); in-process: {}
 
     def start(self) -> None: ...

@@ -64,10 +64,15 @@ def eval_clients(cfg: ExperimentConfig, round_idx: int) -> list[int]:
 
 
 def _merge_into(run: Run, step, nxt) -> Optional[ServerStep]:
-    """The server step a client step's uploads feed as partial aggregates (``backend.partial_aggregate``): the next
+    """The server step a client step's uploads feed as partial aggregates (``backend.partial_aggregate``, or a backend
+    with one client runner): the next
     step, when it is a training server step whose merge applies to this method (``upload_merger``), and no
     environment decides after the step which uploads arrive (a merged upload cannot be split again)."""
-    if not run.cfg.backend.partial_aggregate or run.env is not None or step.mode != "train" or nxt is None:
+    # auto: one client runner (the sequential backend, Ray with one actor), whose merged upload is exactly what the
+    # server would compute from the per-client ones (tests/test_partial_aggregate.py)
+    mode = run.cfg.backend.partial_aggregate
+    on = mode is True or (mode == "auto" and getattr(run.backend, "client_runners", 0) == 1)
+    if not on or run.env is not None or step.mode != "train" or nxt is None:
         return None
     server = nxt[0]
     if not isinstance(server, ServerStep) or server.mode != "train" or upload_merger(run.algorithm, server) is None:
