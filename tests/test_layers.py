@@ -8,37 +8,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def module_imports(package: str = "raysim") -> dict[str, set[str]]:
     """{module: the modules of ``package`` it imports anywhere in its source}."""
-    files = {}
-    for p in sorted((ROOT / package).rglob("*.py")):
-        parts = p.relative_to(ROOT).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        files[name] = p
-
-    def known(name: str):
-        while name and name not in files:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    edges = {}
-    for name, path in files.items():
-        pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        out = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                    base = ".".join(up + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
-            for t in targets:
-                k = known(t)
-                if k and k != name and k != package:  # the package's __init__ (its public API) re-exports only
-                    out.add(k)
-        edges[name] = out
-    return edges
+    return {m: {o for o in outs if o == package or o.startswith(package + ".")} - {package}
+            for m, outs in all_imports().items() if m == package or m.startswith(package + ".")}
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -29,15 +30,16 @@ from raysim.messages import payload_sizes
 from raysim.steps import ClientStep
 
 
-class Executor:
+class Executor(ABC):
     """One way of running a client step. ``run`` returns (uploads by client, reports in ``client_ids`` order), or
     None when it does not take this step (the next executor of the chain runs it)."""
 
     name = "executor"
 
+    @abstractmethod
     def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
             client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
-        raise NotImplementedError
+        """Run ``step`` for ``client_ids`` on runner ``r``, or return None to pass it on."""
 
 
 class GroupForm(Executor):
