@@ -35,21 +35,15 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
-import torch
 
 
 from raysim.io.files import atomic_save, load_file
+from raysim.messages import tensor_bytes
 
 
 def state_nbytes(obj) -> int:
-    """Bytes held by the tensors of a state tree."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(state_nbytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(state_nbytes(v) for v in obj)
-    return 0
+    """Bytes held by the tensors of a state tree (:func:`raysim.messages.tensor_bytes`, the one tensor-bytes walk)."""
+    return tensor_bytes(obj)
 
 
 class StateStore:
