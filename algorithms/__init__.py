@@ -1,1 +1,1 @@
-"""Federated learning methods for raysim, one module per method (registered by name in raysim.registry)."""
+"""Federated learning methods for raysim, one module per method (registered by name in raysim.config.registry)."""

@@ -1,5 +1,5 @@
 """Synchronous rounds vs FedBuff vs FedAsync (issue 36, deliverable 5): FedAvg and FedProto on Fashion-MNIST under
-the ``mobile-heterogeneous`` environment preset, several seeds, paired intervals (raysim/verdicts.py).
+the ``mobile-heterogeneous`` environment preset, several seeds, paired intervals (raysim/app/verdicts.py).
 
 Every run trains about the same number of client updates: sync runs ``--rounds`` rounds of ``--k`` clients; FedBuff
 runs with ``--k`` clients in flight and a buffer of ``--buffer`` (rounds * k / buffer versions); FedAsync with ``--k``
@@ -25,7 +25,7 @@ import numpy as np
 from raysim.config import make_config
 from raysim.engine.loop import run_experiment
 from raysim.io import results
-from raysim.verdicts import format_interval, interval
+from raysim.app.verdicts import format_interval, interval
 
 
 def base(args, method: str, seed: int) -> dict:
@@ -141,7 +141,7 @@ def main() -> None:
     (out / f"summary-{tag}.md").write_text(table + "\n")
     (out / f"summary-{tag}.json").write_text(json.dumps({f"{m}/{mo}": v for (m, mo), v in values.items()}, indent=1,
                                                  default=float))
-    from raysim.io.report import build_report
+    from raysim.app.report import build_report
 
     build_report(dirs, out / f"report-{tag}", target=args.target)
     print(f"report: {out / f'report-{tag}'}")

@@ -2,7 +2,7 @@
 each outcome as a Markdown table row, then the count per outcome:
 ``python benchmarks/hostile_probes.py > /tmp/probes.md`` (from the repository root).
 
-Each probe runs ``raysim.cli.main`` in-process in a fresh working directory (:func:`tests.hostile_table.run_probe`)
+Each probe runs ``raysim.app.cli.main`` in-process in a fresh working directory (:func:`tests.hostile_table.run_probe`)
 and is judged by :func:`tests.hostile_table.verdict`: "as specified" (its exit code, one line naming the key or file,
 no traceback, no raw control character, the tree unchanged unless it writes) or what differs."""
 from __future__ import annotations

@@ -4,7 +4,7 @@
 
 * A table stored with its per-run records (``<experiment>.json``: ``raysim reproduce``'s reproduction.json, a
   ``runs`` list with each run's label, seed and values) is written again, ``<experiment>.md`` and the JSON's
-  ``table`` / ``claims``, by :func:`raysim.reproduce_table.render_records`: the same means (from the same per-run
+  ``table`` / ``claims``, by :func:`raysim.app.reproduce_table.render_records`: the same means (from the same per-run
   values), each claim's paired per-seed differences with their 95 % interval and verdict. The runs are untouched.
 * A table stored as markdown only (means ± std, no per-run values) cannot give a paired interval: a note at its top
   says so, and names the verdict that n alone decides (fewer seeds than the experiment's ``min_seeds``: n too small).
@@ -53,9 +53,9 @@ def _claim_rows(md: str) -> int:
 
 
 def main(argv=None) -> int:
-    from raysim import reproduce as rp
-    from raysim import verdicts as vd
-    from raysim.reproduce_table import render_records
+    from raysim.app import reproduce as rp
+    from raysim.app import verdicts as vd
+    from raysim.app.reproduce_table import render_records
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")

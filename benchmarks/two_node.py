@@ -77,7 +77,7 @@ def cli_run(config: str, overrides: list, out: str, env: dict):
     """``raysim run`` in a fresh process (a process keeps one numerics mode; this driver is portable)."""
     from raysim.io import results
 
-    args = [sys.executable, "-m", "raysim.cli", "run", config, "--out", out]
+    args = [sys.executable, "-m", "raysim.app.cli", "run", config, "--out", out]
     for o in overrides:
         args += ["--set", o]
     p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)

@@ -3,7 +3,7 @@ bandwidth; communication time from accounted message bytes), participation (avai
 deadline with over-selection) and a simulated wall clock, deterministic from (seed, round, client).
 
 Enabled by an ``env`` section in the experiment config (``env: {preset: mobile-heterogeneous}``); raysim reaches
-this package only through ``raysim.registry``. Every key, with its default::
+this package only through ``raysim.config.registry``. Every key, with its default::
 
     env:
       preset: null                 # uniform | mobile-heterogeneous (the keys below override it)

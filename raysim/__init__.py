@@ -15,7 +15,7 @@ from raysim.errors import ConfigError, DataError, SimulationError
 from raysim.io import results
 from raysim.data.datasets import register_dataset
 from raysim.models import register_model
-from raysim.registry import dataset_loader, model_factory, register_algorithm
+from raysim.config.registry import dataset_loader, model_factory, register_algorithm
 
 _sys.modules.setdefault("raysim.results", results)  # ``import raysim.results`` keeps working
 

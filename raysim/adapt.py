@@ -34,7 +34,7 @@ import torch.nn as nn
 from raysim.config import ArchSpec
 from raysim.errors import ConfigError
 from raysim.layers import Dropout, SplitModel, num_parameters
-from raysim.registry import (MODEL_FACTORY, MODELS, check_signature, is_import_path, marked, refuse_unmarked,
+from raysim.config.registry import (MODEL_FACTORY, MODELS, check_signature, is_import_path, marked, refuse_unmarked,
                              registered, resolve)
 
 _HEAD_NAMES = ("fc", "classifier", "heads", "head")
@@ -269,8 +269,8 @@ def build_user_model(factory: Callable, spec: ArchSpec, input_shape, num_classes
     check_signature(factory, args, kwargs, f"{path}.arch", f"{path}.params", expected)
     import contextlib
 
-    from raysim import dryrun
-    from raysim.registry import installed_object
+    from raysim.config import dryrun
+    from raysim.config.registry import installed_object
 
     guard = contextlib.nullcontext() if tv or installed_object(factory) else \
         dryrun.user_code(f"{path}.arch", f"the model factory {name}")  # a dry run lets no user code write

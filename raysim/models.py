@@ -18,7 +18,7 @@ from raysim.config import ArchSpec, ModelConfig
 from raysim.errors import ConfigError
 from raysim.layers import (Dropout, SplitModel, dropout_masks_of, num_parameters, replay_masks,
                            set_dropout_generator)
-from raysim.registry import MODELS
+from raysim.config.registry import MODELS
 
 
 def cnn_mnist_body(in_channels: int, out_channels: int, embed_dim: int, input_hw: int,
@@ -394,7 +394,7 @@ def arch_key(spec: ArchSpec) -> str:
 def register_model(name: str, factory) -> None:
     """Register a model factory under ``name`` (then ``model.arch: name``): ``"module.path:factory"`` or the
     callable itself, ``factory(input_shape, num_classes, **model.params) -> nn.Module``. The name travels to every
-    runner (raysim.registry)."""
+    runner (raysim.config.registry)."""
     if name in ARCHS or ":" in name:
         raise ValueError(f"cannot register a model as {name!r}: a zoo name or an import path")
     MODELS[name] = factory

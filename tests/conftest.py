@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the checkout under test
 def register_for_test(monkeypatch, **targets: str) -> None:
     """Register test-only algorithms (name -> "module:Class") for one test: undone after it, so no registration
     leaks into later tests (the runners receive them with the run, as any user registration)."""
-    from raysim import registry
+    from raysim.config import registry
 
     for name, target in targets.items():
         monkeypatch.setitem(registry.ALGORITHMS, name, target)
@@ -30,9 +30,9 @@ def register_for_test(monkeypatch, **targets: str) -> None:
 
 
 def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    """``python -m raysim.cli ARGS`` in a fresh process running this checkout (not whatever raysim is installed)."""
+    """``python -m raysim.app.cli ARGS`` in a fresh process running this checkout (not whatever raysim is installed)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    return subprocess.run([sys.executable, "-m", "raysim.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "raysim.app.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, **kw)
 
 

@@ -444,7 +444,7 @@ PROBES = [Probe(*p) for p in _NO_RUN] + _NEW + [Probe(*p, with_run=True) for p i
 def run_probe(p: Probe, base: Path, finished_run: Optional[Path] = None) -> tuple[int, str, bool]:
     """Run probe ``p`` in a fresh working directory ``base/work``: (exit code, stderr, whether the tree under
     ``base`` changed). ``finished_run``: a run directory copied to ``runs/r`` for probes ``with_run``."""
-    from raysim.cli import main
+    from raysim.app.cli import main
 
     w = Path(base) / "work"
     w.mkdir(parents=True)

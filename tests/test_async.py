@@ -14,7 +14,7 @@ from raysim.errors import ConfigError
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
 from raysim.io import results
-from raysim import registry
+from raysim.config import registry
 from raysim import rng as rngmod
 from tests.conftest import run_cli, tiny_config
 
@@ -227,7 +227,7 @@ def test_every_client_busy_and_nobody_online():
 
 
 def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
-    from raysim.io.report import build_report
+    from raysim.app.report import build_report
 
     base = tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"}, data={
         "dataset": "synthetic", "num_clients": 10, "partition": "nway_kshot",

@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 
-from raysim.cli import main
+from raysim.app.cli import main
 from raysim.engine.callbacks import EvalCallback
 from raysim.io.rundir import RunDir
 from tests.conftest import run_cli, tiny_config
@@ -211,7 +211,7 @@ def test_report_of_a_missing_metric_or_no_runs(tmp_path, capsys):
 def test_population_that_cannot_fit_is_refused_before_any_data_is_built(tmp_path, capsys):
     """A population whose index data alone exceeds half the free memory: one line naming data.num_clients with the
     estimate and the keys to change, exit 2, nothing written; the estimate itself on a hand example."""
-    from raysim.cli import main as cli_main
+    from raysim.app.cli import main as cli_main
     from raysim.config import make_config
     from raysim.engine.prepare import POPULATION_BYTES_PER_CLIENT, _check_population_memory, population_bytes
     from raysim.errors import ConfigError

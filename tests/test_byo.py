@@ -18,8 +18,8 @@ import yaml
 
 from raysim.io.results import without_timing
 import raysim
-from raysim import registry
-from raysim.cli import main
+from raysim.config import registry
+from raysim.app.cli import main
 from raysim.config import ArchSpec, make_config
 from raysim.errors import ConfigError, DataError
 from raysim.data.federated import build_federated_data

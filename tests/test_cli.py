@@ -3,7 +3,7 @@
 import yaml
 
 from raysim.io import results
-from raysim.cli import main
+from raysim.app.cli import main
 from tests.conftest import run_cli, tiny_config
 
 

@@ -10,7 +10,7 @@ from tests.conftest import method_overrides
 import pytest
 
 from raysim import testing
-from raysim.registry import ALGORITHMS
+from raysim.config.registry import ALGORITHMS
 
 NAMES = sorted(n for n, target in ALGORITHMS.items() if target.startswith("algorithms."))  # the shipped methods
 

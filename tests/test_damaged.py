@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from raysim.io import results
-from raysim.cli import main
+from raysim.app.cli import main
 from raysim.config import make_config
 from raysim.errors import DamagedFileError, DataError
 from raysim.engine.loop import run_experiment

@@ -319,7 +319,7 @@ def env_table(cfg):
 
 
 def test_run_records_env_rows_and_filters_uploads(tiny, monkeypatch):
-    from raysim import registry
+    from raysim.config import registry
 
     monkeypatch.setitem(registry.ALGORITHMS, "env_spy", f"{__name__}:Spy")  # in-process only (sequential)
     cfg = tiny(rounds=6, clients_per_round=3, algorithm={"name": "env_spy", "params": {"lam": 1.0}},

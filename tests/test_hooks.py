@@ -15,7 +15,7 @@ from raysim.engine import loop
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
 from raysim.errors import ConfigError
-from raysim.registry import algorithm_class
+from raysim.config.registry import algorithm_class
 from raysim.steps import ALL, ClientStep, ServerStep
 from tests.conftest import register_for_test
 

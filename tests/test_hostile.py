@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from raysim.cli import main
+from raysim.app.cli import main
 from raysim.config import make_config
 from raysim.errors import ConfigError, DataError
 from tests.conftest import tiny_config
@@ -400,7 +400,7 @@ anything = Anything()
 def usermod(tmp_path, monkeypatch):
     import sys
 
-    from raysim import registry
+    from raysim.config import registry
 
     (tmp_path / "um35api.py").write_text(USER_MODULE)
     monkeypatch.chdir(tmp_path)
@@ -543,7 +543,7 @@ def test_runs_lists_every_healthy_run_beside_damaged_ones_and_escapes_names(work
 
 
 def test_yaml_duplicate_keys_refused_merge_keys_still_override():
-    from raysim.yamlio import DuplicateKeyError, yaml_load
+    from raysim.config.yamlio import DuplicateKeyError, yaml_load
 
     assert yaml_load("a: &a {x: 1, y: 2}\nb:\n  <<: *a\n  x: 3\n")["b"] == {"x": 3, "y": 2}
     with pytest.raises(DuplicateKeyError, match="'x' is given twice"):

@@ -1,6 +1,8 @@
 """The library's dependency rule (ARCHITECTURE.md, top): imports point one way. Checked on the source, lazy imports
 (inside functions) included, since a lazy import hides a circle without removing it."""
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -201,3 +203,26 @@ def test_folders_import_downwards_only():
 
 def test_the_folder_check_finds_a_circle():
     assert cycles({"raysim.engine": {"raysim.backends"}, "raysim.backends": {"raysim.engine"}})
+
+
+def test_the_application_sits_on_top():
+    """The application (raysim/app/: the command line, sweeps, reproductions, verdicts, the report) imports the
+    engine; nothing below it — the contract, the config plumbing, the engine, the backends, io/, the methods, the
+    environments — imports it (tuning/, the CLI's Optuna layer, neither), and ``import raysim`` does not load it."""
+    below = {m: outs for m, outs in all_imports().items()
+             if not m.startswith("raysim.app") and m != "raysim.__main__"}  # ``python -m raysim``: the entry point
+    bad = sorted(f"{m} -> {o}" for m, outs in below.items() for o in outs if o.startswith("raysim.app"))
+    assert not bad, f"the application imported from below: {bad}"
+    code = "import raysim, sys; print(sorted(m for m in sys.modules if m.startswith('raysim.app')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
+def test_the_config_plumbing_sits_below_the_contract():
+    """raysim/config/ (the typed sections, fields, YAML, the registry, user code, the dry run) imports neither the
+    engine, the backends, io/ nor the application: the contract and the engine build on it, never the reverse."""
+    edges = all_imports()
+    bad = sorted(f"{m} -> {o}" for m, outs in edges.items() if m.startswith("raysim.config")
+                 for o in outs if o.split(".")[:2] in (["raysim", "engine"], ["raysim", "backends"], ["raysim", "io"],
+                                                       ["raysim", "app"]))
+    assert not bad, f"the config plumbing reaching up: {bad}"

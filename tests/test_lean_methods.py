@@ -55,7 +55,7 @@ def test_run_experiment_has_no_callback_keyword():
 
 
 def test_run_seeds_prepares_each_seed_once(tiny, monkeypatch, tmp_path):
-    from raysim import sweep
+    from raysim.app import sweep
     from raysim.engine import loop, prepare as prepare_mod
 
     calls = []
@@ -90,7 +90,7 @@ def test_pu_params_are_defined_once_and_shared():
     import dataclasses
 
     from algorithms import fedpu
-    from raysim.registry import algorithm_class
+    from raysim.config.registry import algorithm_class
 
     assert tuple(f.name for f in dataclasses.fields(fedpu.PUParams)) == PU_FIELDS
     for name in ("fedavg", "fedprox", "fedproto", "fedproto_uh", "fedtgp"):
@@ -108,7 +108,7 @@ def test_pu_params_are_defined_once_and_shared():
 def test_pu_options_stay_flat_keys_and_are_checked(name):
     from raysim.config import from_dict
     from raysim.errors import ConfigError
-    from raysim.registry import algorithm_class
+    from raysim.config.registry import algorithm_class
 
     cls = algorithm_class(name).Params
     p = from_dict(cls, {"positive_rate": 0.5, "pu_split": "held", "pu_min_class": 3}, "algorithm.params")

@@ -4,7 +4,7 @@ import pytest
 
 from raysim import testing
 from raysim.engine.prepare import prepare
-from raysim.registry import ALGORITHMS
+from raysim.config.registry import ALGORITHMS
 
 NAMES = sorted(n for n, t in ALGORITHMS.items() if t.startswith("algorithms."))
 

@@ -1,7 +1,7 @@
-"""The code version every run records (raysim/provenance.py; run metadata versions.code)."""
+"""The code version every run records (raysim/engine/provenance.py; run metadata versions.code)."""
 from __future__ import annotations
 
-from raysim import provenance as pv
+from raysim.engine import provenance as pv
 
 
 def _tree(root, text="x = 1\n"):

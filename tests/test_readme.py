@@ -20,7 +20,7 @@ def readme_block(section: str, contains: str) -> str:
 def test_writing_a_method_snippet_runs_the_checks_on_a_registered_method(monkeypatch):
     """The snippet, run from examples/byo/ as the README says: it registers examples/byo/mymethod.py's UniformAvg and
     passes every sequential check; the registration is undone after the test."""
-    from raysim import registry
+    from raysim.config import registry
 
     code = readme_block("Writing a method", "from raysim import testing")
     assert "register_algorithm" in code and "check_algorithm(cfg)" in code

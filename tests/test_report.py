@@ -11,11 +11,11 @@ import yaml
 
 from tests.conftest import tiny_config
 from raysim.io import results
-from raysim.cli import main
+from raysim.app.cli import main
 from raysim.errors import ConfigError
-from raysim.io.report import build_report
+from raysim.app.report import build_report
 from raysim.io.results import ResultTable, write_parquet
-from raysim.sweep import parse_seeds
+from raysim.app.sweep import parse_seeds
 
 # Fixture: setting "a" with seeds 1 and 2, setting "b" with seed 1; 2 clients, rounds 0..2, evaluated at 0 and 2.
 #   a/s1: test_acc r0 (0.5, 0.7) -> 0.6, r2 (0.8, 0.9) -> 0.85; up_bytes 100 per round; sim_time 1, 2, 3
@@ -106,7 +106,7 @@ def test_report_keeps_runs_with_the_same_id_apart(tmp_path):
     for sub in ("x", "y"):  # the same three runs written twice
         (tmp_path / sub).mkdir()
         write_fixture(tmp_path / sub)
-    from raysim.io.report import load_runs
+    from raysim.app.report import load_runs
 
     df, index = load_runs([tmp_path / "x", tmp_path / "y"])
     assert index["run_id"].is_unique and len(index) == 6 and df["run_id"].nunique() == 6
@@ -148,7 +148,7 @@ def test_run_seeds_one_table_per_run(tmp_path, capsys):
 def test_simulated_time_axis_comes_from_the_environment_rows(tmp_path):
     from raysim.io import results
     from raysim.config import make_config
-    from raysim.io.report import find_time_metric
+    from raysim.app.report import find_time_metric
     from raysim.engine.loop import run_experiment
 
     r = run_experiment(make_config(tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"})), write=False)

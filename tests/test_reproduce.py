@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 import yaml
 
-from raysim import reproduce as rp
-from raysim.reproduce_table import run_value
-from raysim.cli import main
+from raysim.app import reproduce as rp
+from raysim.app.reproduce_table import run_value
+from raysim.app.cli import main
 from raysim.errors import ConfigError
 from tests.conftest import tiny_config
 
@@ -99,7 +99,7 @@ def test_reproduce_table_reuse_and_mismatch(tmp_path, capsys):
     assert claim["n"] == 2 and claim["min_n"] == 3 and claim["verdict"] == "n too small"
     assert sorted(claim["diffs"]) == ["1", "2"] and "n too small (2 of 3)" in table and "n = 2" in table
     # every run's record: seed, config hash, code version, numerics mode, CPU
-    from raysim.provenance import code_version
+    from raysim.engine.provenance import code_version
 
     assert all(r["code"] == code_version() and r["config_hash"] and r["numerics"] and r["cpu"] for r in data["runs"])
     assert f"source {code_version()['source']}" in table
@@ -269,8 +269,8 @@ def test_a_run_of_another_code_version_is_reused_only_knowingly(tmp_path, capsys
     """A finished run whose config hash matches but whose code version differs (or was never recorded) is not
     reused silently: one line names the runs and the versions; reuse_any (--reuse-any) reuses them and the table
     names every code version it holds."""
-    from raysim.provenance import code_version, label
-    from raysim.reproduce_table import write_table
+    from raysim.engine.provenance import code_version, label
+    from raysim.app.reproduce_table import write_table
 
     root = _write_root(tmp_path)
     out = tmp_path / "out"

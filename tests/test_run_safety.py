@@ -19,7 +19,7 @@ from raysim.io import results
 from raysim.io import rundir
 from raysim.io import runs
 from raysim.engine import safety
-from raysim.cli import main
+from raysim.app.cli import main
 from raysim.config import load_config, make_config
 from raysim.errors import ConfigError
 from raysim.messages import Message

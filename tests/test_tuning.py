@@ -18,7 +18,7 @@ import yaml
 
 from tests.conftest import tiny_config
 from raysim.io import results
-from raysim.cli import main
+from raysim.app.cli import main
 from raysim.config import load_config
 from raysim.errors import ConfigError
 from raysim.io.results import ResultTable
@@ -262,7 +262,7 @@ def test_killed_study_resumes_without_lost_or_duplicated_trials(tmp_path):
     hold.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                RAYSIM_TEST_HOLD_DIR=str(hold))
-    cmd = [sys.executable, "-m", "raysim.cli", "tune", str(cfg_file), "--space", str(space_file), "--trials", "6",
+    cmd = [sys.executable, "-m", "raysim.app.cli", "tune", str(cfg_file), "--space", str(space_file), "--trials", "6",
            "--storage", storage, "--out", str(out)]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

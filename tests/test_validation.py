@@ -117,7 +117,7 @@ def test_objective_reads_val_unless_allowed():
 
 
 def test_study_records_seeds_and_report_warns(tmp_path, capsys):
-    from raysim.cli import main
+    from raysim.app.cli import main
     from raysim.engine.loop import run_experiment
     from tests.conftest import tiny_config
     from tuning.study import tune

@@ -1,4 +1,4 @@
-"""Verdicts of a seed's claims (raysim/verdicts.py): the Student t quantile, the paired 95 % interval and each
+"""Verdicts of a seed's claims (raysim/app/verdicts.py): the Student t quantile, the paired 95 % interval and each
 verdict, computed by hand; the claims table raysim reproduce writes from them; min_seeds in the manifests."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from raysim import reproduce as rp
-from raysim import verdicts as vd
+from raysim.app import reproduce as rp
+from raysim.app import verdicts as vd
 from raysim.errors import ConfigError
-from raysim.reproduce_table import render_records, summarise, table_markdown
+from raysim.app.reproduce_table import render_records, summarise, table_markdown
 
 
 # ------------------------------------------------------------------------------------------------ the t quantile

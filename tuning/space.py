@@ -295,7 +295,7 @@ def apply_params(base: dict, params: dict, seed: Optional[int] = None):
 
 def check_against_config(space: SearchSpace, base: dict) -> None:
     """Every tuned key must exist in the config and every corner of its range must be a valid value."""
-    from raysim.registry import algorithm_class
+    from raysim.config.registry import algorithm_class
 
     cfg = make_config(base)
     algo = algorithm_class(cfg.algorithm.name)

@@ -84,7 +84,7 @@ def code_runtime_env(address) -> dict:
 
 def actor_runtime_env(spec, address) -> dict | None:
     """The client and server actors' runtime environment when the user's code must reach them (``backend.code``,
-    paths from :mod:`raysim.usercode`): Ray ``py_modules`` (or ``working_dir``), uploaded once per content hash
+    paths from :mod:`raysim.config.usercode`): Ray ``py_modules`` (or ``working_dir``), uploaded once per content hash
     and unpacked on every node. An actor's ``py_modules`` replace the job's, so raysim's own packages are listed
     again on a ``backend.address`` cluster."""
     code = spec.cfg.backend.code

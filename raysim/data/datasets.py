@@ -20,7 +20,7 @@ from raysim.data.arrays import ArrayDataset, LoadedDataset, mnist5k_arrays, norm
 from raysim.data.multisource import load_multisource_digits
 from raysim.data.pacs import load_pacs
 from raysim.errors import ConfigError, DamagedFileError, DataError, read_problem
-from raysim.registry import DATASET_LOADER, DATASETS, is_import_path, marked, refuse_unmarked, registered, resolve
+from raysim.config.registry import DATASET_LOADER, DATASETS, is_import_path, marked, refuse_unmarked, registered, resolve
 
 
 def available_memory() -> Optional[int]:
@@ -278,7 +278,7 @@ def resolve_loader(target: str, key: str = "data.dataset") -> Callable:
 def register_dataset(name: str, loader) -> None:
     """Register a dataset loader under ``name`` (then ``data.dataset: name``): ``"module.path:loader"`` or the
     callable itself, ``loader(root, **data.dataset_params) -> mapping`` with x_train, y_train, x_test, y_test
-    (optionally groups_train, groups_test, num_classes). The name travels to every runner (raysim.registry)."""
+    (optionally groups_train, groups_test, num_classes). The name travels to every runner (raysim.config.registry)."""
     if name in LOADERS or name in FORMATS or ":" in name:
         raise ValueError(f"cannot register a dataset as {name!r}: a built-in name, a format or an import path")
     DATASETS[name] = loader

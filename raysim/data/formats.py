@@ -321,14 +321,14 @@ FORMAT_LOADERS: dict[str, Callable] = {"npz": load_npz, "imagefolder": load_imag
 
 def load_user_dataset(loader: Callable, name: str, root: Optional[str], params: dict, key: str) -> LoadedDataset:
     """Call a user loader ``loader(root, **params)`` and validate its mapping (errors name ``key``)."""
-    from raysim.registry import check_signature
+    from raysim.config.registry import check_signature
 
     params_key = "data.dataset_params" if key == "data.dataset" else key.rsplit(".", 1)[0] + ".params"
     check_signature(loader, (root,), params, key, params_key, "loader(root, **data.dataset_params)")
     import contextlib
 
-    from raysim import dryrun
-    from raysim.registry import installed_object
+    from raysim.config import dryrun
+    from raysim.config.registry import installed_object
 
     guard = contextlib.nullcontext() if installed_object(loader) else \
         dryrun.user_code(key, f"the loader {name}")  # a dry run lets no user code write

@@ -76,7 +76,7 @@ PREFLIGHT = "raysim.backends:preflight"
 
 
 def make_backend(name: str, spec, fed_data) -> Backend:
-    from raysim.registry import load_target
+    from raysim.config.registry import load_target
 
     if name not in BACKENDS:
         raise ValueError(name)
@@ -86,6 +86,6 @@ def make_backend(name: str, spec, fed_data) -> Backend:
 def preflight(cfg) -> None:
     """The checks that must pass before a run starts (``raysim.backends.preflight``: the GPUs a config asks for
     exist, a cluster answers, ...)."""
-    from raysim.registry import load_target
+    from raysim.config.registry import load_target
 
     load_target(PREFLIGHT)(cfg)

@@ -1,8 +1,8 @@
 """What the engine asks of a simulated environment (device speeds, network, participation, a simulated clock): the
 declared protocol the round loop, the preparation and the checkpoints call, and nothing else. The implementation
 shipped with raysim is ``envs.Environment`` (the ``env`` config section; the environment layer imports raysim, never
-the reverse); it is reached through the registry (:func:`raysim.registry.make_environment`,
-:func:`raysim.registry.register_environment` for another one), and whatever it builds is checked against this
+the reverse); it is reached through the registry (:func:`raysim.config.registry.make_environment`,
+:func:`raysim.config.registry.register_environment` for another one), and whatever it builds is checked against this
 protocol before a run starts."""
 from __future__ import annotations
 

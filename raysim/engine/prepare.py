@@ -19,7 +19,7 @@ from raysim.config import ExperimentConfig, from_dict
 from raysim.data.federated import FederatedData, build_federated_data
 from raysim.errors import ConfigError
 from raysim.models import client_archs
-from raysim.registry import algorithm_class, algorithm_target, make_environment
+from raysim.config.registry import algorithm_class, algorithm_target, make_environment
 from raysim.engine.environment import check_environment
 from raysim.engine.runners import RunSpec
 from raysim.steps import check_schedule
@@ -71,7 +71,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         check_gpu_budgets(cfg, task)
     if env is not None:
         env.bind(task)
-    from raysim import registry, usercode
+    from raysim.config import registry, usercode
 
     code = usercode.code_to_ship(cfg) if cfg.backend.name == "ray" else ()
     spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params, registry=registry.snapshot(),
@@ -139,8 +139,8 @@ def _make_algorithm(cfg: ExperimentConfig, algo_cls, params, task: Task):
     schedules checked; a user's method runs under the dry-run guard (it may write nothing while being checked)."""
     import contextlib
 
-    from raysim import dryrun
-    from raysim.registry import installed_object
+    from raysim.config import dryrun
+    from raysim.config.registry import installed_object
 
     guard = contextlib.nullcontext() if installed_object(algo_cls) else \
         dryrun.user_code("algorithm.name", f"the method {cfg.algorithm.name}")  # a dry run lets no user code write
@@ -305,7 +305,7 @@ def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _noti
 
 
 def versions() -> dict:
-    """The software versions, the code version (``code``: :func:`raysim.provenance.code_version`) and the CPU model a
+    """The software versions, the code version (``code``: :func:`raysim.engine.provenance.code_version`) and the CPU model a
     run was made with (float reductions follow the CPU's vector unit: the same seed gives the same table on one CPU
     model, and last-bit differences across models)."""
     out = {"python": platform.python_version()}
@@ -316,8 +316,8 @@ def versions() -> dict:
             out[pkg] = None
     out["cpu"] = numerics.cpu_model()
     # the code version (raysim's version, a digest of the packages' source, the git commit when there is one):
-    # raysim reproduce reuses a finished run only when it equals this process's (raysim/provenance.py)
-    from raysim.provenance import code_version
+    # raysim reproduce reuses a finished run only when it equals this process's (raysim/engine/provenance.py)
+    from raysim.engine.provenance import code_version
 
     out["code"] = dict(code_version())
     return out

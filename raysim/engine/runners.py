@@ -19,7 +19,8 @@ from typing import Any, Optional
 
 import torch
 
-from raysim import numerics, registry
+from raysim import numerics
+from raysim.config import registry
 from raysim import rng as rngmod
 from raysim.algorithm import Context, ModelCache, ServerContext, ServerUpdate, Task, upload_merger
 from raysim.config import ExperimentConfig
@@ -28,7 +29,7 @@ from raysim.engine import safety
 from raysim.engine.executors import executor_chain
 from raysim.engine.reports import ClientReport, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
 from raysim.messages import payload_sizes
-from raysim.registry import load_target
+from raysim.config.registry import load_target
 from raysim.steps import ClientStep, ServerStep
 from raysim.engine.store import StateStore
 from raysim.io.files import atomic_save, load_file
@@ -55,8 +56,8 @@ class RunSpec:
     params: Any
     state_dir: Optional[str] = None  # the run's store directory (set by the backend; None: private temporary dirs)
     durable: bool = False  # client stores write every staged/committed state to state_dir (actor-failure retries)
-    registry: dict = field(default_factory=dict)  # the driver's user registrations (raysim.registry.snapshot)
-    code: tuple = ()  # user module files / package directories shipped to the actors (raysim.usercode)
+    registry: dict = field(default_factory=dict)  # the driver's user registrations (raysim.config.registry.snapshot)
+    code: tuple = ()  # user module files / package directories shipped to the actors (raysim.config.usercode)
     cwd: Optional[str] = None  # the driver's working directory (relative data paths resolve against it)
     server_data: tuple = ()  # the server-held data sets the method declared (Algorithm.server_data; validated)
 

@@ -131,7 +131,7 @@ def difference(new, old, counts) -> tuple[list[str], bool]:
 
 
 def names() -> list[str]:
-    from raysim.registry import ALGORITHMS
+    from raysim.config.registry import ALGORITHMS
 
     return sorted(n for n, target in ALGORITHMS.items() if target.startswith("algorithms."))  # not test-only ones
 

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raysim.errors import ConfigError
-from raysim.registry import algorithm_class
-from raysim.fields import _p, check_path_component, choice, from_dict, positive, to_dict
-from raysim.yamlio import (MAX_YAML_BYTES, YamlBoundsError, apply_overrides, load_config_dict, load_yaml_mapping,
+from raysim.config.registry import algorithm_class
+from raysim.config.fields import _p, check_path_component, choice, from_dict, positive, to_dict
+from raysim.config.yamlio import (MAX_YAML_BYTES, YamlBoundsError, apply_overrides, load_config_dict, load_yaml_mapping,
                            parse_override, read_text_file, set_dotted, yaml_error_text, yaml_load)
 
 
@@ -484,8 +484,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     return make_config(load_config_dict(path), overrides)
 
 
-# the public names of the configuration layer (the sections here; dict <-> dataclass in raysim.fields; YAML and
-# overrides in raysim.yamlio): importable from raysim.config as before
+# the public names of the configuration layer (the sections here; dict <-> dataclass in raysim.config.fields; YAML and
+# overrides in raysim.config.yamlio): importable from raysim.config as before
 __all__ = ["AlgorithmConfig", "ArchSpec", "BackendConfig", "ConfigError", "DataConfig", "EvalConfig", "ExperimentConfig",
            "ServerConfig", "StalenessConfig",
            "MAX_YAML_BYTES", "ModelConfig", "OutputConfig", "TrainConfig", "YamlBoundsError", "apply_overrides",

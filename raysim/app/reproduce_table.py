@@ -1,7 +1,7 @@
 """The table of a seed experiment (``raysim reproduce``'s last step): each run's value (the last evaluation, or the
 checkpoint a validation metric selects, per run or per client), mean +- sample std over seeds beside the seed's
 number and the difference, traffic and wall time from each run's own records, each claim's verdict from the paired
-per-seed differences (mean +- 95 % Student-t interval: held / tie / reversed, or n too small; :mod:`raysim.verdicts`),
+per-seed differences (mean +- 95 % Student-t interval: held / tie / reversed, or n too small; :mod:`raysim.app.verdicts`),
 and each run's provenance (seed, config hash, code version, numerics mode, CPU), written as ``reproduction.md`` /
 ``.json`` with raysim report's summary and plots under it. :func:`render_records` writes the same table again from a
 stored ``reproduction.json`` (its per-run records), without the run directories."""
@@ -16,10 +16,10 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from raysim import verdicts
+from raysim.app import verdicts
 from raysim.errors import ConfigError
 
-from raysim.reproduce import Experiment, Planned, diverged_reason, paper_value, source_entry
+from raysim.app.reproduce import Experiment, Planned, diverged_reason, paper_value, source_entry
 
 
 def _client_or_server(df: pd.DataFrame, metric: str) -> tuple[str, str]:
@@ -78,7 +78,7 @@ def _wall_s(info: dict) -> float:
 
 
 def _provenance(info: dict) -> dict:
-    """A run's record of where it came from: config hash, code version (raysim.provenance), numerics mode, CPU."""
+    """A run's record of where it came from: config hash, code version (raysim.engine.provenance), numerics mode, CPU."""
     v = info.get("versions") or {}
     code = v.get("code") if isinstance(v.get("code"), dict) else None
     num = info.get("numerics")
@@ -141,7 +141,7 @@ def _per_seed(per_run: pd.DataFrame, label: str, col: str) -> dict[int, float]:
 
 def summarise(exp: Experiment, per_run: pd.DataFrame, numbers: dict) -> tuple[pd.DataFrame, list[dict]]:
     """Per run label: mean and sample std over seeds of each metric, the seed's number and the difference; and per
-    claim its verdict from the paired per-seed differences (:func:`raysim.verdicts.judge`: n, mean, the 95 % interval,
+    claim its verdict from the paired per-seed differences (:func:`raysim.app.verdicts.judge`: n, mean, the 95 % interval,
     held / tie / reversed, or n too small below ``exp.min_seeds``) beside the seed's own difference."""
     metrics = [exp.metric, *exp.extra_metrics]
     out = []
@@ -202,7 +202,7 @@ def claims_markdown(claims: list[dict], min_n: int) -> str:
 
 def provenance_markdown(per_run: pd.DataFrame) -> str:
     """Which code versions, numerics modes and CPUs the table's runs were made with (one line)."""
-    from raysim import provenance
+    from raysim.engine import provenance
 
     if not len(per_run):
         return ""
@@ -291,7 +291,7 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
                                                      "claims": claims, "runs": _records(per_run)},
                                                     indent=1, default=_json_default))
     if report and len(per_run):
-        from raysim.io.report import build_report
+        from raysim.app.report import build_report
 
         client_metrics = [m for m in (exp.metric, *exp.extra_metrics) if not m.startswith("server:")]
         try:

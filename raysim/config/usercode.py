@@ -64,7 +64,7 @@ def module_location(name: str):
 
 def config_modules(cfg) -> set[str]:
     """Top-level module names the config's import paths and the run-time registrations name."""
-    from raysim import registry
+    from raysim.config import registry
 
     targets = [cfg.model.arch, cfg.data.dataset, cfg.algorithm.name]
     targets += [s.arch for s in cfg.model.per_client or []]

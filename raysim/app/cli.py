@@ -91,9 +91,9 @@ def _add_reproduce(sub) -> None:
 
 
 def _cmd_reproduce(args) -> int:
-    from raysim import reproduce as rp
-    from raysim.reproduce_table import write_table
-    from raysim.sweep import parse_seeds
+    from raysim.app import reproduce as rp
+    from raysim.app.reproduce_table import write_table
+    from raysim.app.sweep import parse_seeds
 
     root = args.configs or rp.CONFIGS_ROOT
     exps = rp.load_experiments(root)
@@ -151,7 +151,7 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from raysim.io.report import build_report
+    from raysim.app.report import build_report
     from raysim.io.rundir import check_writable
 
     check_writable(args.out, "--out")  # a report directory that cannot be created fails before anything is read
@@ -201,7 +201,7 @@ def _cmd_list() -> int:
     from raysim.data.datasets import LOADERS
     from raysim.data.partition import PARTITIONERS, partition_params
     from raysim.models import ARCHS, arch_params
-    from raysim.registry import ALGORITHMS, algorithm_class
+    from raysim.config.registry import ALGORITHMS, algorithm_class
 
     print("algorithms (hyperparameter = default: meaning; set with --set algorithm.params.NAME=VALUE):")
     for name in sorted(ALGORITHMS):
@@ -231,7 +231,7 @@ def _cmd_list() -> int:
 
 
 def _cmd_run(args) -> int:
-    from raysim import dryrun
+    from raysim.config import dryrun
     from raysim.config import load_config
     from raysim.engine.loop import run_experiment
     from raysim.io import rundir
@@ -271,7 +271,7 @@ def _cmd_dry_run(cfg, args) -> int:
     import numpy as np
     import yaml
 
-    from raysim import dryrun
+    from raysim.config import dryrun
     from raysim.config import to_dict
     from raysim.io.rundir import check_run_dir
     from raysim.engine.prepare import prepare
@@ -330,7 +330,7 @@ def _cmd_runs(args) -> int:
 def _cmd_run_seeds(cfg, args) -> int:
     import numpy as np
 
-    from raysim.sweep import parse_seeds, run_seeds
+    from raysim.app.sweep import parse_seeds, run_seeds
 
     runs = run_seeds(cfg, parse_seeds(args.seeds), out_dir=args.out, progress=False if args.no_progress else None)
     finals = [r.final("test_acc")[0] for r in runs]

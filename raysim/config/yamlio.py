@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from raysim.errors import ConfigError
-from raysim.registry import algorithm_class
+from raysim.config.registry import algorithm_class
 
 
 # PyYAML follows YAML 1.1, whose float pattern needs a dot and a signed exponent: ``1e-3`` and ``1E6`` load as

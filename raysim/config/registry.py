@@ -232,7 +232,7 @@ def resolve(target: Union[str, Callable], key: str, what: str = "object", truste
                                f"config may name only {own}, registered names or the built-in choices (README: "
                                f"Bring your own model and data)")
     _ensure_cwd_on_path()
-    from raysim import dryrun
+    from raysim.config import dryrun
 
     # a dry run lets no user code write, its modules' top-level code included; installed packages load as usual
     guard = contextlib.nullcontext() if _installed_package(module) else dryrun.user_code(key, f"importing {module!r}")

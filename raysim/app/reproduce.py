@@ -5,8 +5,8 @@ An experiment is declared in ``configs/<seed folder>/experiments.yaml`` (format:
 the seeds' published numbers live in one file, ``configs/seed_numbers.yaml``. Runs go to
 ``<out>/<experiment>/<run slug>/seed<N>/``; a finished run whose stored configuration hash equals the resolved one is
 reused (an interrupted reproduction resumes without redoing finished runs), one whose hash differs is an error, so a
-table never mixes configurations; a finished run made by another code version (:mod:`raysim.provenance`) is reused
-only with ``reuse_any`` (``--reuse-any``), else one error names the runs and the versions. The table is written by :func:`write_table`; ``raysim report`` (:func:`raysim.io.report
+table never mixes configurations; a finished run made by another code version (:mod:`raysim.engine.provenance`) is reused
+only with ``reuse_any`` (``--reuse-any``), else one error names the runs and the versions. The table is written by :func:`write_table`; ``raysim report`` (:func:`raysim.app.report
 .build_report`) writes the usual summary and plots beside it.
 """
 from __future__ import annotations
@@ -252,7 +252,7 @@ class Planned:
     cfg: object
     target: Path
     status: str = "to run"  # to run | reuse | resume | diverged
-    code: Optional[dict] = None  # a reused run's recorded code version (raysim.provenance)
+    code: Optional[dict] = None  # a reused run's recorded code version (raysim.engine.provenance)
 
 
 def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool = True,
@@ -262,7 +262,7 @@ def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool
     or the data is bad, when a target holds a run of another configuration, or when a finished run of this
     configuration was made by another code version than this process's (one line naming the runs and the versions;
     ``reuse_any`` reuses them knowingly, and the table names every code version it holds)."""
-    from raysim import provenance
+    from raysim.engine import provenance
     from raysim.io import rundir
     from raysim.engine.prepare import prepare
 
@@ -295,7 +295,7 @@ def plan(exp: Experiment, seeds, out: str | Path, overrides=(), check_data: bool
 def check_code(planned: list[Planned], out: str | Path) -> None:
     """The runs planned for reuse were made by this process's code version, or one ConfigError (field
     ``--reuse-any``) names them, their versions and this one."""
-    from raysim import provenance
+    from raysim.engine import provenance
 
     here = provenance.code_version()
     other = [p for p in planned if p.status == "reuse" and not provenance.same(p.code, here)]
@@ -394,7 +394,7 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
-    from raysim import registry
+    from raysim.config import registry
 
     # the workers start fresh: the registrations made in this process (register_algorithm, ...) go with them
     pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
