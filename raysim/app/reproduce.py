@@ -22,7 +22,7 @@ from typing import Callable, Optional
 from raysim.config import load_config, load_yaml_mapping
 from raysim.errors import ConfigError
 
-CONFIGS_ROOT = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS_ROOT = Path(__file__).resolve().parents[2] / "configs"
 NUMBERS_FILE = "seed_numbers.yaml"
 MANIFEST = "experiments.yaml"
 _KEYS = {"title", "source", "seeds", "min_seeds", "metric", "extra_metrics", "select", "select_per", "percent", "scaled", "set",

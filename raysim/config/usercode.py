@@ -24,7 +24,7 @@ from pathlib import Path
 from raysim.errors import ConfigError
 
 OWN_PACKAGES = ("raysim", "algorithms", "envs", "tuning")
-ROOT = Path(__file__).resolve().parent.parent  # raysim's checkout (or site-packages when installed)
+ROOT = Path(__file__).resolve().parents[2]  # raysim's checkout (or site-packages when installed)
 
 
 def _installed_dirs() -> list[Path]:
