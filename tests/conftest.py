@@ -88,6 +88,7 @@ MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}, "fml": {}, "fedkd": 
           "fedmd": {"n_alignment": 30, "digest_batch": 16, "transfer_public_epochs": 1, "transfer_private_epochs": 1}}
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks (else they are ignored)
 def pytest_collection_modifyitems(config, items):
     """With pytest-xdist (the suite runs on every core, pyproject.toml): every test that uses the Ray session runs on
     one worker (one Ray session per test session); the rest, the two-node cluster tests included (each starts its own
