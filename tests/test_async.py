@@ -96,6 +96,66 @@ def test_fedbuff_and_fedasync_by_hand(fedavg_prep):
         assert torch.allclose(got, torch.full_like(got, expect), rtol=0, atol=1e-6), (fn, tau)
 
 
+def test_fedbuff_applies_deltas_against_dispatch_versions_by_hand(fedavg_prep):
+    """Nguyen et al. 2022: x <- x + eta_g * (weighted mean of y_i - x_{v_i}), each delta against the version the
+    client was dispatched with, through the server runner's per-version states (kept while referenced)."""
+    from raysim.engine.async_loop import AsyncServerStep
+    from raysim.engine.runners import ServerRunner
+    from raysim.messages import Message, state_message
+
+    runner = ServerRunner(fedavg_prep.spec)
+    x0 = {"model": _fill(runner.state["model"], 0.0)}
+    runner.state = x0
+
+    def upload(v, n):
+        return {"model": state_message("weights", _fill(x0["model"], v)),
+                "num_samples": Message("num_samples", {"n": torch.tensor([n], dtype=torch.int64)})}
+
+    def step(version, ups, dispatch, live):
+        taus = {c: version - v for c, v in dispatch.items()}
+        info = {"rule": "fedbuff", "mix": 0.5, "staleness": taus, "weights": dict.fromkeys(taus, 1.0),
+                "version": version, "dispatch": dispatch, "live": live}
+        runner.run_server_step(AsyncServerStep("async_aggregate", "async_aggregate", asynchronous=info), version, 0,
+                               [], ups, keep=sorted(ups))
+        return next(t for t in runner.state["model"].values() if torch.is_floating_point(t))
+
+    # version 0 -> 1: client 5 (dispatched at 0, y = 2, n = 1); client 1, dispatched at 0, is still in flight
+    assert torch.all(step(0, {5: upload(2.0, 1)}, {5: 0}, [0]) == 1.0)  # 0 + 0.5 * (2 - 0)
+    assert sorted(runner.versions) == [0]  # version 0's state, kept for client 1
+    assert all(torch.all(t == 0.0) for t in runner.versions[0]["model"].values() if torch.is_floating_point(t))
+    # version 1 -> 2: client 1 (dispatched at 0: y = 4, n = 1, delta 4 - 0) and client 2 (at 1: y = 3, n = 3,
+    # delta 3 - 1); weighted mean (1 * 4 + 3 * 2) / 4 = 2.5: x = 1 + 0.5 * 2.5 = 2.25. The rule that steps toward
+    # the aggregate of the y_i from the current state would give 1 + 0.5 * ((4 + 9) / 4 - 1) = 2.125
+    got = step(1, {1: upload(4.0, 1), 2: upload(3.0, 3)}, {1: 0, 2: 1}, [])
+    assert torch.all(got == 2.25), got
+    assert runner.versions == {}  # nobody in flight refers to version 0 any more: dropped
+
+
+def test_fedbuff_keeps_one_state_per_version_in_flight(monkeypatch):
+    """The server holds one state per older dispatch version still referenced by a client in flight (not one per
+    client) and FedBuff's stale uploads get their version's state as the base."""
+    from raysim.engine import runners
+
+    seen = []
+    orig = runners.ServerRunner.run_server_step
+
+    def spy(self, step, round_idx, *a, **kw):
+        info = getattr(step, "asynchronous", None)
+        out = orig(self, step, round_idx, *a, **kw)
+        if info is not None:
+            seen.append((dict(info["dispatch"]), list(info["live"]), sorted(self.versions), info["version"]))
+        return out
+
+    monkeypatch.setattr(runners.ServerRunner, "run_server_step", spy)
+    table(async_cfg("fedbuff", "fedavg", rounds=6, concurrency=6, buffer_size=3))
+    assert len(seen) == 6
+    stale = 0
+    for dispatch, live, held, version in seen:
+        assert held == [v for v in live if v <= version]  # exactly the versions still referenced, once each
+        stale += sum(v < version for v in dispatch.values())
+    assert stale > 0 and max(len(h) for _, _, h, _ in seen) >= 1
+
+
 def test_fedproto_staleness_weighted_prototypes_by_hand():
     prep = prepare(make_config(tiny_config()))
     alg = prep.algorithm

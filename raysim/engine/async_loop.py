@@ -219,6 +219,9 @@ class AsyncServer:
         weights = {c: staleness_weight(t, **kw) for c, t in taus.items()}
         mix = mixing_weight(self.rule, [taus[c] for c in ids], alpha=s.alpha, server_lr=s.server_lr, **kw)
         info = {"rule": self.rule, "mix": mix, "staleness": taus, "weights": weights, "version": self.version}
+        if self.rule == "fedbuff":  # deltas against the dispatch versions: the server keeps one state per version
+            info["dispatch"] = {f.cid: f.version for f in buf}  # still referenced by a client in flight
+            info["live"] = sorted({f.version for f in self.flights.values()})
         step = AsyncServerStep("async_aggregate", "async_aggregate", asynchronous=info)
         handles = []
         for b in sorted({f.batch for f in buf}):
