@@ -80,6 +80,14 @@ def check_async(cfg, algorithm, env) -> None:
     if env is None or not all(callable(getattr(env, m, None)) for m in ("async_event", "async_available")):
         raise ConfigError("env", f"server.mode: async needs an environment that times single dispatches "
                                  f"(async_event, async_available: envs.Environment); {type(env).__name__} has none")
+    # over-selection picks extra clients so that a round closes with K of them by its deadline; async has neither
+    # rounds nor deadlines (server.concurrency clients are in flight): a preset's value is a round setting and is
+    # ignored, one the config sets is refused
+    over = ((cfg.env or {}).get("participation") or {}).get("over_selection") if isinstance(cfg.env, dict) else None
+    if over is not None and over != 1:
+        raise ConfigError("env.participation.over_selection", "selects extra clients for a round's deadline; "
+                                                              "server.mode: async has no rounds (its clients in "
+                                                              "flight are server.concurrency): remove it")
     deadline = getattr(getattr(getattr(env, "cfg", None), "participation", None), "deadline_s", None)
     if deadline is not None:
         raise ConfigError("env.participation.deadline_s", "is a round deadline; server.mode: async has no rounds "

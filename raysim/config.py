@@ -396,9 +396,6 @@ class ExperimentConfig:
         if self.clients_per_round is not None:
             raise ConfigError("clients_per_round", "is a round setting; with server.mode: async the clients in flight "
                                                    "are server.concurrency (remove clients_per_round)")
-        if self.output.checkpoint_every:
-            raise ConfigError("output.checkpoint_every", "async runs cannot be resumed (the clients in flight are not "
-                                                         "checkpointed); set it to 0")
 
     # -- identity -----------------------------------------------------------------------------------------------
     def science_dict(self) -> dict:

@@ -11,6 +11,7 @@ from raysim import asyncrules
 from raysim.algorithm import ServerContext
 from raysim.config import make_config
 from raysim.errors import ConfigError
+from raysim.engine.callbacks import Callback
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
 from raysim.io import results
@@ -21,14 +22,15 @@ from tests.conftest import run_cli, tiny_config
 SUPPORTED = {"fedavg", "fedprox", "fedper", "lgfedavg", "fedproto", "fedtgp"}
 
 
-def async_cfg(rule="fedbuff", alg="fedproto", rounds=5, n=10, params=None, backend=None, env=None, stdev=1, **server):
+def async_cfg(rule="fedbuff", alg="fedproto", rounds=5, n=10, params=None, backend=None, env=None, stdev=1,
+              extra=None, **server):
     s = {"mode": "async", "rule": rule, "concurrency": 5, "buffer_size": 2,
          "staleness": {"fn": "polynomial", "a": 0.5}, **server}
     data = {"dataset": "synthetic", "num_clients": n, "partition": "nway_kshot",
             "partition_params": {"ways": 3, "shots": 10, "stdev": stdev, "test_shots": 5}}
     return make_config(tiny_config(rounds=rounds, data=data, algorithm={"name": alg, "params": params or {}},
                                    env=env or {"preset": "mobile-heterogeneous", "participation": {"dropout": 0.2}},
-                                   server=s, backend=backend or {"name": "sequential"}))
+                                   server=s, backend=backend or {"name": "sequential"}, **(extra or {})))
 
 
 def table(cfg):
@@ -258,12 +260,110 @@ def test_unsupported_async_is_refused(alg, env, key):
     assert key in str(e.value) and "\n" not in str(e.value)
 
 
-def test_resume_and_checkpoints_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match="server.mode"):
-        run_experiment(async_cfg(), resume=tmp_path)
-    with pytest.raises(ConfigError, match="output.checkpoint_every"):
-        make_config({**tiny_config(env={"preset": "uniform"}, server={"mode": "async", "concurrency": 3, "buffer_size": 2}),
-                     "output": {"checkpoint_every": 2}})
+# -- resume ---------------------------------------------------------------------------------------------------------
+class _Crash(RuntimeError):
+    pass
+
+
+class _CrashAt(Callback):
+    """Kills the run at the end of server version ``version`` (after the checkpointer, which runs before it)."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def on_round_end(self, run, round_idx, evaluated):
+        if round_idx == self.version:
+            raise _Crash("killed")
+
+
+CHECKPOINTED = {"output__progress": False, "output__checkpoint_every": 3, "eval__every": 2}
+
+
+def _interrupt(cfg, where, at=7):
+    with pytest.raises(_Crash) as e:
+        run_experiment(cfg, out_dir=where, callbacks=[_CrashAt(at)])
+    assert "--resume" in "".join(getattr(e.value, "__notes__", []))
+    return where.with_name(where.name + ".incomplete")
+
+
+@pytest.mark.parametrize("rule, alg, at", [("fedbuff", "fedavg", 7), ("fedasync", "fedavg", 7),
+                                           ("fedbuff", "fedproto", 4)])
+def test_resume_equals_an_uninterrupted_run(tmp_path, rule, alg, at):
+    """Checkpoints every 3 versions (after versions 2, 5, 8); killed after version ``at``, resumed from the
+    checkpoint before it: the table of the uninterrupted run, exactly."""
+    from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
+    from raysim.io.files import load_file
+
+    cfg = async_cfg(rule, alg, rounds=10, extra=CHECKPOINTED)
+    full = table(cfg)
+    kept = _interrupt(cfg, tmp_path / "run", at)
+    ck = find_checkpoint(kept)
+    state = read_checkpoint_meta(ck)["extra"]["async"]
+    v = state["version"]
+    assert ck.name == f"round_{v - 1:05d}" and v == 3 * ((at + 1) // 3) and state["pending_dispatch"]
+    # what it carried: the clients in flight, trained (their uploads in async.pt) and untrained (the payloads of
+    # their dispatch versions), and FedBuff's states of the older versions they were dispatched with
+    messages = load_file(ck / "async.pt")
+    trained = [f for f in state["flights"] if f["batch"] >= 0 and f["report"]["ok"] and not f["dropped"]]
+    untrained = [f for f in state["flights"] if f["batch"] < 0]
+    assert trained and {f["cid"] for f in trained} == {c for g in messages["uploads"].values() for c in g}
+    assert {f["version"] for f in untrained} | {v} <= set(messages["payloads"])
+    held = sorted(load_file(ck / "server.pt").get("versions") or {})
+    assert held == (sorted({f["version"] for f in state["flights"] if f["version"] < v}) if rule == "fedbuff" else [])
+    resumed = run_experiment(cfg, resume=kept)
+    assert not kept.exists()
+    pd.testing.assert_frame_equal(full, results.without_timing(resumed.table), check_exact=True)
+    assert resumed.metadata["async"]["versions"] == 10
+
+
+def test_resume_of_a_damaged_or_mismatched_async_checkpoint_is_one_line(tmp_path):
+    import dataclasses
+    import shutil
+
+    from raysim.errors import DamagedFileError
+    from raysim.io.files import atomic_save, load_file
+
+    cfg = async_cfg("fedbuff", "fedavg", rounds=10, extra=CHECKPOINTED)
+    kept = _interrupt(cfg, tmp_path / "run")
+    ck = kept / "checkpoints" / "round_00005"
+
+    def refused(c, error):
+        with pytest.raises(error) as e:
+            run_experiment(c, resume=kept)
+        assert "\n" not in str(e.value), str(e.value)
+        return str(e.value)
+
+    # another rule, or a synchronous run: another configuration
+    assert "different configuration" in refused(async_cfg("fedasync", "fedavg", rounds=10, extra=CHECKPOINTED),
+                                                ConfigError)
+    sync = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, mode="sync"))
+    assert "different configuration" in refused(sync, ConfigError)
+    # the messages shard's bytes changed
+    saved = (ck / "async.pt").read_bytes()
+    (ck / "async.pt").write_bytes(saved[:-7] + b"garbage")
+    assert "async.pt" in refused(cfg, DamagedFileError)
+    (ck / "async.pt").write_bytes(saved)
+    # no event-loop state in the meta, or one that does not fit the messages shard
+    meta = load_file(ck / "meta.pt")
+    shutil.copy(ck / "meta.pt", tmp_path / "meta.pt")
+    atomic_save({**meta, "extra": {k: v for k, v in meta["extra"].items() if k != "async"}}, ck / "meta.pt")
+    assert "async server state" in refused(cfg, DamagedFileError)
+    bad = {**meta["extra"]["async"], "payload_versions": [0]}
+    atomic_save({**meta, "extra": {**meta["extra"], "async": bad}}, ck / "meta.pt")
+    assert "does not fit this run" in refused(cfg, DamagedFileError)
+    shutil.copy(tmp_path / "meta.pt", ck / "meta.pt")  # repaired: it resumes
+    pd.testing.assert_frame_equal(table(cfg), results.without_timing(run_experiment(cfg, resume=kept).table),
+                                  check_exact=True)
+
+
+def test_resume_on_ray_equals_the_sequential_run(ray_session, tmp_path):
+    """Checkpointed by 2 Ray actors, resumed on Ray with 2 actors: the uninterrupted sequential run's table."""
+    cfg = async_cfg("fedbuff", "fedavg", rounds=10, extra=CHECKPOINTED)
+    ray_cfg = async_cfg("fedbuff", "fedavg", rounds=10, extra=CHECKPOINTED, backend={"name": "ray", "num_actors": 2})
+    kept = _interrupt(ray_cfg, tmp_path / "run")
+    resumed = run_experiment(ray_cfg, resume=kept)
+    pd.testing.assert_frame_equal(table(cfg).drop(columns="run_id"),
+                                  results.without_timing(resumed.table).drop(columns="run_id"), check_exact=True)
 
 
 def test_cli_exit_2_names_server_mode(tmp_path):

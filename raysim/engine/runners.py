@@ -27,7 +27,7 @@ from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
 from raysim.engine.executors import executor_chain
 from raysim.engine.reports import ClientReport, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
-from raysim.messages import payload_sizes
+from raysim.messages import from_plain, payload_sizes, to_plain
 from raysim.registry import load_target
 from raysim.steps import ClientStep, ServerStep
 from raysim.engine.store import StateStore
@@ -344,6 +344,27 @@ class ServerRunner:
         shard = load_file(Path(path))
         self.state = _to_device(shard["state"], self.device)
         self.versions = {int(v): _to_device(st, self.device) for v, st in (shard.get("versions") or {}).items()}
+
+    def save_messages(self, path: str, payloads: dict, uploads: dict) -> None:
+        """server.mode: async checkpoints: the payloads of the versions untrained clients will train from
+        (version -> payload) and the uploads of the trained clients not yet aggregated (batch -> (its upload groups,
+        the client ids to keep)), as one state file. Written here, where uploads are read anyway: never gathered on
+        the driver."""
+        kept = {}
+        for b, (groups, keep) in sorted(uploads.items()):
+            merged = {}
+            for group in groups or []:
+                merged.update(group or {})
+            kept[int(b)] = {int(c): to_plain(_to_cpu(merged[c])) for c in sorted(keep) if c in merged}
+        atomic_save({"payloads": {int(v): to_plain(_to_cpu(p)) for v, p in sorted(payloads.items())},
+                     "uploads": kept}, Path(path))
+
+    def load_messages(self, path: str) -> dict:
+        """What :meth:`save_messages` wrote: {"payloads": {version: payload}, "uploads": {batch: {client id:
+        upload}}}."""
+        data = load_file(Path(path))
+        return {"payloads": {int(v): from_plain(p) for v, p in data["payloads"].items()},
+                "uploads": {int(b): {int(c): from_plain(u) for c, u in g.items()} for b, g in data["uploads"].items()}}
 
     def ready(self) -> bool:
         return True
