@@ -253,6 +253,9 @@ def test_bad_server_config_names_the_key(over, key):
     ("local", None, "server.mode"),
     ("fedproto", {"preset": "mobile-heterogeneous", "participation": {"deadline_s": 30.0}},
      "env.participation.deadline_s"),
+    # a round setting set explicitly (the preset's 1.3, a round default, is ignored: every other test runs on it)
+    ("fedproto", {"preset": "mobile-heterogeneous", "participation": {"over_selection": 1.5}},
+     "env.participation.over_selection"),
 ])
 def test_unsupported_async_is_refused(alg, env, key):
     with pytest.raises(ConfigError) as e:
@@ -401,6 +404,21 @@ def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
     text = (tmp_path / "report" / "summary.md").read_text()
     assert "server.mode=async" in text and "server.mode=sync" in text and "sim_round_s to 0" in text
     assert out
+
+
+def test_server_time_per_aggregation_on_the_async_clock():
+    """env.server_s: each aggregation takes that long on the simulated clock, and the slots it frees are refilled
+    with the new version when it is done. Up to the first aggregation the runs are the same, so version 0 ends
+    exactly server_s later."""
+    def env_rows(server_s):
+        env = {"preset": "mobile-heterogeneous", "participation": {"dropout": 0.2}, "server_s": server_s}
+        df = table(async_cfg(rounds=5, env=env))
+        return df[df.scope == "env"].pivot_table(index="round", columns="metric", values="value")
+
+    base, slow = env_rows(0.0), env_rows(5.0)
+    assert slow.loc[0, "sim_time"] == base.loc[0, "sim_time"] + 5.0
+    assert (slow["sim_round_s"] >= 5.0).all() and (slow["sim_time"].diff().dropna() >= 5.0).all()
+    assert slow["sim_time"].iloc[-1] > base["sim_time"].iloc[-1]
 
 
 def test_max_staleness_discards_stale_updates():
