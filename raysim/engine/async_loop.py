@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from raysim import rng as rngmod
+from raysim.algorithm import Algorithm
 from raysim.asyncrules import mixing_weight, staleness_weight
 from raysim.engine import safety
 from raysim.engine.record import RoundLog, Run
@@ -109,6 +110,9 @@ class AsyncServer:
         s = self.cfg.server
         self.rule, self.k = s.rule, (s.buffer_size if s.rule == "fedbuff" else 1)
         self.step = next(st for st, _ in flatten(run.algorithm.schedule()) if isinstance(st, ClientStep))
+        # FedBuff applies deltas against the dispatch versions where the method's uploads are trained copies of the
+        # server state (it overrides Algorithm.async_rebase); only then does the server keep older versions' states
+        self.rebases = self.rule == "fedbuff" and type(run.algorithm).async_rebase is not Algorithm.async_rebase
         self.n = self.cfg.data.num_clients
         self.version, self.seq, self.batch = 0, 0, 0
         self.flights: dict[int, Flight] = {}  # dispatched, not yet resolved
@@ -253,7 +257,7 @@ class AsyncServer:
         weights = {c: staleness_weight(t, **kw) for c, t in taus.items()}
         mix = mixing_weight(self.rule, [taus[c] for c in ids], alpha=s.alpha, server_lr=s.server_lr, **kw)
         info = {"rule": self.rule, "mix": mix, "staleness": taus, "weights": weights, "version": self.version}
-        if self.rule == "fedbuff":  # deltas against the dispatch versions: the server keeps one state per version
+        if self.rebases:  # deltas against the dispatch versions: the server keeps one state per older version
             info["dispatch"] = {f.cid: f.version for f in buf}  # still referenced by a client in flight
             info["live"] = sorted({f.version for f in self.flights.values()})
         step = AsyncServerStep("async_aggregate", "async_aggregate", asynchronous=info)
