@@ -7,13 +7,17 @@
 * **FedAsync** (Xie et al. 2019): each update is applied on arrival, x <- (1 - alpha_t) x + alpha_t x_new with
   alpha_t = alpha * s(tau).
 * **FedBuff** (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022): the server
-  waits for ``buffer_size`` updates, aggregates them and takes a step of size ``server_lr`` toward the aggregate,
-  x <- x + eta_g * mean_i s(tau_i) * (aggregate(buffer) - x) (s = constant by default: plain FedBuff).
+  waits for ``buffer_size`` updates; each is the client's delta against the server version it was dispatched with,
+  Delta_i = y_i - x_{v_i}, and the server applies x <- x + eta_g * mean_i s(tau_i) * (weighted mean_i Delta_i)
+  (s = constant by default: plain FedBuff; the method's aggregate gives the weights, FedAvg's sample counts).
 
-Which state is "x" is the method's business: :meth:`raysim.algorithm.Algorithm.async_aggregate` computes the
-method's own ``aggregate`` of the buffered uploads (the target) and :meth:`~raysim.algorithm.Algorithm.async_mix`
-moves the server state toward it by the mixing weight computed here (:func:`raysim.ops.mix_trees` for plain trees
-of tensors).
+Which state is "x" is the method's business: :meth:`raysim.algorithm.Algorithm.async_aggregate` rebases each stale
+FedBuff upload onto the current state (:meth:`~raysim.algorithm.Algorithm.async_rebase`: y_i - x_{v_i} + x, for
+methods whose uploads are trained copies of the state; prototypes are left as they are), computes the method's own
+``aggregate`` of the uploads (the target, so target - x is the weighted mean of the deltas) and
+:meth:`~raysim.algorithm.Algorithm.async_mix` moves the server state toward it by the mixing weight computed here
+(:func:`raysim.ops.mix_trees` for plain trees of tensors). FedAsync's step is the paper's
+x <- (1 - alpha_t) x + alpha_t y on the one arrived update.
 """
 from __future__ import annotations
 

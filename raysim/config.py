@@ -316,7 +316,8 @@ class ServerConfig:
     """``mode: sync`` (rounds: the default) or ``async``: an event-driven server on the environment's simulated
     clock (raysim/engine/async_loop.py). ``concurrency`` clients train at once; each is dispatched with the current
     server state and its update arrives when the environment says; ``rule: fedbuff`` aggregates every
-    ``buffer_size`` arrivals and steps ``server_lr`` toward the aggregate, ``rule: fedasync`` applies each arrival
+    ``buffer_size`` arrivals, each a delta against the version its client was dispatched with, and applies their
+    weighted mean scaled by ``server_lr``, ``rule: fedasync`` applies each arrival
     with weight ``alpha * s(tau)``. Each applied aggregation is a server version; ``rounds`` counts versions.
     ``max_staleness``: updates older than this many versions are discarded (wasted work; None: none)."""
 

@@ -21,6 +21,13 @@ Backends are used through their two primitives only: each batch's new states are
 local state is its own from then on), its uploads stay behind their handle until every client of the batch has
 arrived or dropped out; an aggregation passes the handles of its buffered clients' batches with ``keep`` = their
 ids (a buffered client is never re-dispatched before the aggregation, so one upload per client).
+
+**Checkpoints** are taken at the end of a version, through the synchronous machinery (the Checkpointer asks
+``run.async_server`` for :meth:`AsyncServer.state_dict` and the ``async.pt`` messages shard); there is no random
+state to save (every draw is keyed by seed, dispatch number or batch index), so a resumed run continues with the
+same table. **FedBuff** sends the server runner the buffered clients' dispatch versions and the versions still in
+flight, for methods that rebase their uploads (``Algorithm.async_rebase``): the runner keeps one state per such
+version. ``env.server_s`` is each aggregation's simulated time.
 """
 from __future__ import annotations
 
