@@ -133,6 +133,32 @@ def test_fedbuff_applies_deltas_against_dispatch_versions_by_hand(fedavg_prep):
     assert runner.versions == {}  # nobody in flight refers to version 0 any more: dropped
 
 
+@pytest.mark.parametrize("alg", sorted(SUPPORTED))
+def test_async_rebase_by_hand(alg):
+    """A stale upload y = 5 from dispatch version x_v = 2, current x = 1: x + (y - x_v) = 4 on every floating tensor
+    of the state the method uploads a trained copy of; prototype methods' uploads stay as they are."""
+    from raysim.messages import Message, state_message
+    from tests.conftest import method_overrides
+
+    over = method_overrides(alg) if alg == "fedper" else {}
+    alg_cfg = {"name": alg, "params": {"shared": "body"} if alg == "fedper" else {}}
+    a = prepare(make_config(tiny_config(algorithm=alg_cfg, **over))).algorithm
+    state = a.init_server_state(None)
+    key = "shared" if "shared" in state else "model" if "model" in state else None
+    if key is None:  # FedProto, FedTGP: prototypes
+        up = {"protos": Message("prototypes", {"protos": torch.ones(2, 3), "classes": torch.tensor([0, 1])})}
+        assert a.async_rebase(up, state, state, None) is up
+        return
+
+    def fill(v):
+        return {k: torch.full_like(t, v) if torch.is_floating_point(t) else t for k, t in state[key].items()}
+
+    up = {key: state_message("weights", fill(5.0)), "num_samples": Message("num_samples", {"n": torch.tensor([1])})}
+    out = a.async_rebase(up, {key: fill(2.0)}, {key: fill(1.0)}, None)
+    floats = [t for t in out[key].tensors.values() if torch.is_floating_point(t)]
+    assert floats and all(torch.all(t == 4.0) for t in floats) and out["num_samples"] is up["num_samples"]
+
+
 def test_fedbuff_keeps_one_state_per_version_in_flight(monkeypatch):
     """The server holds one state per older dispatch version still referenced by a client in flight (not one per
     client) and FedBuff's stale uploads get their version's state as the base."""
@@ -175,12 +201,15 @@ def test_methods_declare_async_support():
     assert declared == SUPPORTED
 
 
+@pytest.mark.parametrize("rule", ["fedasync", "fedbuff"])
 @pytest.mark.parametrize("alg", sorted(SUPPORTED))
-def test_every_supporting_method_runs_async(alg):
+def test_every_supporting_method_runs_async(alg, rule):
     params = {"shared": "body"} if alg == "fedper" else ({"server_epochs": 3} if alg == "fedtgp" else {})
-    df = table(async_cfg("fedasync", alg, rounds=4, params=params))
+    df = table(async_cfg(rule, alg, rounds=4, params=params))
     env = df[df.scope == "env"].pivot_table(index="round", columns="metric", values="value")
-    assert list(env.index) == [0, 1, 2, 3] and (env["updates"] == 1).all()
+    assert list(env.index) == [0, 1, 2, 3] and (env["updates"] == (1 if rule == "fedasync" else 2)).all()
+    if rule == "fedbuff":  # stale updates applied (rebased onto the current state where the method rebases)
+        assert env["staleness_max"].max() > 0
     assert df[df.scope == "client"]["value"].notna().all()
     assert (df[(df.scope == "mean") & (df.metric == "test_acc")]["round"] == 3).any()
 
