@@ -391,13 +391,19 @@ def test_resume_of_a_damaged_or_mismatched_async_checkpoint_is_one_line(tmp_path
 
 
 def test_resume_on_ray_equals_the_sequential_run(ray_session, tmp_path):
-    """Checkpointed by 2 Ray actors, resumed on Ray with 2 actors: the uninterrupted sequential run's table."""
+    """Checkpointed by 2 Ray actors (the messages shard written by the server actor), resumed on Ray with 2 actors
+    and on the sequential backend: the uninterrupted sequential run's table."""
+    import shutil
+
     cfg = async_cfg("fedbuff", "fedavg", rounds=10, extra=CHECKPOINTED)
     ray_cfg = async_cfg("fedbuff", "fedavg", rounds=10, extra=CHECKPOINTED, backend={"name": "ray", "num_actors": 2})
     kept = _interrupt(ray_cfg, tmp_path / "run")
-    resumed = run_experiment(ray_cfg, resume=kept)
-    pd.testing.assert_frame_equal(table(cfg).drop(columns="run_id"),
-                                  results.without_timing(resumed.table).drop(columns="run_id"), check_exact=True)
+    copy = shutil.copytree(kept, tmp_path / "copy.incomplete")
+    full = table(cfg).drop(columns="run_id")
+    for c, where in ((ray_cfg, kept), (cfg, copy)):
+        resumed = run_experiment(c, resume=where)
+        pd.testing.assert_frame_equal(full, results.without_timing(resumed.table).drop(columns="run_id"),
+                                      check_exact=True)
 
 
 def test_cli_exit_2_names_server_mode(tmp_path):
