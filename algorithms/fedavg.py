@@ -39,7 +39,7 @@ from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
 from raysim.errors import ConfigError
 from raysim.messages import Message, payload_sizes, state_message
-from raysim.ops import weighted_average_states
+from raysim.ops import rebase_trees, weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import (accuracy, clone_state, forward_all, make_optimizer,
                              optimizer_state)
@@ -53,6 +53,16 @@ def sample_counts(uploads, ids) -> list[int]:
 def sample_weighted_average(uploads, ids, key: str = "model") -> dict:
     """FedAvg's rule over the state messages ``uploads[i][key]``: sum_i (n_i / sum n) w_i."""
     return weighted_average_states([uploads[i][key].tensors for i in ids], sample_counts(uploads, ids))
+
+
+def rebase_state_upload(upload: dict, key: str, base_state: dict, server_state: dict) -> dict:
+    """FedBuff from the dispatch version (server.mode: async): the state message ``upload[key]`` moved by the
+    current state minus the dispatch version's (``raysim.ops.rebase_trees``), so the weighted mean the aggregate
+    takes is the current state plus the weighted mean of the clients' deltas."""
+    if key not in upload or key not in base_state or key not in server_state:
+        return upload
+    m = upload[key]
+    return {**upload, key: Message(m.kind, rebase_trees(dict(m.tensors), base_state[key], server_state[key]), m.meta)}
 
 
 def merge_sample_weighted(uploads: dict, key: str = "model") -> dict:
@@ -228,6 +238,9 @@ class FedAvg(LocalTraining):
 
     def merge_uploads(self, uploads):
         return merge_sample_weighted(uploads) if uploads else None
+
+    def async_rebase(self, upload, base_state, server_state, ctx):
+        return rebase_state_upload(upload, "model", base_state, server_state)
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from algorithms.fedavg import merge_sample_weighted, sample_weighted_average
+from algorithms.fedavg import merge_sample_weighted, rebase_state_upload, sample_weighted_average
 from algorithms.local import ce_loss
 from algorithms.proto_ops import select_prefix
 from raysim.algorithm import Context, LocalStart, LocalTraining
@@ -91,6 +91,9 @@ class SharedPartAverage(LocalTraining):
 
     def merge_uploads(self, uploads):
         return merge_sample_weighted(uploads, "shared") if uploads else None
+
+    def async_rebase(self, upload, base_state, server_state, ctx):
+        return rebase_state_upload(upload, "shared", base_state, server_state)
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

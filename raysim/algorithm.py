@@ -149,7 +149,8 @@ class ServerContext(Context):
     failures: list = field(default_factory=list)  # (client_id, reason) of the round's failed clients
     server_data: dict = field(default_factory=dict)  # name (in Algorithm.server_data) -> ArrayDataset
     # server.mode: async, in async_aggregate only: {"rule", "mix" (the weight toward the aggregate), "staleness"
-    # {client_id: tau}, "weights" {client_id: s(tau)}, "version"} (raysim/asyncrules.py); None in synchronous rounds
+    # {client_id: tau}, "weights" {client_id: s(tau)}, "version", and with FedBuff "bases" {client_id: the server
+    # state of its dispatch version} for the stale ones (tau > 0)} (raysim/asyncrules.py); None in synchronous rounds
     asynchronous: Optional[dict] = None
 
     def next_round(self) -> "ServerContext":
@@ -268,12 +269,28 @@ class Algorithm:
         """The asynchronous server step (``server.mode: async``; methods with ``asynchronous = True``): the method's
         own ``aggregate`` of the arrived uploads (FedBuff's buffer, or FedAsync's one update) is the target, and the
         server state moves toward it by ``ctx.asynchronous["mix"]`` (FedBuff: server_lr * mean s(tau); FedAsync:
-        alpha * s(tau); raysim/asyncrules.py) through :meth:`async_mix`; then the next version's broadcast."""
+        alpha * s(tau); raysim/asyncrules.py) through :meth:`async_mix`; then the next version's broadcast.
+
+        FedBuff (Nguyen et al. 2022) applies each client's delta against the version it was dispatched with: a stale
+        upload (``ctx.asynchronous["bases"]``) is first rebased onto the current state (:meth:`async_rebase`), so
+        for a weighted-mean aggregate ``target - x`` is the weighted mean of ``y_i - x_{v_i}`` and the step is
+        ``x + eta_g * mean s(tau) * mean_i (y_i - x_{v_i})``."""
         metrics = {}
         if uploads:
+            bases = (ctx.asynchronous or {}).get("bases") or {}
+            uploads = {c: self.async_rebase(u, bases[c], server_state, ctx) if c in bases else u
+                       for c, u in uploads.items()}
             target, metrics = self.aggregate(server_state, uploads, ctx)
             server_state = self.async_mix(server_state, target, float(ctx.asynchronous["mix"]), ctx)
         return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()), dict(metrics))
+
+    def async_rebase(self, upload: Payload, base_state: Any, server_state: Any, ctx: ServerContext) -> Payload:
+        """FedBuff: ``upload`` as if the client had trained from the current ``server_state`` instead of
+        ``base_state`` (the state of its dispatch version): its delta ``upload - base_state`` added to the current
+        state. The default leaves the upload as it is — right for uploads that are observations rather than a
+        trained copy of the server state (FedProto's and FedTGP's prototypes: the client's own model produced them);
+        methods that upload a trained copy of the state (FedAvg's model, FedPer's shared part) override it."""
+        return upload
 
     def async_mix(self, server_state: Any, target: Any, weight: float, ctx: ServerContext) -> Any:
         """``server_state + weight * (target - server_state)`` on every floating tensor (other leaves take the

@@ -7,13 +7,17 @@
 * **FedAsync** (Xie et al. 2019): each update is applied on arrival, x <- (1 - alpha_t) x + alpha_t x_new with
   alpha_t = alpha * s(tau).
 * **FedBuff** (Nguyen et al., "Federated Learning with Buffered Asynchronous Aggregation", AISTATS 2022): the server
-  waits for ``buffer_size`` updates, aggregates them and takes a step of size ``server_lr`` toward the aggregate,
-  x <- x + eta_g * mean_i s(tau_i) * (aggregate(buffer) - x) (s = constant by default: plain FedBuff).
+  waits for ``buffer_size`` updates; each is the client's delta against the server version it was dispatched with,
+  Delta_i = y_i - x_{v_i}, and the server applies x <- x + eta_g * mean_i s(tau_i) * (weighted mean_i Delta_i)
+  (s = constant by default: plain FedBuff; the method's aggregate gives the weights, FedAvg's sample counts).
 
-Which state is "x" is the method's business: :meth:`raysim.algorithm.Algorithm.async_aggregate` computes the
-method's own ``aggregate`` of the buffered uploads (the target) and :meth:`~raysim.algorithm.Algorithm.async_mix`
-moves the server state toward it by the mixing weight computed here (:func:`raysim.ops.mix_trees` for plain trees
-of tensors).
+Which state is "x" is the method's business: :meth:`raysim.algorithm.Algorithm.async_aggregate` rebases each stale
+FedBuff upload onto the current state (:meth:`~raysim.algorithm.Algorithm.async_rebase`: y_i - x_{v_i} + x, for
+methods whose uploads are trained copies of the state; prototypes are left as they are), computes the method's own
+``aggregate`` of the uploads (the target, so target - x is the weighted mean of the deltas) and
+:meth:`~raysim.algorithm.Algorithm.async_mix` moves the server state toward it by the mixing weight computed here
+(:func:`raysim.ops.mix_trees` for plain trees of tensors). FedAsync's step is the paper's
+x <- (1 - alpha_t) x + alpha_t y on the one arrived update.
 """
 from __future__ import annotations
 
@@ -80,6 +84,14 @@ def check_async(cfg, algorithm, env) -> None:
     if env is None or not all(callable(getattr(env, m, None)) for m in ("async_event", "async_available")):
         raise ConfigError("env", f"server.mode: async needs an environment that times single dispatches "
                                  f"(async_event, async_available: envs.Environment); {type(env).__name__} has none")
+    # over-selection picks extra clients so that a round closes with K of them by its deadline; async has neither
+    # rounds nor deadlines (server.concurrency clients are in flight): a preset's value is a round setting and is
+    # ignored, one the config sets is refused
+    over = ((cfg.env or {}).get("participation") or {}).get("over_selection") if isinstance(cfg.env, dict) else None
+    if over is not None and over != 1:
+        raise ConfigError("env.participation.over_selection", "selects extra clients for a round's deadline; "
+                                                              "server.mode: async has no rounds (its clients in "
+                                                              "flight are server.concurrency): remove it")
     deadline = getattr(getattr(getattr(env, "cfg", None), "participation", None), "deadline_s", None)
     if deadline is not None:
         raise ConfigError("env.participation.deadline_s", "is a round deadline; server.mode: async has no rounds "

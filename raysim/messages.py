@@ -70,3 +70,31 @@ def state_message(kind: str, state_dict: Mapping[str, torch.Tensor]) -> Message:
     The copy matters: ``model.state_dict()`` aliases the runner's live module, which the next client's weights are
     loaded into in place, so without it every upload of a runner would end up holding the last client's weights."""
     return Message(kind, {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()})
+
+
+MESSAGE_TAG = "__raysim_message__"
+
+
+def to_plain(obj):
+    """Payloads and uploads as tensors and plain containers (what checkpoint files hold: raysim.io.files.load_file
+    reads nothing else): each :class:`Message` becomes a tagged dict; :func:`from_plain` rebuilds it. A message of
+    another class (a method's own subclass) is refused: it would come back as a plain Message."""
+    if isinstance(obj, Message):
+        if type(obj) is not Message:
+            raise TypeError(f"{type(obj).__name__} messages cannot be written to a checkpoint file")
+        return {MESSAGE_TAG: obj.kind, "tensors": dict(obj.tensors), "meta": dict(obj.meta)}
+    if isinstance(obj, Mapping):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_plain(v) for v in obj)
+    return obj
+
+
+def from_plain(obj):
+    if isinstance(obj, dict):
+        if MESSAGE_TAG in obj:
+            return Message(obj[MESSAGE_TAG], dict(obj["tensors"]), dict(obj["meta"]))
+        return {k: from_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_plain(v) for v in obj)
+    return obj

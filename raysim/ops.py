@@ -77,6 +77,21 @@ def mix_tensor(old: torch.Tensor, new: torch.Tensor, w: float) -> torch.Tensor:
     return old + (new.to(old.dtype) - old) * w
 
 
+def rebase_tensor(y: torch.Tensor, base: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """FedBuff's delta against the dispatch version, applied to the current state: ``current + (y - base)`` for
+    floating tensors of one shape; anything else (counts, masks, flags) is ``y``."""
+    if not (torch.is_floating_point(y) and torch.is_floating_point(base) and torch.is_floating_point(current)) or \
+            not (y.shape == base.shape == current.shape):
+        return y
+    return current.to(y.dtype) + (y - base.to(y.dtype))
+
+
+def rebase_trees(y: dict, base: dict, current: dict) -> dict:
+    """:func:`rebase_tensor` by key over flat dicts of tensors (a state message's tensors against a state dict);
+    keys missing from ``base`` or ``current`` keep ``y``'s value."""
+    return {k: rebase_tensor(v, base[k], current[k]) if k in base and k in current else v for k, v in y.items()}
+
+
 def mix_trees(old, new, w: float):
     """:func:`mix_tensor` over a tree of dicts / lists of tensors. Keys only in ``new`` take the new value, keys only
     in ``old`` keep the old one."""

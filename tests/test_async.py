@@ -11,6 +11,7 @@ from raysim import asyncrules
 from raysim.algorithm import ServerContext
 from raysim.config import make_config
 from raysim.errors import ConfigError
+from raysim.engine.callbacks import Callback
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
 from raysim.io import results
@@ -21,14 +22,15 @@ from tests.conftest import run_cli, tiny_config
 SUPPORTED = {"fedavg", "fedprox", "fedper", "lgfedavg", "fedproto", "fedtgp"}
 
 
-def async_cfg(rule="fedbuff", alg="fedproto", rounds=5, n=10, params=None, backend=None, env=None, stdev=1, **server):
+def async_cfg(rule="fedbuff", alg="fedproto", rounds=5, n=10, params=None, backend=None, env=None, stdev=1,
+              extra=None, **server):
     s = {"mode": "async", "rule": rule, "concurrency": 5, "buffer_size": 2,
          "staleness": {"fn": "polynomial", "a": 0.5}, **server}
     data = {"dataset": "synthetic", "num_clients": n, "partition": "nway_kshot",
             "partition_params": {"ways": 3, "shots": 10, "stdev": stdev, "test_shots": 5}}
     return make_config(tiny_config(rounds=rounds, data=data, algorithm={"name": alg, "params": params or {}},
                                    env=env or {"preset": "mobile-heterogeneous", "participation": {"dropout": 0.2}},
-                                   server=s, backend=backend or {"name": "sequential"}))
+                                   server=s, backend=backend or {"name": "sequential"}, **(extra or {})))
 
 
 def table(cfg):
@@ -96,6 +98,92 @@ def test_fedbuff_and_fedasync_by_hand(fedavg_prep):
         assert torch.allclose(got, torch.full_like(got, expect), rtol=0, atol=1e-6), (fn, tau)
 
 
+def test_fedbuff_applies_deltas_against_dispatch_versions_by_hand(fedavg_prep):
+    """Nguyen et al. 2022: x <- x + eta_g * (weighted mean of y_i - x_{v_i}), each delta against the version the
+    client was dispatched with, through the server runner's per-version states (kept while referenced)."""
+    from raysim.engine.async_loop import AsyncServerStep
+    from raysim.engine.runners import ServerRunner
+    from raysim.messages import Message, state_message
+
+    runner = ServerRunner(fedavg_prep.spec)
+    x0 = {"model": _fill(runner.state["model"], 0.0)}
+    runner.state = x0
+
+    def upload(v, n):
+        return {"model": state_message("weights", _fill(x0["model"], v)),
+                "num_samples": Message("num_samples", {"n": torch.tensor([n], dtype=torch.int64)})}
+
+    def step(version, ups, dispatch, live):
+        taus = {c: version - v for c, v in dispatch.items()}
+        info = {"rule": "fedbuff", "mix": 0.5, "staleness": taus, "weights": dict.fromkeys(taus, 1.0),
+                "version": version, "dispatch": dispatch, "live": live}
+        runner.run_server_step(AsyncServerStep("async_aggregate", "async_aggregate", asynchronous=info), version, 0,
+                               [], ups, keep=sorted(ups))
+        return next(t for t in runner.state["model"].values() if torch.is_floating_point(t))
+
+    # version 0 -> 1: client 5 (dispatched at 0, y = 2, n = 1); client 1, dispatched at 0, is still in flight
+    assert torch.all(step(0, {5: upload(2.0, 1)}, {5: 0}, [0]) == 1.0)  # 0 + 0.5 * (2 - 0)
+    assert sorted(runner.versions) == [0]  # version 0's state, kept for client 1
+    assert all(torch.all(t == 0.0) for t in runner.versions[0]["model"].values() if torch.is_floating_point(t))
+    # version 1 -> 2: client 1 (dispatched at 0: y = 4, n = 1, delta 4 - 0) and client 2 (at 1: y = 3, n = 3,
+    # delta 3 - 1); weighted mean (1 * 4 + 3 * 2) / 4 = 2.5: x = 1 + 0.5 * 2.5 = 2.25. The rule that steps toward
+    # the aggregate of the y_i from the current state would give 1 + 0.5 * ((4 + 9) / 4 - 1) = 2.125
+    got = step(1, {1: upload(4.0, 1), 2: upload(3.0, 3)}, {1: 0, 2: 1}, [])
+    assert torch.all(got == 2.25), got
+    assert runner.versions == {}  # nobody in flight refers to version 0 any more: dropped
+
+
+@pytest.mark.parametrize("alg", sorted(SUPPORTED))
+def test_async_rebase_by_hand(alg):
+    """A stale upload y = 5 from dispatch version x_v = 2, current x = 1: x + (y - x_v) = 4 on every floating tensor
+    of the state the method uploads a trained copy of; prototype methods' uploads stay as they are."""
+    from raysim.messages import Message, state_message
+    from tests.conftest import method_overrides
+
+    over = method_overrides(alg) if alg == "fedper" else {}
+    alg_cfg = {"name": alg, "params": {"shared": "body"} if alg == "fedper" else {}}
+    a = prepare(make_config(tiny_config(algorithm=alg_cfg, **over))).algorithm
+    state = a.init_server_state(None)
+    key = "shared" if "shared" in state else "model" if "model" in state else None
+    if key is None:  # FedProto, FedTGP: prototypes
+        up = {"protos": Message("prototypes", {"protos": torch.ones(2, 3), "classes": torch.tensor([0, 1])})}
+        assert a.async_rebase(up, state, state, None) is up
+        return
+
+    def fill(v):
+        return {k: torch.full_like(t, v) if torch.is_floating_point(t) else t for k, t in state[key].items()}
+
+    up = {key: state_message("weights", fill(5.0)), "num_samples": Message("num_samples", {"n": torch.tensor([1])})}
+    out = a.async_rebase(up, {key: fill(2.0)}, {key: fill(1.0)}, None)
+    floats = [t for t in out[key].tensors.values() if torch.is_floating_point(t)]
+    assert floats and all(torch.all(t == 4.0) for t in floats) and out["num_samples"] is up["num_samples"]
+
+
+def test_fedbuff_keeps_one_state_per_version_in_flight(monkeypatch):
+    """The server holds one state per older dispatch version still referenced by a client in flight (not one per
+    client) and FedBuff's stale uploads get their version's state as the base."""
+    from raysim.engine import runners
+
+    seen = []
+    orig = runners.ServerRunner.run_server_step
+
+    def spy(self, step, round_idx, *a, **kw):
+        info = getattr(step, "asynchronous", None)
+        out = orig(self, step, round_idx, *a, **kw)
+        if info is not None:
+            seen.append((dict(info["dispatch"]), list(info["live"]), sorted(self.versions), info["version"]))
+        return out
+
+    monkeypatch.setattr(runners.ServerRunner, "run_server_step", spy)
+    table(async_cfg("fedbuff", "fedavg", rounds=6, concurrency=6, buffer_size=3))
+    assert len(seen) == 6
+    stale = 0
+    for dispatch, live, held, version in seen:
+        assert held == [v for v in live if v <= version]  # exactly the versions still referenced, once each
+        stale += sum(v < version for v in dispatch.values())
+    assert stale > 0 and max(len(h) for _, _, h, _ in seen) >= 1
+
+
 def test_fedproto_staleness_weighted_prototypes_by_hand():
     prep = prepare(make_config(tiny_config()))
     alg = prep.algorithm
@@ -113,12 +201,15 @@ def test_methods_declare_async_support():
     assert declared == SUPPORTED
 
 
+@pytest.mark.parametrize("rule", ["fedasync", "fedbuff"])
 @pytest.mark.parametrize("alg", sorted(SUPPORTED))
-def test_every_supporting_method_runs_async(alg):
+def test_every_supporting_method_runs_async(alg, rule):
     params = {"shared": "body"} if alg == "fedper" else ({"server_epochs": 3} if alg == "fedtgp" else {})
-    df = table(async_cfg("fedasync", alg, rounds=4, params=params))
+    df = table(async_cfg(rule, alg, rounds=4, params=params))
     env = df[df.scope == "env"].pivot_table(index="round", columns="metric", values="value")
-    assert list(env.index) == [0, 1, 2, 3] and (env["updates"] == 1).all()
+    assert list(env.index) == [0, 1, 2, 3] and (env["updates"] == (1 if rule == "fedasync" else 2)).all()
+    if rule == "fedbuff":  # stale updates applied (rebased onto the current state where the method rebases)
+        assert env["staleness_max"].max() > 0
     assert df[df.scope == "client"]["value"].notna().all()
     assert (df[(df.scope == "mean") & (df.metric == "test_acc")]["round"] == 3).any()
 
@@ -191,6 +282,9 @@ def test_bad_server_config_names_the_key(over, key):
     ("local", None, "server.mode"),
     ("fedproto", {"preset": "mobile-heterogeneous", "participation": {"deadline_s": 30.0}},
      "env.participation.deadline_s"),
+    # a round setting set explicitly (the preset's 1.3, a round default, is ignored: every other test runs on it)
+    ("fedproto", {"preset": "mobile-heterogeneous", "participation": {"over_selection": 1.5}},
+     "env.participation.over_selection"),
 ])
 def test_unsupported_async_is_refused(alg, env, key):
     with pytest.raises(ConfigError) as e:
@@ -198,12 +292,118 @@ def test_unsupported_async_is_refused(alg, env, key):
     assert key in str(e.value) and "\n" not in str(e.value)
 
 
-def test_resume_and_checkpoints_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match="server.mode"):
-        run_experiment(async_cfg(), resume=tmp_path)
-    with pytest.raises(ConfigError, match="output.checkpoint_every"):
-        make_config({**tiny_config(env={"preset": "uniform"}, server={"mode": "async", "concurrency": 3, "buffer_size": 2}),
-                     "output": {"checkpoint_every": 2}})
+# -- resume ---------------------------------------------------------------------------------------------------------
+class _Crash(RuntimeError):
+    pass
+
+
+class _CrashAt(Callback):
+    """Kills the run at the end of server version ``version`` (after the checkpointer, which runs before it)."""
+
+    def __init__(self, version: int):
+        self.version = version
+
+    def on_round_end(self, run, round_idx, evaluated):
+        if round_idx == self.version:
+            raise _Crash("killed")
+
+
+CHECKPOINTED = {"output__progress": False, "output__checkpoint_every": 3, "eval__every": 2}
+
+
+def _interrupt(cfg, where, at=7):
+    with pytest.raises(_Crash) as e:
+        run_experiment(cfg, out_dir=where, callbacks=[_CrashAt(at)])
+    assert "--resume" in "".join(getattr(e.value, "__notes__", []))
+    return where.with_name(where.name + ".incomplete")
+
+
+@pytest.mark.parametrize("rule, alg, at", [("fedbuff", "fedavg", 7), ("fedasync", "fedavg", 7),
+                                           ("fedbuff", "fedproto", 4)])
+def test_resume_equals_an_uninterrupted_run(tmp_path, rule, alg, at):
+    """Checkpoints every 3 versions (after versions 2, 5, 8); killed after version ``at``, resumed from the
+    checkpoint before it: the table of the uninterrupted run, exactly."""
+    from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
+    from raysim.io.files import load_file
+
+    cfg = async_cfg(rule, alg, rounds=10, extra=CHECKPOINTED)
+    full = table(cfg)
+    kept = _interrupt(cfg, tmp_path / "run", at)
+    ck = find_checkpoint(kept)
+    state = read_checkpoint_meta(ck)["extra"]["async"]
+    v = state["version"]
+    assert ck.name == f"round_{v - 1:05d}" and v == 3 * ((at + 1) // 3) and state["pending_dispatch"]
+    # what it carried: the clients in flight, trained (their uploads in async.pt) and untrained (the payloads of
+    # their dispatch versions), and FedBuff's states of the older versions they were dispatched with
+    messages = load_file(ck / "async.pt")
+    trained = [f for f in state["flights"] if f["batch"] >= 0 and f["report"]["ok"] and not f["dropped"]]
+    untrained = [f for f in state["flights"] if f["batch"] < 0]
+    assert trained and {f["cid"] for f in trained} == {c for g in messages["uploads"].values() for c in g}
+    assert {f["version"] for f in untrained} | {v} <= set(messages["payloads"])
+    held = sorted(load_file(ck / "server.pt").get("versions") or {})
+    rebases = rule == "fedbuff" and alg == "fedavg"  # FedProto's prototypes are observations: no rebase, no states
+    assert held == (sorted({f["version"] for f in state["flights"] if f["version"] < v}) if rebases else [])
+    assert not rebases or held
+    resumed = run_experiment(cfg, resume=kept)
+    assert not kept.exists()
+    pd.testing.assert_frame_equal(full, results.without_timing(resumed.table), check_exact=True)
+    assert resumed.metadata["async"]["versions"] == 10
+
+
+def test_resume_of_a_damaged_or_mismatched_async_checkpoint_is_one_line(tmp_path):
+    import dataclasses
+    import shutil
+
+    from raysim.errors import DamagedFileError
+    from raysim.io.files import atomic_save, load_file
+
+    cfg = async_cfg("fedbuff", "fedavg", rounds=10, extra=CHECKPOINTED)
+    kept = _interrupt(cfg, tmp_path / "run")
+    ck = kept / "checkpoints" / "round_00005"
+
+    def refused(c, error):
+        with pytest.raises(error) as e:
+            run_experiment(c, resume=kept)
+        assert "\n" not in str(e.value), str(e.value)
+        return str(e.value)
+
+    # another rule, or a synchronous run: another configuration
+    assert "different configuration" in refused(async_cfg("fedasync", "fedavg", rounds=10, extra=CHECKPOINTED),
+                                                ConfigError)
+    sync = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, mode="sync"))
+    assert "different configuration" in refused(sync, ConfigError)
+    # the messages shard's bytes changed
+    saved = (ck / "async.pt").read_bytes()
+    (ck / "async.pt").write_bytes(saved[:-7] + b"garbage")
+    assert "async.pt" in refused(cfg, DamagedFileError)
+    (ck / "async.pt").write_bytes(saved)
+    # no event-loop state in the meta, or one that does not fit the messages shard
+    meta = load_file(ck / "meta.pt")
+    shutil.copy(ck / "meta.pt", tmp_path / "meta.pt")
+    atomic_save({**meta, "extra": {k: v for k, v in meta["extra"].items() if k != "async"}}, ck / "meta.pt")
+    assert "async server state" in refused(cfg, DamagedFileError)
+    bad = {**meta["extra"]["async"], "payload_versions": [0]}
+    atomic_save({**meta, "extra": {**meta["extra"], "async": bad}}, ck / "meta.pt")
+    assert "does not fit this run" in refused(cfg, DamagedFileError)
+    shutil.copy(tmp_path / "meta.pt", ck / "meta.pt")  # repaired: it resumes
+    pd.testing.assert_frame_equal(table(cfg), results.without_timing(run_experiment(cfg, resume=kept).table),
+                                  check_exact=True)
+
+
+def test_resume_on_ray_equals_the_sequential_run(ray_session, tmp_path):
+    """Checkpointed by 2 Ray actors (the messages shard written by the server actor), resumed on Ray with 2 actors
+    and on the sequential backend: the uninterrupted sequential run's table."""
+    import shutil
+
+    cfg = async_cfg("fedbuff", "fedavg", rounds=10, extra=CHECKPOINTED)
+    ray_cfg = async_cfg("fedbuff", "fedavg", rounds=10, extra=CHECKPOINTED, backend={"name": "ray", "num_actors": 2})
+    kept = _interrupt(ray_cfg, tmp_path / "run")
+    copy = shutil.copytree(kept, tmp_path / "copy.incomplete")
+    full = table(cfg).drop(columns="run_id")
+    for c, where in ((ray_cfg, kept), (cfg, copy)):
+        resumed = run_experiment(c, resume=where)
+        pd.testing.assert_frame_equal(full, results.without_timing(resumed.table).drop(columns="run_id"),
+                                      check_exact=True)
 
 
 def test_cli_exit_2_names_server_mode(tmp_path):
@@ -241,6 +441,21 @@ def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
     text = (tmp_path / "report" / "summary.md").read_text()
     assert "server.mode=async" in text and "server.mode=sync" in text and "sim_round_s to 0" in text
     assert out
+
+
+def test_server_time_per_aggregation_on_the_async_clock():
+    """env.server_s: each aggregation takes that long on the simulated clock, and the slots it frees are refilled
+    with the new version when it is done. Up to the first aggregation the runs are the same, so version 0 ends
+    exactly server_s later."""
+    def env_rows(server_s):
+        env = {"preset": "mobile-heterogeneous", "participation": {"dropout": 0.2}, "server_s": server_s}
+        df = table(async_cfg(rounds=5, env=env))
+        return df[df.scope == "env"].pivot_table(index="round", columns="metric", values="value")
+
+    base, slow = env_rows(0.0), env_rows(5.0)
+    assert slow.loc[0, "sim_time"] == base.loc[0, "sim_time"] + 5.0
+    assert (slow["sim_round_s"] >= 5.0).all() and (slow["sim_time"].diff().dropna() >= 5.0).all()
+    assert slow["sim_time"].iloc[-1] > base["sim_time"].iloc[-1]
 
 
 def test_max_staleness_discards_stale_updates():

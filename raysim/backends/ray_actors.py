@@ -157,6 +157,26 @@ class ServerActor(ServerRunner):
         payload, metrics = self.run_server_step(step, round_idx, iteration, failures, *upload_groups, keep=keep)
         return payload, (payload is not None, metrics, tensor_bytes(payload) if payload is not None else 0)
 
+    def save_messages_refs(self, path, versions, batches, *objs):
+        """``save_messages`` with the handles resolved by Ray: ``objs`` = the payloads of ``versions``, then the
+        upload groups of each (batch, keep, number of groups) in ``batches``."""
+        payloads = dict(zip(versions, objs[:len(versions)]))
+        uploads, i = {}, len(versions)
+        for b, keep, n in batches:
+            uploads[b] = (list(objs[i:i + n]), keep)
+            i += n
+        self.save_messages(path, payloads, uploads)
+
+    def hold_messages(self, path):
+        """Load a ``save_messages`` file and hold it for ``held_message`` calls (the object store keeps what they
+        return); ``None`` lets it go. Returns (versions, batches)."""
+        self._held = self.load_messages(path) if path is not None else None
+        return (sorted(self._held["payloads"]), sorted(self._held["uploads"])) if self._held else ([], [])
+
+    def held_message(self, kind, key):
+        obj = self._held[kind][key]
+        return obj, tensor_bytes(obj)
+
     def run_server_step_ahead(self, step, round_idx, iteration, prior_failures, n, *refs, keep=None):
         """The server step submitted right behind a client step: ``refs`` = n upload groups, then the n report
         lists of the same calls; the failures are the driver's list so far plus the failed reports, exactly as the

@@ -325,6 +325,24 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         ray.get([self.server.load.remote(os.path.join(directory, manifest["server"]))] +
                 [a.load_shards.remote(paths) for a in self.actors])
 
+    def save_messages(self, path, payloads, uploads):
+        # handles go to the server actor as top-level arguments (Ray resolves those only), with their layout
+        versions = sorted(payloads)
+        batches = [(b, sorted(keep), len(list(groups or []))) for b, (groups, keep) in sorted(uploads.items())]
+        refs = [payloads[v] for v in versions] + [g for b, _ in sorted(uploads.items()) for g in (uploads[b][0] or [])]
+        ray.get(self.server.save_messages_refs.remote(path, versions, batches, *refs))
+
+    def load_messages(self, path):
+        versions, batches = ray.get(self.server.hold_messages.remote(path))
+        payloads = {}
+        for v in versions:
+            ref, nbytes = self.server.held_message.options(num_returns=2).remote("payloads", v)
+            self._note_payload(ref, ray.get(nbytes))
+            payloads[v] = ref
+        uploads = {b: [self.server.held_message.options(num_returns=2).remote("uploads", b)[0]] for b in batches}
+        ray.get(self.server.hold_messages.remote(None))  # the actor lets go of the file's contents
+        return payloads, uploads
+
     def store_stats(self):
         self._flush_commits()
         return ray.get([a.store_stats.remote() for a in self.actors])

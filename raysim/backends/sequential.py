@@ -44,6 +44,13 @@ class SequentialBackend(Backend):
         self.server.load(os.path.join(directory, manifest["server"]))
         self.clients.load_shards([os.path.join(directory, f) for f in manifest["clients"]])
 
+    def save_messages(self, path, payloads, uploads):
+        self.server.save_messages(path, payloads, uploads)
+
+    def load_messages(self, path):
+        data = self.server.load_messages(path)
+        return data["payloads"], {b: [group] for b, group in data["uploads"].items()}
+
     def store_stats(self):
         return [self.clients.store_stats()]
 

@@ -316,7 +316,8 @@ class ServerConfig:
     """``mode: sync`` (rounds: the default) or ``async``: an event-driven server on the environment's simulated
     clock (raysim/engine/async_loop.py). ``concurrency`` clients train at once; each is dispatched with the current
     server state and its update arrives when the environment says; ``rule: fedbuff`` aggregates every
-    ``buffer_size`` arrivals and steps ``server_lr`` toward the aggregate, ``rule: fedasync`` applies each arrival
+    ``buffer_size`` arrivals, each a delta against the version its client was dispatched with, and applies their
+    weighted mean scaled by ``server_lr``, ``rule: fedasync`` applies each arrival
     with weight ``alpha * s(tau)``. Each applied aggregation is a server version; ``rounds`` counts versions.
     ``max_staleness``: updates older than this many versions are discarded (wasted work; None: none)."""
 
@@ -396,9 +397,6 @@ class ExperimentConfig:
         if self.clients_per_round is not None:
             raise ConfigError("clients_per_round", "is a round setting; with server.mode: async the clients in flight "
                                                    "are server.concurrency (remove clients_per_round)")
-        if self.output.checkpoint_every:
-            raise ConfigError("output.checkpoint_every", "async runs cannot be resumed (the clients in flight are not "
-                                                         "checkpointed); set it to 0")
 
     # -- identity -----------------------------------------------------------------------------------------------
     def science_dict(self) -> dict:

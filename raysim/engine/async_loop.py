@@ -21,21 +21,32 @@ Backends are used through their two primitives only: each batch's new states are
 local state is its own from then on), its uploads stay behind their handle until every client of the batch has
 arrived or dropped out; an aggregation passes the handles of its buffered clients' batches with ``keep`` = their
 ids (a buffered client is never re-dispatched before the aggregation, so one upload per client).
+
+**Checkpoints** are taken at the end of a version, through the synchronous machinery (the Checkpointer asks
+``run.async_server`` for :meth:`AsyncServer.state_dict` and the ``async.pt`` messages shard); there is no random
+state to save (every draw is keyed by seed, dispatch number or batch index), so a resumed run continues with the
+same table. **FedBuff** sends the server runner the buffered clients' dispatch versions and the versions still in
+flight, for methods that rebase their uploads (``Algorithm.async_rebase``): the runner keeps one state per such
+version. ``env.server_s`` is each aggregation's simulated time.
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 from raysim import rng as rngmod
+from raysim.algorithm import Algorithm
 from raysim.asyncrules import mixing_weight, staleness_weight
 from raysim.engine import safety
 from raysim.engine.record import RoundLog, Run
-from raysim.engine.reports import step_token
-from raysim.errors import SimulationError
+from raysim.engine.reports import ClientReport, step_token
+from raysim.errors import DamagedFileError, SimulationError
 from raysim.steps import ClientStep, ServerStep, flatten
 
 WAKE = -1  # a pseudo client id: retry dispatching when no client was online (sorts before real ids at equal times)
@@ -45,6 +56,7 @@ EXACT_PICK_MAX = 4096  # populations up to this size pick among the idle clients
 # batches of at most this many keep that read small (benchmarks/ASYNC.md: 16 brought a FedAsync version at
 # 100,000 clients from 409 ms to 13 ms) for one extra backend call per 16 clients trained
 MAX_BATCH = 16
+MESSAGES_SHARD = "async.pt"  # a checkpoint's payloads and uploads of the clients in flight (ServerRunner.save_messages)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +83,33 @@ class Flight:
     straggler: bool = False
 
 
+def _plain(v):
+    """A value as plain Python (checkpoint files hold tensors and plain containers only: no numpy scalars)."""
+    if isinstance(v, (tuple, list)):
+        return type(v)(_plain(x) for x in v)
+    return v.item() if hasattr(v, "item") and type(v) not in (int, float, bool) else v  # numpy.float64 is a float
+
+
+def _flight_state(f: Flight) -> dict:
+    d = {k: _plain(v) for k, v in dataclasses.asdict(f).items() if k != "report"}
+    d["report"] = None
+    if f.report is not None:
+        r = dataclasses.asdict(f.report)
+        r = {k: _plain(v) if not isinstance(v, dict) else v for k, v in r.items()}
+        r["metrics"] = {k: _plain(v) for k, v in r["metrics"].items()}
+        r["up"] = {k: tuple(int(x) for x in v) for k, v in r["up"].items()}
+        r["down"] = {k: tuple(int(x) for x in v) for k, v in r["down"].items()}
+        d["report"] = r
+    return d
+
+
+def _flight(d: dict) -> Flight:
+    d = dict(d)
+    if d["report"] is not None:
+        d["report"] = ClientReport(**d["report"])
+    return Flight(**d)
+
+
 class AsyncServer:
     def __init__(self, run: Run, evaluate: Callable):
         self.run, self.cfg, self.backend, self.env = run, run.cfg, run.backend, run.env
@@ -78,6 +117,9 @@ class AsyncServer:
         s = self.cfg.server
         self.rule, self.k = s.rule, (s.buffer_size if s.rule == "fedbuff" else 1)
         self.step = next(st for st, _ in flatten(run.algorithm.schedule()) if isinstance(st, ClientStep))
+        # FedBuff applies deltas against the dispatch versions where the method's uploads are trained copies of the
+        # server state (it overrides Algorithm.async_rebase); only then does the server keep older versions' states
+        self.rebases = self.rule == "fedbuff" and type(run.algorithm).async_rebase is not Algorithm.async_rebase
         self.n = self.cfg.data.num_clients
         self.version, self.seq, self.batch = 0, 0, 0
         self.flights: dict[int, Flight] = {}  # dispatched, not yet resolved
@@ -88,7 +130,9 @@ class AsyncServer:
         self.payloads: dict[int, object] = {}  # version -> payload handle (while someone may still train from it)
         self.buffer: list[Flight] = []
         self.wake_pending = False
-        self.t_last = 0.0  # simulated time of the last version
+        self.pending_dispatch = False  # a version was just applied; its freed slots are not refilled yet
+        self.t_last = 0.0  # simulated time of the last version (its aggregation done: env.server_s after it began)
+        self.server_s = float(getattr(getattr(self.env, "cfg", None), "server_s", 0.0) or 0.0)
         self._reset_interval()
         self.stats = {"updates": 0, "applied": 0, "dropped": 0, "discarded": 0, "failed": 0, "batches": 0,
                       "engine_s": 0.0, "client_step_s": 0.0, "server_step_s": 0.0, "eval_s": 0.0,
@@ -120,6 +164,7 @@ class AsyncServer:
         return seq, None
 
     def dispatch(self, now: float) -> None:
+        now = max(now, self.t_last)  # a slot freed while the server aggregates waits for the new version
         while len(self.flights) < self.cfg.server.concurrency:
             seq, c = self._pick(now)
             if c is None:
@@ -219,10 +264,14 @@ class AsyncServer:
         weights = {c: staleness_weight(t, **kw) for c, t in taus.items()}
         mix = mixing_weight(self.rule, [taus[c] for c in ids], alpha=s.alpha, server_lr=s.server_lr, **kw)
         info = {"rule": self.rule, "mix": mix, "staleness": taus, "weights": weights, "version": self.version}
+        if self.rebases:  # deltas against the dispatch versions: the server keeps one state per older version
+            info["dispatch"] = {f.cid: f.version for f in buf}  # still referenced by a client in flight
+            info["live"] = sorted({f.version for f in self.flights.values()})
         step = AsyncServerStep("async_aggregate", "async_aggregate", asynchronous=info)
         handles = []
         for b in sorted({f.batch for f in buf}):
             handles += list(self.batches[b][0] or [])
+        now = float(max(now, self.t_last) + self.server_s)  # env.server_s: the server's time per aggregation
         t0 = time.perf_counter()
         payload, metrics = self.backend.server_step(step, self.version, 0, handles, sorted(self.failures), keep=ids)
         self.stats["server_step_s"] += time.perf_counter() - t0
@@ -257,13 +306,82 @@ class AsyncServer:
             t.add(i, -1, "env", name, float(v))
         self._reset_interval()
 
+    # -- checkpoints (the Checkpointer calls these at the end of a version, through run.async_server) ---------------
+    def state_dict(self) -> dict:
+        """The event loop's state at the end of a version, in plain values: the clients in flight (dispatch
+        number and version, simulated times, their reports once trained), the buffer, both event heaps as they
+        are, the counters and statistics. The server state, the per-version states FedBuff keeps (server shard),
+        the client states (client shards), the payloads and uploads of the clients in flight (:meth:`save_messages`)
+        and the environment's state travel beside it."""
+        if self.log.order or self.resolved or self.failures:
+            raise SimulationError("async: a checkpoint in the middle of a version's interval (internal error)")
+        return {"version": self.version, "seq": self.seq, "batch": self.batch, "t_last": float(self.t_last),
+                "wake_pending": self.wake_pending, "pending_dispatch": self.pending_dispatch,
+                "flights": [_flight_state(f) for _, f in sorted(self.flights.items())],
+                "buffer": [_flight_state(f) for f in self.buffer],
+                "untrained": [(float(t), int(c)) for t, c in self.untrained],
+                "events": [(float(t), int(c)) for t, c in self.events],
+                "batches": {int(b): int(e[1]) for b, e in sorted(self.batches.items())},
+                "payload_versions": sorted(self.payloads), "stats": {k: _plain(v) for k, v in self.stats.items()}}
+
+    def save_messages(self, directory: str) -> dict:
+        """The checkpoint's messages shard (the backend's server runner writes it): the payloads of the versions
+        untrained clients will train from (and the current one), and the uploads of the trained clients that may
+        still be applied (neither failed nor dropping out)."""
+        keep: dict[int, list] = {}
+        for f in [*self.flights.values(), *self.buffer]:
+            if f.batch >= 0 and f.report is not None and f.report.ok and not f.dropped:
+                keep.setdefault(f.batch, []).append(f.cid)
+        self.backend.save_messages(os.path.join(directory, MESSAGES_SHARD), dict(self.payloads),
+                                   {b: (self.batches[b][0], sorted(ids)) for b, ids in sorted(keep.items())})
+        return {"async": MESSAGES_SHARD}
+
+    def restore(self, state: dict, messages: str) -> None:
+        """Continue from a checkpoint (``state_dict`` and the messages shard at ``messages``)."""
+        try:
+            self._restore(state, messages)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+            meta = Path(messages).with_name("meta.pt")
+            raise DamagedFileError(meta, f"its async server state does not fit this run ({type(e).__name__}: "
+                                         f"{str(e).splitlines()[0] if str(e) else ''})",
+                                   f"remove {meta.parent} to resume from the checkpoint before it, or start the run "
+                                   f"again") from None
+
+    def _restore(self, state: dict, messages: str) -> None:
+        self.version, self.seq, self.batch = int(state["version"]), int(state["seq"]), int(state["batch"])
+        self.t_last = float(state["t_last"])
+        self.wake_pending, self.pending_dispatch = bool(state["wake_pending"]), bool(state["pending_dispatch"])
+        self.flights = {int(d["cid"]): _flight(d) for d in state["flights"]}
+        self.buffer = [_flight(d) for d in state["buffer"]]
+        self.busy = set(self.flights) | {f.cid for f in self.buffer}
+        self.untrained = [(float(t), int(c)) for t, c in state["untrained"]]
+        self.events = [(float(t), int(c)) for t, c in state["events"]]
+        known = set(self.flights) | {WAKE}
+        if any(c not in self.flights for _, c in self.untrained) or any(c not in known for _, c in self.events):
+            raise ValueError("an event of a client that is not in flight")
+        self.stats.update({k: type(self.stats[k])(v) for k, v in state["stats"].items() if k in self.stats})
+        payloads, uploads = self.backend.load_messages(messages)
+        if sorted(payloads) != [int(v) for v in state["payload_versions"]] or self.version not in payloads:
+            raise ValueError(f"payloads of versions {sorted(payloads)}, expected {state['payload_versions']}")
+        self.payloads = dict(payloads)
+        self.batches = {int(b): [uploads.get(int(b)), int(n)] for b, n in state["batches"].items()}
+        if any(f.batch >= 0 and f.batch not in self.batches for f in [*self.flights.values(), *self.buffer]):
+            raise ValueError("a trained client of a batch the checkpoint does not hold")
+
     # -- the loop ---------------------------------------------------------------------------------------------------
     def run_loop(self, callbacks: list) -> None:
         run, cfg = self.run, self.cfg
         t_start = time.perf_counter()
-        run.payload = self.backend.initial_payload(0)
-        self.payloads[0] = run.payload
-        self.dispatch(0.0)
+        if run.async_resume is not None:  # continue from a checkpoint taken at the end of a version
+            self.restore(*run.async_resume)
+            run.payload = self.payloads[self.version]
+            if self.pending_dispatch:
+                self.dispatch(self.t_last)
+                self.pending_dispatch = False
+        else:
+            run.payload = self.backend.initial_payload(0)
+            self.payloads[0] = run.payload
+            self.dispatch(0.0)
         t_version = time.perf_counter()
         while self.version < cfg.rounds:
             next_t = self.events[0][0] if self.events else math.inf
@@ -281,6 +399,7 @@ class AsyncServer:
             if len(self.buffer) >= self.k:
                 i = self.version
                 self.aggregate(now)
+                self.pending_dispatch = True
                 step_s: dict = {}
                 evaluated = (i + 1) % cfg.eval.every == 0 or i == cfg.rounds - 1
                 t0 = time.perf_counter()
@@ -300,6 +419,7 @@ class AsyncServer:
                     run.stopped_early = True
                     break
             self.dispatch(now)
+            self.pending_dispatch = False
         total = time.perf_counter() - t_start
         st = self.stats
         st["wall_s"] = total
@@ -314,6 +434,7 @@ class AsyncServer:
 def run_async(run: Run, callbacks: list, evaluate: Callable) -> None:
     """The async counterpart of ``loop.run_loop`` (called by it with its evaluation function)."""
     server = AsyncServer(run, evaluate)
+    run.async_server = server  # checkpoints carry its state (callbacks.Checkpointer)
     server.run_loop(callbacks)
     s = server.stats
     run.async_summary = {"rule": run.cfg.server.rule, "versions": server.version, "updates_resolved": s["updates"],

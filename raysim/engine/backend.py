@@ -50,6 +50,17 @@ class Backend(ABC):
     def load_checkpoint(self, directory: str, manifest: dict) -> None:
         """Restore states from shards written by any number of actors."""
 
+    @abstractmethod
+    def save_messages(self, path: str, payloads: dict, uploads: dict) -> None:
+        """Write payloads (version -> payload handle) and uploads (batch -> (upload handle, client ids to keep)) as
+        one state file at ``path``, by the server runner (``ServerRunner.save_messages``; server.mode: async
+        checkpoints: the messages of the clients in flight)."""
+
+    @abstractmethod
+    def load_messages(self, path: str) -> tuple[dict, dict]:
+        """Read what :meth:`save_messages` wrote back as handles: (version -> payload handle, batch -> upload handle),
+        each usable as :meth:`client_step`'s payload and :meth:`server_step`'s uploads."""
+
     def store_stats(self) -> list[dict]:
         return []
 

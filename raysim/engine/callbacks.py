@@ -120,7 +120,8 @@ class Checkpointer(Callback):
         self.every = every
 
     def _save(self, run: Run, name: str, round_idx: int) -> None:
-        write_checkpoint(run.dir / "checkpoints" / name, round_idx, run.backend, run.checkpoint_extra())
+        shards = run.async_server.save_messages if run.async_server is not None else None
+        write_checkpoint(run.dir / "checkpoints" / name, round_idx, run.backend, run.checkpoint_extra(), shards)
 
     def on_setup_end(self, run: Run) -> None:
         if self.every:

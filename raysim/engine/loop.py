@@ -256,6 +256,14 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
     manifest = meta.get("manifest") or {}
     shards = [manifest.get("server")] + list(manifest.get("clients") or [])
+    if cfg.server.mode == "async":  # the event loop's state and the messages of its clients in flight
+        from raysim.errors import DamagedFileError
+
+        if not isinstance(meta["extra"].get("async"), dict) or "async" not in manifest:
+            raise DamagedFileError(ck / META_NAME, "it holds no async server state (server.mode: async needs the "
+                                                   "clients in flight)", f"remove {ck} to resume from the checkpoint "
+                                                                         f"before it, or start the run again")
+        shards.append(manifest["async"])
     from raysim.io.files import load_file
 
     for name in shards:  # every shard must load before a run directory is claimed (a damaged one: one line)
@@ -284,9 +292,6 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
     """
     check_path_component("name", cfg.name)  # also for configs built without validation (it names directories)
-    if resume is not None and cfg.server.mode == "async":
-        raise ConfigError("server.mode", "async runs cannot be resumed (the clients in flight are not checkpointed); "
-                                         "start the run again")
     run_id = cfg.run_id()
     target, where = (Path(out_dir), "--out") if out_dir else (Path(cfg.output.dir) / run_id, "output.dir")
     if write and resume is None:  # a bad or busy output directory fails before any data is loaded
@@ -380,6 +385,8 @@ def _restore_from(run: Run, ck_dir: Path, meta: dict) -> None:
     if run.env is not None and extra.get("env") is not None:
         run.env.load_state_dict(extra["env"])
     run.setup_done = bool(extra.get("setup_done", True))
+    if run.cfg.server.mode == "async":  # the event loop restores itself from these (raysim/engine/async_loop.py)
+        run.async_resume = (extra["async"], str(Path(ck_dir) / meta["manifest"]["async"]))
     run.start_round = int(meta["round_idx"]) + 1
     run.round_idx = int(meta["round_idx"])
 

@@ -170,6 +170,10 @@ class Run:
         self.final_dir: Optional[Path] = None
         self.stopped_early = False
         self.resume_from: Optional[dict] = None  # checkpoint meta when resuming
+        # server.mode: async: the event loop (raysim/engine/async_loop.py), whose state checkpoints carry, and when
+        # resuming, (its state, the path of its messages shard) from the checkpoint
+        self.async_server = None
+        self.async_resume: Optional[tuple] = None
 
     def log_failures(self, reports: list[ClientReport]) -> list[ClientReport]:
         failed = [r for r in reports if not r.ok]
@@ -179,7 +183,10 @@ class Run:
         return failed
 
     def checkpoint_extra(self) -> dict:
-        return {"rows": list(self.table.rows), "failures": list(self.failures), "resume_hash": resume_hash(self.cfg),
-                "env": self.env.state_dict() if self.env is not None else None, "setup_done": self.setup_done}
+        extra = {"rows": list(self.table.rows), "failures": list(self.failures), "resume_hash": resume_hash(self.cfg),
+                 "env": self.env.state_dict() if self.env is not None else None, "setup_done": self.setup_done}
+        if self.async_server is not None:
+            extra["async"] = self.async_server.state_dict()
+        return extra
 
 

@@ -28,12 +28,12 @@ from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
 from raysim.engine.executors import executor_chain
 from raysim.engine.reports import ClientReport, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
-from raysim.messages import payload_sizes
+from raysim.messages import from_plain, payload_sizes, to_plain
 from raysim.config.registry import load_target
 from raysim.steps import ClientStep, ServerStep
 from raysim.engine.store import StateStore
 from raysim.io.files import atomic_save, load_file
-from raysim.errors import ConfigError, DamagedFileError
+from raysim.errors import ConfigError, DamagedFileError, SimulationError
 
 
 def resolve_device(name: str) -> torch.device:
@@ -272,6 +272,9 @@ class ServerRunner:
         self.server_data = dict(server_data or {})
         rngmod.seed_torch_global(spec.cfg.seed, rngmod.NO_ROUND, rngmod.SERVER, "init")
         self.state = self.algorithm.init_server_state(self._ctx(rngmod.NO_ROUND))
+        # server.mode: async with FedBuff: the server state of each older version a client in flight was dispatched
+        # with (version -> state), one per version however many clients share it, dropped when none is left
+        self.versions: dict[int, Any] = {}
 
     def _ctx(self, round_idx: int, failures=None, step: str = "", iteration: int = 0) -> ServerContext:
         return ServerContext(round_idx, rngmod.SERVER, self.spec.cfg.seed, self.device, self.spec.task, self.models,
@@ -288,7 +291,8 @@ class ServerRunner:
         id, whatever the actor layout."""
         fn = getattr(self.algorithm, step.method)
         ctx = self._ctx(round_idx, failures, step.name, iteration)
-        ctx.asynchronous = getattr(step, "asynchronous", None)  # server.mode: async (raysim/engine/async_loop.py)
+        info = getattr(step, "asynchronous", None)  # server.mode: async (raysim/engine/async_loop.py)
+        ctx.asynchronous = self._async_bases(info) if info is not None and "dispatch" in info else info
         rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, rngmod.SERVER, _purpose(step, iteration))
         if step.mode == "evaluate":
             if self.global_test is None:
@@ -305,15 +309,63 @@ class ServerRunner:
         if not isinstance(out, ServerUpdate):
             raise TypeError(f"{type(self.algorithm).__name__}.{step.method} must return a ServerUpdate, got "
                             f"{type(out).__name__}")
+        if info is not None and "live" in info:
+            self._keep_versions(int(info["version"]), info["live"])
         self.state = out.state
         return out.payload, dict(out.metrics)
 
+    # -- FedBuff's dispatch versions (server.mode: async) -------------------------------------------------------------
+    def _async_bases(self, info: dict) -> dict:
+        """``ctx.asynchronous`` with ``bases``: the state of each stale update's dispatch version (the current state
+        is the current version's, so fresh updates need none)."""
+        now = int(info["version"])
+        missing = sorted({v for v in info["dispatch"].values() if v != now and v not in self.versions})
+        if missing:
+            raise SimulationError(f"async: no server state kept for versions {missing} (held: {sorted(self.versions)})")
+        bases = {c: self.versions[v] for c, v in sorted(info["dispatch"].items()) if v != now}
+        return {**{k: v for k, v in info.items() if k != "live"}, "bases": bases}
+
+    def _keep_versions(self, now: int, live) -> None:
+        """Before the state moves past version ``now``: keep a copy of it when a client in flight was dispatched with
+        it, and drop the versions no client in flight refers to any more (``live``: the driver's count)."""
+        live = set(int(v) for v in live)
+        if now in live:
+            self.versions[now] = _map_tensors(self.state, lambda t: t.detach().clone())
+        for v in [v for v in self.versions if v not in live]:
+            del self.versions[v]
+
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save(self, path: str) -> None:
-        atomic_save({"state": _to_cpu(self.state)}, Path(path))
+        shard = {"state": _to_cpu(self.state)}
+        if self.versions:  # server.mode: async (FedBuff): the dispatch versions still in flight
+            shard["versions"] = {int(v): _to_cpu(st) for v, st in sorted(self.versions.items())}
+        atomic_save(shard, Path(path))
 
     def load(self, path: str) -> None:
-        self.state = _to_device(load_file(Path(path))["state"], self.device)
+        shard = load_file(Path(path))
+        self.state = _to_device(shard["state"], self.device)
+        self.versions = {int(v): _to_device(st, self.device) for v, st in (shard.get("versions") or {}).items()}
+
+    def save_messages(self, path: str, payloads: dict, uploads: dict) -> None:
+        """server.mode: async checkpoints: the payloads of the versions untrained clients will train from
+        (version -> payload) and the uploads of the trained clients not yet aggregated (batch -> (its upload groups,
+        the client ids to keep)), as one state file. Written here, where uploads are read anyway: never gathered on
+        the driver."""
+        kept = {}
+        for b, (groups, keep) in sorted(uploads.items()):
+            merged = {}
+            for group in groups or []:
+                merged.update(group or {})
+            kept[int(b)] = {int(c): to_plain(_to_cpu(merged[c])) for c in sorted(keep) if c in merged}
+        atomic_save({"payloads": {int(v): to_plain(_to_cpu(p)) for v, p in sorted(payloads.items())},
+                     "uploads": kept}, Path(path))
+
+    def load_messages(self, path: str) -> dict:
+        """What :meth:`save_messages` wrote: {"payloads": {version: payload}, "uploads": {batch: {client id:
+        upload}}}."""
+        data = load_file(Path(path))
+        return {"payloads": {int(v): from_plain(p) for v, p in data["payloads"].items()},
+                "uploads": {int(b): {int(c): from_plain(u) for c, u in g.items()} for b, g in data["uploads"].items()}}
 
     def ready(self) -> bool:
         return True

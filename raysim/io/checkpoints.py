@@ -1,25 +1,31 @@
 """Checkpoints as directories of shards: ``checkpoints/<name>/`` holds ``server.pt`` (server state), one
-``clients-<k>.pt`` per client runner (client id -> state, written by the runner itself, never gathered on the driver)
-and ``meta.pt`` (round, manifest, result rows, failure log, environment state, config hash), written last. The
+``clients-<k>.pt`` per client runner (client id -> state, written by the runner itself, never gathered on the driver),
+for ``server.mode: async`` ``async.pt`` (the payloads and uploads of the clients in flight, written by the server
+runner) and ``meta.pt`` (round, manifest, result rows, failure log, environment state, config hash), written last. The
 directory is built as ``<name>.tmp`` and renamed when complete, so a checkpoint that exists is whole. Client states
 are keyed by client id, so a checkpoint restores into any number of actors."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from raysim.io.files import atomic_save, file_sha256, load_file
 
 META = "meta.pt"
 
 
-def write_checkpoint(path: Path, round_idx: int, backend, extra: dict) -> Path:
+def write_checkpoint(path: Path, round_idx: int, backend, extra: dict,
+                     shards: Optional[Callable[[str], dict]] = None) -> Path:
+    """``shards``: writes more shards into the checkpoint's directory and returns their manifest entries (name ->
+    file; server.mode: async adds ``async``: the messages of the clients in flight)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     manifest = backend.save_checkpoint(str(tmp))
+    if shards is not None:
+        manifest = {**manifest, **shards(str(tmp))}
     digests = {f.name: file_sha256(f) for f in sorted(tmp.iterdir()) if f.is_file()}  # verified before a resume
     atomic_save({"round_idx": int(round_idx), "manifest": manifest, "extra": extra, "sha256": digests}, tmp / META)
     if path.exists():
