@@ -27,20 +27,22 @@ import threading
 import time
 
 import pandas as pd
+import yaml
 import ray
 from ray.cluster_utils import Cluster
 
 from raysim import numerics
-from raysim.config import load_config
+from raysim.config import load_config, make_config
 from raysim.engine.callbacks import Callback
 from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 
 
 class StopNode(Callback):
-    def __init__(self, cluster, node, after_round: int, delay_s: float):
+    def __init__(self, cluster, node, after_round: int, delay_s: float, modules: tuple = ()):
         self.cluster, self.node, self.after, self.delay = cluster, node, after_round, delay_s
         self.before, self.after_nodes, self.stopped_at = None, None, None
+        self.modules, self.shipped, self.files = list(modules), None, None
 
     def on_run_start(self, run):
         self.before = run.backend.actor_nodes()
@@ -48,12 +50,19 @@ class StopNode(Callback):
         print(f"client actors on {self.before}, server on {self.server}, node2 {self.node.node_id}", file=sys.stderr, flush=True)
 
     def on_round_end(self, run, round_idx, evaluated):
+        if self.modules and self.files is None:  # the user's modules, after a round (the model is built on first use):
+            # what was shipped, where each actor (on both nodes, before the stop) imported them from
+            self.shipped = run.backend.shipped
+            self.files = ray.get([a.module_files.remote(self.modules) for a in run.backend.actors])
         if round_idx == self.after:
             def stop():
                 self.stopped_at = time.time()
                 self.cluster.remove_node(self.node)  # ends that node's raylet, object store and workers by PID
 
-            threading.Timer(self.delay, stop).start()
+            if self.delay:  # part-way into the next round
+                threading.Timer(self.delay, stop).start()
+            else:  # before the next round starts: its first step meets the dead actor, whatever the round's length
+                stop()
 
     def on_run_end(self, run, result):
         self.after_nodes = run.backend.actor_nodes()
@@ -113,12 +122,22 @@ def main():
     ap.add_argument("--stop-after", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-native", dest="native", action="store_false", help="skip the native-kernels checks")
-    ap.add_argument("--byo", type=int, default=0, metavar="ROUNDS",
-                    help="also run benchmarks/two_node_byo.py's check (the user's modules in the working directory) "
-                         "for ROUNDS rounds on this cluster before the node is stopped")
+    ap.add_argument("--byo", action="store_true",
+                    help="the node-stop run uses the user's own model, loader and method (benchmarks/two_node_byo.py's "
+                         "config; their modules in the working directory, shipped to both nodes) instead of --config")
     args = ap.parse_args()
     ov = [f"rounds={args.rounds}", "eval.every=4", "clients_per_round=10"]
-    ref = run_experiment(load_config(args.config, ov + ["backend.name=sequential"]), progress=False, write=False)
+    if args.byo:
+        from two_node_byo import MODULES, config as byo_config  # this script's folder is on sys.path
+
+        def make(*backend):
+            return make_config(byo_config(args.rounds, **{k: yaml.safe_load(v) for k, v in (b.split("=", 1) for b in backend)}))
+    else:
+        MODULES = ()
+
+        def make(*backend):
+            return load_config(args.config, ov + [f"backend.{b}" for b in backend])
+    ref = run_experiment(make("name=sequential"), progress=False, write=False)
     saved = own_kernels("avx2")  # the head's processes: AVX2 kernels natively
     try:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -130,14 +149,8 @@ def main():
         cluster.wait_for_nodes()
         native = native_checks(args.config, ["rounds=1", "eval.every=1", "clients_per_round=10"],
                                cluster.address, node2.node_id) if args.native else {}
-        byo = {}
-        if args.byo:
-            from two_node_byo import byo_check  # this script's folder is on sys.path
-
-            byo = {"byo": byo_check(cluster.address, node2.node_id, args.byo)}
-        cfg = load_config(args.config, ov + ["backend.name=ray", "backend.num_actors=2", "backend.num_cpus=0.5",
-                                             "backend.placement=spread", f"backend.address={cluster.address}"])
-        stopper = StopNode(cluster, node2, args.stop_after, 0.3)
+        cfg = make("name=ray", "num_actors=2", "num_cpus=0.5", "placement=spread", f"address={cluster.address}")
+        stopper = StopNode(cluster, node2, args.stop_after, 0.0 if args.byo else 0.3, MODULES)
         t0 = time.perf_counter()
         res = run_experiment(cfg, progress=False, write=False, callbacks=[stopper])
         wall = time.perf_counter() - t0
@@ -155,15 +168,19 @@ def main():
             "final_test_acc": res.final()[0], "wall_s": round(wall, 1),
             "portable_capabilities": sorted({("node2" if p["node"] == node2_id else "head") + ":" + p["cpu_capability"]
                                              for p in res.metadata["numerics_processes"]}),
-            **native, **byo,
+            **native,
         }
+        if args.byo:
+            out["byo"] = {"shipped": stopper.shipped, "actor_module_files": stopper.files,
+                          "from_shipped_copy": all(f[m] and "runtime_resources" in f[m] for f in stopper.files
+                                                   for m in MODULES)}
         print(json.dumps(out, indent=1))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f)
         if not identical:
             pd.testing.assert_frame_equal(a, b)
-        ok_byo = not byo or (byo["byo"]["identical_to_sequential"] and byo["byo"]["from_shipped_copy"])
+        ok_byo = not args.byo or out["byo"]["from_shipped_copy"]
         return 0 if identical and out["actor_failures"] and ok_byo else 1
     finally:
         if ray.is_initialized():

@@ -71,7 +71,7 @@ class Postgres:
             pass
 
 
-BASE = {"name": "tune2node", "seed": 5, "rounds": 8, "clients_per_round": None,
+BASE = {"name": "tune2node", "seed": 5, "rounds": 4, "clients_per_round": None,
         "data": {"dataset": "mnist5k", "num_clients": 8, "partition": "nway_kshot",
                  "partition_params": {"ways": 3, "shots": 20, "stdev": 1, "test_shots": 10}, "val_fraction": 0.2},
         "model": {"arch": "cnn_mnist", "params": {"embed_dim": 16}},

@@ -388,15 +388,15 @@ def test_user_code_ships_to_ray_actors(ray_session, workdir):
             seen["shipped"] = run.backend.shipped
             seen["files"] = ray.get([a.module_files.remote(list(MODULES)) for a in run.backend.actors])
 
-    for over in ({"algorithm": {"name": "fedproto", "params": {}}},
-                 {"algorithm": {"name": "mymethod:UniformAvg"}, "data__dataset": "mydata:digits", "data__root": None}):
-        seq = run_experiment(make_config(byo_config(**over)), write=False).table
-        cfg = make_config(byo_config(backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5}, **over))
-        par = run_experiment(cfg, write=False, callbacks=[Where()]).table
-        assert without_timing(seq).drop(columns="run_id").equals(without_timing(par).drop(columns="run_id"))
-        names = {Path(p).name for p in seen["shipped"]}
-        assert "mycnn.py" in names and all(Path(p).parent == workdir for p in seen["shipped"])
-        for files in seen["files"]:  # each actor imported the model from the copy Ray unpacked, not from workdir
-            assert files["mycnn"] and "runtime_resources" in files["mycnn"], files
-    assert {"mydata.py", "mymethod.py"} <= {Path(p).name for p in seen["shipped"]}
-    assert "runtime_resources" in seen["files"][0]["mymethod"]
+    # one run: the user's model and method, the data from a file named relative to the working directory (the
+    # user's loader on Ray: tests/test_cluster.py, on two nodes)
+    over = {"algorithm": {"name": "mymethod:UniformAvg"}}
+    seq = run_experiment(make_config(byo_config(**over)), write=False).table
+    cfg = make_config(byo_config(backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5}, **over))
+    par = run_experiment(cfg, write=False, callbacks=[Where()]).table
+    assert without_timing(seq).drop(columns="run_id").equals(without_timing(par).drop(columns="run_id"))
+    names = {Path(p).name for p in seen["shipped"]}
+    assert {"mycnn.py", "mymethod.py"} <= names and all(Path(p).parent == workdir for p in seen["shipped"])
+    for files in seen["files"]:  # each actor imported them from the copy Ray unpacked, not from workdir
+        for m in ("mycnn", "mymethod"):
+            assert files[m] and "runtime_resources" in files[m], files
