@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from raysim.backends.ray_preflight import check_resources
+from raysim.engine.settings import backend_settings
 from raysim.engine.loop import run_experiment
 from raysim.errors import ConfigError
 from raysim.io.results import without_timing
@@ -124,13 +125,13 @@ def test_too_many_cpus_fail_fast(ray_session, tiny):
 
 def test_resource_arithmetic(tiny):
     cfg = tiny(backend={"name": "ray", "num_actors": 4, "num_cpus": 0.5, "num_gpus": 0.25})
-    check_resources(cfg, cpus=2, gpus=1, where="x")  # four actors per GPU
+    check_resources(backend_settings(cfg), cpus=2, gpus=1, where="x")  # four actors per GPU
     with pytest.raises(ConfigError, match="has none"):
-        check_resources(cfg, cpus=2, gpus=0, where="x")
+        check_resources(backend_settings(cfg), cpus=2, gpus=0, where="x")
     cfg = tiny(backend={"name": "ray", "num_actors": 3, "num_cpus": 0.5, "num_gpus": 0.4})
     with pytest.raises(ConfigError, match="do not fit"):  # 0.4 packs 2 per GPU: 3 actors need 2 GPUs
-        check_resources(cfg, cpus=2, gpus=1.0, where="x")
-    check_resources(cfg, cpus=2, gpus=2.0, where="x")
+        check_resources(backend_settings(cfg), cpus=2, gpus=1.0, where="x")
+    check_resources(backend_settings(cfg), cpus=2, gpus=2.0, where="x")
 
 
 TWO_ARCHS = {"assign": "cycle", "per_client": [{"arch": "mlp", "params": {"hidden": 16, "embed_dim": 16}},
@@ -199,17 +200,17 @@ def test_cuda_without_a_visible_gpu_is_one_line_before_anything_starts(tiny, mon
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError) as e:
-        check_device(tiny(backend={"name": "sequential", "device": "cuda"}))
+        check_device(backend_settings(tiny(backend={"name": "sequential", "device": "cuda"})))
     assert e.value.field == "backend.device"
     with pytest.raises(ConfigError) as e:
-        check_device(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0}))
+        check_device(backend_settings(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0})))
     assert e.value.field == "backend.num_gpus"
     with pytest.raises(ConfigError) as e:
-        check_device(tiny(model=TWO_ARCHS, backend={"name": "ray", "device": "cuda", "num_gpus": 0.5,
+        check_device(backend_settings(tiny(model=TWO_ARCHS, backend={"name": "ray", "device": "cuda", "num_gpus": 0.5,
                                                     "server_num_gpus": 0.1,
-                                                    "model_resources": [{"arch": "mlp", "num_gpus": 0}]}))
+                                                    "model_resources": [{"arch": "mlp", "num_gpus": 0}]})))
     assert e.value.field == "backend.model_resources[0].num_gpus"
     with pytest.raises(ConfigError) as e:
-        check_device(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0.5}))
+        check_device(backend_settings(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0.5})))
     assert e.value.field == "backend.server_num_gpus"
-    check_device(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0.5, "server_num_gpus": 0.1}))
+    check_device(backend_settings(tiny(backend={"name": "ray", "device": "cuda", "num_gpus": 0.5, "server_num_gpus": 0.1})))

@@ -1,5 +1,6 @@
 """Per-client validation split (data.val_fraction): carved from the training data, disjoint, seeded; evaluated as
 val_* metrics next to test_*; tuning reads it by default."""
+import dataclasses
 import numpy as np
 import pytest
 import torch
@@ -157,9 +158,7 @@ def test_decoded_cache_admits_while_there_is_room_and_hits_on_cyclic_visits():
                                            data__partition_params={"samples_per_client": 40})))
     one = _data_nbytes(prep.fed_data.clients[0].to("cpu"))
     budget_mb = 2.5 * one / 2**20  # room for two clients' decoded data
-    spec = prep.spec
-    spec.cfg = make_config(tiny_config(data__dataset="mnist5k", data__partition="iid",
-                                       data__partition_params={"samples_per_client": 40}, backend__decoded_cache_mb=budget_mb))
+    spec = dataclasses.replace(prep.spec, runner=dataclasses.replace(prep.spec.runner, decoded_cache_mb=budget_mb))
     runner = ClientRunner(spec, prep.fed_data.clients)
     ids = runner.client_ids()
     assert runner.data[ids[0]].is_compact
@@ -168,7 +167,6 @@ def test_decoded_cache_admits_while_there_is_room_and_hits_on_cyclic_visits():
     assert [a is b for a, b in zip(first, again)] == [True, True] + [False] * (len(ids) - 2)
     for c, d in zip(ids, again):
         assert torch.equal(d.x_train, runner.data[c].to("cpu").x_train)
-    spec.cfg = make_config(tiny_config(data__dataset="mnist5k", data__partition="iid",
-                                       data__partition_params={"samples_per_client": 40}, backend__decoded_cache_mb=0))
+    spec = dataclasses.replace(spec, runner=dataclasses.replace(spec.runner, decoded_cache_mb=0))
     off = ClientRunner(spec, prep.fed_data.clients)
     assert off._data(ids[0]) is not off._data(ids[0])

@@ -65,9 +65,9 @@ class RoundMonitor:
     def __call__(self, round_idx: int, table) -> bool:
         rows = table.rows[self.cursor:]
         self.cursor = len(table.rows)
-        for r in rows:  # (run_id, round, client_id, scope, metric, value, weight)
-            if r[3] == "client" and r[4].startswith("train_") and not math.isfinite(r[5]):
-                self.diverged = f"diverged: {r[4]}={r[5]} at round {r[1]} (client {r[2]})"
+        for r in rows:  # raysim.io.tables.Row
+            if r.scope == "client" and r.metric.startswith("train_") and not math.isfinite(r.value):
+                self.diverged = f"diverged: {r.metric}={r.value} at round {r.round} (client {r.client_id})"
                 return True
         acc = table.latest(self.obj.metric)
         if acc is None or not math.isfinite(acc):

@@ -9,32 +9,21 @@ from raysim.backends.base import Backend
 from raysim.backends.sequential import SequentialBackend
 
 
-def make_backend(name: str, spec, fed_data) -> Backend:
-    if name == "sequential":
-        return SequentialBackend(spec, fed_data)
-    if name == "ray":
-        from raysim.backends.ray_backend import RayBackend
-
-        return RayBackend(spec, fed_data)
-    raise ValueError(name)
-
-
-def preflight(cfg) -> None:
-    """Checks that must pass before a run starts (e.g. the GPUs a config asks for exist)."""
-    check_device(cfg)
-    if cfg.backend.name == "ray":
+def preflight(s) -> None:
+    """Checks that must pass before a run starts (e.g. the GPUs a config asks for exist); ``s``: the run's
+    raysim.engine.settings.BackendSettings. The sequential backend ignores resource requests."""
+    check_device(s)
+    if s.backend.name == "ray":
         from raysim.backends.ray_preflight import preflight_resources
 
-        preflight_resources(cfg)
-    elif cfg.backend.num_gpus or cfg.backend.server_num_gpus:
-        pass  # sequential ignores resource requests
+        preflight_resources(s)
 
 
-def check_device(cfg) -> None:
+def check_device(s) -> None:
     """``backend.device: cuda`` where no process of the run could see a GPU: one ConfigError before anything starts.
     In-process (sequential): this process needs CUDA. On Ray, Ray shows a process only the GPUs it reserved, so the
     client actors (every pool) and the server actor must ask for GPUs."""
-    b = cfg.backend
+    b = s.backend
     if b.device != "cuda":
         return
     if b.name != "ray":
@@ -46,7 +35,7 @@ def check_device(cfg) -> None:
         return
     from raysim.backends.ray_preflight import actor_shapes
 
-    for key, _, _, gpus in actor_shapes(cfg):
+    for key, _, _, gpus in actor_shapes(s):
         if gpus <= 0:
             field = "backend.num_gpus" if key == "backend.num_actors" else key + ".num_gpus"
             raise ConfigError(field, "backend.device is cuda, but these client actors ask for no GPU (Ray shows a "

@@ -58,7 +58,7 @@ def take_warm(kind: str, key, n: int) -> list:
 
 class ClientActor(ClientRunner):
     def __init__(self, spec, clients, name="clients", source=None, gpu_memory_mb: float = 0.0):
-        numerics.enter(spec.cfg.backend.numerics)  # before anything computes here (the data may be built below)
+        numerics.enter(spec.runner.numerics)  # before anything computes here (the data may be built below)
         ray_serialization.register()
         if source is not None:  # client ids into the shared pools
             clients = ClientSet(source, clients)
@@ -68,7 +68,7 @@ class ClientActor(ClientRunner):
 
             enter_run(spec)  # the user's registered loaders, the driver's working directory
 
-            fed = build_federated_data(spec.cfg.data, spec.cfg.seed)
+            fed = build_federated_data(spec.data, spec.runner.seed)
             clients = (fed.clients.view(clients) if isinstance(fed.clients, LazyClients)
                        else [fed.clients[i] for i in clients])
         super().__init__(spec, clients, name)
@@ -127,7 +127,7 @@ class ClientActor(ClientRunner):
 
 class ServerActor(ServerRunner):
     def __init__(self, spec, *args, **kwargs):
-        numerics.enter(spec.cfg.backend.numerics)
+        numerics.enter(spec.runner.numerics)
         ray_serialization.register()
         super().__init__(spec, *args, **kwargs)
 

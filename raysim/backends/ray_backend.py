@@ -31,8 +31,8 @@ from raysim.messages import tensor_bytes
 class RayBackend(ActorRecovery, CostBalancing, Backend):
     name = "ray"
 
-    def __init__(self, spec, fed_data):
-        self.spec, self.fed_data = spec, fed_data
+    def __init__(self, spec, fed_data, settings):
+        self.spec, self.fed_data, self.settings = spec, fed_data, settings  # settings: engine.settings.BackendSettings
         self._own_session = False
         self._watchdog = None
         self._state_dir = None
@@ -49,8 +49,8 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
 
     def _connect(self) -> None:
         """Join (or start) the Ray session; check its resources, its nodes and their kernels before any actor."""
-        cfg = self.spec.cfg
-        b = cfg.backend
+        s = self.settings
+        b = s.backend
         if not ray.is_initialized():
             kwargs = dict(include_dashboard=False, logging_level="ERROR", log_to_driver=True,
                           runtime_env=code_runtime_env(b.address))
@@ -68,15 +68,15 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
             self._own_session = True
         ray_serialization.register()  # tensors through the object store as raw bytes (bit-identical, ~15x faster)
         res = ray.cluster_resources()
-        check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
+        check_resources(s, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
                         float(res.get("memory", 0)))
-        check_node_resources(cfg, ray.nodes())
-        check_node_numerics(cfg, ray.nodes())
+        check_node_resources(s, ray.nodes())
+        check_node_numerics(s, ray.nodes())
 
     def _layout(self) -> None:
         """The state directory, the actor pools and the first client layout, and what each actor is built with."""
-        b = self.spec.cfg.backend
-        self.spec, self._state_dir = run_state_dir(self.spec)
+        b = self.settings.backend
+        self.spec, self._state_dir = run_state_dir(self.spec, self.settings)
         # actor pools: one per backend.model_resources entry (its architecture's clients), the default one for the rest
         self.pools, self.assignment = actor_pools(b, [a.arch for a in self.spec.task.archs])
         self._pool_of = {k: p for p in self.pools for k in p.actors}
@@ -96,14 +96,14 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         then the per-actor bookkeeping."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        b = self.spec.cfg.backend
+        b = self.settings.backend
         n = len(self._pool_of)
 
         # the server actor holds the server state alone: keep it on the head node (where the GCS lives, the last
         # node to go), else the driver's (soft: elsewhere if it must)
         heads = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})]
         here = NodeAffinitySchedulingStrategy(heads[0] if heads else ray.get_runtime_context().get_node_id(), soft=False)
-        renv = actor_runtime_env(self.spec, b.address)
+        renv = actor_runtime_env(self.spec, b)
         extra = {"runtime_env": renv} if renv else {}
         self.shipped = list(self.spec.code) + ([os.getcwd()] if b.code == "working_dir" else [])
         Server = ray.remote(ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,

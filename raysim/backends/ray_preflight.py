@@ -21,12 +21,12 @@ def gpu_capacity(per_actor: float, gpus: float) -> int:
     return int(math.floor(gpus / per_actor + 1e-9))
 
 
-def check_node_resources(cfg, nodes: list[dict]) -> None:
+def check_node_resources(s, nodes: list[dict]) -> None:
     """Per node: an actor must fit on at least one alive node (a cluster of small nodes cannot host a big actor)."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive")]
     if not alive:
         return
-    for key, _, c, g in actor_shapes(cfg):
+    for key, _, c, g in actor_shapes(s):
         if not any(r.get("CPU", 0) + 1e-9 >= c and r.get("GPU", 0) + 1e-9 >= g for r in alive):
             biggest = max(alive, key=lambda r: r.get("CPU", 0))
             raise ConfigError("backend.num_cpus" if key == "backend.num_actors" else key + ".num_cpus",
@@ -46,10 +46,10 @@ def node_numerics_refusal(mode: str, reports: list) -> str | None:
             f"backend.numerics: native (the table then depends on the CPU), or leave that node out of the cluster")
 
 
-def check_node_numerics(cfg, nodes: list[dict]) -> None:
+def check_node_numerics(s, nodes: list[dict]) -> None:
     """On a cluster (``backend.address``), before any actor starts: every alive node can run ``backend.numerics``
     (one zero-CPU task per node reads its CPU). A local cluster is this machine, which the driver checked already."""
-    if cfg.backend.numerics != "portable" or not cfg.backend.address:
+    if s.backend.numerics != "portable" or not s.backend.address:
         return
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -82,12 +82,12 @@ def code_runtime_env(address) -> dict:
     return env
 
 
-def actor_runtime_env(spec, address) -> dict | None:
+def actor_runtime_env(spec, backend) -> dict | None:
     """The client and server actors' runtime environment when the user's code must reach them (``backend.code``,
     paths from :mod:`raysim.config.usercode`): Ray ``py_modules`` (or ``working_dir``), uploaded once per content hash
     and unpacked on every node. An actor's ``py_modules`` replace the job's, so raysim's own packages are listed
     again on a ``backend.address`` cluster."""
-    code = spec.cfg.backend.code
+    code, address = backend.code, backend.address  # the backend config section
     if code != "working_dir" and not spec.code:
         return None
     own = code_runtime_env(address).get("py_modules", [])
@@ -125,13 +125,13 @@ def machine_memory() -> float:
         return 0.0
 
 
-def check_resources(cfg, cpus: float, gpus: float, where: str, memory: float = 0.0) -> None:
+def check_resources(s, cpus: float, gpus: float, where: str, memory: float = 0.0) -> None:
     """Fail fast where Ray would leave actors pending forever, or where the client actors' in-memory state stores
     (backend.state_memory_mb each) cannot fit in ``memory`` bytes (0: unknown, not checked)."""
-    b = cfg.backend
+    b = s.backend
     if b.model_resources:
-        return _check_pools(cfg, cpus, gpus, where, memory)
-    n = min(b.num_actors, cfg.data.num_clients)
+        return _check_pools(s, cpus, gpus, where, memory)
+    n = min(b.num_actors, s.num_clients)
     store = n * b.state_memory_mb * 2**20
     if memory > 0 and store > memory:
         raise ConfigError("backend.state_memory_mb",
@@ -161,11 +161,11 @@ def check_resources(cfg, cpus: float, gpus: float, where: str, memory: float = 0
                                                 f"or backend.num_cpus (fractions allowed)")
 
 
-def actor_shapes(cfg) -> list[tuple[str, int, float, float]]:
+def actor_shapes(s) -> list[tuple[str, int, float, float]]:
     """(config key, actors at most, CPUs, GPUs) of each kind of client actor: the default actors when some
     architecture of the run is not in ``backend.model_resources``, then one per entry."""
-    b, n = cfg.backend, cfg.data.num_clients
-    archs = {cfg.model.arch} if cfg.model.per_client is None else {a.arch for a in cfg.model.per_client}
+    b, n = s.backend, s.num_clients
+    archs = set(s.archs)
     listed = list(b.model_resources or [])
     shapes = []
     if not listed or archs - {r.arch for r in listed}:
@@ -175,11 +175,11 @@ def actor_shapes(cfg) -> list[tuple[str, int, float, float]]:
     return shapes
 
 
-def _check_pools(cfg, cpus: float, gpus: float, where: str, memory: float) -> None:
+def _check_pools(s, cpus: float, gpus: float, where: str, memory: float) -> None:
     """check_resources with per-architecture actor pools: every pool's actors (and the server) must fit at once —
     GPU fractions packed first-fit-decreasing onto whole GPUs, as Ray places them."""
-    b = cfg.backend
-    shapes = actor_shapes(cfg)
+    b = s.backend
+    shapes = actor_shapes(s)
     actors = sum(k for _, k, _, _ in shapes)
     if memory > 0 and actors * b.state_memory_mb * 2**20 > memory:
         raise ConfigError("backend.state_memory_mb", f"{actors} client actors x {b.state_memory_mb} MB of in-memory "
@@ -292,18 +292,18 @@ def check_address(address: str, timeout_s: float) -> None:
                              f"ray://{host}:10001)")
 
 
-def preflight_resources(cfg) -> None:
+def preflight_resources(s) -> None:
     """Before starting anything: for a local cluster Ray would start with, check what this machine has; for an
     existing cluster (backend.address), that it answers."""
-    if cfg.backend.address:  # checked even when this process already holds a Ray session
-        check_address(cfg.backend.address, cfg.backend.connect_timeout_s)
+    if s.backend.address:  # checked even when this process already holds a Ray session
+        check_address(s.backend.address, s.backend.connect_timeout_s)
         return  # resources are checked against the live cluster in RayBackend.start
     if ray.is_initialized():  # this process's session (a notebook, a loop over runs): its cluster's resources
         res = ray.cluster_resources()
-        check_resources(cfg, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
+        check_resources(s, float(res.get("CPU", 0)), float(res.get("GPU", 0)), "the Ray cluster",
                         float(res.get("memory", 0)))
         return
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    check_resources(cfg, float(os.cpu_count() or 1), float(gpus), "this machine", machine_memory())
+    check_resources(s, float(os.cpu_count() or 1), float(gpus), "this machine", machine_memory())

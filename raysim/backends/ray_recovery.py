@@ -33,9 +33,9 @@ class ActorRecovery:
 
     def _on_actor_death(self, k: int, where: str, error: BaseException, attempt: int) -> str:
         """What to do about client actor k dying during ``where``: 'retry' or 'skip' (or raise for stop)."""
-        cfg = self.spec.cfg
-        policy = cfg.on_actor_failure
-        action = policy if policy != "retry" or attempt < cfg.max_retries else "skip"
+        s = self.settings
+        policy = s.on_actor_failure
+        action = policy if policy != "retry" or attempt < s.max_retries else "skip"
         self.actor_failures.append({"where": where, "actor": k, "attempt": attempt + 1, "action": action,
                                     "error": type(error).__name__})
         if action == "stop":

@@ -12,12 +12,12 @@ from raysim.engine.runners import ClientRunner, ServerRunner, server_data
 class SequentialBackend(Backend):
     name = "sequential"
 
-    def __init__(self, spec, fed_data):
-        self.spec, self.fed_data = spec, fed_data
+    def __init__(self, spec, fed_data, settings):
+        self.spec, self.fed_data, self.settings = spec, fed_data, settings  # settings: engine.settings.BackendSettings
         self.server = self.clients = None
 
     def start(self) -> None:
-        self.spec, self._state_dir = run_state_dir(self.spec)
+        self.spec, self._state_dir = run_state_dir(self.spec, self.settings)
         self.server = ServerRunner(self.spec, self.fed_data.global_test, server_data(self.spec, self.fed_data))
         self.clients = ClientRunner(self.spec, self.fed_data.clients)
 

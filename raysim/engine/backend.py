@@ -17,6 +17,9 @@ class Backend(ABC):
     #                             and client actors, with their nodes); the sequential backend computes in the driver
     client_runners: int = 1  # how many client runners host the clients (Ray: its client actors); in-process: one
     object_store: dict = {}  # round -> tensor bytes moved through a transport (Ray: its object store); in-process: {}
+    runs_server_step_ahead: bool = False  # the next step's server work may start before the driver asks (Ray)
+    balance_log: list = []  # per cost-balanced step: predicted and measured loads, moves (Ray, backend.balance: cost)
+    actor_failures: list = []  # every client-runner death seen and what was done about it (Ray)
 
     def start(self) -> None: ...
 
@@ -67,17 +70,17 @@ class Backend(ABC):
     def shutdown(self) -> None: ...
 
 
-def run_state_dir(spec):
+def run_state_dir(spec, settings):
     """A fresh directory for this run's state stores, under ``backend.state_dir`` (or the system's temporary
     directory); the backend removes it at shutdown. Returns (spec with state_dir set, the directory)."""
     import dataclasses
     import tempfile
 
-    base = spec.cfg.backend.state_dir
+    base = settings.backend.state_dir
     if base:
         os.makedirs(base, exist_ok=True)
-    d = tempfile.mkdtemp(prefix=f"raysim-{spec.cfg.name}-", dir=base or None)
-    durable = spec.cfg.backend.name == "ray" and spec.cfg.on_actor_failure == "retry"
+    d = tempfile.mkdtemp(prefix=f"raysim-{settings.run_name}-", dir=base or None)
+    durable = settings.backend.name == "ray" and settings.on_actor_failure == "retry"
     return dataclasses.replace(spec, state_dir=d, durable=durable), d
 
 
@@ -86,17 +89,19 @@ BACKENDS = {"sequential": "raysim.backends.sequential:SequentialBackend", "ray":
 PREFLIGHT = "raysim.backends:preflight"
 
 
-def make_backend(name: str, spec, fed_data) -> Backend:
+def make_backend(spec, fed_data, settings) -> Backend:
+    """The backend ``settings.backend.name`` (settings: raysim.engine.settings.BackendSettings)."""
     from raysim.config.registry import load_target
 
+    name = settings.backend.name
     if name not in BACKENDS:
         raise ValueError(name)
-    return load_target(BACKENDS[name])(spec, fed_data)
+    return load_target(BACKENDS[name])(spec, fed_data, settings)
 
 
-def preflight(cfg) -> None:
+def preflight(settings) -> None:
     """The checks that must pass before a run starts (``raysim.backends.preflight``: the GPUs a config asks for
     exist, a cluster answers, ...)."""
     from raysim.config.registry import load_target
 
-    load_target(PREFLIGHT)(cfg)
+    load_target(PREFLIGHT)(settings)

@@ -192,10 +192,10 @@ class ClusterAgreement(Callback):
             return None
         clusters = {}
         for row in reversed(run.table.rows):
-            if row[1] != round_idx:
+            if row.round != round_idx:
                 break
-            if row[3] == "client" and row[4] == "cluster":
-                clusters[row[2]] = int(row[5])
+            if row.scope == "client" and row.metric == "cluster":
+                clusters[row.client_id] = int(row.value)
         if clusters:
             from sklearn.metrics import adjusted_rand_score
 

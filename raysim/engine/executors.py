@@ -161,7 +161,7 @@ class Vectorized(Executor):
         vs.reports[cid].down = payload_sizes(down)
         state = r.state(cid)
         data = r._data(cid)
-        rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+        rngmod.seed_torch_global(r.spec.runner.seed, round_idx, cid, _purpose(step, iteration))
         model = alg.live_model(ctx)
         start = alg.client_init(model, down, state, data, ctx)
         if alg.vectorizable(start):
@@ -171,7 +171,7 @@ class Vectorized(Executor):
             vs.pending[cid] = _Pending(ctx, down, state, data, start, params, opt_state)
             vs.groups.setdefault(id(model), (model, []))[1].append(cid)
         else:
-            rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+            rngmod.seed_torch_global(r.spec.runner.seed, round_idx, cid, _purpose(step, iteration))
             r._finish_update(vs.reports[cid], cid, alg.client_update(down, state, data, ctx), vs.token, vs.uploads)
 
     @staticmethod
@@ -227,12 +227,12 @@ class Loop(Executor):
                 if not evaluate:
                     rep.down = payload_sizes(down)
                 state = r.state(cid, keep=not evaluate)
-                rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                rngmod.seed_torch_global(r.spec.runner.seed, round_idx, cid, _purpose(step, iteration))
                 if evaluate:
                     data = r._data(cid)
                     rep.metrics = dict(fn(down, state, data, ctx))
                     if data.has_val:  # the same evaluation on the validation split: test_* -> val_*
-                        rngmod.seed_torch_global(r.spec.cfg.seed, round_idx, cid, _purpose(step, iteration))
+                        rngmod.seed_torch_global(r.spec.runner.seed, round_idx, cid, _purpose(step, iteration))
                         vm = fn(down, state, data.validation_view(), ctx)
                         rep.metrics.update({"val_" + k[5:]: v for k, v in vm.items() if k.startswith("test_")})
                 else:
@@ -245,7 +245,7 @@ class Loop(Executor):
         return uploads, reports
 
 
-def executor_chain(backend_cfg) -> tuple[Executor, ...]:
+def executor_chain(vectorize: bool) -> tuple[Executor, ...]:
     """The executors a runner tries, in order: with ``backend.vectorize`` the vectorised executor and group forms
     first; the per-client loop always last."""
-    return ((Vectorized(), GroupForm()) if backend_cfg.vectorize else ()) + (Loop(),)
+    return ((Vectorized(), GroupForm()) if vectorize else ()) + (Loop(),)

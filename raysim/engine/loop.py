@@ -26,6 +26,7 @@ from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
 from raysim.engine.reports import step_token
 from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
+from raysim.io.tables import Row
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
 from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, ProgressBar, RunDirectory
 from raysim.engine.prepare import Prepared, prepare, resume_hash, versions
@@ -71,7 +72,7 @@ def _merge_into(run: Run, step, nxt) -> Optional[ServerStep]:
     # auto: one client runner (the sequential backend, Ray with one actor), whose merged upload is exactly what the
     # server would compute from the per-client ones (tests/test_partial_aggregate.py)
     mode = run.cfg.backend.partial_aggregate
-    on = mode is True or (mode == "auto" and getattr(run.backend, "client_runners", 0) == 1)
+    on = mode is True or (mode == "auto" and run.backend.client_runners == 1)
     if not on or run.env is not None or step.mode != "train" or nxt is None:
         return None
     server = nxt[0]
@@ -124,7 +125,7 @@ class _RoundWalk:
             backend.commit(*self.to_commit)
         nxt = self.items[pos + 1] if pos + 1 < len(self.items) else None
         merge = _merge_into(run, step, nxt)
-        if (getattr(backend, "runs_server_step_ahead", False) and nxt is not None
+        if (backend.runs_server_step_ahead and nxt is not None
                 and isinstance(nxt[0], ServerStep) and not self._env_pending()):
             # the backend may submit the server step that follows right behind this one, without waiting for the
             # reports: its failures are this list plus the step's failed reports (computed where it runs) and
@@ -311,7 +312,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
     elif write:
         rd = rundir.RunDir.claim(target, where)
     cbs, started = _callbacks(cfg, prep, rd, progress, callbacks)
-    backend = make_backend(cfg.backend.name, prep.spec, prep.fed_data)
+    backend = make_backend(prep.spec, prep.fed_data, prep.backend)
     run = Run(prep, backend, run_id)
     try:
         t0 = time.perf_counter()
@@ -356,7 +357,7 @@ def _drive(run: Run, cbs: list, started: list) -> RunResult:
         cb.on_run_start(run)
     run_loop(run, cbs)
     run.store_stats = run.backend.store_stats()
-    if getattr(run.backend, "balance_log", None):
+    if run.backend.balance_log:
         run.timing["balance"] = run.backend.balance_log  # cost-aware placement: per-step loads and moves
     result = RunResult(run.run_id, None, run.table.frame(), _metadata(run), run.timing)
     for cb in reversed(cbs):
@@ -380,7 +381,7 @@ def _restore(run: Run, ck_dir: Path, meta: dict) -> None:
 def _restore_from(run: Run, ck_dir: Path, meta: dict) -> None:
     extra = meta["extra"]
     run.backend.load_checkpoint(str(ck_dir), meta["manifest"])
-    run.table.rows = [(run.run_id, *r[1:]) for r in extra["rows"]]  # run_id changes when rounds were extended
+    run.table.rows = [Row(run.run_id, *r[1:]) for r in extra["rows"]]  # run_id changes when rounds were extended
     run.failures = list(extra["failures"])
     if run.env is not None and extra.get("env") is not None:
         run.env.load_state_dict(extra["env"])
@@ -407,7 +408,7 @@ def _metadata(run: Run) -> dict:
         "stopped_early": run.stopped_early,
         "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures],
         "equality_policy": EQUALITY_POLICY,
-        "actor_failures": list(getattr(run.backend, "actor_failures", [])),
+        "actor_failures": list(run.backend.actor_failures),
         # tensor bytes through Ray's object store per round (payload reads by the actors' calls, returned uploads)
         "object_store_bytes": [dict(round=r, **v) for r, v in sorted(run.backend.object_store.items())],
         "schedule": [f"{type(s).__name__}:{s.name}" + (f"#{i}" if i else "") for s, i in flatten(run.algorithm.schedule())],

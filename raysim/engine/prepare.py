@@ -21,6 +21,7 @@ from raysim.errors import ConfigError
 from raysim.models import client_archs
 from raysim.config.registry import algorithm_class, algorithm_target, make_environment
 from raysim.engine.environment import check_environment
+from raysim.engine.settings import BackendSettings, backend_settings, runner_settings
 from raysim.engine.runners import RunSpec
 from raysim.steps import check_schedule
 
@@ -31,6 +32,7 @@ class Prepared:
     fed_data: FederatedData
     task: Task
     spec: RunSpec
+    backend: BackendSettings  # what the backend reads (raysim.engine.settings)
     env: Any = None  # envs.Environment when the config has an env section
     algorithm: Any = None  # a driver-side instance (schedules only; never trained)
     models: dict = field(default_factory=dict)  # arch key -> {"params": count, "embed_dim": size or None}
@@ -64,7 +66,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         from raysim.asyncrules import check_async
 
         check_async(cfg, algorithm, env)
-    preflight(cfg)
+    backend = backend_settings(cfg)
+    preflight(backend)
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
         from raysim.engine.footprint import check_gpu_budgets
 
@@ -74,10 +77,11 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysim.config import registry, usercode
 
     code = usercode.code_to_ship(cfg) if cfg.backend.name == "ray" else ()
-    spec = RunSpec(cfg, task, algorithm_target(cfg.algorithm.name), params, registry=registry.snapshot(),
+    spec = RunSpec(runner_settings(cfg), cfg.data, task, algorithm_target(cfg.algorithm.name), params,
+                   registry=registry.snapshot(),
                    code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd(),
                    server_data=_instance_server_data(algorithm, algo_cls))
-    return Prepared(cfg, fed, task, spec, env, algorithm, models)
+    return Prepared(cfg, fed, task, spec, backend, env, algorithm, models)
 
 
 def _check_model_params(cfg: ExperimentConfig) -> None:

@@ -183,7 +183,8 @@ class Run:
         return failed
 
     def checkpoint_extra(self) -> dict:
-        extra = {"rows": list(self.table.rows), "failures": list(self.failures), "resume_hash": resume_hash(self.cfg),
+        extra = {"rows": [tuple(r) for r in self.table.rows],  # plain tuples: the checkpoint format
+                 "failures": list(self.failures), "resume_hash": resume_hash(self.cfg),
                  "env": self.env.state_dict() if self.env is not None else None, "setup_done": self.setup_done}
         if self.async_server is not None:
             extra["async"] = self.async_server.state_dict()

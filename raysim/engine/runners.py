@@ -23,7 +23,8 @@ from raysim import numerics
 from raysim.config import registry
 from raysim import rng as rngmod
 from raysim.algorithm import Context, ModelCache, ServerContext, ServerUpdate, Task, upload_merger
-from raysim.config import ExperimentConfig
+from raysim.config import DataConfig
+from raysim.engine.settings import RunnerSettings
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
 from raysim.engine.executors import executor_chain
@@ -46,11 +47,12 @@ def resolve_device(name: str) -> torch.device:
 
 @dataclass
 class RunSpec:
-    """Everything a runner needs to rebuild the algorithm in its own process: the config, the task, the resolved
-    algorithm class ("module:Class", so runtime registrations reach the workers) and its already validated,
-    typed hyperparameters (configs are validated once, on the driver)."""
+    """Everything a runner needs to rebuild the algorithm in its own process: its settings (never the whole config:
+    raysim.engine.settings), the task, the resolved algorithm class ("module:Class", so runtime registrations reach
+    the workers) and its already validated, typed hyperparameters (configs are validated once, on the driver)."""
 
-    cfg: ExperimentConfig
+    runner: RunnerSettings
+    data: DataConfig  # read only by client actors that build their clients' data themselves (backend.data)
     task: Task
     algorithm_target: str
     params: Any
@@ -62,10 +64,10 @@ class RunSpec:
     server_data: tuple = ()  # the server-held data sets the method declared (Algorithm.server_data; validated)
 
 
-def _setup_process(cfg: ExperimentConfig) -> torch.device:
-    torch.set_num_threads(cfg.backend.torch_threads)
-    device = resolve_device(cfg.backend.device)
-    numerics.enter(cfg.backend.numerics, device)
+def _setup_process(s: RunnerSettings) -> torch.device:
+    torch.set_num_threads(s.torch_threads)
+    device = resolve_device(s.device)
+    numerics.enter(s.numerics, device)
     return device
 
 
@@ -98,7 +100,7 @@ class ClientRunner:
     def __init__(self, spec: RunSpec, clients: list[ClientData], name: str = "clients"):
         enter_run(spec)
         self.spec = spec
-        self.device = _setup_process(spec.cfg)
+        self.device = _setup_process(spec.runner)
         self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
         if isinstance(clients, LazyClients):  # index ranges into shared pools; a client is built when used
@@ -113,14 +115,14 @@ class ClientRunner:
         # least-recently-used eviction a population just over the budget would never hit
         self._decoded: dict[int, ClientData] = {}
         self._decoded_bytes = 0
-        self._decoded_budget = int(spec.cfg.backend.decoded_cache_mb * 2**20)
-        self.executors = executor_chain(spec.cfg.backend)  # how a step runs (raysim.engine.executors)
-        mem = spec.cfg.backend.state_memory_mb * 2**20
+        self._decoded_budget = int(spec.runner.decoded_cache_mb * 2**20)
+        self.executors = executor_chain(spec.runner.vectorize)  # how a step runs (raysim.engine.executors)
+        mem = spec.runner.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
 
     def _ctx(self, round_idx: int, client_id: int, step: str = "", iteration: int = 0) -> Context:
-        return Context(round_idx, client_id, self.spec.cfg.seed, self.device, self.spec.task, self.models,
+        return Context(round_idx, client_id, self.spec.runner.seed, self.device, self.spec.task, self.models,
                        step=step, iteration=iteration)
 
     def client_ids(self) -> list[int]:
@@ -131,7 +133,7 @@ class ClientRunner:
         (evaluating a client that never trained): the state is built transiently, not stored."""
         s = self.store.get(cid)
         if s is None:
-            rngmod.seed_torch_global(self.spec.cfg.seed, rngmod.NO_ROUND, cid, "init")
+            rngmod.seed_torch_global(self.spec.runner.seed, rngmod.NO_ROUND, cid, "init")
             s = self.algorithm.init_client_state(self._ctx(rngmod.NO_ROUND, cid, "init"))
             if keep:
                 self.store.put_initial(cid, s)
@@ -264,20 +266,20 @@ class ServerRunner:
     def __init__(self, spec: RunSpec, global_test=None, server_data: Optional[dict] = None):
         enter_run(spec)
         self.spec = spec
-        self.device = _setup_process(spec.cfg)
+        self.device = _setup_process(spec.runner)
         self.algorithm = make_algorithm(spec)
         self.models = ModelCache(spec.task, self.device)
         self.global_test = global_test  # read only by evaluation steps (passed as their argument)
         # the declared server-held data (RunSpec.server_data): what train/setup server steps may read (ctx.server_data)
         self.server_data = dict(server_data or {})
-        rngmod.seed_torch_global(spec.cfg.seed, rngmod.NO_ROUND, rngmod.SERVER, "init")
+        rngmod.seed_torch_global(spec.runner.seed, rngmod.NO_ROUND, rngmod.SERVER, "init")
         self.state = self.algorithm.init_server_state(self._ctx(rngmod.NO_ROUND))
         # server.mode: async with FedBuff: the server state of each older version a client in flight was dispatched
         # with (version -> state), one per version however many clients share it, dropped when none is left
         self.versions: dict[int, Any] = {}
 
     def _ctx(self, round_idx: int, failures=None, step: str = "", iteration: int = 0) -> ServerContext:
-        return ServerContext(round_idx, rngmod.SERVER, self.spec.cfg.seed, self.device, self.spec.task, self.models,
+        return ServerContext(round_idx, rngmod.SERVER, self.spec.runner.seed, self.device, self.spec.task, self.models,
                              step=step, iteration=iteration, failures=list(failures or []),
                              server_data=dict(self.server_data))
 
@@ -293,7 +295,7 @@ class ServerRunner:
         ctx = self._ctx(round_idx, failures, step.name, iteration)
         info = getattr(step, "asynchronous", None)  # server.mode: async (raysim/engine/async_loop.py)
         ctx.asynchronous = self._async_bases(info) if info is not None and "dispatch" in info else info
-        rngmod.seed_torch_global(self.spec.cfg.seed, round_idx, rngmod.SERVER, _purpose(step, iteration))
+        rngmod.seed_torch_global(self.spec.runner.seed, round_idx, rngmod.SERVER, _purpose(step, iteration))
         if step.mode == "evaluate":
             if self.global_test is None:
                 return None, {}

@@ -8,13 +8,26 @@ from __future__ import annotations
 import json
 import numbers
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 
 from raysim.io.files import file_sha256
 from raysim.errors import MetricError
 
-COLUMNS = ["run_id", "round", "client_id", "scope", "metric", "value", "weight"]
+class Row(NamedTuple):
+    """One row of a result table (the columns, in order)."""
+
+    run_id: str
+    round: int
+    client_id: int
+    scope: str
+    metric: str
+    value: float
+    weight: float
+
+
+COLUMNS = list(Row._fields)
 META_KEY = b"raysim"
 RESULTS_FILE = "results.parquet"
 ROUND_TIME = "round_s"
@@ -49,13 +62,13 @@ def timing(df: pd.DataFrame) -> pd.DataFrame:
 class ResultTable:
     def __init__(self, run_id: str):
         self.run_id = run_id
-        self.rows: list[tuple] = []
+        self.rows: list[Row] = []
         self.counts: set[str] = set()  # metrics recorded as integers (counts, bytes, floats sent): by type, not name
 
     def add(self, round_idx: int, client_id: int, scope: str, metric: str, value, weight: float = 1.0) -> None:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
             self.counts.add(metric)
-        self.rows.append((self.run_id, int(round_idx), int(client_id), scope, metric, float(value), float(weight)))
+        self.rows.append(Row(self.run_id, int(round_idx), int(client_id), scope, metric, float(value), float(weight)))
 
     def frame(self) -> pd.DataFrame:
         df = pd.DataFrame(self.rows, columns=COLUMNS)
@@ -64,8 +77,8 @@ class ResultTable:
 
     def latest(self, metric: str, scope: str = "mean"):
         for r in reversed(self.rows):
-            if r[4] == metric and r[3] == scope:
-                return r[5]
+            if r.metric == metric and r.scope == scope:
+                return r.value
         return None
 
 
