@@ -15,7 +15,7 @@ import numpy as np
 import ray
 
 from raysim.backends import ray_serialization, ray_watchdog
-from raysim.backends.base import Backend, run_state_dir
+from raysim.backends.base import NO_FOLLOW, Backend, run_state_dir
 from raysim.backends.ray_balance import CostBalancing
 from raysim.backends.ray_recovery import ActorRecovery
 from raysim.backends.ray_actors import WARM, ClientActor, ServerActor, alive, release_warm_actors, take_warm
@@ -205,15 +205,16 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         row[f"{mode}_down"] += nbytes * len(reports_by_actor)
         row[f"{mode}_up"] += sum(int(getattr(r, "upload_bytes", 0)) for r in reports_by_actor)
 
-    runs_server_step_ahead = True  # client_step(..., then=...) submits the following server step at once
+    runs_server_step_ahead = True  # client_step(..., Follow(then=...)) submits the following server step at once
 
-    def client_step(self, step, payload, round_idx, iteration, client_ids, then=None, merge=None):
-        """``then = (server step, failures so far, keep)``: submit that server step right behind the client calls,
+    def client_step(self, step, payload, round_idx, iteration, client_ids, follow=NO_FOLLOW):
+        """``follow.then = (server step, failures so far, keep)``: submit that server step right behind the client calls,
         on their upload and report refs (the server actor adds the step's failed reports to the failures), so it
         starts when the last upload exists instead of after a driver round trip; :meth:`server_step` collects it
         (or, when the uploads it was given were lost and replaced, runs the step anew: a task whose arguments
         failed never ran)."""
         where = f"round {round_idx}, step '{step.name}'"
+        then, merge = follow.then, follow.merge
         self._pending_balance = None
         self._ahead = None
         if self.cost is not None and step.mode != "evaluate":

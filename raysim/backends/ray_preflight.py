@@ -229,30 +229,50 @@ def check_address(address: str, timeout_s: float) -> None:
     cluster: the host resolves, the port accepts a connection, and what listens there answers as Ray's GCS does
     (gRPC over HTTP/2). ``auto`` must find a cluster started on this machine; ``ray://`` (Ray Client) is checked up
     to the connection."""
-    import socket
-
     addr = str(address).strip()
     if addr == "auto":
-        from ray._private.services import canonicalize_bootstrap_address
-
-        try:
-            found = canonicalize_bootstrap_address("auto")
-        except Exception:
-            found = None
-        if not found:
-            raise address_error(f"'auto' found no Ray cluster started on this machine; start one with 'ray start "
-                                 f"--head' or {ADDRESS_FIX}")
-        addr = found
+        addr = _local_cluster_address()
     client = addr.startswith("ray://")
-    hostport = addr[len("ray://"):] if client else addr
+    host, port = _host_port(address, addr[len("ray://"):] if client else addr)
+    sock = _connect(address, host, port, timeout_s)
+    if client:
+        sock.close()
+        return
+    if not _answers_as_gcs(sock, timeout_s):
+        raise address_error(f"{host}:{port} accepts connections but is not a Ray cluster's GCS (no answer as one "
+                             f"within {timeout_s:g} s, backend.connect_timeout_s); {ADDRESS_FIX}")
+    _check_local_node(host, port)
+
+
+def _local_cluster_address() -> str:
+    """``auto``: the address of a cluster started on this machine."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    try:
+        found = canonicalize_bootstrap_address("auto")
+    except Exception:
+        found = None
+    if not found:
+        raise address_error(f"'auto' found no Ray cluster started on this machine; start one with 'ray start "
+                             f"--head' or {ADDRESS_FIX}")
+    return found
+
+
+def _host_port(address: str, hostport: str) -> tuple[str, int]:
     if "://" in hostport or "/" in hostport:
         raise address_error(f"{address!r} is not HOST:PORT (or ray://HOST:PORT); {ADDRESS_FIX}")
     host, sep, port = hostport.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise address_error(f"{address!r} is not HOST:PORT (e.g. 10.0.0.5:6379); {ADDRESS_FIX}")
+    return host, int(port)
+
+
+def _connect(address: str, host: str, port: int, timeout_s: float):
+    import socket
+
     try:
-        sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        return socket.create_connection((host, port), timeout=timeout_s)
     except socket.gaierror as e:
         raise address_error(f"unknown host {host!r} in {address!r} ({e.strerror or e}); {ADDRESS_FIX}") from None
     except (socket.timeout, TimeoutError):
@@ -260,13 +280,14 @@ def check_address(address: str, timeout_s: float) -> None:
                              f"the head node up and reachable from here? {ADDRESS_FIX}") from None
     except OSError as e:
         raise address_error(f"no Ray cluster at {host}:{port} ({e.strerror or e}); {ADDRESS_FIX}") from None
-    if client:
-        sock.close()
-        return
-    try:  # Ray's GCS is a gRPC server: it answers an HTTP/2 client preface with a SETTINGS frame
+
+
+def _answers_as_gcs(sock, timeout_s: float) -> bool:
+    """Ray's GCS is a gRPC server: it answers an HTTP/2 client preface with a SETTINGS frame. Closes ``sock``."""
+    head = b""
+    try:
         sock.settimeout(timeout_s)
         sock.sendall(HTTP2_PREFACE)
-        head = b""
         while len(head) < 9:
             chunk = sock.recv(9 - len(head))
             if not chunk:
@@ -276,10 +297,12 @@ def check_address(address: str, timeout_s: float) -> None:
         head = b""
     finally:
         sock.close()
-    if len(head) < 9 or head[3] != 0x04:
-        raise address_error(f"{host}:{port} accepts connections but is not a Ray cluster's GCS (no answer as one "
-                             f"within {timeout_s:g} s, backend.connect_timeout_s); {ADDRESS_FIX}")
-    try:  # a driver joins through a raylet on its own machine: with none here, ray.init could only time out
+    return len(head) >= 9 and head[3] == 0x04
+
+
+def _check_local_node(host: str, port: int) -> None:
+    """A driver joins a cluster through a raylet on its own machine: with none here, ray.init could only time out."""
+    try:
         from ray._private.services import find_node_ids
 
         local = find_node_ids()

@@ -5,7 +5,7 @@ import os
 
 import shutil
 
-from raysim.backends.base import Backend, run_state_dir
+from raysim.backends.base import NO_FOLLOW, Backend, run_state_dir
 from raysim.engine.runners import ClientRunner, ServerRunner, server_data
 
 
@@ -24,8 +24,9 @@ class SequentialBackend(Backend):
     def initial_payload(self, round_idx):
         return self.server.initial_payload(round_idx)
 
-    def client_step(self, step, payload, round_idx, iteration, client_ids, merge=None):
-        uploads, reports = self.clients.run_client_step(step, payload, round_idx, iteration, client_ids, merge)
+    def client_step(self, step, payload, round_idx, iteration, client_ids, follow=NO_FOLLOW):
+        uploads, reports = self.clients.run_client_step(step, payload, round_idx, iteration, client_ids,
+                                                        follow.merge)
         return [uploads], reports
 
     def commit(self, client_ids, token=None):

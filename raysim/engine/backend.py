@@ -8,7 +8,22 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class Follow:
+    """What follows a client step's uploads, when the backend may act on it early: ``merge``, the server step they
+    feed, when each client runner is to send one partial aggregate (``ClientRunner.run_client_step``); ``then``,
+    (that server step, the failures so far, the clients it keeps), for a backend that submits it right behind the
+    client calls (``Backend.runs_server_step_ahead``)."""
+
+    merge: Any = None
+    then: Optional[tuple] = None
+
+
+NO_FOLLOW = Follow()
 
 
 class Backend(ABC):
@@ -29,10 +44,10 @@ class Backend(ABC):
 
     @abstractmethod
     def client_step(self, step, payload: Any, round_idx: int, iteration: int, client_ids: list[int],
-                    merge=None) -> tuple[Any, list]:
+                    follow: Follow = NO_FOLLOW) -> tuple[Any, list]:
         """Run ``step`` for ``client_ids``; return (handle to their uploads, ClientReports sorted by client id).
-        One call per actor per step. New client states stay pending until :meth:`commit`. ``merge``: the server step
-        the uploads feed, when each runner is to send one partial aggregate (``ClientRunner.run_client_step``)."""
+        One call per actor per step. New client states stay pending until :meth:`commit`. ``follow``: what the
+        uploads feed (:class:`Follow`)."""
 
     @abstractmethod
     def commit(self, client_ids: list[int], token: Optional[str] = None) -> None:

@@ -21,7 +21,7 @@ from raysim.algorithm import upload_merger
 from raysim import rng as rngmod
 from raysim.io import rundir
 from raysim.engine import safety
-from raysim.engine.backend import make_backend
+from raysim.engine.backend import Follow, make_backend
 from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
 from raysim.engine.reports import step_token
@@ -130,10 +130,10 @@ class _RoundWalk:
             # the backend may submit the server step that follows right behind this one, without waiting for the
             # reports: its failures are this list plus the step's failed reports (computed where it runs) and
             # nothing else can change them before it (the environment decides on a round's first step)
-            self.uploads, reports = backend.client_step(step, run.payload, self.round_idx, it, ids,
-                                                        then=(nxt[0], list(self.failures), self.keep), merge=merge)
+            follow = Follow(merge, then=(nxt[0], list(self.failures), self.keep))
         else:
-            self.uploads, reports = backend.client_step(step, run.payload, self.round_idx, it, ids, merge=merge)
+            follow = Follow(merge)
+        self.uploads, reports = backend.client_step(step, run.payload, self.round_idx, it, ids, follow)
         # committed once the uploads have been consumed too (the next server step), so that a step whose uploads
         # are lost with a node can still be run again from the previous states
         self.to_commit = ([r.client_id for r in reports if r.ok], step_token(self.round_idx, step, it))
