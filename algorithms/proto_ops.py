@@ -97,9 +97,9 @@ UNLABELLED = -1  # the label a client sees for an unlabelled sample (its true la
 
 @dataclass(frozen=True)
 class Labelling:
-    """Which share of a positive class keeps its labels: rho = ``positive_rate`` of its n_c samples, only for classes
-    with n_c >= ``min_class_samples``, at least one when ``at_least_one``."""
-    positive_rate: float
+    """Which share of a positive class keeps its labels: rho = ``rate`` (FedPU's positive_rate) of its n_c samples,
+    only for classes with n_c >= ``min_class_samples``, at least one when ``at_least_one``."""
+    rate: float
     min_class_samples: int = 0
     at_least_one: bool = True
 
@@ -114,8 +114,7 @@ def pu_split(y: torch.Tensor, classes: Sequence[int], num_classes: int, labellin
     Returns (observed labels with UNLABELLED for unlabelled samples, the class prior of the unlabelled set over all
     C classes, pi_c = (unlabelled samples of class c) / |U| (0 when U is empty; FedPU treats this prior as known),
     the positive-class indicator m (C,): 1 for every class in ``classes``)."""
-    positive_rate, min_class_samples, at_least_one = (labelling.positive_rate, labelling.min_class_samples,
-                                                      labelling.at_least_one)
+    positive_rate, min_class_samples, at_least_one = labelling.rate, labelling.min_class_samples, labelling.at_least_one
     y_np = y.detach().cpu().numpy()
     observed = np.full(len(y_np), UNLABELLED, dtype=np.int64)
     positive = np.zeros(num_classes, dtype=np.float32)
