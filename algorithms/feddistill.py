@@ -18,7 +18,7 @@ from algorithms.proto_ops import class_mean_logits, distill_loss
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive
 from raysim.messages import Message
-from raysim.training import accuracy, clone_state, forward_all, train_epochs
+from raysim.training import TrainOptions, accuracy, clone_state, forward_all, train_epochs
 
 
 class FedDistill(Algorithm):
@@ -97,8 +97,8 @@ class FedDistill(Algorithm):
             kd = distill_loss(logits, yb, glob, mask, temp)
             return ce + lam * kd, {"ce": ce.detach(), "distill": kd.detach()}
 
-        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"), loss_fn,
-                               dropout_generator=ctx.generator("dropout", device=ctx.device))
+        metrics = train_epochs(model, data.x_train, data.y_train, TrainOptions(
+            self.task.train, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)), loss_fn)
         classes = torch.nonzero(counts).flatten()
         means = (sums[classes] / counts[classes].unsqueeze(1).to(torch.float64)).to(torch.float32)
         upload = {"logits": Message("class_logits", {"logits": means, "classes": classes})}

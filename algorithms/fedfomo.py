@@ -31,7 +31,7 @@ from raysim.config import positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
-from raysim.training import accuracy, clone_state, forward_all, train_epochs
+from raysim.training import TrainOptions, accuracy, clone_state, forward_all, train_epochs
 
 
 def fomo_weights(old_loss: float, peer_losses: list[float], distances: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,8 +116,8 @@ class FedFomo(Algorithm):
                 start = weighted_average_states([s for s, _ in keep], [w for _, w in keep])
             metrics["fomo_positive"] = float((used > 0).sum())
         model.load_state_dict(start)
-        metrics.update(train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"),
-                                    ce_loss, dropout_generator=ctx.generator("dropout", device=ctx.device)))
+        metrics.update(train_epochs(model, data.x_train, data.y_train, TrainOptions(
+            self.task.train, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)), ce_loss))
         new = clone_state(model)
         upload = {"model": state_message("weights", new),
                   "affinity": Message("affinity", {"ids": torch.tensor(ids, dtype=torch.int64), "w": raw})}

@@ -29,7 +29,7 @@ from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalStart
 from raysim.config import positive
 from raysim.messages import state_message
-from raysim.training import clone_state, make_optimizer
+from raysim.training import OptimizerSpec, clone_state, make_optimizer
 
 
 def fedgen_diversity(eps: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -165,7 +165,7 @@ class FedGen(FedAvg):
         gen.load_state_dict(server_state["generator"])
         gen.train()
         p = self.params
-        opt = make_optimizer(gen.parameters(), kind="adam", lr=p.gen_lr)
+        opt = make_optimizer(gen.parameters(), OptimizerSpec("adam", p.gen_lr))
         g = ctx.generator("fedgen_server", ctx.device)
         last = 0.0
         for _ in range(p.gen_steps):

@@ -41,7 +41,7 @@ from raysim.algorithm import Context, LocalStart
 from raysim.config import positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
-from raysim.training import clone_state, make_optimizer
+from raysim.training import OptimizerSpec, clone_state, make_optimizer
 
 
 def ensemble_logits(heads: list, weights: list, z: torch.Tensor) -> torch.Tensor:
@@ -171,7 +171,7 @@ class FedGenHt(LGFedAvg):
         gen.load_state_dict(server_state["generator"])
         gen.train()
         p = self.params
-        opt = make_optimizer(gen.parameters(), kind="adam", lr=p.gen_lr)  # a fresh one every round, as HtFLlib
+        opt = make_optimizer(gen.parameters(), OptimizerSpec("adam", p.gen_lr))  # a fresh one every round, as HtFLlib
         g = ctx.generator("fedgen_server", ctx.device)
         freq = self.label_freq({"label_counts": counts}).to(torch.float32).to(ctx.device)
         last = 0.0

@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from algorithms.proto_ops import UNLABELLED, labelled_ce, pu_loss, pu_split
+from algorithms.proto_ops import UNLABELLED, Labelling, labelled_ce, pu_loss, pu_split
 from raysim import rng as rngmod
 from raysim.errors import ConfigError
 
@@ -107,11 +107,11 @@ def make_view(data, num_classes: int, seed: int, pu: PUParams) -> Optional[PUVie
         return None
     r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, data.client_id, "pu_split")
     if split == "held":
-        y_obs, prior, positive = pu_split(data.y_train, data.classes, num_classes, rate, r)
+        y_obs, prior, positive = pu_split(data.y_train, data.classes, num_classes, Labelling(rate), r)
     else:
         pos = positive_classes(data.classes, pu.labelled_classes, seed, data.client_id)
-        y_obs, prior, positive = pu_split(data.y_train, pos, num_classes, rate, r,
-                                          min_class_samples=pu.pu_min_class, at_least_one=False)
+        y_obs, prior, positive = pu_split(data.y_train, pos, num_classes,
+                                          Labelling(rate, min_class_samples=pu.pu_min_class, at_least_one=False), r)
     return PUView(y_obs, prior, positive)
 
 

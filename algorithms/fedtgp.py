@@ -32,7 +32,7 @@ from raysim import rng as rngmod
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message
-from raysim.training import make_optimizer
+from raysim.training import OptimizerSpec, make_optimizer
 
 
 class PrototypeGenerator(nn.Module):
@@ -47,11 +47,21 @@ class PrototypeGenerator(nn.Module):
         return self.mlp(self.embedding(classes))
 
 
-def train_generator(gen: PrototypeGenerator, feats: torch.Tensor, labels: torch.Tensor, delta: float, epochs: int,
-                    batch_size: int, lr: float, rng: torch.Generator) -> list[float]:
-    """``epochs`` passes of SGD over the uploaded (prototype, class) pairs, shuffled with ``rng``; returns the mean
-    loss per epoch. Each step regenerates all C global prototypes and applies the contrastive loss to the batch."""
-    opt = make_optimizer(gen.parameters(), kind="sgd", lr=lr)
+@dataclass(frozen=True)
+class ServerTraining:
+    """The server's SGD on the generator: ``epochs`` passes, minibatches of ``batch_size``, learning rate ``lr``."""
+    epochs: int
+    batch_size: int
+    lr: float
+
+
+def train_generator(gen: PrototypeGenerator, feats: torch.Tensor, labels: torch.Tensor, delta: float,
+                    sgd: ServerTraining, rng: torch.Generator) -> list[float]:
+    """``sgd.epochs`` passes of SGD over the uploaded (prototype, class) pairs, shuffled with ``rng``; returns the
+    mean loss per epoch. Each step regenerates all C global prototypes and applies the contrastive loss to the
+    batch."""
+    epochs, batch_size = sgd.epochs, sgd.batch_size
+    opt = make_optimizer(gen.parameters(), OptimizerSpec("sgd", sgd.lr))
     all_classes = torch.arange(gen.embedding.num_embeddings, device=feats.device)
     gen.train()
     history = []
@@ -158,9 +168,9 @@ class FedTGP(FedProto):
         gen = self.make_generator().to(ctx.device)
         gen.load_state_dict(server_state["generator"])
         cfg = self.task.train
-        history = train_generator(gen, feats, labels, delta, self.params.server_epochs,
-                                  self.params.server_batch_size or cfg.batch_size, self.params.server_lr or cfg.lr,
-                                  ctx.generator("tgp"))
+        sgd = ServerTraining(self.params.server_epochs, self.params.server_batch_size or cfg.batch_size,
+                             self.params.server_lr or cfg.lr)
+        history = train_generator(gen, feats, labels, delta, sgd, ctx.generator("tgp"))
         gen.eval()
         with torch.no_grad():
             protos = gen(torch.arange(c, device=ctx.device)).detach()

@@ -38,7 +38,7 @@ from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
-from raysim.training import accuracy, clone_state, forward_all, train_epochs
+from raysim.training import TrainOptions, accuracy, clone_state, forward_all, train_epochs
 
 
 def fesem_step(local_states: list, centres: list) -> tuple[list, torch.Tensor]:
@@ -127,8 +127,8 @@ class FeSEM(Algorithm):
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
         model = ctx.model()
         model.load_state_dict(payload["model"].tensors)
-        metrics = train_epochs(model, data.x_train, data.y_train, self.task.train, ctx.generator("batches"), ce_loss,
-                               dropout_generator=ctx.generator("dropout", device=ctx.device))
+        metrics = train_epochs(model, data.x_train, data.y_train, TrainOptions(
+            self.task.train, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)), ce_loss)
         upload = {"model": state_message("weights", model.state_dict())}
         return ClientUpdate(state, upload, metrics)
 

@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -32,9 +33,20 @@ def to_input_space(t: torch.Tensor, norm: Optional[tuple]) -> torch.Tensor:
     return ((t + 1.0) / 2.0 - mean) / std
 
 
-def dual_calibration_loss(logits: torch.Tensor, z: torch.Tensor, y: torch.Tensor, num_classes: int,
-                          global_protos: Optional[torch.Tensor], proto_mask: Optional[torch.Tensor],
-                          lam_syn: float, lam_sep: float, beta: float) -> tuple[torch.Tensor, dict]:
+@dataclass(frozen=True)
+class DualCalibration:
+    """What SlaugFL's dual calibration holds fixed over a client's batches: the number of real classes C, the global
+    p-f prototypes and their mask (None before any exist), and the weights lam_syn, lam_sep and temperature beta."""
+    num_classes: int
+    global_protos: Optional[torch.Tensor]
+    proto_mask: Optional[torch.Tensor]
+    lam_syn: float
+    lam_sep: float
+    beta: float
+
+
+def dual_calibration_loss(logits: torch.Tensor, z: torch.Tensor, y: torch.Tensor,
+                          cal: DualCalibration) -> tuple[torch.Tensor, dict]:
     """SlaugFL's dual calibration on a batch of the augmented data (labels 0..C-1 real, C..2C-1 synthetic):
 
     L_cla = CE(real logits, y) + lam_syn * CE(syn logits, y)   (each the mean over its part of the batch; an empty
@@ -43,6 +55,8 @@ def dual_calibration_loss(logits: torch.Tensor, z: torch.Tensor, y: torch.Tensor
             CE([cos(f_c, Zbar_c') / beta]_{c' with a prototype}, c),  f_c = mean embedding of the batch's samples of
             class c, real and synthetic (synthetic labels mapped back to c);
     L = L_cla + lam_sep * L_sep (L_sep = 0 while there are no global prototypes)."""
+    num_classes, global_protos, proto_mask = cal.num_classes, cal.global_protos, cal.proto_mask
+    lam_syn, lam_sep, beta = cal.lam_syn, cal.lam_sep, cal.beta
     real = y < num_classes
     zero = logits.sum() * 0.0
     ce_real = F.cross_entropy(logits[real], y[real]) if bool(real.any()) else zero

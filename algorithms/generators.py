@@ -17,13 +17,16 @@ configs/seed004_slaugfl/ and benchmarks/REPRODUCTION_seed004.md).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from algorithms import gen_ops
 from raysim.ops import class_prototypes
-from raysim.training import clone_state, make_optimizer
+from raysim.training import OptimizerSpec, clone_state, make_optimizer
 
 
 def _fit(x: torch.Tensor, hw: tuple) -> torch.Tensor:
@@ -132,16 +135,26 @@ class VirtualGenerator(nn.Module):
 # method's Params (gen_steps, gen_batch, gen_lr, and gen_noise / lam_div or gan_noise) and an explicit torch generator
 
 
-def train_proto_generator(gen: ProtoGenerator, protos: torch.Tensor, mask: torch.Tensor, embed, p,
-                          g: torch.Generator, norm=None) -> tuple[dict, dict]:
+@dataclass(frozen=True)
+class GeneratorRun:
+    """How a generator trains: the method's Params (gen_steps, gen_batch, gen_lr, gen_noise / lam_div or gan_noise),
+    the explicit torch generator of its draws, and the task's pixel normalisation (None: outputs used as they are)."""
+    params: Any
+    generator: torch.Generator
+    norm: Optional[tuple] = None
+
+
+def train_proto_generator(gen: ProtoGenerator, protos: torch.Tensor, mask: torch.Tensor, embed,
+                          run: GeneratorRun) -> tuple[dict, dict]:
     """Scenario 2: ``p.gen_steps`` Adam(0.5, 0.999) steps of the prototype-guided generator. Per batch of labels y
     drawn among the classes with a prototype (``mask``) and noise z: L_proto = MSE(per-label mean of
     ``embed(x, y)``, protos[those labels]), x = G(z, y) in the task's input space (``norm``), plus the mode-seeking
     diversity loss lam_div / (l_z + 1e-5). ``embed(x, y)``: the embeddings of x, each under the representative model
     of its label. Returns (the generator's weights, the losses' means over the last 10 steps)."""
+    p, g, norm = run.params, run.generator, run.norm
     device = protos.device
     classes = torch.nonzero(mask, as_tuple=False).flatten().to(device)
-    opt = make_optimizer(gen.parameters(), kind="adam", lr=p.gen_lr, betas=(0.5, 0.999))
+    opt = make_optimizer(gen.parameters(), OptimizerSpec("adam", p.gen_lr, betas=(0.5, 0.999)))
     gen.train()
     lp = ld = 0.0
     for step in range(p.gen_steps):
@@ -159,16 +172,17 @@ def train_proto_generator(gen: ProtoGenerator, protos: torch.Tensor, mask: torch
     return clone_state(gen), {"gen_proto_loss": lp, "gen_div_loss": ld, "gen_steps": float(p.gen_steps)}
 
 
-def train_acgan(gen: ACGANGenerator, disc: ACGANDiscriminator, x: torch.Tensor, y: torch.Tensor, p,
-                g: torch.Generator, norm=None) -> tuple[dict, dict]:
+def train_acgan(gen: ACGANGenerator, disc: ACGANDiscriminator, x: torch.Tensor, y: torch.Tensor,
+                run: GeneratorRun) -> tuple[dict, dict]:
     """Scenario 1: ``p.gen_steps`` alternating Adam(0.5, 0.999) steps of an ACGAN on the labelled data (x, y) (the
     filtered candidates, in the task's input space): the discriminator on a real batch and a generated one of
     labels drawn among y's classes (0.5 x the mean of the real and fake (BCE + CE) terms), then the generator
     (0.5 x (BCE + CE) of its batch judged real). Returns (the generator's weights, the losses' means over the last
     10 steps)."""
+    p, g, norm = run.params, run.generator, run.norm
     device = x.device
-    opt_g = make_optimizer(gen.parameters(), kind="adam", lr=p.gen_lr, betas=(0.5, 0.999))
-    opt_d = make_optimizer(disc.parameters(), kind="adam", lr=p.gen_lr, betas=(0.5, 0.999))
+    opt_g = make_optimizer(gen.parameters(), OptimizerSpec("adam", p.gen_lr, betas=(0.5, 0.999)))
+    opt_d = make_optimizer(disc.parameters(), OptimizerSpec("adam", p.gen_lr, betas=(0.5, 0.999)))
     classes = torch.unique(y)
     gen.train()
     disc.train()

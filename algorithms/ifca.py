@@ -53,7 +53,8 @@ from raysim.messages import Message, state_message
 from raysim.models import set_dropout_generator
 from raysim.ops import weighted_average_states
 from raysim.steps import ALL, ClientStep, ServerStep
-from raysim.training import accuracy, clone_state, forward_all, make_optimizer, train_epochs
+from raysim.training import (OptimizerSpec, TrainOptions, accuracy, clone_state, forward_all, make_optimizer,
+                             train_epochs)
 
 
 @torch.no_grad()
@@ -203,7 +204,7 @@ class IFCA(Algorithm):
         model.load_state_dict(states[k])
         p = self.params
         if p.protocol == "official":
-            opt = make_optimizer(model.parameters(), kind="sgd", lr=p.lr)
+            opt = make_optimizer(model.parameters(), OptimizerSpec("sgd", p.lr))
             set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
             try:
                 model.train()
@@ -219,8 +220,9 @@ class IFCA(Algorithm):
             metrics = {"train_loss": total / p.local_steps}
         else:
             cfg = dataclasses.replace(self.task.train, lr=p.lr, batch_size=p.batch_size)
-            metrics = train_epochs(model, xt, yt, cfg, ctx.generator("batches"), ce_loss,
-                                   dropout_generator=ctx.generator("dropout", device=ctx.device))
+            metrics = train_epochs(model, xt, yt, TrainOptions(cfg, ctx.generator("batches"),
+                                                                     ctx.generator("dropout", device=ctx.device)),
+                                   ce_loss)
         metrics["cluster_loss"] = float(losses[k])
         upload = {"model": state_message("weights", model.state_dict()),
                   "cluster": Message("cluster_id", {"k": torch.tensor([k])})}

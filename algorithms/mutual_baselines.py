@@ -44,7 +44,7 @@ class Agg(Local):
         return False  # trains on more than its own x_train
 
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        from raysim.training import local_sgd
+        from raysim.training import TrainOptions, local_sgd
 
         px, py, own = public_shares(self.task, ctx)
         others = torch.cat([own[j] for j in range(self.task.num_clients) if j != ctx.client_id])
@@ -54,8 +54,8 @@ class Agg(Local):
         start = self.client_init(model, payload, state, data, ctx)
         cfg = self.task.train
         opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
-        metrics, opt_state = local_sgd(model, self.objective(start), x, y, cfg, ctx.generator("batches"),
-                                       ctx.generator("dropout", device=ctx.device), opt_state)
+        metrics, opt_state = local_sgd(model, self.objective(start), x, y, TrainOptions(
+            cfg, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)), opt_state)
         new_state, upload = self.client_final(model, start, payload, state, data, ctx)
         if cfg.persist_optimizer:
             new_state = {**(new_state or {}), "opt": opt_state}

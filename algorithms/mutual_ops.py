@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from raysim import rng as rngmod
-from raysim.training import accuracy, forward_all, make_optimizer
+from raysim.training import OptimizerSpec, accuracy, forward_all, make_optimizer
 
 
 def project_conflicting(g_pub: torch.Tensor, g_loc: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -116,7 +116,7 @@ class WarmClients:
         if entry is None:
             with rngmod.keep_global_rng():  # building draws from the global RNG: leave it alone
                 model = self.task.build_model(cid).to(ctx.device)
-            opt = make_optimizer(model.parameters(), self.task.train, lr, kind="adam")
+            opt = make_optimizer(model.parameters(), OptimizerSpec("adam", weight_decay=self.task.train.weight_decay), lr)
             entry = [model, opt, None, None, _Layout(model)]
         model, opt, weights, opt_state, _ = entry
         if state["model"] is not weights:

@@ -57,7 +57,7 @@ from raysim.errors import ConfigError
 from raysim.messages import Message
 from raysim.models import set_dropout_generator
 from raysim.steps import ClientStep, ServerStep
-from raysim.training import accuracy, make_optimizer
+from raysim.training import OptimizerSpec, accuracy, make_optimizer
 
 
 # -- pure maths (hand examples: tests/test_clustered.py and tests/test_maths.py) ----------------------------------------
@@ -147,15 +147,15 @@ class PNICFL(Algorithm):
         body = model.body
         x, y = pub.x.to(ctx.device), pub.y
         classes = sorted(torch.unique(y).tolist())
-        opt = make_optimizer(body.parameters(), kind="adam", lr=p.pretrain_lr)
+        opt = make_optimizer(body.parameters(), OptimizerSpec("adam", p.pretrain_lr))
         r = ctx.rng("pretrain")
         set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
         losses, accs = [], []
         try:
             body.train()
             for _ in range(p.pretrain_episodes):
-                ep, sup, qry = sample_episode(y, classes, p.pretrain_way, p.pretrain_support, p.pretrain_query, r)
-                loss, acc, _ = episode_losses(body, x, ep, sup, qry)
+                episode = sample_episode(y, classes, p.pretrain_way, p.pretrain_support, p.pretrain_query, r)
+                loss, acc, _ = episode_losses(body, x, episode)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -259,8 +259,8 @@ class PNICFL(Algorithm):
             body.train()
             for _ in range(cfg.local_epochs):
                 for _ in range(p.tasks_per_epoch):
-                    ep, sup, qry = sample_episode(data.y_train, classes, p.n_way, p.n_support, p.n_query, r)
-                    lp, acc, lg = episode_losses(body, data.x_train, ep, sup, qry, cluster, cmask)
+                    episode = sample_episode(data.y_train, classes, p.n_way, p.n_support, p.n_query, r)
+                    lp, acc, lg = episode_losses(body, data.x_train, episode, cluster, cmask)
                     loss = lp if lg is None else lp + p.lam * lg
                     opt.zero_grad(set_to_none=True)
                     loss.backward()

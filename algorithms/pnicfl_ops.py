@@ -6,6 +6,8 @@ state and batched embedding. :mod:`algorithms.pnicfl` builds the method's steps 
 from __future__ import annotations
 
 
+from typing import NamedTuple
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -75,13 +77,16 @@ def initial_centres(u: torch.Tensor, counts: torch.Tensor, k: int, rng: np.rando
     return sorted(chosen)
 
 
+KMEANS_ITERS = 20  # the most E/M alternations of one k-means restart
+
+
 def kmeans_init(u: torch.Tensor, counts: torch.Tensor, k: int, rng: np.random.Generator, method: str,
-                restarts: int, iters: int = 20) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+                restarts: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """Initial cluster prototypes (E: k x C x d, mask: k x C) from the first round's user embeddings.
 
     ``restarts == 0``: the embeddings of the k users :func:`initial_centres` picks (the seed, with ``random``).
     ``restarts >= 1``: k-means under the model distance on the server, from ``restarts`` seedings (``method``): each
-    seeding is refined by alternating :func:`e_step` and :func:`m_step` (at most ``iters`` times, until nothing
+    seeding is refined by alternating :func:`e_step` and :func:`m_step` (at most ``KMEANS_ITERS`` times, until nothing
     changes), and the solution with the lowest total distance sum_i d_{i s_i} wins (users at +inf of every centre
     count first, then the finite sum; ties: the earlier restart). Also returns the winning seeding's user indices."""
     if restarts == 0:
@@ -91,7 +96,7 @@ def kmeans_init(u: torch.Tensor, counts: torch.Tensor, k: int, rng: np.random.Ge
     for _ in range(restarts):
         picks = initial_centres(u, counts, k, rng, method)
         E, mask = u[picks].clone(), counts[picks] > 0
-        for _ in range(iters):
+        for _ in range(KMEANS_ITERS):
             s = e_step(u, counts, E, mask)
             E2, mask2 = m_step(E, mask, s.tolist(), u, counts)
             if torch.equal(E2, E) and torch.equal(mask2, mask):
@@ -132,8 +137,15 @@ def estep_embeddings(round_u: dict, ids: list[int]) -> tuple[torch.Tensor, torch
     return round_u["u"][sel], round_u["counts"][sel]
 
 
+class Episode(NamedTuple):
+    """One episode: its classes, the support indices per class, the query indices per class."""
+    classes: list
+    support: list
+    query: list
+
+
 def sample_episode(y: torch.Tensor, classes: list[int], n_way: int, n_support: int, n_query: int,
-                   rng: np.random.Generator) -> tuple[list[int], list[np.ndarray], list[np.ndarray]]:
+                   rng: np.random.Generator) -> Episode:
     """(episode classes, support indices per class, query indices per class): n_way of ``classes`` at random, then
     n_support + n_query distinct samples of each (with replacement when the class has fewer)."""
     yn = y.cpu().numpy()
@@ -146,12 +158,14 @@ def sample_episode(y: torch.Tensor, classes: list[int], n_way: int, n_support: i
         pick = rng.choice(idx, size=need, replace=len(idx) < need)
         sup.append(pick[:n_support])
         qry.append(pick[n_support:])
-    return ep, sup, qry
+    return Episode(ep, sup, qry)
 
 
-def episode_losses(body, x: torch.Tensor, ep, sup, qry, cluster=None, cluster_mask=None):
-    """L_proto of one episode and (PN-ICFL+) L_g: queries against the cluster prototypes of the episode's classes
-    that have one (None when none has). Returns (L_proto, accuracy, L_g or None)."""
+def episode_losses(body, x: torch.Tensor, episode: Episode, cluster=None, cluster_mask=None):
+    """L_proto of one ``episode`` (classes, support and query indices) and (PN-ICFL+) L_g: queries against the
+    cluster prototypes of the episode's classes that have one (None when none has). Returns (L_proto, accuracy, L_g
+    or None)."""
+    ep, sup, qry = episode
     n_s = len(sup[0])
     idx = np.concatenate([np.concatenate([s, q]) for s, q in zip(sup, qry)])
     z = body(x[torch.as_tensor(idx, device=x.device)])

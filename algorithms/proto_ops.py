@@ -3,6 +3,7 @@ FedPer / LG-FedAvg, FeSEM, FedDistill). Each is tested against hand-computed num
 Formulas and their sources: shared reference ``algorithms.md`` §1.10, §1.11, §2.3, §6."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -94,17 +95,26 @@ def uh_logits(z: torch.Tensor, head: torch.Tensor, scale: torch.Tensor) -> torch
 UNLABELLED = -1  # the label a client sees for an unlabelled sample (its true label is never read)
 
 
-def pu_split(y: torch.Tensor, classes: Sequence[int], num_classes: int, positive_rate: float,
-             rng: np.random.Generator, min_class_samples: int = 0,
-             at_least_one: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class Labelling:
+    """Which share of a positive class keeps its labels: rho = ``rate`` (FedPU's positive_rate) of its n_c samples,
+    only for classes with n_c >= ``min_class_samples``, at least one when ``at_least_one``."""
+    rate: float
+    min_class_samples: int = 0
+    at_least_one: bool = True
+
+
+def pu_split(y: torch.Tensor, classes: Sequence[int], num_classes: int, labelling: Labelling,
+             rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A client's labelled / unlabelled split (FedPU's ``puSpilt_index``, with a seeded shuffle instead of "the
-    first" samples): for every positive class c in ``classes`` with n_c >= ``min_class_samples`` samples,
-    floor(rho * n_c) samples (at least one when ``at_least_one``) keep their label; all other samples (of the
-    remaining positive classes and of every non-positive class) are unlabelled.
+    first" samples): for every positive class c in ``classes`` with n_c >= ``labelling.min_class_samples`` samples,
+    floor(rho * n_c) samples (at least one when ``labelling.at_least_one``) keep their label; all other samples (of
+    the remaining positive classes and of every non-positive class) are unlabelled.
 
     Returns (observed labels with UNLABELLED for unlabelled samples, the class prior of the unlabelled set over all
     C classes, pi_c = (unlabelled samples of class c) / |U| (0 when U is empty; FedPU treats this prior as known),
     the positive-class indicator m (C,): 1 for every class in ``classes``)."""
+    positive_rate, min_class_samples, at_least_one = labelling.rate, labelling.min_class_samples, labelling.at_least_one
     y_np = y.detach().cpu().numpy()
     observed = np.full(len(y_np), UNLABELLED, dtype=np.int64)
     positive = np.zeros(num_classes, dtype=np.float32)

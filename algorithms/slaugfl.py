@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from algorithms import gen_ops
 from algorithms.fedavg import sample_weighted_average
-from algorithms.generators import (ACGANDiscriminator, ACGANGenerator, ProtoGenerator, train_acgan,
+from algorithms.generators import (ACGANDiscriminator, ACGANGenerator, GeneratorRun, ProtoGenerator, train_acgan,
                                    train_proto_generator)
 from algorithms.local import ce_loss
 from raysim import rng as rngmod
@@ -67,7 +67,7 @@ from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
 from raysim.ops import aggregate_prototypes, class_prototypes
 from raysim.steps import ALL, ClientStep, ServerStep
-from raysim.training import accuracy, clone_state, forward_all, make_optimizer, train_epochs
+from raysim.training import TrainOptions, accuracy, clone_state, forward_all, make_optimizer, train_epochs
 
 
 class SlaugFL(LocalTraining):
@@ -240,9 +240,11 @@ class SlaugFL(LocalTraining):
             gsd, metrics = clone_state(gen), {"gen_steps": 0.0}
         elif self.params.scenario == 2:
             gsd, metrics = train_proto_generator(gen, protos.to(ctx.device), mask,
-                                                 lambda x, y: features_by_label(x, y, rep, models), self.params, g, norm)
+                                                 lambda x, y: features_by_label(x, y, rep, models),
+                                                 GeneratorRun(self.params, g, norm))
         else:
-            gsd, metrics = self._scenario1(gen, protos.to(ctx.device), mask, rep, models, norm, g, ctx)
+            gsd, metrics = self._scenario1(gen, protos.to(ctx.device), mask, rep, models,
+                                           GeneratorRun(self.params, g, norm))
         new = {**state, "generator": gsd, "rep_models": {}, "rep_protos": protos, "rep_mask": mask}
         return ServerUpdate(new, {"generator": state_message("generator", gsd)}, metrics)
 
@@ -270,10 +272,11 @@ class SlaugFL(LocalTraining):
             x = x * 2.0 - 1.0
         return x.to(device), y.to(device)
 
-    def _scenario1(self, gen, protos, mask, rep, models, norm, g, ctx):
-        """Filter the candidates class by class (seed eq. 11) under the representative models, train an ACGAN."""
-        p = self.params
-        x_all, y_all = self.candidates(ctx.device, norm)
+    def _scenario1(self, gen, protos, mask, rep, models, run: GeneratorRun):
+        """Filter the candidates class by class (seed eq. 11) under the representative models, train an ACGAN (on
+        the prototypes' device)."""
+        p, device = self.params, protos.device
+        x_all, y_all = self.candidates(device, run.norm)
         keep_x, keep_y = [], []
         for cls in torch.nonzero(mask, as_tuple=False).flatten().tolist():
             idx = torch.nonzero(y_all == cls, as_tuple=False).flatten()
@@ -288,8 +291,8 @@ class SlaugFL(LocalTraining):
             return clone_state(gen), {"candidates_kept": 0.0, "gen_steps": 0.0}
         xs, ys = torch.cat(keep_x), torch.cat(keep_y)
         with rngmod.init_seed(self.task.seed, "slaug_disc_init"):
-            disc = ACGANDiscriminator(self.task.num_classes, self.task.input_shape, p.disc_channels).to(ctx.device)
-        gsd, metrics = train_acgan(gen, disc, xs, ys, p, g, norm)
+            disc = ACGANDiscriminator(self.task.num_classes, self.task.input_shape, p.disc_channels).to(device)
+        gsd, metrics = train_acgan(gen, disc, xs, ys, run)
         return gsd, {"candidates_kept": float(len(ys)), "candidates_total": float(len(y_all)), **metrics}
 
     # -- client: preparation ------------------------------------------------------------------------------------------
@@ -309,8 +312,8 @@ class SlaugFL(LocalTraining):
         gb, gd = ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)
         best, best_acc, bad, epochs, loss = clone_state(model), -1.0, 0, 0, float("nan")
         for _ in range(self.params.prep_epochs):
-            loss = train_epochs(model, x_tr, y_tr, cfg, gb, ce_loss, optimizer=opt, epochs=1,
-                                dropout_generator=gd).get("train_loss", float("nan"))
+            loss = train_epochs(model, x_tr, y_tr, TrainOptions(cfg, gb, gd, epochs=1), ce_loss,
+                                optimizer=opt).get("train_loss", float("nan"))
             epochs += 1
             if len(y_va) == 0:
                 best = clone_state(model)
@@ -371,9 +374,11 @@ class SlaugFL(LocalTraining):
         p, c = self.params, self.task.num_classes
         protos, mask = start.aux["protos"], start.aux["mask"]
 
+        cal = gen_ops.DualCalibration(c, protos, mask, p.lam_syn, p.lam_sep, p.beta)
+
         def loss_fn(model, xb, yb, epoch):
             logits, z = model(xb, return_embedding=True)
-            return gen_ops.dual_calibration_loss(logits, z, yb, c, protos, mask, p.lam_syn, p.lam_sep, p.beta)
+            return gen_ops.dual_calibration_loss(logits, z, yb, cal)
 
         return loss_fn
 

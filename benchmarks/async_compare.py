@@ -141,9 +141,9 @@ def main() -> None:
     (out / f"summary-{tag}.md").write_text(table + "\n")
     (out / f"summary-{tag}.json").write_text(json.dumps({f"{m}/{mo}": v for (m, mo), v in values.items()}, indent=1,
                                                  default=float))
-    from raysim.app.report import build_report
+    from raysim.app.report import ReportOptions, build_report
 
-    build_report(dirs, out / f"report-{tag}", target=args.target)
+    build_report(dirs, out / f"report-{tag}", ReportOptions(target=args.target))
     print(f"report: {out / f'report-{tag}'}")
 
 

@@ -159,8 +159,8 @@ def plain_pnicfl(prep, rounds: int, warmup: int) -> float:
             opt = make_optimizer(model.body.parameters(), cfg)
             model.body.train()
             for _ in range(cfg.local_epochs * p.tasks_per_epoch):
-                ep, sup, qry = sample_episode(d.y_train, classes[i], p.n_way, p.n_support, p.n_query, rng)
-                loss, _, _ = episode_losses(model.body, d.x_train, ep, sup, qry)
+                episode = sample_episode(d.y_train, classes[i], p.n_way, p.n_support, p.n_query, rng)
+                loss, _, _ = episode_losses(model.body, d.x_train, episode)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()

@@ -86,41 +86,7 @@ def parse_dist(spec: Any, path: str, *, low: float = 0.0, allow_low: bool = Fals
     for k in allowed - _OPTIONAL.get(kind, set()):
         if k not in args:
             raise ConfigError(f"{path}.{k}", f"is required for dist {kind}")
-
-    def num(k):
-        v = args[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise ConfigError(f"{path}.{k}", f"expected a finite number, got {v!r}")
-        return float(v)
-
-    if kind == "choice":
-        values = args["values"]
-        if not isinstance(values, (list, tuple)) or not values:
-            raise ConfigError(f"{path}.values", f"expected a non-empty list of numbers, got {values!r}")
-        vals = []
-        for i, v in enumerate(values):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise ConfigError(f"{path}.values[{i}]", f"expected a number, got {v!r}")
-            vals.append(float(v))
-        out = {"values": vals}
-        if "probs" in args:
-            probs = args["probs"]
-            if (not isinstance(probs, (list, tuple)) or len(probs) != len(vals)
-                    or any(isinstance(p, bool) or not isinstance(p, (int, float)) or p < 0 for p in probs)
-                    or not math.isclose(sum(probs), 1.0, abs_tol=1e-6)):
-                raise ConfigError(f"{path}.probs", f"expected {len(vals)} non-negative numbers summing to 1, got {probs!r}")
-            out["probs"] = [float(p) / float(sum(probs)) for p in probs]
-        args = out
-    else:
-        args = {k: num(k) for k in args}
-        if kind == "uniform" and args["high"] < args["low"]:
-            raise ConfigError(f"{path}.high", f"must be >= low ({args['low']:g}), got {args['high']:g}")
-        if kind == "lognormal" and args["median"] <= 0:
-            raise ConfigError(f"{path}.median", f"must be > 0, got {args['median']:g}")
-        if kind in ("lognormal",) and args["sigma"] < 0:
-            raise ConfigError(f"{path}.sigma", f"must be >= 0, got {args['sigma']:g}")
-        if kind == "normal" and args["std"] < 0:
-            raise ConfigError(f"{path}.std", f"must be >= 0, got {args['std']:g}")
+    args = _choice_args(args, path) if kind == "choice" else _numeric_args(kind, args, path)
     d = Dist(kind, args)
     m = d.support_min()
     if (m < low) or (m == low and not allow_low):
@@ -134,6 +100,49 @@ def parse_dist(spec: Any, path: str, *, low: float = 0.0, allow_low: bool = Fals
             if not float(v).is_integer():
                 raise ConfigError(path, f"expected whole numbers, got {v!r}")
     return d
+
+
+def _choice_args(args: dict, path: str) -> dict:
+    """A ``choice`` distribution's values (numbers) and optional probabilities (normalised to sum 1)."""
+    values = args["values"]
+    if not isinstance(values, (list, tuple)) or not values:
+        raise ConfigError(f"{path}.values", f"expected a non-empty list of numbers, got {values!r}")
+    vals = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise ConfigError(f"{path}.values[{i}]", f"expected a number, got {v!r}")
+        vals.append(float(v))
+    out = {"values": vals}
+    if "probs" in args:
+        probs = args["probs"]
+        if (not isinstance(probs, (list, tuple)) or len(probs) != len(vals)
+                or any(isinstance(p, bool) or not isinstance(p, (int, float)) or p < 0 for p in probs)
+                or not math.isclose(sum(probs), 1.0, abs_tol=1e-6)):
+            raise ConfigError(f"{path}.probs", f"expected {len(vals)} non-negative numbers summing to 1, got {probs!r}")
+        out["probs"] = [float(p) / float(sum(probs)) for p in probs]
+    return out
+
+
+def _numeric_args(kind: str, args: dict, path: str) -> dict:
+    """A numeric distribution's parameters as finite floats, checked (uniform's high >= low, lognormal's median > 0
+    and sigma >= 0, normal's std >= 0)."""
+
+    def num(k):
+        v = args[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ConfigError(f"{path}.{k}", f"expected a finite number, got {v!r}")
+        return float(v)
+
+    args = {k: num(k) for k in args}
+    if kind == "uniform" and args["high"] < args["low"]:
+        raise ConfigError(f"{path}.high", f"must be >= low ({args['low']:g}), got {args['high']:g}")
+    if kind == "lognormal" and args["median"] <= 0:
+        raise ConfigError(f"{path}.median", f"must be > 0, got {args['median']:g}")
+    if kind in ("lognormal",) and args["sigma"] < 0:
+        raise ConfigError(f"{path}.sigma", f"must be >= 0, got {args['sigma']:g}")
+    if kind == "normal" and args["std"] < 0:
+        raise ConfigError(f"{path}.std", f"must be >= 0, got {args['std']:g}")
+    return args
 
 
 def _prob(path: str, p: float) -> None:

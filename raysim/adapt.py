@@ -254,36 +254,9 @@ def _check_logits(model: nn.Module, input_shape, num_classes: int, key: str, wha
 def build_user_model(factory: Callable, spec: ArchSpec, input_shape, num_classes: int, path: str) -> nn.Module:
     """A user module from ``factory``, adapted to the engine's interface (see the module docstring)."""
     input_shape = tuple(input_shape)
-    params = dict(spec.params)
     name = getattr(factory, "__qualname__", repr(factory))
     tv = is_torchvision_builder(factory)
-    if tv:
-        for k in ("weights", "pretrained", "weights_backbone"):
-            if k in params:
-                raise ConfigError(f"{path}.params.{k}", "torchvision weights are never downloaded at run time; build "
-                                                        "from a local weights file in a factory of your own")
-        args, kwargs, expected = (), {"weights": None, "num_classes": num_classes, **params}, \
-            "builder(weights=None, num_classes=C, **model.params)"
-    else:
-        args, kwargs, expected = (input_shape, num_classes), params, "factory(input_shape, num_classes, **model.params)"
-    check_signature(factory, args, kwargs, f"{path}.arch", f"{path}.params", expected)
-    import contextlib
-
-    from raysim.config import dryrun
-    from raysim.config.registry import installed_object
-
-    guard = contextlib.nullcontext() if tv or installed_object(factory) else \
-        dryrun.user_code(f"{path}.arch", f"the model factory {name}")  # a dry run lets no user code write
-    try:
-        with guard:
-            model = factory(*args, **kwargs)
-    except ConfigError:
-        raise
-    except Exception as e:
-        raise ConfigError(f"{path}.arch", f"{name}(...) raised {type(e).__name__}: "
-                                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
-    if not isinstance(model, nn.Module):
-        raise ConfigError(f"{path}.arch", f"{name}(...) returned {type(model).__name__}, not a torch.nn.Module")
+    model = _user_module(factory, spec, input_shape, num_classes, path)
     if tv and input_shape[0] != 3:
         _adapt_channels(model, input_shape[0])
     replace_dropout(model)
@@ -314,6 +287,43 @@ def build_user_model(factory: Callable, spec: ArchSpec, input_shape, num_classes
     _same_forward(out, reference, input_shape, num_classes, f"{path}.embedding",
                   f"{name}: the cut at {cut!r} does not reproduce the module's forward")
     return out
+
+
+def _user_module(factory: Callable, spec: ArchSpec, input_shape: tuple, num_classes: int, path: str) -> nn.Module:
+    """``factory``'s module, called as a torchvision builder (weights=None, num_classes=C) or as a factory
+    (input_shape, num_classes), with ``spec.params``; its signature checked first, user code run under the dry
+    run's guard."""
+    params = dict(spec.params)
+    name = getattr(factory, "__qualname__", repr(factory))
+    tv = is_torchvision_builder(factory)
+    if tv:
+        for k in ("weights", "pretrained", "weights_backbone"):
+            if k in params:
+                raise ConfigError(f"{path}.params.{k}", "torchvision weights are never downloaded at run time; build "
+                                                        "from a local weights file in a factory of your own")
+        args, kwargs, expected = (), {"weights": None, "num_classes": num_classes, **params}, \
+            "builder(weights=None, num_classes=C, **model.params)"
+    else:
+        args, kwargs, expected = (input_shape, num_classes), params, "factory(input_shape, num_classes, **model.params)"
+    check_signature(factory, args, kwargs, f"{path}.arch", f"{path}.params", expected)
+    import contextlib
+
+    from raysim.config import dryrun
+    from raysim.config.registry import installed_object
+
+    guard = contextlib.nullcontext() if tv or installed_object(factory) else \
+        dryrun.user_code(f"{path}.arch", f"the model factory {name}")  # a dry run lets no user code write
+    try:
+        with guard:
+            model = factory(*args, **kwargs)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"{path}.arch", f"{name}(...) raised {type(e).__name__}: "
+                                          f"{str(e).splitlines()[0] if str(e) else ''}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{path}.arch", f"{name}(...) returned {type(model).__name__}, not a torch.nn.Module")
+    return model
 
 
 def _same_forward(split: nn.Module, reference: torch.Tensor, input_shape, num_classes, key, message) -> None:

@@ -382,7 +382,7 @@ class LocalTraining(Algorithm):
         return False
 
     def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        from raysim.training import local_sgd
+        from raysim.training import TrainOptions, local_sgd
 
         model = self.live_model(ctx)
         start = self.client_init(model, payload, state, data, ctx)
@@ -390,8 +390,8 @@ class LocalTraining(Algorithm):
         opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
         y = data.y_train if start.y is None else start.y
         x = data.x_train if start.x is None else start.x
-        metrics, opt_state = local_sgd(model, self.objective(start), x, y, cfg, ctx.generator("batches"),
-                                       ctx.generator("dropout", device=ctx.device), opt_state)
+        metrics, opt_state = local_sgd(model, self.objective(start), x, y, TrainOptions(
+            cfg, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)), opt_state)
         new_state, upload = self.client_final(model, start, payload, state, data, ctx)
         if cfg.persist_optimizer:
             new_state = {**(new_state or {}), "opt": opt_state}

@@ -9,6 +9,7 @@ name, so it can live in the client's state (``train.persist_optimizer``) or acro
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -17,26 +18,40 @@ import torch.nn as nn
 from raysim.config import TrainConfig
 
 
-def make_optimizer(params, cfg: Optional[TrainConfig] = None, lr: Optional[float] = None, state: Optional[dict] = None,
-                   model: Optional[nn.Module] = None, *, kind: Optional[str] = None, momentum: Optional[float] = None,
-                   weight_decay: Optional[float] = None, betas: Optional[tuple] = None) -> torch.optim.Optimizer:
-    """The one optimiser builder: ``kind`` (``"sgd"`` | ``"adam"``; default ``cfg.optimizer``) over ``params`` with
-    learning rate ``lr`` (default ``cfg.lr``), momentum and weight decay from ``cfg`` unless given (0 without a
-    ``cfg``), Adam's ``betas`` (torch's default unless given; the GANs use (0.5, 0.999)). A saved ``state`` (from
-    :func:`optimizer_state`; e.g. kept with ``train.persist_optimizer``) is loaded by ``model``'s parameter names."""
-    kind = kind or (cfg.optimizer if cfg is not None else None)
-    lr = lr if lr is not None else (cfg.lr if cfg is not None else None)
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """An optimiser named without a train section: ``kind`` (``"sgd"`` | ``"adam"``), learning rate, momentum (SGD),
+    weight decay, Adam's ``betas`` (torch's default when None; the GANs use (0.5, 0.999))."""
+    kind: str
+    lr: Optional[float] = None
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    betas: Optional[tuple] = None
+
+    @classmethod
+    def of(cls, cfg: TrainConfig, **change) -> "OptimizerSpec":
+        """The train section's optimiser (``cfg.optimizer``, ``lr``, ``momentum``, ``weight_decay``), with
+        ``change`` applied (e.g. ``kind="adam"``)."""
+        return replace(cls(cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay), **change)
+
+
+def make_optimizer(params, cfg: "TrainConfig | OptimizerSpec | None" = None, lr: Optional[float] = None,
+                   state: Optional[dict] = None, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
+    """The one optimiser builder: ``cfg``'s optimiser (a train section, or an :class:`OptimizerSpec` for one that
+    is not the clients' -- a generator's, a GAN's) over ``params``, with learning rate ``lr`` when given. A saved
+    ``state`` (from :func:`optimizer_state`; e.g. kept with ``train.persist_optimizer``) is loaded by ``model``'s
+    parameter names."""
+    spec = cfg if isinstance(cfg, OptimizerSpec) or cfg is None else OptimizerSpec.of(cfg)
+    kind = spec.kind if spec is not None else None
+    lr = lr if lr is not None else (spec.lr if spec is not None else None)
     if kind not in ("sgd", "adam") or lr is None:
         raise TypeError(f"make_optimizer needs kind 'sgd' or 'adam' and a learning rate (from cfg or given), got "
                         f"kind={kind!r}, lr={lr!r}")
-    if weight_decay is None:
-        weight_decay = cfg.weight_decay if cfg is not None else 0.0
     if kind == "adam":
-        opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay, **({"betas": betas} if betas else {}))
+        opt = torch.optim.Adam(params, lr=lr, weight_decay=spec.weight_decay,
+                               **({"betas": spec.betas} if spec.betas else {}))
     else:
-        if momentum is None:
-            momentum = cfg.momentum if cfg is not None else 0.0
-        opt = torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        opt = torch.optim.SGD(params, lr=lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
     if state:
         if model is None:
             raise TypeError("make_optimizer: a saved state is loaded by parameter names: pass model=")
@@ -70,36 +85,48 @@ def load_optimizer_state(opt: torch.optim.Optimizer, model: nn.Module, state: di
                                 (v.clone() if torch.is_tensor(v) else v)) for k, v in st.items()}
 
 
-def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig,
-              batch_generator: torch.Generator, dropout_generator: Optional[torch.Generator] = None,
-              opt_state: Optional[dict] = None, epochs: Optional[int] = None,
-              lr: Optional[float] = None) -> tuple[dict, dict]:
-    """``epochs`` (default ``cfg.local_epochs``) of minibatch training of the live ``model`` with the loss function
-    ``objective(model, xb, yb, epoch)``. Returns (mean losses as ``train_*`` metrics, the optimiser state after the
-    last step)."""
+@dataclass(frozen=True)
+class TrainOptions:
+    """A local training call's options: the train section, the batch-order generator, the dropout generator (None:
+    the model's dropout draws from torch's global stream), ``epochs`` (default ``cfg.local_epochs``) and the learning
+    rate (default ``cfg.lr``)."""
+    cfg: TrainConfig
+    batches: torch.Generator
+    dropout: Optional[torch.Generator] = None
+    epochs: Optional[int] = None
+    lr: Optional[float] = None
+
+    @property
+    def num_epochs(self) -> int:
+        return self.cfg.local_epochs if self.epochs is None else self.epochs
+
+
+def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.Tensor, run: TrainOptions,
+              opt_state: Optional[dict] = None) -> tuple[dict, dict]:
+    """``run.num_epochs`` of minibatch training of the live ``model`` with the loss function
+    ``objective(model, xb, yb, epoch)``, the optimiser built from ``run.cfg`` (and ``run.lr``) with the saved
+    ``opt_state``. Returns (mean losses as ``train_*`` metrics, the optimiser state after the last step)."""
     from raysim.models import set_dropout_generator
 
-    set_dropout_generator(model, dropout_generator)
+    set_dropout_generator(model, run.dropout)
     try:
-        opt = make_optimizer(model.parameters(), cfg, lr, opt_state, model)
-        metrics = _train_loop(model, x, y, cfg, batch_generator, objective, opt,
-                              cfg.local_epochs if epochs is None else epochs)
+        opt = make_optimizer(model.parameters(), run.cfg, run.lr, opt_state, model)
+        metrics = _train_loop(model, x, y, run, objective, opt)
         return metrics, optimizer_state(opt, model)
     finally:
         set_dropout_generator(model, None)
 
 
-def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg: TrainConfig, generator: torch.Generator,
-                 loss_fn: Callable, optimizer: Optional[torch.optim.Optimizer] = None, epochs: Optional[int] = None,
-                 dropout_generator: Optional[torch.Generator] = None) -> dict:
-    """Run ``epochs`` of minibatch training with ``loss_fn(model, xb, yb, epoch) -> (loss, parts dict)``; returns mean
-    losses."""
+def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, run: TrainOptions, loss_fn: Callable,
+                 optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
+    """Run ``run.num_epochs`` of minibatch training with ``loss_fn(model, xb, yb, epoch) -> (loss, parts dict)`` and
+    ``optimizer`` (default: built from ``run.cfg``); returns mean losses."""
     from raysim.models import set_dropout_generator
 
-    set_dropout_generator(model, dropout_generator)
+    set_dropout_generator(model, run.dropout)
     try:
-        opt = optimizer or make_optimizer(model.parameters(), cfg)
-        return _train_loop(model, x, y, cfg, generator, loss_fn, opt, cfg.local_epochs if epochs is None else epochs)
+        opt = optimizer or make_optimizer(model.parameters(), run.cfg)
+        return _train_loop(model, x, y, run, loss_fn, opt)
     finally:
         set_dropout_generator(model, None)
 
@@ -113,16 +140,17 @@ def epoch_count(cfg, n: int, epochs: int) -> int:
     return -(-int(limit) * cfg.batch_size // max(int(n), 1)) + 1
 
 
-def _train_loop(model, x, y, cfg, generator, loss_fn, opt, epochs: int) -> dict:
+def _train_loop(model, x, y, run: TrainOptions, loss_fn, opt) -> dict:
     """Minibatch training without host synchronisation: each epoch's shuffled indices reach the data's device in one
     copy, and the loss and its parts are summed on the device in float64 (the same sums as adding Python floats) and
     read once, at the end."""
+    cfg, generator = run.cfg, run.batches
     model.train()
     totals: dict = {}
     steps = 0
     n = int(y.shape[0])
     limit = getattr(cfg, "local_steps", None)  # exactly this many steps: epochs continued as needed
-    epochs = epoch_count(cfg, n, epochs)
+    epochs = epoch_count(cfg, n, run.num_epochs)
     for epoch in range(epochs):
         if limit is not None and steps >= limit:
             break

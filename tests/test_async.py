@@ -427,7 +427,7 @@ def test_every_client_busy_and_nobody_online():
 
 
 def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
-    from raysim.app.report import build_report
+    from raysim.app.report import ReportOptions, build_report
 
     base = tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"}, data={
         "dataset": "synthetic", "num_clients": 10, "partition": "nway_kshot",
@@ -436,7 +436,8 @@ def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
     asyn = make_config(base, ["server.mode=async", "server.concurrency=4", "server.buffer_size=2"])  # --set works
     for name, cfg in (("sync", sync), ("async", asyn)):
         run_experiment(cfg, out_dir=tmp_path / name, progress=False)
-    out = build_report([tmp_path / "sync", tmp_path / "async"], tmp_path / "report", target=0.0, log=lambda *a: None)
+    out = build_report([tmp_path / "sync", tmp_path / "async"], tmp_path / "report", ReportOptions(target=0.0),
+                       log=lambda *a: None)
     assert (tmp_path / "report" / "acc_vs_time.png").stat().st_size > 0
     text = (tmp_path / "report" / "summary.md").read_text()
     assert "server.mode=async" in text and "server.mode=sync" in text and "sim_round_s to 0" in text

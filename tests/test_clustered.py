@@ -11,6 +11,7 @@ import torch
 from raysim.config import make_config
 from raysim.errors import ConfigError, DataError
 from raysim.data.federated import ClientData, build_federated_data
+from raysim.data.arrays import Pools
 from raysim.data.skew import domain_dirichlet
 from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
@@ -25,7 +26,7 @@ def rows(table, metric, scope="client"):
 def test_domain_dirichlet_draws_each_domain_from_the_whole_base_set():
     y = np.repeat(np.arange(10), 60)  # 600 samples, 60 per class
     ty = np.repeat(np.arange(10), 30)
-    p = domain_dirichlet(y, ty, 8, np.random.default_rng(0), 10, alpha=3.0, samples_per_client=50, test_ratio=0.25,
+    p = domain_dirichlet(Pools(y, ty, 8, np.random.default_rng(0), 10), alpha=3.0, samples_per_client=50, test_ratio=0.25,
                          num_domains=4)
     assert [len(t) for t in p.train] == [50] * 8
     for k in range(4):
@@ -39,9 +40,9 @@ def test_domain_dirichlet_draws_each_domain_from_the_whole_base_set():
     # four independent domains overlap with certainty
     assert len(set(np.concatenate(p.train).tolist())) < 400
     # alpha controls the label skew: near-uniform at 100, skewed at 0.1
-    flat = domain_dirichlet(y, ty, 4, np.random.default_rng(1), 10, alpha=100.0, samples_per_client=50,
+    flat = domain_dirichlet(Pools(y, ty, 4, np.random.default_rng(1), 10), alpha=100.0, samples_per_client=50,
                             test_ratio=0.0, num_domains=4)
-    skew = domain_dirichlet(y, ty, 4, np.random.default_rng(1), 10, alpha=0.1, samples_per_client=50,
+    skew = domain_dirichlet(Pools(y, ty, 4, np.random.default_rng(1), 10), alpha=0.1, samples_per_client=50,
                             test_ratio=0.0, num_domains=4)
     assert min(len(c) for c in flat.classes) >= 9 and max(len(c) for c in skew.classes) <= 6
 
@@ -52,14 +53,14 @@ def test_domain_dirichlet_classes_per_client_gives_users_3_to_5_classes():
     y = np.repeat(np.arange(10), 400)
     ty = np.repeat(np.arange(10), 200)
     # the seed's few-shot Rotated MNIST: 48 users, |D_i| = 100, Dir(3), "3-5 classes per user"
-    p = domain_dirichlet(y, ty, 48, np.random.default_rng(0), 10, alpha=3.0, samples_per_client=100, num_domains=4,
+    p = domain_dirichlet(Pools(y, ty, 48, np.random.default_rng(0), 10), alpha=3.0, samples_per_client=100, num_domains=4,
                          classes_per_client=[3, 5])
     held = [len(c) for c in p.classes]
     assert set(held) == {3, 4, 5}  # every user 3-5 classes, and each count occurs
     for t, c in zip(p.train, p.classes):
         assert len(t) == 100 and sorted(np.unique(y[t]).tolist()) == c
     # Dir(3) over all 10 classes (the default) gives users 9-10 classes: the reason for the parameter
-    full = domain_dirichlet(y, ty, 48, np.random.default_rng(0), 10, alpha=3.0, samples_per_client=100, num_domains=4)
+    full = domain_dirichlet(Pools(y, ty, 48, np.random.default_rng(0), 10), alpha=3.0, samples_per_client=100, num_domains=4)
     assert min(len(c) for c in full.classes) >= 8 and np.mean([len(c) for c in full.classes]) > 9
     # by hand: the draws user_label_counts makes, replayed on the same stream
     r1, r2 = np.random.default_rng(5), np.random.default_rng(5)
@@ -74,15 +75,15 @@ def test_domain_dirichlet_classes_per_client_gives_users_3_to_5_classes():
     assert np.array_equal(counts, want) and counts.sum() == 100
     for bad in ([5, 3], [0, 2], [3, 11], [3], "3-5"):
         with pytest.raises(DataError, match="classes_per_client"):
-            domain_dirichlet(y, ty, 4, np.random.default_rng(0), 10, classes_per_client=bad)
+            domain_dirichlet(Pools(y, ty, 4, np.random.default_rng(0), 10), classes_per_client=bad)
 
 
 def test_domain_dirichlet_refuses_what_does_not_fit():
     y = np.repeat(np.arange(2), 10)
     with pytest.raises(DataError, match="samples_per_client"):
-        domain_dirichlet(y, y, 4, np.random.default_rng(0), 2, samples_per_client=30, num_domains=2)
+        domain_dirichlet(Pools(y, y, 4, np.random.default_rng(0), 2), samples_per_client=30, num_domains=2)
     with pytest.raises(DataError, match="alpha"):
-        domain_dirichlet(y, y, 4, np.random.default_rng(0), 2, alpha=0.0)
+        domain_dirichlet(Pools(y, y, 4, np.random.default_rng(0), 2), alpha=0.0)
 
 
 def test_rotated_domains_reach_the_driver_never_the_clients():

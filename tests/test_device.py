@@ -32,7 +32,7 @@ def _ce(model, xb, yb, epoch):
 
 
 def _syncs_of_loop(epochs: int) -> tuple[list, dict]:
-    from raysim.training import _train_loop
+    from raysim.training import TrainOptions, _train_loop
 
     torch.manual_seed(0)
     model = cnn_mnist((1, 28, 28), 10)
@@ -40,7 +40,7 @@ def _syncs_of_loop(epochs: int) -> tuple[list, dict]:
     cfg = TrainConfig(optimizer="sgd", lr=0.05, momentum=0.5, batch_size=4, local_epochs=epochs)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
     with CountSyncs() as c:
-        metrics = _train_loop(model, x, y, cfg, torch.Generator().manual_seed(1), _ce, opt, epochs)
+        metrics = _train_loop(model, x, y, TrainOptions(cfg, torch.Generator().manual_seed(1)), _ce, opt)
     return c.calls, metrics
 
 

@@ -216,18 +216,19 @@ def test_fedavg_cnn_shapes_and_a_run_on_a_file_split(tmp_path):
 def test_pu_split_official_hand_example():
     import numpy as np
 
-    from algorithms.proto_ops import UNLABELLED, pu_split
+    from algorithms.proto_ops import UNLABELLED, Labelling, pu_split
 
     y = torch.tensor([0] * 50 + [1] * 10 + [2] * 45)
     # positive classes {0, 1}; rho = 0.5; a positive class keeps labels only with >= 40 samples
-    y_obs, prior, m = pu_split(y, [0, 1], 4, 0.5, np.random.default_rng(0), min_class_samples=40, at_least_one=False)
+    y_obs, prior, m = pu_split(y, [0, 1], 4, Labelling(0.5, min_class_samples=40, at_least_one=False),
+                              np.random.default_rng(0))
     assert (y_obs == 0).sum() == 25 and (y_obs == 1).sum() == 0 and (y_obs == 2).sum() == 0
     assert (y_obs[y_obs != UNLABELLED] == y[y_obs != UNLABELLED]).all()  # labels kept are the true ones
     # |U| = 25 + 10 + 45 = 80: pi over all C classes, the non-positive class 2 included
     assert torch.allclose(prior, torch.tensor([25 / 80, 10 / 80, 45 / 80, 0.0]))
     assert m.tolist() == [1.0, 1.0, 0.0, 0.0]
     # the held split (today's): every held class positive, at least one label each
-    y_obs, prior, m = pu_split(y, [0, 1, 2], 4, 0.05, np.random.default_rng(0))
+    y_obs, prior, m = pu_split(y, [0, 1, 2], 4, Labelling(0.05), np.random.default_rng(0))
     assert [(y_obs == c).sum().item() for c in range(3)] == [2, 1, 2]  # floor(.05 n), at least 1
     assert m.tolist() == [1.0, 1.0, 1.0, 0.0] and torch.allclose(prior, torch.tensor([48, 9, 43, 0]) / 100.0)
 

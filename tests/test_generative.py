@@ -158,7 +158,7 @@ def test_candidate_filter_by_cosine_distance():
 
 
 def test_dual_calibration_loss_against_its_formula():
-    from algorithms.gen_ops import dual_calibration_loss
+    from algorithms.gen_ops import DualCalibration, dual_calibration_loss
 
     c = 2
     logits = torch.tensor([[2.0, 0.0, 0.5, 0.1], [0.0, 1.0, 0.0, 0.3], [0.2, 0.1, 1.5, 0.0]])
@@ -180,14 +180,14 @@ def test_dual_calibration_loss_against_its_formula():
     r0 = [cos(f0, protos[0]) / beta, cos(f0, protos[1]) / beta]
     r1 = [cos(f1, protos[0]) / beta, cos(f1, protos[1]) / beta]
     l_sep = (ce(r0, 0) + ce(r1, 1)) / 2
-    loss, parts = dual_calibration_loss(logits, z, y, c, protos, mask, 0.5, 2.0, beta)
+    loss, parts = dual_calibration_loss(logits, z, y, DualCalibration(c, protos, mask, 0.5, 2.0, beta))
     assert float(parts["cla"]) == pytest.approx(l_cla, rel=1e-6)
     assert float(parts["sep"]) == pytest.approx(l_sep, rel=1e-6)
     assert float(loss) == pytest.approx(l_cla + 2.0 * l_sep, rel=1e-6)
     # no global prototypes yet: L_cla only; a class without a prototype is left out of L_sep
-    loss0, parts0 = dual_calibration_loss(logits, z, y, c, None, None, 0.5, 2.0, beta)
+    loss0, parts0 = dual_calibration_loss(logits, z, y, DualCalibration(c, None, None, 0.5, 2.0, beta))
     assert float(loss0) == pytest.approx(l_cla, rel=1e-6) and float(parts0["sep"]) == 0.0
-    _, parts1 = dual_calibration_loss(logits, z, y, c, protos, torch.tensor([True, False]), 0.5, 1.0, beta)
+    _, parts1 = dual_calibration_loss(logits, z, y, DualCalibration(c, protos, torch.tensor([True, False]), 0.5, 1.0, beta))
     assert float(parts1["sep"]) == pytest.approx(0.0, abs=1e-7)  # one column: CE of a single logit is 0
 
 

@@ -208,7 +208,7 @@ def test_vmap_groups_clients_at_different_epochs_apart():
     an epoch-dependent loss gives each the loop's weights."""
     from raysim.config import TrainConfig
     from raysim.engine.vectorized import Member, vmap_local_sgd
-    from raysim.training import local_sgd
+    from raysim.training import TrainOptions, local_sgd
 
     torch.manual_seed(0)
     model = torch.nn.Linear(3, 2)
@@ -227,7 +227,7 @@ def test_vmap_groups_clients_at_different_epochs_apart():
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(start[n])
-        local_sgd(model, loss_fn, xs[i], ys[i], cfg, torch.Generator().manual_seed(i))
+        local_sgd(model, loss_fn, xs[i], ys[i], TrainOptions(cfg, torch.Generator().manual_seed(i)))
         for n, p in model.named_parameters():
             torch.testing.assert_close(trained[i][n], p.detach(), rtol=1e-5, atol=1e-6)
 

@@ -199,9 +199,10 @@ def labels(n, c=10):
 
 
 def part(name, n_clients, train=100, test=50, **params):
+    from raysim.data.arrays import Pools
     from raysim.data.partition import run_partitioner
 
-    return run_partitioner(name, params, labels(train), labels(test), n_clients, np.random.default_rng(0), 10)
+    return run_partitioner(name, params, Pools(labels(train), labels(test), n_clients, np.random.default_rng(0), 10))
 
 
 def refused(field, text, *args, **kw):

@@ -197,22 +197,22 @@ def test_model_cache_builds_once_per_key_without_moving_the_stream():
 
 def test_make_optimizer_is_the_one_builder():
     from raysim.config import TrainConfig
-    from raysim.training import make_optimizer, optimizer_state
+    from raysim.training import OptimizerSpec, make_optimizer, optimizer_state
 
     w = torch.nn.Linear(2, 1)
     cfg = TrainConfig(lr=0.1, momentum=0.9, weight_decay=0.01, optimizer="sgd")
     opt = make_optimizer(w.parameters(), cfg)
     assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.9 and opt.defaults["lr"] == 0.1
-    gan = make_optimizer(w.parameters(), kind="adam", lr=2e-4, betas=(0.5, 0.999))
+    gan = make_optimizer(w.parameters(), OptimizerSpec("adam", 2e-4, betas=(0.5, 0.999)))
     assert gan.defaults["betas"] == (0.5, 0.999) and gan.defaults["weight_decay"] == 0.0
-    plain = make_optimizer(w.parameters(), kind="sgd", lr=0.5)
+    plain = make_optimizer(w.parameters(), OptimizerSpec("sgd", 0.5))
     assert plain.defaults["momentum"] == 0.0 and plain.defaults["weight_decay"] == 0.0
     w(torch.ones(1, 2)).sum().backward()
     opt.step()
     again = make_optimizer(w.parameters(), cfg, state=optimizer_state(opt, w), model=w)
     assert torch.equal(again.state[w.weight]["momentum_buffer"], opt.state[w.weight]["momentum_buffer"])
     with pytest.raises(TypeError):
-        make_optimizer(w.parameters(), kind="rmsprop", lr=0.1)
+        make_optimizer(w.parameters(), OptimizerSpec("rmsprop", 0.1))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -228,7 +228,7 @@ def _slaug_params(**over):
 
 
 def test_train_proto_generator_on_a_tiny_generator():
-    from algorithms.generators import ProtoGenerator, train_proto_generator
+    from algorithms.generators import GeneratorRun, ProtoGenerator, train_proto_generator
 
     p = _slaug_params()
     torch.manual_seed(0)
@@ -244,26 +244,26 @@ def test_train_proto_generator_on_a_tiny_generator():
         assert x.shape == (p.gen_batch, 1, 8, 8)
         return proj(x.flatten(1))
 
-    sd, metrics = train_proto_generator(gen, protos, mask, embed, p, torch.Generator().manual_seed(1))
+    sd, metrics = train_proto_generator(gen, protos, mask, embed, GeneratorRun(p, torch.Generator().manual_seed(1)))
     assert set(torch.cat(seen).tolist()) <= {0, 2} and len(seen) == p.gen_steps
     assert set(metrics) == {"gen_proto_loss", "gen_div_loss", "gen_steps"} and metrics["gen_steps"] == 3.0
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert any(not torch.equal(sd[k], before[k]) for k in sd)  # it trained
     gen2 = ProtoGenerator(3, (1, 8, 8), p.gen_channels, p.gen_noise)
     gen2.load_state_dict(before)
-    sd2, m2 = train_proto_generator(gen2, protos, mask, embed, p, torch.Generator().manual_seed(1))
+    sd2, m2 = train_proto_generator(gen2, protos, mask, embed, GeneratorRun(p, torch.Generator().manual_seed(1)))
     assert m2 == metrics and all(torch.equal(sd[k], sd2[k]) for k in sd)  # a function of its inputs
 
 
 def test_train_acgan_on_a_tiny_gan():
-    from algorithms.generators import ACGANDiscriminator, ACGANGenerator, train_acgan
+    from algorithms.generators import ACGANDiscriminator, ACGANGenerator, GeneratorRun, train_acgan
 
     p = _slaug_params()
     torch.manual_seed(0)
     gen = ACGANGenerator(3, (1, 8, 8), p.gan_channels, p.gan_noise)
     disc = ACGANDiscriminator(3, (1, 8, 8), p.disc_channels)
     x, y = torch.rand(10, 1, 8, 8) * 2 - 1, torch.tensor([0, 1] * 5)
-    sd, metrics = train_acgan(gen, disc, x, y, p, torch.Generator().manual_seed(2))
+    sd, metrics = train_acgan(gen, disc, x, y, GeneratorRun(p, torch.Generator().manual_seed(2)))
     assert set(metrics) == {"gan_d_loss", "gan_g_loss", "gen_steps"} and metrics["gen_steps"] == 3.0
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert set(sd) == set(gen.state_dict())

@@ -143,7 +143,7 @@ def test_pnicfl_episode_losses_by_hand():
     # support prototypes: (1, 0) and (0, 3). query (1, 1): d = (1, 5); query (1, .5): d = (0.25, 7.25) (misclassified)
     l0 = 1 + math.log(math.exp(-1) + math.exp(-5))
     l1 = 7.25 + math.log(math.exp(-0.25) + math.exp(-7.25))
-    loss, acc, lg = episode_losses(nn.Identity(), x, ep, sup, qry)
+    loss, acc, lg = episode_losses(nn.Identity(), x, (ep, sup, qry))
     assert float(loss) == pytest.approx((l0 + l1) / 2, rel=1e-6)
     assert float(acc) == 0.5 and lg is None
 
@@ -154,11 +154,11 @@ def test_pnicfl_episode_losses_by_hand():
     mask[3] = mask[7] = True
     # query (1, 1): d = (2, 2) -> ln 2; query (1, .5): d = (1.25, 3.25) -> 3.25 + ln(e^-1.25 + e^-3.25)
     g = (math.log(2) + 3.25 + math.log(math.exp(-1.25) + math.exp(-3.25))) / 2
-    loss2, _, lg = episode_losses(nn.Identity(), x, ep, sup, qry, cluster, mask)
+    loss2, _, lg = episode_losses(nn.Identity(), x, (ep, sup, qry), cluster, mask)
     assert float(loss2) == pytest.approx((l0 + l1) / 2, rel=1e-6)  # L_proto does not depend on the cluster
     assert float(lg) == pytest.approx(g, rel=1e-6)
     # no episode class has a cluster prototype: no L_g
-    assert episode_losses(nn.Identity(), x, ep, sup, qry, cluster, torch.zeros(8, dtype=torch.bool))[2] is None
+    assert episode_losses(nn.Identity(), x, (ep, sup, qry), cluster, torch.zeros(8, dtype=torch.bool))[2] is None
 
 
 def test_pnicfl_lg_leaves_out_classes_without_a_cluster_prototype():
@@ -175,13 +175,13 @@ def test_pnicfl_lg_leaves_out_classes_without_a_cluster_prototype():
     # L_g over the queries of labels 0 and 2 against (E^0, E^2) = ((0, 2), (2, 0)):
     # (0, 1): d = (1, 5) -> 1 + ln(e^-1 + e^-5); (0, 4): d = (4, 20) -> 20 + ln(e^-4 + e^-20)
     g = (1 + math.log(math.exp(-1) + math.exp(-5)) + 20 + math.log(math.exp(-4) + math.exp(-20))) / 2
-    _, _, lg = episode_losses(nn.Identity(), x, ep, sup, qry, cluster, mask)
+    _, _, lg = episode_losses(nn.Identity(), x, (ep, sup, qry), cluster, mask)
     assert float(lg) == pytest.approx(g, rel=1e-6)
     # L_proto: queries against the support rows (0, 0), (4, 0), (0, 5)
     # (0, 1): d = (1, 17, 16); (3, 0): d = (9, 1, 34); (0, 4): d = (16, 32, 1) -- each nearest its own class
     lse = lambda ds: math.log(sum(math.exp(-d) for d in ds))
     want = ((1 + lse([1, 17, 16])) + (1 + lse([9, 1, 34])) + (1 + lse([16, 32, 1]))) / 3
-    loss, acc, _ = episode_losses(nn.Identity(), x, ep, sup, qry, cluster, mask)
+    loss, acc, _ = episode_losses(nn.Identity(), x, (ep, sup, qry), cluster, mask)
     assert float(loss) == pytest.approx(want, abs=1e-6) and float(acc) == 1.0  # float32: a small loss
 
 
@@ -191,8 +191,8 @@ def test_pnicfl_episode_gradient_reaches_the_support_samples():
     # Snell et al.: the prototypes are means of the support embeddings, not constants, so the loss has a gradient on
     # the support rows. Queries (1, 1) and (1, .5) as above.
     x = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 1.0], [0.0, 4.0], [0.0, 2.0], [1.0, 0.5]], requires_grad=True)
-    loss, _, _ = episode_losses(nn.Identity(), x, [3, 7], [np.array([0, 1]), np.array([3, 4])],
-                                [np.array([2]), np.array([5])])
+    loss, _, _ = episode_losses(nn.Identity(), x, ([3, 7], [np.array([0, 1]), np.array([3, 4])],
+                                                       [np.array([2]), np.array([5])]))
     loss.backward()
     # -log p(y | q) = d_y + ln sum_k e^{-d_k} with d_k = ||q - c_k||^2, so d(-log p_y)/d c_A = (1[y = A] - p_A) * -2 (q - c_A).
     # Query (1, 1), class A, c_A = (1, 0): (1 - p_A) * -2 (0, 1); query (1, .5), class B: -p_A * -2 (0, .5).

@@ -339,7 +339,7 @@ def test_slaugfl_prototype_generator_step_by_hand():
     1e-5) with l_z = mean|G(z_1) - G(z_2)| / mean|z_1 - z_2| between the batch's halves (raw tanh outputs). The
     metrics are the last 10 steps' means (one step: a tenth of the step's losses); the new weights are one Adam step
     on the gradient of L_proto + L_div."""
-    from algorithms.generators import train_proto_generator
+    from algorithms.generators import GeneratorRun, train_proto_generator
     from algorithms.slaugfl import features_by_label
 
     m0, m1 = [[1.0, 0.0], [1.0, 1.0]], [[0.0, 2.0], [-1.0, 1.0]]
@@ -348,8 +348,8 @@ def test_slaugfl_prototype_generator_step_by_hand():
     p = SimpleNamespace(gen_steps=1, gen_batch=4, gen_lr=0.01, gen_noise=2, lam_div=0.5)
     gen = TinyGen(GEN_W, GEN_U)
     sd, metrics = train_proto_generator(gen, torch.tensor(protos), torch.tensor([True, True, False]),
-                                        lambda x, y: features_by_label(x, y, rep, models), p,
-                                        torch.Generator().manual_seed(3), NORM)
+                                        lambda x, y: features_by_label(x, y, rep, models),
+                                        GeneratorRun(p, torch.Generator().manual_seed(3), NORM))
     # the draws, as documented: labels among the classes with a prototype, then the noise
     g = torch.Generator().manual_seed(3)
     ys = torch.tensor([0, 1])[torch.randint(2, (4,), generator=g)].tolist()
@@ -424,13 +424,13 @@ def test_slaugfl_acgan_discriminator_then_generator_step_by_hand():
     The discriminator steps first, on L_D of a real batch and a generated one (labels drawn among the candidates'
     classes); then the generator steps on L_G judged by the *updated* discriminator. The metrics are the last 10
     steps' means (one step: a tenth of each loss)."""
-    from algorithms.generators import train_acgan
+    from algorithms.generators import GeneratorRun, train_acgan
 
     x = [[0.5, -0.5], [1.0, 0.2], [-0.4, 0.9]]
     y = [0, 2, 2]
     p = SimpleNamespace(gen_steps=1, gen_batch=4, gen_lr=0.1, gan_noise=2)
     gen, disc = TinyGen(GEN_W, GEN_U), TinyDisc(DISC_A, DISC_A0, DISC_B)
-    sd, metrics = train_acgan(gen, disc, torch.tensor(x), torch.tensor(y), p, torch.Generator().manual_seed(5), NORM)
+    sd, metrics = train_acgan(gen, disc, torch.tensor(x), torch.tensor(y), GeneratorRun(p, torch.Generator().manual_seed(5), NORM))
     # the draws, as documented: the real batch's indices (with replacement), the noise, the generated labels
     g = torch.Generator().manual_seed(5)
     idx = torch.randint(3, (3,), generator=g).tolist()

@@ -315,7 +315,7 @@ def test_mafml_sequential_equals_ray_one_actor_per_node(ray_session, tiny):
 def test_local_steps_runs_exactly_that_many_steps():
     """Exactly local_steps batches; the loss function receives each batch's local epoch."""
     from raysim.config import TrainConfig
-    from raysim.training import train_epochs
+    from raysim.training import TrainOptions, train_epochs
 
     calls = []
 
@@ -328,8 +328,8 @@ def test_local_steps_runs_exactly_that_many_steps():
     for steps, want in ((3, [(0, 4), (0, 4), (0, 2)]), (7, [(0, 4), (0, 4), (0, 2), (1, 4), (1, 4), (1, 2), (2, 4)]),
                         (1, [(0, 4)])):
         calls.clear()
-        train_epochs(model, x, y, TrainConfig(batch_size=4, local_steps=steps), torch.Generator().manual_seed(0),
-                     loss_fn)
+        train_epochs(model, x, y, TrainOptions(TrainConfig(batch_size=4, local_steps=steps),
+                                               torch.Generator().manual_seed(0)), loss_fn)
         assert calls == want, (steps, calls)
 
 

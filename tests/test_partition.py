@@ -4,6 +4,7 @@ import pytest
 
 from raysim.config import make_config
 from raysim.data import DataError, build_federated_data
+from raysim.data.arrays import Pools
 from raysim.data.partition import dirichlet, iid
 from raysim.data.skew import nway_kshot
 
@@ -15,7 +16,7 @@ def labels(per_class=100, classes=10):
 def test_nway_kshot_counts_and_disjoint():
     tr, te = labels(300), labels(100)
     rng = np.random.default_rng(0)
-    p = nway_kshot(tr, te, 20, rng, 10, ways=4, shots=10, stdev=2, test_shots=4)
+    p = nway_kshot(Pools(tr, te, 20, rng, 10), ways=4, shots=10, stdev=2, test_shots=4)
     all_train = np.concatenate(p.train)
     assert len(all_train) == len(set(all_train.tolist()))  # no training sample reused
     all_test = np.concatenate(p.test)
@@ -34,36 +35,36 @@ def test_nway_kshot_counts_and_disjoint():
 
 def test_nway_kshot_deterministic_and_seed_dependent():
     tr, te = labels(300), labels(100)
-    a = nway_kshot(tr, te, 10, np.random.default_rng(1), 10, ways=3, shots=5, stdev=1, test_shots=2)
-    b = nway_kshot(tr, te, 10, np.random.default_rng(1), 10, ways=3, shots=5, stdev=1, test_shots=2)
-    c = nway_kshot(tr, te, 10, np.random.default_rng(2), 10, ways=3, shots=5, stdev=1, test_shots=2)
+    a = nway_kshot(Pools(tr, te, 10, np.random.default_rng(1), 10), ways=3, shots=5, stdev=1, test_shots=2)
+    b = nway_kshot(Pools(tr, te, 10, np.random.default_rng(1), 10), ways=3, shots=5, stdev=1, test_shots=2)
+    c = nway_kshot(Pools(tr, te, 10, np.random.default_rng(2), 10), ways=3, shots=5, stdev=1, test_shots=2)
     assert all(np.array_equal(x, y) for x, y in zip(a.train, b.train))
     assert not all(np.array_equal(x, y) for x, y in zip(a.train, c.train))
 
 
 def test_nway_kshot_too_many_shots_is_a_clear_error():
     with pytest.raises(DataError) as e:
-        nway_kshot(labels(50), labels(20), 20, np.random.default_rng(0), 10, ways=5, shots=100, stdev=2, test_shots=1)
+        nway_kshot(Pools(labels(50), labels(20), 20, np.random.default_rng(0), 10), ways=5, shots=100, stdev=2, test_shots=1)
     assert e.value.field == "data.partition_params.shots"
     assert "at most shots=" in str(e.value)
 
 
 def test_nway_kshot_test_pool_error_names_test_shots():
     with pytest.raises(DataError) as e:
-        nway_kshot(labels(500), labels(10), 20, np.random.default_rng(0), 10, ways=5, shots=5, stdev=2, test_shots=5)
+        nway_kshot(Pools(labels(500), labels(10), 20, np.random.default_rng(0), 10), ways=5, shots=5, stdev=2, test_shots=5)
     assert e.value.field == "data.partition_params.test_shots"
 
 
 def test_iid_sizes_and_error():
-    p = iid(labels(30), labels(10), 5, np.random.default_rng(0), 10, samples_per_client=40, test_per_client=10)
+    p = iid(Pools(labels(30), labels(10), 5, np.random.default_rng(0), 10), samples_per_client=40, test_per_client=10)
     assert [len(t) for t in p.train] == [40] * 5 and [len(t) for t in p.test] == [10] * 5
     with pytest.raises(DataError, match="samples_per_client"):
-        iid(labels(30), labels(10), 5, np.random.default_rng(0), 10, samples_per_client=100)
+        iid(Pools(labels(30), labels(10), 5, np.random.default_rng(0), 10), samples_per_client=100)
 
 
 def test_dirichlet_small_alpha_is_skewed_and_covers():
     tr, te = labels(200), labels(100)
-    p = dirichlet(tr, te, 10, np.random.default_rng(0), 10, alpha=0.1, min_samples=5)
+    p = dirichlet(Pools(tr, te, 10, np.random.default_rng(0), 10), alpha=0.1, min_samples=5)
     assert sum(len(t) for t in p.train) == len(tr)
     assert len(set(np.concatenate(p.train).tolist())) == len(tr)
     top_share = np.mean([np.bincount(tr[t], minlength=10).max() / len(t) for t in p.train])

@@ -59,13 +59,15 @@ def _eager_client(cfg, i):
     from raysim import rng as rngmod
     from raysim.data.datasets import load_dataset
     from raysim.data.federated import ClientData, _split_test_pool, rotate, split_validation
+    from raysim.data.arrays import Pools
     from raysim.data.partition import run_partitioner
 
     d = cfg.data
     ds = load_dataset(d.dataset, d.root)
     train, test = _split_test_pool(ds, d.test_fraction, cfg.seed) if ds.test is None else (ds.train, ds.test)
-    part = run_partitioner(d.partition, dict(d.partition_params), train.y.numpy(), test.y.numpy(), d.num_clients,
-                           rngmod.numpy_rng(cfg.seed, rngmod.NO_ROUND, rngmod.SERVER, "partition"), ds.num_classes)
+    part = run_partitioner(d.partition, dict(d.partition_params),
+                           Pools(train.y.numpy(), test.y.numpy(), d.num_clients,
+                                 rngmod.numpy_rng(cfg.seed, rngmod.NO_ROUND, rngmod.SERVER, "partition"), ds.num_classes))
     tr_idx = np.asarray(part.train[i])
     tr_idx, va_idx = split_validation(tr_idx, d.val_fraction, rngmod.numpy_rng(cfg.seed, rngmod.NO_ROUND, i, "val-split"))
     tr, te, va = train.subset(tr_idx), test.subset(part.test[i]), train.subset(va_idx)

@@ -73,7 +73,7 @@ def test_pu_loss_hand_example():
 
 def test_pu_split_counts_prior_and_hidden_labels():
     y = torch.tensor([0, 0, 0, 0, 1, 1, 2, 2, 2, 2])
-    y_obs, prior, pos = ops.pu_split(y, [0, 1, 2], 4, 0.5, np.random.default_rng(0))
+    y_obs, prior, pos = ops.pu_split(y, [0, 1, 2], 4, ops.Labelling(0.5), np.random.default_rng(0))
     # labelled: floor(.5 * (4, 2, 4)) = (2, 1, 2); |U| = 5; prior = (2, 1, 2, 0) / 5
     assert [(y_obs == c).sum().item() for c in range(3)] == [2, 1, 2]
     assert (y_obs == ops.UNLABELLED).sum().item() == 5
@@ -82,15 +82,15 @@ def test_pu_split_counts_prior_and_hidden_labels():
     lab = y_obs >= 0
     assert torch.equal(y_obs[lab], y[lab])  # kept labels are true labels; hidden ones are -1, never the label
     # rho = 0.1: at least one label per held class -> (1, 1, 1) labelled, |U| = 7
-    y_obs, prior, _ = ops.pu_split(y, [0, 1, 2], 3, 0.1, np.random.default_rng(0))
+    y_obs, prior, _ = ops.pu_split(y, [0, 1, 2], 3, ops.Labelling(0.1), np.random.default_rng(0))
     assert (y_obs >= 0).sum().item() == 3
     assert torch.allclose(prior, torch.tensor([3 / 7, 1 / 7, 3 / 7]))
     # rho = 1: nothing hidden, prior 0 (so the PU term vanishes)
-    y_obs, prior, _ = ops.pu_split(y, [0, 1, 2], 3, 1.0, np.random.default_rng(0))
+    y_obs, prior, _ = ops.pu_split(y, [0, 1, 2], 3, ops.Labelling(1.0), np.random.default_rng(0))
     assert torch.equal(y_obs, y) and float(prior.sum()) == 0.0
     # same stream -> same split
-    a = ops.pu_split(y, [0, 1, 2], 3, 0.5, np.random.default_rng(5))[0]
-    b = ops.pu_split(y, [0, 1, 2], 3, 0.5, np.random.default_rng(5))[0]
+    a = ops.pu_split(y, [0, 1, 2], 3, ops.Labelling(0.5), np.random.default_rng(5))[0]
+    b = ops.pu_split(y, [0, 1, 2], 3, ops.Labelling(0.5), np.random.default_rng(5))[0]
     assert torch.equal(a, b)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms.fedtgp import PrototypeGenerator, train_generator
+from algorithms.fedtgp import PrototypeGenerator, ServerTraining, train_generator
 from algorithms.proto_ops import UNLABELLED, min_pairwise_distance, tgp_margin
 from raysim import rng as rngmod
 from raysim.algorithm import Context, ServerContext
@@ -167,7 +167,8 @@ def test_tgp_generator_spreads_global_prototypes():
     with torch.no_grad():
         before = gen(torch.arange(c))
     delta = tgp_margin(q, torch.ones(c, dtype=torch.bool), 100.0)
-    hist = train_generator(gen, f, lab, delta, epochs=20, batch_size=4, lr=0.05, rng=torch.Generator().manual_seed(0))
+    hist = train_generator(gen, f, lab, delta, ServerTraining(epochs=20, batch_size=4, lr=0.05),
+                           torch.Generator().manual_seed(0))
     with torch.no_grad():
         after = gen(torch.arange(c))
     assert hist[-1] < hist[0]

@@ -13,7 +13,7 @@ from tests.conftest import tiny_config
 from raysim.io import results
 from raysim.app.cli import main
 from raysim.errors import ConfigError
-from raysim.app.report import build_report
+from raysim.app.report import ReportOptions, build_report
 from raysim.io.results import ResultTable, write_parquet
 from raysim.app.sweep import parse_seeds
 
@@ -88,7 +88,7 @@ def test_best_is_not_last_when_accuracy_drops():
 
 def test_report_writes_markdown_parquet_and_plots(tmp_path):
     dirs = write_fixture(tmp_path)
-    files = build_report([tmp_path], tmp_path / "rep", target=0.55, log=lambda *a: None)
+    files = build_report([tmp_path], tmp_path / "rep", ReportOptions(target=0.55), log=lambda *a: None)
     md = files["summary.md"].read_text()
     assert "| fedproto (lam=1.0) | 2 | 1,2 | 0.9000 ± 0.0707 | 0.9000 ± 0.0707 | 3.0 ± 0.0 | 3 | 2.0 ± 1.4 (2/2 reached) |" in md
     assert "| fedproto (lam=0.5) | 1 | 1 |" in md and "± std over seeds" in md

@@ -22,7 +22,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import pandas as pd
 
@@ -249,14 +249,27 @@ def _tell(study, trial, out: TrialOutcome, log: Callable) -> None:
     log(f"trial {trial.number} [{params}] {out.outcome}: {shown} ({out.seconds:.1f} s)")
 
 
-def _begin_trial(study, space: SearchSpace, base: dict, out_dir: Path):
+@dataclass(frozen=True)
+class _Session:
+    """An open study and what its trials run: the base config (a dict), the search space, the output directory,
+    and the storage URL and study name a Ray worker reopens the study from."""
+    study: Any
+    space: SearchSpace
+    base: dict
+    out_dir: Path
+    storage_url: str
+    study_name: str
+
+
+def _begin_trial(session: _Session):
+    study, space = session.study, session.space
     trial = study.ask()
     trial.set_user_attr("driver", driver_id())
     params = space.suggest(trial)
-    cfg = trial_config(base, space, params, trial.number)
+    cfg = trial_config(session.base, space, params, trial.number)
     trial.set_user_attr("seed", int(cfg.seed))
     trial.set_user_attr("config_hash", cfg.config_hash())
-    run_dir = out_dir / "trials" / f"trial_{trial.number:04d}"
+    run_dir = session.out_dir / "trials" / f"trial_{trial.number:04d}"
     trial.set_user_attr("run_dir", str(run_dir))
     return trial, params, run_dir
 
@@ -268,20 +281,12 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
     """Run (or resume) a study until it holds ``n_trials`` finished trials. ``first_params``: values (dotted key ->
     value) the first trial of a new study runs, e.g. the method's default, as a baseline the sampler and pruner see.
     ``stop_after`` (tests): return after starting this many trials in this call, as if interrupted."""
-    import optuna
-
     t_start = time.perf_counter()
     if n_trials < 1:
         raise ConfigError("--trials", f"must be >= 1, got {n_trials}")
     if parallel < 1:
         raise ConfigError("--parallel", f"must be >= 1, got {parallel}")
-    base = load_config_dict(config) if not isinstance(config, dict) else dict(config)
-    base = apply_overrides(base, list(overrides or []) + ["output.progress=false"])
-    cfg = make_config(base)
-    if not isinstance(space, SearchSpace):
-        space = parse_space(space)
-    check_against_config(space, base)
-    space = resolve_objective(space, cfg, log)
+    base, cfg, space = _study_space(config, space, overrides, log)
     if space.grid_size is not None and n_trials > space.grid_size:
         raise ConfigError("--trials", f"the grid (sampler: grid) has {space.grid_size} points; ask for at most that "
                                       f"many trials, got {n_trials}")
@@ -295,8 +300,47 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
     storage_url = storage if storage is not None else f"journal:{out_dir / 'study.journal'}"
     if parallel > 1:  # Ray workers may run in another directory
         storage_url = absolute_storage_url(storage_url)
-    store = open_storage(storage_url)
+    study = _open_study(storage_url, study_name, space, cfg)
+    out_dir.mkdir(parents=True, exist_ok=True)
 
+    if first_params and not study.get_trials(deepcopy=False):
+        study.enqueue_trial(dict(first_params), user_attrs={"baseline": True})
+    recover_stale(study, log)
+    study.sampler = space.build_sampler(resumed_at=len(study.get_trials(deepcopy=False)))
+    done = counted(study.get_trials(deepcopy=False))
+    todo = max(0, n_trials - done)
+    log(f"study {study_name!r} ({storage_url}): {done} finished trial(s), running {todo} more"
+        f"{f' on Ray, {parallel} at a time' if parallel > 1 and todo else ''}")
+    session = _Session(study, space, base, out_dir, storage_url, study_name)
+    ran = 0
+    if todo:
+        if parallel > 1:
+            ran = _run_parallel(session, todo, parallel, log, stop_after)
+        else:
+            ran = _run_sequential(session, todo, log, stop_after)
+    res = export(study, out_dir, base, space)
+    res.ran, res.wall_s = ran, time.perf_counter() - t_start
+    return res
+
+
+def _study_space(config, space, overrides, log: Callable):
+    """(the base config as a dict, the validated config, the search space checked against it, its objective
+    resolved)."""
+    base = load_config_dict(config) if not isinstance(config, dict) else dict(config)
+    base = apply_overrides(base, list(overrides or []) + ["output.progress=false"])
+    cfg = make_config(base)
+    if not isinstance(space, SearchSpace):
+        space = parse_space(space)
+    check_against_config(space, base)
+    return base, cfg, resolve_objective(space, cfg, log)
+
+
+def _open_study(storage_url: str, study_name: str, space: SearchSpace, cfg):
+    """The study ``study_name`` in ``storage_url``, created or resumed; a resumed study must have been created with
+    the same search space and base config (recorded in its user attributes)."""
+    import optuna
+
+    store = open_storage(storage_url)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
         study = optuna.create_study(study_name=study_name, storage=store, direction=space.objective.direction,
@@ -316,36 +360,19 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
         study.set_user_attr(key, value)
     study.set_user_attr("space", space.to_dict())
     study.set_user_attr("base_config", to_dict(cfg))
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    if first_params and not study.get_trials(deepcopy=False):
-        study.enqueue_trial(dict(first_params), user_attrs={"baseline": True})
-    recover_stale(study, log)
-    study.sampler = space.build_sampler(resumed_at=len(study.get_trials(deepcopy=False)))
-    done = counted(study.get_trials(deepcopy=False))
-    todo = max(0, n_trials - done)
-    log(f"study {study_name!r} ({storage_url}): {done} finished trial(s), running {todo} more"
-        f"{f' on Ray, {parallel} at a time' if parallel > 1 and todo else ''}")
-    ran = 0
-    if todo:
-        if parallel > 1:
-            ran = _run_parallel(study, space, base, out_dir, storage_url, study_name, todo, parallel, log, stop_after)
-        else:
-            ran = _run_sequential(study, space, base, out_dir, todo, log, stop_after)
-    res = export(study, out_dir, base, space)
-    res.ran, res.wall_s = ran, time.perf_counter() - t_start
-    return res
+    return study
 
 
-def _run_sequential(study, space, base, out_dir, todo, log, stop_after) -> int:
+def _run_sequential(session: _Session, todo: int, log: Callable, stop_after: Optional[int]) -> int:
     from optuna.trial import TrialState
 
+    study = session.study
     ran = 0
     while ran < todo and (stop_after is None or ran < stop_after):
-        trial, params, run_dir = _begin_trial(study, space, base, out_dir)
+        trial, params, run_dir = _begin_trial(session)
         ran += 1
         try:
-            out = execute_trial(trial, base, space, run_dir)
+            out = execute_trial(trial, session.base, session.space, run_dir)
         except KeyboardInterrupt:
             _interrupt(study, trial, params)
             raise
@@ -358,13 +385,11 @@ def _run_sequential(study, space, base, out_dir, todo, log, stop_after) -> int:
     return ran
 
 
-def _run_parallel(study, space, base, out_dir, storage_url, study_name, todo, parallel, log, stop_after) -> int:
-    from optuna.trial import TrialState
+def _run_parallel(session: _Session, todo: int, parallel: int, log: Callable, stop_after: Optional[int]) -> int:
+    from raysim.backends.ray_tasks import TaskPool
 
-    from raysim.backends.ray_tasks import LostTask, TaskPool
-
-    cfg = make_config(base)
-    r = space.trial_resources
+    cfg = make_config(session.base)
+    r = session.space.trial_resources
     pool = TaskPool(r.num_cpus, r.num_gpus, address=cfg.backend.address, where="space.trial_resources")
     k = min(parallel, pool.slots)
     if k < parallel:
@@ -375,34 +400,47 @@ def _run_parallel(study, space, base, out_dir, storage_url, study_name, todo, pa
     try:
         while finished < limit:
             while started < limit and len(running) < k:
-                trial, params, run_dir = _begin_trial(study, space, base, out_dir)
+                trial, params, run_dir = _begin_trial(session)
                 running[trial.number] = (trial, params)
-                pool.submit(trial.number, _remote_trial, storage_url, study_name, trial._trial_id, base,
-                            space.to_dict(), str(run_dir.resolve()))
+                pool.submit(trial.number, _remote_trial, session.storage_url, session.study_name, trial._trial_id,
+                            session.base, session.space.to_dict(), str(run_dir.resolve()))
                 started += 1
             number, out, err = pool.wait()
             trial, params = running.pop(number)
-            if isinstance(err, LostTask):  # its worker or node died: not the trial's fault; run its values again
-                _interrupt(study, trial, params, reason=f"interrupted: {err}")
-                log(f"trial {trial.number} lost its Ray worker ({err}); its parameters are enqueued again")
+            if _settle(session.study, (trial, params), out, err, log):
+                finished += 1
+            else:
                 started -= 1
-                continue
-            if err is not None:
-                if isinstance(err, (ConfigError, DataError)):
-                    trial.set_user_attr("outcome", "config_error")
-                    trial.set_user_attr("fail_reason", str(err))
-                    study.tell(trial, state=TrialState.FAIL)
-                    raise err
-                out = TrialOutcome("error", reason=f"error: the Ray task failed: {type(err).__name__}: {err}")
-            _tell(study, trial, out, log)
-            finished += 1
     except KeyboardInterrupt:
         for trial, params in running.values():
-            _interrupt(study, trial, params)
+            _interrupt(session.study, trial, params)
         raise
     finally:
         pool.shutdown()
     return started
+
+
+def _settle(study, started: tuple, out, err, log: Callable) -> bool:
+    """Records a parallel trial's result: False when its Ray worker or node was lost (its values enqueued again,
+    not the trial's fault), True otherwise; a config or data error fails the trial and is raised."""
+    from optuna.trial import TrialState
+
+    from raysim.backends.ray_tasks import LostTask
+
+    trial, params = started
+    if isinstance(err, LostTask):  # its worker or node died: not the trial's fault; run its values again
+        _interrupt(study, trial, params, reason=f"interrupted: {err}")
+        log(f"trial {trial.number} lost its Ray worker ({err}); its parameters are enqueued again")
+        return False
+    if err is not None:
+        if isinstance(err, (ConfigError, DataError)):
+            trial.set_user_attr("outcome", "config_error")
+            trial.set_user_attr("fail_reason", str(err))
+            study.tell(trial, state=TrialState.FAIL)
+            raise err
+        out = TrialOutcome("error", reason=f"error: the Ray task failed: {type(err).__name__}: {err}")
+    _tell(study, trial, out, log)
+    return True
 
 
 # the study's storage (tuning.storage) and export (tuning.export): importable from here as before

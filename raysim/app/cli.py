@@ -151,14 +151,15 @@ def _cmd_tune(args) -> int:
 
 
 def _cmd_report(args) -> int:
-    from raysim.app.report import build_report
+    from raysim.app.report import ReportOptions, build_report
     from raysim.io.rundir import check_writable
 
     check_writable(args.out, "--out")  # a report directory that cannot be created fails before anything is read
     try:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
-        files = build_report(args.runs, args.out, metrics, args.target, args.time_metric, plots=not args.no_plots,
-                             per_client=args.per_client, tuned_on=args.tuned_on)
+        files = build_report(args.runs, args.out, ReportOptions(metrics, args.target, args.time_metric,
+                                                                plots=not args.no_plots, per_client=args.per_client,
+                                                                tuned_on=args.tuned_on))
     except (KeyError, FileNotFoundError) as e:
         print(f"raysim report: {printable(e.args[0] if e.args else e)}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ Settings are labelled by algorithm and the config keys that differ between the s
 as rounds completed everywhere (table and plots); bands are ± the sample std over seeds."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -166,8 +167,17 @@ def _pyplot():
     return plt
 
 
-def plot_curves(curves: pd.DataFrame, path: Path, xlabel: str, ylabel: str, title: str, xscale: str = "linear",
-                labels: Optional[dict] = None, integer_x: bool = False) -> None:
+@dataclass(frozen=True)
+class PlotAxes:
+    """A plot's axis labels, title, x scale (``linear``, ``log``, ``symlog``) and whether x ticks are integers."""
+    xlabel: str
+    ylabel: str
+    title: str
+    xscale: str = "linear"
+    integer_x: bool = False
+
+
+def plot_curves(curves: pd.DataFrame, path: Path, axes: PlotAxes, labels: Optional[dict] = None) -> None:
     """One line per setting (mean over seeds of the mean over clients) with a ± std-over-seeds band."""
     from matplotlib.ticker import MaxNLocator
 
@@ -186,12 +196,12 @@ def plot_curves(curves: pd.DataFrame, path: Path, xlabel: str, ylabel: str, titl
                 ax.errorbar(g["x"], g["mean"], yerr=std, color=line.get_color(), capsize=4, ls="none")
             else:
                 ax.fill_between(g["x"], g["mean"] - std, g["mean"] + std, color=line.get_color(), alpha=0.2, lw=0)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel(ylabel)
-    ax.set_xscale(xscale)
-    if integer_x:
+    ax.set_xlabel(axes.xlabel)
+    ax.set_ylabel(axes.ylabel)
+    ax.set_xscale(axes.xscale)
+    if axes.integer_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title(title, fontsize=10)
+    ax.set_title(axes.title, fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="best", title="mean over seeds; band: ± std over seeds", title_fontsize=7)
     fig.tight_layout()
@@ -239,29 +249,39 @@ def tuning_seeds(directory) -> set[int]:
     return {int(x) for x in t["seed"].dropna()} if "seed" in t else set()
 
 
-def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None, target: Optional[float] = None,
-                 time_metric: Optional[str] = None, plots: bool = True, log: Callable = print,
-                 per_client: bool = False, tuned_on: Optional[list] = None) -> dict:
+@dataclass(frozen=True)
+class ReportOptions:
+    """What ``raysim report`` shows: the metrics (default: the runs' accuracy), the target for rounds-to-target,
+    the simulated-time metric (default: found in the runs), whether to draw plots and per-client plots, and the
+    tuning studies whose seeds the report warns about (``--tuned-on``)."""
+    metrics: Optional[list] = None
+    target: Optional[float] = None
+    time_metric: Optional[str] = None
+    plots: bool = True
+    per_client: bool = False
+    tuned_on: Optional[list] = None
+
+
+@dataclass(frozen=True)
+class _Runs:
+    """The runs a report reads: their tables, index (one row per run, its setting), setting labels, time metric."""
+    df: pd.DataFrame
+    index: pd.DataFrame
+    labels: dict
+    time_metric: Optional[str]
+
+
+def build_report(paths, out_dir: str | Path, options: ReportOptions = ReportOptions(),
+                 log: Callable = print) -> dict:
     """Write summary.md, summary.parquet (one row per setting and metric), runs.parquet and the PNG plots into
     ``out_dir``; returns {name: path}. A metric that a run lacks is an error naming the run."""
-    damaged = []
-
-    def skip(e) -> None:
-        damaged.append(e)
-        import sys
-
-        from raysim.errors import printable
-
-        print(f"raysim report: skipped a damaged run: {printable(e)}", file=sys.stderr)
-
-    df, index = load_runs(paths, skip)
-    metrics, notes = check_metrics(df, index, metrics)
-    notes = list(notes) + [f"skipped a damaged run: {e}" for e in damaged]
+    df, index, metrics, notes = _read_runs(paths, options.metrics)
     labels = setting_labels(index)
     index = index.assign(setting=index["group"].map(labels))
-    tm = find_time_metric(df, time_metric)
+    runs = _Runs(df, index, labels, find_time_metric(df, options.time_metric))
+    tm, target = runs.time_metric, options.target
     tuned_seeds = set()
-    for d in tuned_on or []:  # read before anything is written: a bad --tuned-on leaves no report directory
+    for d in options.tuned_on or []:  # read before anything is written: a bad --tuned-on leaves no report directory
         tuned_seeds |= tuning_seeds(d)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -272,14 +292,8 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
           f"count rounds completed (round r = after r rounds), in the table and on the plots' x axis. Plot bands: ± std "
           f"over seeds.\n"]
     md += [f"\nNote: {n}.\n" for n in notes]
-    if tuned_on:
-        hit = index[index["seed"].isin(sorted(tuned_seeds))]
-        if len(hit):
-            msg = (f"run(s) {', '.join(hit['run_id'].astype(str))} use seed(s) "
-                   f"{', '.join(str(int(x)) for x in sorted(set(hit['seed'])))} that the hyperparameters were tuned "
-                   f"on ({', '.join(str(d) for d in tuned_on)}): their results are biased; compare on other seeds")
-            log(f"WARNING: {msg}")
-            md.append(f"\n**Warning**: {msg}.\n")
+    if options.tuned_on:
+        md += _tuned_on_warning(index, tuned_seeds, options.tuned_on, log)
     sums = []
     for metric in metrics:
         s = results.seed_summary(df, metric, index, target, tm)
@@ -289,22 +303,10 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
     if tm is None:
         md.append("\nNo simulated time in these runs (no total/server metric named "
                   f"{' / '.join(SIM_TIME_CANDIDATES)}): accuracy vs simulated time is not plotted.\n")
-    if plots:
+    if options.plots:
         for i, metric in enumerate(metrics):
-            stem = "acc" if i == 0 else metric
-            axes = [("round", "rounds completed", f"{stem}_vs_round.png", "linear"),
-                    ("bytes", "bytes communicated (up + down, all clients; log scale)", f"{stem}_vs_bytes.png", "log")]
-            if tm is not None:
-                axes.append((tm, f"simulated time ({tm}, cumulative)", f"{stem}_vs_time.png", "linear"))
-            for axis, xlabel, name, scale in axes:
-                curves = results.seed_curves(df, metric, index, axis)
-                if scale == "log" and not (curves["x"] > 0).all():
-                    scale = "symlog"
-                plot_curves(curves, out_dir / name, xlabel, f"mean client {metric}",
-                            f"{metric} vs {axis} (band: ± std over seeds)", scale, labels, integer_x=axis == "round")
-                files[name] = out_dir / name
-                md.append(f"\n![{metric} vs {axis}]({name})\n")
-            if per_client:
+            md += _metric_plots(runs, metric, "acc" if i == 0 else metric, out_dir, files)
+            if options.per_client:
                 name = f"clients_{metric}.png"
                 plot_client_curves(df, index, metric, out_dir / name, labels)
                 files[name] = out_dir / name
@@ -317,3 +319,54 @@ def build_report(paths, out_dir: str | Path, metrics: Optional[list[str]] = None
     files["runs.parquet"] = out_dir / "runs.parquet"
     index.to_parquet(files["runs.parquet"], index=False)
     return files
+
+
+def _read_runs(paths, metrics: Optional[list]):
+    """(result rows, run index, the metrics to report, notes): damaged runs are skipped (said on stderr and in the
+    notes), the metrics checked against every run."""
+    damaged = []
+
+    def skip(e) -> None:
+        damaged.append(e)
+        import sys
+
+        from raysim.errors import printable
+
+        print(f"raysim report: skipped a damaged run: {printable(e)}", file=sys.stderr)
+
+    df, index = load_runs(paths, skip)
+    metrics, notes = check_metrics(df, index, metrics)
+    return df, index, metrics, list(notes) + [f"skipped a damaged run: {e}" for e in damaged]
+
+
+def _tuned_on_warning(index: pd.DataFrame, tuned_seeds: set, tuned_on: list, log: Callable) -> list[str]:
+    """The warning (logged, and for summary.md) about runs on seeds the hyperparameters were tuned on."""
+    hit = index[index["seed"].isin(sorted(tuned_seeds))]
+    if not len(hit):
+        return []
+    msg = (f"run(s) {', '.join(hit['run_id'].astype(str))} use seed(s) "
+           f"{', '.join(str(int(x)) for x in sorted(set(hit['seed'])))} that the hyperparameters were tuned "
+           f"on ({', '.join(str(d) for d in tuned_on)}): their results are biased; compare on other seeds")
+    log(f"WARNING: {msg}")
+    return [f"\n**Warning**: {msg}.\n"]
+
+
+def _metric_plots(runs: _Runs, metric: str, stem: str, out_dir: Path, files: dict) -> list[str]:
+    """``metric`` against rounds, bytes and (when the runs have it) simulated time, as ``{stem}_vs_*.png`` in
+    ``out_dir`` (recorded in ``files``); returns summary.md's image lines."""
+    axes = [("round", "rounds completed", f"{stem}_vs_round.png", "linear"),
+            ("bytes", "bytes communicated (up + down, all clients; log scale)", f"{stem}_vs_bytes.png", "log")]
+    if runs.time_metric is not None:
+        tm = runs.time_metric
+        axes.append((tm, f"simulated time ({tm}, cumulative)", f"{stem}_vs_time.png", "linear"))
+    md = []
+    for axis, xlabel, name, scale in axes:
+        curves = results.seed_curves(runs.df, metric, runs.index, axis)
+        if scale == "log" and not (curves["x"] > 0).all():
+            scale = "symlog"
+        plot_curves(curves, out_dir / name, PlotAxes(xlabel, f"mean client {metric}", f"{metric} vs {axis} (band: ± "
+                                                     f"std over seeds)", scale, integer_x=axis == "round"),
+                    runs.labels)
+        files[name] = out_dir / name
+        md.append(f"\n![{metric} vs {axis}]({name})\n")
+    return md

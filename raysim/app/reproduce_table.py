@@ -291,11 +291,11 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
                                                      "claims": claims, "runs": _records(per_run)},
                                                     indent=1, default=_json_default))
     if report and len(per_run):
-        from raysim.app.report import build_report
+        from raysim.app.report import ReportOptions, build_report
 
         client_metrics = [m for m in (exp.metric, *exp.extra_metrics) if not m.startswith("server:")]
         try:
-            build_report(list(per_run["path"]), d / "report", metrics=client_metrics or None, log=log)
+            build_report(list(per_run["path"]), d / "report", ReportOptions(metrics=client_metrics or None), log=log)
         except (ConfigError, KeyError) as e:  # a metric only some runs have: the table above still stands
             log(f"note: raysim report skipped ({e})")
     return d / "reproduction.md"

@@ -33,21 +33,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         check_finite(value, path)
         return value
     if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        real = [a for a in args if a is not type(None)]
-        if len(real) == 1:  # Optional[X]: X's own error names the exact field (e.g. 'model.per_client[0].bogus')
-            return _coerce(value, real[0], path)
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(value, a, path)
-            except ConfigError as e:
-                errors.append(str(e))
-        allowed = " or ".join(_type_name(a) for a in args)
-        raise ConfigError(path, f"expected {allowed}, got {value!r}")
+        return _coerce_union(value, args, path)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -65,6 +51,27 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             raise ConfigError(path, f"expected a mapping, got {value!r}")
         check_finite(value, path)  # free-form parameters (partition_params, model.params, ...): no NaN or inf
         return dict(value)
+    return _coerce_scalar(value, tp, path)
+
+
+def _coerce_union(value: Any, args: tuple, path: str) -> Any:
+    """``value`` as the first member of the union ``args`` that takes it (None for an Optional's None)."""
+    if value is None and type(None) in args:
+        return None
+    real = [a for a in args if a is not type(None)]
+    if len(real) == 1:  # Optional[X]: X's own error names the exact field (e.g. 'model.per_client[0].bogus')
+        return _coerce(value, real[0], path)
+    for a in real:
+        try:
+            return _coerce(value, a, path)
+        except ConfigError:
+            pass
+    allowed = " or ".join(_type_name(a) for a in args)
+    raise ConfigError(path, f"expected {allowed}, got {value!r}")
+
+
+def _coerce_scalar(value: Any, tp: Any, path: str) -> Any:
+    """``value`` as a bool, int, float (also from YAML 1.2 float text) or str; any other type passes unchanged."""
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -97,6 +97,24 @@ class Partition:
     notes: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Pools:
+    """What every partitioner splits: the train-pool and test-pool labels, the number of clients, the seeded numpy
+    generator and the number of classes (``train_y, test_y, num_clients, rng, num_classes = pools``); for the
+    partitioners that read them, the pools' ``domains`` (K, train-pool domain ids, test-pool domain ids; multi-domain
+    data and rotations) and the data's natural client ids ``groups`` (train ids, test ids, the ids)."""
+    train_y: np.ndarray
+    test_y: np.ndarray
+    num_clients: int
+    rng: np.random.Generator
+    num_classes: int
+    domains: Optional[tuple] = None
+    groups: Optional[tuple] = None
+
+    def __iter__(self):
+        return iter((self.train_y, self.test_y, self.num_clients, self.rng, self.num_classes))
+
+
 def by_class(labels: np.ndarray, num_classes: int, rng: np.random.Generator) -> list[np.ndarray]:
     """Indices of each class, shuffled with ``rng`` (a deterministic function of the seed)."""
     return [rng.permutation(np.flatnonzero(labels == c)) for c in range(num_classes)]

@@ -111,17 +111,25 @@ def csr(parts: list) -> tuple[np.ndarray, np.ndarray]:
     return offsets, (np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, dtype=np.int64))
 
 
+@dataclass(eq=False)
 class ClientSource:
     """Every client as index ranges into the shared train and test pools (and its validation share of the train
     pool); :meth:`make` builds client ``i``'s :class:`ClientData` exactly as an eager build would (the same subsets,
     rotation and compaction). Pickled once per process that hosts clients."""
+    num_clients: int
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    train_csr: tuple  # (offsets, indices), see csr()
+    test_csr: tuple
+    val_csr: Optional[tuple]
+    num_classes: int
+    norm: Optional[tuple]
+    rotations: tuple = ()
 
-    def __init__(self, num_clients: int, train_x, train_y, test_x, test_y, train_csr, test_csr, val_csr,
-                 num_classes: int, norm, rotations: tuple = ()):
-        self.num_clients = int(num_clients)
-        self.train_x, self.train_y, self.test_x, self.test_y = train_x, train_y, test_x, test_y
-        self.train_csr, self.test_csr, self.val_csr = train_csr, test_csr, val_csr
-        self.num_classes, self.norm, self.rotations = num_classes, norm, tuple(rotations)
+    def __post_init__(self):
+        self.num_clients, self.rotations = int(self.num_clients), tuple(self.rotations)
 
     @staticmethod
     def _idx(csr, i: int) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """From a config's data section to per-client data: load, split off a test pool, partition, apply domain shift."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 
 from raysim import rng as rngmod
 from raysim.config import DataConfig
-from raysim.data.arrays import ArrayDataset, LoadedDataset
+from raysim.data.arrays import ArrayDataset, LoadedDataset, Partition, Pools
 from raysim.data.datasets import load_dataset
 from raysim.data.partition import run_partitioner
 from raysim.data.splitfiles import load_split_files
@@ -97,11 +98,17 @@ def _files_data(cfg: DataConfig, seed: int) -> FederatedData:
                          domains)
 
 
-def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
-    if cfg.partition == "files":
-        return _files_data(cfg, seed)
-    ds = load_dataset(cfg.dataset, cfg.root, cfg.dataset_params)
-    notes = [ds.notes]
+@dataclass(frozen=True)
+class PartitionedPools:
+    """The train and test pools and the partitioner's split of them (indices into the pools, per client)."""
+    train: ArrayDataset
+    test: ArrayDataset
+    part: Partition
+
+
+def _pools(cfg: DataConfig, seed: int, ds: LoadedDataset, notes: list):
+    """(train pool, test pool, server validation set or None): the loader's pools, a held-out test pool when the
+    dataset has none, and ``data.server_val`` carved from the train pool before partitioning."""
     if ds.test is None:
         train_pool, test_pool = _split_test_pool(ds, cfg.test_fraction, seed)
         notes.append(f"test pool: {cfg.test_fraction:.0%} of each class held out ({len(test_pool)} samples), "
@@ -113,21 +120,12 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
         train_pool, server_val = carve_server_val(train_pool, cfg.server_val, seed)
         notes.append(f"server validation set: {len(server_val)} samples of the training pool (class-stratified, "
                      f"seeded), held by the server and removed before partitioning; train pool {len(train_pool)}")
-    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "partition")
-    num_domains, part_domains = _domain_structure(cfg, train_pool, test_pool)
-    part = run_partitioner(cfg.partition, dict(cfg.partition_params), train_pool.y.numpy(), test_pool.y.numpy(),
-                           cfg.num_clients, r, ds.num_classes, domains=part_domains,
-                           groups=ds.groups if ds.test is not None else None)
-    notes += part.notes
-    if cfg.local_split is not None:
-        return _local_split_data(cfg, seed, ds, train_pool, part, notes, test_pool, num_domains)
-    # clients hold uint8 pixels (ClientData.compact) from the start: encode each pool once (when that is exact) and
-    # index the encoded pool. Clients are index ranges into the pools (ClientSource): no per-client objects or tensors
-    # until a client is used (a population of 100,000 costs a few bytes per client on every process)
-    u8 = None
-    if train_pool.norm is not None and test_pool.norm == train_pool.norm and not cfg.rotations:
-        u8 = (encode_exact(train_pool.x, train_pool.norm), encode_exact(test_pool.x, test_pool.norm))
-        u8 = None if any(u is None for u in u8) else u8
+    return train_pool, test_pool, server_val
+
+
+def _client_parts(cfg: DataConfig, seed: int, part: Partition) -> tuple[list, list]:
+    """Each client's training indices and (``data.val_fraction``) its validation share of them, stream
+    (seed, -, client, "val-split")."""
     tr_parts, va_parts = [], []
     for i in range(cfg.num_clients):
         tr_idx = np.asarray(part.train[i], dtype=np.int64)
@@ -140,6 +138,31 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
                 raise DataError("data.partition_params", f"client {i} received no training samples")
             va_parts.append(np.asarray(va_idx, dtype=np.int64))
         tr_parts.append(tr_idx)
+    return tr_parts, va_parts
+
+
+def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
+    if cfg.partition == "files":
+        return _files_data(cfg, seed)
+    ds = load_dataset(cfg.dataset, cfg.root, cfg.dataset_params)
+    notes = [ds.notes]
+    train_pool, test_pool, server_val = _pools(cfg, seed, ds, notes)
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "partition")
+    num_domains, part_domains = _domain_structure(cfg, train_pool, test_pool)
+    part = run_partitioner(cfg.partition, dict(cfg.partition_params),
+                           Pools(train_pool.y.numpy(), test_pool.y.numpy(), cfg.num_clients, r, ds.num_classes,
+                                 domains=part_domains, groups=ds.groups if ds.test is not None else None))
+    notes += part.notes
+    if cfg.local_split is not None:
+        return _local_split_data(cfg, seed, ds, PartitionedPools(train_pool, test_pool, part), notes, num_domains)
+    # clients hold uint8 pixels (ClientData.compact) from the start: encode each pool once (when that is exact) and
+    # index the encoded pool. Clients are index ranges into the pools (ClientSource): no per-client objects or tensors
+    # until a client is used (a population of 100,000 costs a few bytes per client on every process)
+    u8 = None
+    if train_pool.norm is not None and test_pool.norm == train_pool.norm and not cfg.rotations:
+        u8 = (encode_exact(train_pool.x, train_pool.norm), encode_exact(test_pool.x, test_pool.norm))
+        u8 = None if any(u is None for u in u8) else u8
+    tr_parts, va_parts = _client_parts(cfg, seed, part)
     source = ClientSource(
         cfg.num_clients, u8[0] if u8 else train_pool.x, train_pool.y, u8[1] if u8 else test_pool.x, test_pool.y,
         csr(tr_parts), csr([np.asarray(t, dtype=np.int64) for t in part.test]),
@@ -212,11 +235,12 @@ def _encode_pool(x: torch.Tensor, norm, chunk: int = 1024) -> Optional[torch.Ten
     return torch.cat(parts) if parts else x.to(torch.uint8)
 
 
-def _dataset_shares(cfg: DataConfig, seed: int, train_pool: ArrayDataset, test_pool: ArrayDataset, part) -> list:
+def _dataset_shares(cfg: DataConfig, seed: int, pools: PartitionedPools) -> list:
     """``local_split.mode: dataset``: each client's shares from the dataset's own parts — private = its training-pool
     samples outside the dataset's validation split, val = those inside it (``val_mask``), and its test-pool samples
     split at random (stream (seed, -, client, "local-split")) into ``round(public x n)`` public and the rest test.
     Images stay uint8 pixels when the pools encode exactly (the clients are then compact from the start)."""
+    train_pool, test_pool, part = pools.train, pools.test, pools.part
     if train_pool.val_mask is None:
         raise DataError("data.local_split.mode", f"{cfg.dataset} has no validation split of its own; mode: dataset "
                                                  f"is for datasets with fixed train/validation/test parts (pacs); "
@@ -252,8 +276,7 @@ def _dataset_shares(cfg: DataConfig, seed: int, train_pool: ArrayDataset, test_p
     return per
 
 
-def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool: ArrayDataset, part,
-                      notes: list, test_pool: Optional[ArrayDataset] = None,
+def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, pools: PartitionedPools, notes: list,
                       num_domains: Optional[int] = None) -> FederatedData:
     """``data.local_split``: each client's samples (after the partitioner and its rotation) split at random (stream
     (seed, -, client, "local-split")) into private / public / val / test shares, MAFML's D_pri / D_pub / D_val /
@@ -263,8 +286,23 @@ def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool:
     splits with their owners (``cross_test`` / ``cross_val``), for the cross-domain metrics only."""
     split = dict(cfg.local_split)
     by_dataset = split.get("mode", "random") == "dataset"
-    per = _dataset_shares(cfg, seed, train_pool, test_pool, part) if by_dataset else []
-    for i in range(0 if by_dataset else cfg.num_clients):
+    per = _dataset_shares(cfg, seed, pools) if by_dataset else _random_shares(cfg, seed, pools)
+    clients, public, test = _local_split_clients(per, ds.num_classes, pools.train.norm)
+    notes.append(_local_split_note(split, per, len(public), by_dataset))
+    if cfg.rotations:
+        notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
+    domains = [p["group"] for p in per] if cfg.rotations else None  # ground truth: the driver's, never a client's
+    if domains is None and num_domains and cfg.partition == "domains":
+        domains = [i % num_domains for i in range(cfg.num_clients)]
+    return FederatedData(clients, ds.num_classes, ds.input_shape, test, public, notes, domains)
+
+
+def _random_shares(cfg: DataConfig, seed: int, pools: PartitionedPools) -> list:
+    """``local_split.mode: random``: each client's samples (rotated by its group) split at random (stream
+    (seed, -, client, "local-split")) into the private / public / val / test sizes of :func:`local_split_sizes`."""
+    split, train_pool, part = dict(cfg.local_split), pools.train, pools.part
+    per = []
+    for i in range(cfg.num_clients):
         idx = np.asarray(part.train[i])
         if len(idx) == 0:
             raise DataError("data.partition_params", f"client {i} received no samples")
@@ -280,8 +318,12 @@ def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool:
         per.append({"group": group, "x_tr": x[t(tr)], "y_tr": smp.y[t(tr)], "x_te": x[t(te)], "y_te": smp.y[t(te)],
                     "x_va": x[t(va)], "y_va": smp.y[t(va)], "x_pu": x[t(pu)], "y_pu": smp.y[t(pu)],
                     "sizes": (pri, pub, val, test)})
+    return per
 
-    norm = train_pool.norm
+
+def _local_split_clients(per: list, num_classes: int, norm) -> tuple[list, ArrayDataset, ArrayDataset]:
+    """(the clients, the public dataset, the global test set) from the clients' shares ``per``: every client holds
+    all clients' test and validation splits with their owners (``cross_test`` / ``cross_val``)."""
 
     def floats(x):  # uint8 pixels (mode: dataset) decoded for what every node reads as floats
         return x if x.dtype != torch.uint8 else (x.to(dtype=torch.float32) / 255.0 - norm[0]) / norm[1]
@@ -294,30 +336,27 @@ def _local_split_data(cfg: DataConfig, seed: int, ds: LoadedDataset, train_pool:
     clients = []
     for i, p in enumerate(per):
         clients.append(ClientData(i, p["x_tr"], p["y_tr"], p["x_te"], p["y_te"], sorted(set(p["y_tr"].tolist())),
-                                  ds.num_classes, train_pool.norm, x_val=p["x_va"], y_val=p["y_va"],
+                                  num_classes, norm, x_val=p["x_va"], y_val=p["y_va"],
                                   cross_test=cross_test, cross_val=cross_val))
-    public = ArrayDataset(floats(torch.cat([p["x_pu"] for p in per])), torch.cat([p["y_pu"] for p in per]), ds.num_classes,
+    public = ArrayDataset(floats(torch.cat([p["x_pu"] for p in per])), torch.cat([p["y_pu"] for p in per]), num_classes,
                           provenance="public", owner=torch.cat([torch.full((len(p["y_pu"]),), i, dtype=torch.int64)
                                                                 for i, p in enumerate(per)]))
-    test = ArrayDataset(cross_test[0], cross_test[1], ds.num_classes, provenance="test")
-    sizes = sorted({p["sizes"] for p in per})
+    test = ArrayDataset(cross_test[0], cross_test[1], num_classes, provenance="test")
+    return clients, public, test
+
+
+def _local_split_note(split: dict, per: list, public_size: int, by_dataset: bool) -> str:
     if by_dataset:
-        notes.append(f"local split {split}: per client private = its training part, val = its validation part, "
-                     f"public = {split.get('public', 0.0):g} of its test part (stream (seed, -, client, "
-                     f"'local-split')), test = the rest; private/public/val/test sizes per client "
-                     f"{[p['sizes'] for p in per]}; clients train on private + own public; the public shares of all "
-                     f"clients form the public dataset ({len(public)} samples, owner per sample)")
-    else:
-        notes.append(f"local split {split} of each client's samples (stream (seed, -, client, 'local-split')): "
-                     f"private/public/val/test sizes {sizes}; clients train on private + own public; the public "
-                     f"shares of all clients form the public dataset ({len(public)} samples, owner per sample); the "
-                     f"pool's test split is not used")
-    if cfg.rotations:
-        notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
-    domains = [p["group"] for p in per] if cfg.rotations else None  # ground truth: the driver's, never a client's
-    if domains is None and num_domains and cfg.partition == "domains":
-        domains = [i % num_domains for i in range(cfg.num_clients)]
-    return FederatedData(clients, ds.num_classes, ds.input_shape, test, public, notes, domains)
+        return (f"local split {split}: per client private = its training part, val = its validation part, "
+                f"public = {split.get('public', 0.0):g} of its test part (stream (seed, -, client, "
+                f"'local-split')), test = the rest; private/public/val/test sizes per client "
+                f"{[p['sizes'] for p in per]}; clients train on private + own public; the public shares of all "
+                f"clients form the public dataset ({public_size} samples, owner per sample)")
+    sizes = sorted({p["sizes"] for p in per})
+    return (f"local split {split} of each client's samples (stream (seed, -, client, 'local-split')): "
+            f"private/public/val/test sizes {sizes}; clients train on private + own public; the public "
+            f"shares of all clients form the public dataset ({public_size} samples, owner per sample); the "
+            f"pool's test split is not used")
 
 
 def _load_public(spec: dict, seed: int) -> ArrayDataset:

@@ -104,32 +104,8 @@ def dataset_from_mapping(m: Any, name: str, key: str, notes: str = "") -> Loaded
                              f"x_test images {'x'.join(map(str, xte.shape[1:]))}")
     if (xtr.dtype == np.uint8) != (xte.dtype == np.uint8):
         raise DataError(key, f"x_train is {xtr.dtype} but x_test {xte.dtype}: give both as uint8 pixels or both as floats")
-    lo = min(int(ytr.min()), int(yte.min()) if len(yte) else 0)
-    hi = max(int(ytr.max()), int(yte.max()) if len(yte) else 0)
-    if "num_classes" in m and m["num_classes"] is not None:
-        c = _array(m["num_classes"], "num_classes", key)
-        if c.size != 1 or not np.issubdtype(c.dtype, np.integer) or int(c) <= 0:
-            raise DataError(key, f"num_classes must be a positive integer, got {m['num_classes']!r}")
-        num_classes = int(c)
-    else:
-        num_classes = hi + 1
-    if lo < 0 or hi >= num_classes:
-        bad = lo if lo < 0 else hi
-        raise DataError(key, f"label {bad} is outside the classes 0..{num_classes - 1}")
-    if num_classes < 2:
-        raise DataError(key, f"the labels name {num_classes} class; a classification task needs at least 2")
-    groups = None
-    if "groups_train" in m or "groups_test" in m:
-        if "groups_train" not in m or "groups_test" not in m:
-            raise DataError(key, "natural client ids need both groups_train and groups_test")
-        gtr = _groups(m["groups_train"], len(ytr), "groups_train", key)
-        gte = _groups(m["groups_test"], len(yte), "groups_test", key)
-        if (gtr.dtype.kind in "US") != (gte.dtype.kind in "US"):
-            raise DataError(key, "groups_train and groups_test must both be integers or both be strings")
-        ids = np.unique(gtr)  # sorted: client k holds the k-th id
-        code_te = np.searchsorted(ids, gte)
-        code_te = np.where((code_te < len(ids)) & (ids[np.minimum(code_te, len(ids) - 1)] == gte), code_te, -1)
-        groups = (np.searchsorted(ids, gtr).astype(np.int64), code_te.astype(np.int64), [str(i) for i in ids])
+    num_classes = _num_classes(m, ytr, yte, key)
+    groups = _natural_groups(m, len(ytr), len(yte), key)
 
     def make(x, y):
         # a fresh C-order copy: canonical strides (an N x 1 x H x W view may carry strides that make torch pick a
@@ -145,6 +121,42 @@ def dataset_from_mapping(m: Any, name: str, key: str, notes: str = "") -> Loaded
     return LoadedDataset(name, train, test, tuple(xtr.shape[1:]), num_classes,
                          f"{notes or name}: {len(ytr)} train / {len(yte)} test images of "
                          f"{'x'.join(map(str, xtr.shape[1:]))}, {num_classes} classes", groups)
+
+
+def _num_classes(m, ytr: np.ndarray, yte: np.ndarray, key: str) -> int:
+    """The mapping's ``num_classes`` (default: the largest label + 1), checked against the labels (at least 2)."""
+    lo = min(int(ytr.min()), int(yte.min()) if len(yte) else 0)
+    hi = max(int(ytr.max()), int(yte.max()) if len(yte) else 0)
+    if "num_classes" in m and m["num_classes"] is not None:
+        c = _array(m["num_classes"], "num_classes", key)
+        if c.size != 1 or not np.issubdtype(c.dtype, np.integer) or int(c) <= 0:
+            raise DataError(key, f"num_classes must be a positive integer, got {m['num_classes']!r}")
+        num_classes = int(c)
+    else:
+        num_classes = hi + 1
+    if lo < 0 or hi >= num_classes:
+        bad = lo if lo < 0 else hi
+        raise DataError(key, f"label {bad} is outside the classes 0..{num_classes - 1}")
+    if num_classes < 2:
+        raise DataError(key, f"the labels name {num_classes} class; a classification task needs at least 2")
+    return num_classes
+
+
+def _natural_groups(m, n_train: int, n_test: int, key: str) -> Optional[tuple]:
+    """The natural client ids (``groups_train``, ``groups_test``) as (train codes, test codes (-1: an id without
+    training samples), the ids as strings), client k holding the k-th sorted id; None without them."""
+    if "groups_train" not in m and "groups_test" not in m:
+        return None
+    if "groups_train" not in m or "groups_test" not in m:
+        raise DataError(key, "natural client ids need both groups_train and groups_test")
+    gtr = _groups(m["groups_train"], n_train, "groups_train", key)
+    gte = _groups(m["groups_test"], n_test, "groups_test", key)
+    if (gtr.dtype.kind in "US") != (gte.dtype.kind in "US"):
+        raise DataError(key, "groups_train and groups_test must both be integers or both be strings")
+    ids = np.unique(gtr)  # sorted: client k holds the k-th id
+    code_te = np.searchsorted(ids, gte)
+    code_te = np.where((code_te < len(ids)) & (ids[np.minimum(code_te, len(ids) - 1)] == gte), code_te, -1)
+    return np.searchsorted(ids, gtr).astype(np.int64), code_te.astype(np.int64), [str(i) for i in ids]
 
 
 # -- formats ---------------------------------------------------------------------------------------------------------
@@ -186,8 +198,6 @@ def _size(v) -> Optional[tuple]:
 
 
 def load_imagefolder(root: Optional[str], params: dict, key: str = "data.root") -> LoadedDataset:
-    from PIL import Image
-
     p = _params(params, ("size", "channels"), "imagefolder")
     size = _size(p.get("size"))
     channels = p.get("channels")
@@ -201,6 +211,26 @@ def load_imagefolder(root: Optional[str], params: dict, key: str = "data.root") 
     classes = sorted(d.name for d in (base / "train").iterdir() if d.is_dir() and not d.name.startswith("."))
     if len(classes) < 2:
         raise DataError(key, f"{base / 'train'} holds {len(classes)} class folder(s); at least 2 are needed")
+    files = _image_files(base, classes, key)
+    opened = _open_images(files, key)
+    gray = {"1", "L", "I", "I;16", "F", "LA"}
+    if channels is None:
+        channels = 1 if all(im.mode in gray for ims in opened.values() for im in ims) else 3
+    arrays = _image_arrays(files, opened, channels, size)
+    if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
+        raise DataError("data.dataset_params.size", f"train/test image-size mismatch: train images are "
+                                                    f"{'x'.join(map(str, arrays['x_train'].shape[2:]))}, test images "
+                                                    f"{'x'.join(map(str, arrays['x_test'].shape[2:]))}; set "
+                                                    f"data.dataset_params.size to resize both")
+    arrays["num_classes"] = len(classes)
+    return dataset_from_mapping(arrays, "imagefolder", key,
+                                f"imagefolder {base}: classes {', '.join(classes)} (label = index), "
+                                f"{len(files['train'])} train / {len(files['test'])} test images, {channels} channel(s)"
+                                f"{f', resized to {size[0]}x{size[1]}' if size else ''}")
+
+
+def _image_files(base: Path, classes: list, key: str) -> dict:
+    """{split: [(image file, label)]} of train/<class>/ and test/<class>/, classes and files in sorted order."""
     files: dict = {}
     for split in ("train", "test"):
         folders = sorted(d.name for d in (base / split).iterdir() if d.is_dir() and not d.name.startswith("."))
@@ -216,6 +246,13 @@ def load_imagefolder(root: Optional[str], params: dict, key: str = "data.root") 
                                      f"({', '.join(sorted(IMAGE_EXTENSIONS))})")
             items += [(f, classes.index(c)) for f in imgs]
         files[split] = items
+    return files
+
+
+def _open_images(files: dict, key: str) -> dict:
+    """{split: the opened images}, every file read now (an unreadable one named)."""
+    from PIL import Image
+
     opened = {}
     for split, items in files.items():
         out = []
@@ -227,9 +264,14 @@ def load_imagefolder(root: Optional[str], params: dict, key: str = "data.root") 
                 raise DataError(key, f"cannot read image {f} ({type(e).__name__}: {e})") from None
             out.append(im)
         opened[split] = out
-    gray = {"1", "L", "I", "I;16", "F", "LA"}
-    if channels is None:
-        channels = 1 if all(im.mode in gray for ims in opened.values() for im in ims) else 3
+    return opened
+
+
+def _image_arrays(files: dict, opened: dict, channels: int, size: Optional[tuple]) -> dict:
+    """{x_train, y_train, x_test, y_test}: uint8 (N, channels, H, W) pixels (resized to ``size`` when given) and
+    the labels; the images of a split must share one size."""
+    from PIL import Image
+
     arrays = {}
     for split, ims in opened.items():
         xs = []
@@ -246,16 +288,7 @@ def load_imagefolder(root: Optional[str], params: dict, key: str = "data.root") 
                                                         f"set data.dataset_params.size to resize them")
         arrays[f"x_{split}"] = np.stack(xs)
         arrays[f"y_{split}"] = np.array([c for _, c in files[split]], dtype=np.int64)
-    if arrays["x_train"].shape[1:] != arrays["x_test"].shape[1:]:
-        raise DataError("data.dataset_params.size", f"train/test image-size mismatch: train images are "
-                                                    f"{'x'.join(map(str, arrays['x_train'].shape[2:]))}, test images "
-                                                    f"{'x'.join(map(str, arrays['x_test'].shape[2:]))}; set "
-                                                    f"data.dataset_params.size to resize both")
-    arrays["num_classes"] = len(classes)
-    return dataset_from_mapping(arrays, "imagefolder", key,
-                                f"imagefolder {base}: classes {', '.join(classes)} (label = index), "
-                                f"{len(files['train'])} train / {len(files['test'])} test images, {channels} channel(s)"
-                                f"{f', resized to {size[0]}x{size[1]}' if size else ''}")
+    return arrays
 
 
 def load_leaf(root: Optional[str], params: dict, key: str = "data.root") -> LoadedDataset:

@@ -242,28 +242,44 @@ def load_pacs(root: Optional[str], params: dict, key: str = "data.root") -> Load
                                  f"the validation part must be disjoint from the training part")
         note = ""
         if p["split"] == "disjoint":
-            seen = {f for f, _ in tr} | {f for f, _ in cv}
-            rest = [(f, lab) for f, lab in te if f not in seen]
-            if rest:
-                note = f"test part = the {len(rest)} test-list images outside train/crossval"
-                te = rest
-            else:
-                held = _holdout(tr, float(p["holdout"]), DOMAINS.index(d))
-                te = [(f, lab) for f, lab in tr if f in held]
-                tr = [(f, lab) for f, lab in tr if f not in held]
-                note = (f"the test list holds no image outside train/crossval: {len(te)} train images "
-                        f"({p['holdout']:g} per class) held out as the test part")
-                if not te or not tr:
-                    raise DataError(f"{pkey}.holdout", f"{d}: holding out {p['holdout']:g} of its {len(tr) + len(te)} "
-                                                       f"train images leaves {len(tr)} private and {len(te)} held out; "
-                                                       f"both must be > 0")
+            tr, te, note = _disjoint_test(d, (tr, cv, te), p, pkey)
         train_items += [(f, lab, di, False) for f, lab in tr] + [(f, lab, di, True) for f, lab in cv]
         test_items += [(f, lab, di) for f, lab in te]
         per_domain.append(f"{d}: {len(tr)} train / {len(cv)} crossval / {len(te)} test"
                           + (f" ({note})" if note else ""))
-    # every distinct file once: the training pool first, then test-part files outside it; the test pool is ordered
-    # as those files sit there, so when it is the training images (the seed's protocol on the original release) it
-    # shares their storage instead of copying 6 GB
+    train, test, files, pixels = _pacs_pools(image_dir, train_items, test_items, size, key)
+    notes = (f"PACS from {image_dir} (lists in {lists}), split {p['split']}: " + "; ".join(per_domain)
+             + f"; {len(files)} distinct images resized to {size}x{size} RGB ({pixels.nbytes / 2**30:.2f} GiB as "
+             f"uint8), (p / 255 - 0.5) / 0.5; domain i = {', '.join(domains)}; classes 0..6 = {', '.join(CLASSES)}")
+    return LoadedDataset("pacs", train, test, (3, size, size), len(CLASSES), notes)
+
+
+def _disjoint_test(d: str, parts: tuple, p: dict, pkey: str) -> tuple[list, list, str]:
+    """``split: disjoint``: domain ``d``'s test part made disjoint from its train and crossval parts (``parts``):
+    the test-list images outside them, or, when there are none, ``holdout`` of each class of the train part.
+    Returns (train part, test part, the note)."""
+    tr, cv, te = parts
+    seen = {f for f, _ in tr} | {f for f, _ in cv}
+    rest = [(f, lab) for f, lab in te if f not in seen]
+    if rest:
+        return tr, rest, f"test part = the {len(rest)} test-list images outside train/crossval"
+    held = _holdout(tr, float(p["holdout"]), DOMAINS.index(d))
+    te = [(f, lab) for f, lab in tr if f in held]
+    tr = [(f, lab) for f, lab in tr if f not in held]
+    note = (f"the test list holds no image outside train/crossval: {len(te)} train images "
+            f"({p['holdout']:g} per class) held out as the test part")
+    if not te or not tr:
+        raise DataError(f"{pkey}.holdout", f"{d}: holding out {p['holdout']:g} of its {len(tr) + len(te)} "
+                                           f"train images leaves {len(tr)} private and {len(te)} held out; "
+                                           f"both must be > 0")
+    return tr, te, note
+
+
+def _pacs_pools(image_dir: Path, train_items: list, test_items: list, size: int, key: str):
+    """(train pool, test pool, the distinct files, their uint8 pixels), every distinct file decoded once: the
+    training pool first, then test-part files outside it; the test pool is ordered as those files sit there, so when
+    it is the training images (the seed's protocol on the original release) it shares their storage instead of
+    copying 6 GB."""
     index = {f: k for k, (f, *_rest) in enumerate(train_items)}
     files = [f for f, *_rest in train_items]
     for f, *_rest in test_items:
@@ -282,7 +298,4 @@ def load_pacs(root: Optional[str], params: dict, key: str = "data.root") -> Load
                          val_mask=torch.tensor([v for *_rest, v in train_items], dtype=torch.bool))
     test = ArrayDataset(x_te, torch.tensor([lab for _, lab, _ in test_items], dtype=torch.int64), len(CLASSES), NORM,
                         provenance="test", domain=torch.tensor([d for _, _, d in test_items], dtype=torch.int64))
-    notes = (f"PACS from {image_dir} (lists in {lists}), split {p['split']}: " + "; ".join(per_domain)
-             + f"; {len(files)} distinct images resized to {size}x{size} RGB ({pixels.nbytes / 2**30:.2f} GiB as "
-             f"uint8), (p / 255 - 0.5) / 0.5; domain i = {', '.join(domains)}; classes 0..6 = {', '.join(CLASSES)}")
-    return LoadedDataset("pacs", train, test, (3, size, size), len(CLASSES), notes)
+    return train, test, files, pixels

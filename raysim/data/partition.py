@@ -1,26 +1,29 @@
 """Seeded partitioners: which training and test samples each client holds.
 
-Each partitioner takes the train-pool and test-pool labels, the number of clients, a numpy Generator and its own
-keyword parameters, and returns a :class:`Partition` of index arrays. A partition that needs more samples than the
+Each partitioner takes the :class:`Pools` (the train-pool and test-pool labels, the number of clients, a numpy
+Generator, the number of classes; the domains and natural client ids where the data has them) and its own keyword
+parameters (``data.partition_params``, listed by :func:`partition_params`), and returns a :class:`Partition` of index arrays. A partition that needs more samples than the
 dataset has raises :class:`DataError` naming the parameter and the largest value that would fit (no silent reuse).
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Callable
 
 import numpy as np
 
 from raysim.errors import DataError
-from raysim.data.arrays import Partition, by_class, need_int, param_field
+from raysim.data.arrays import Partition, Pools, by_class, need_int, param_field
 from raysim.data.skew import domain_dirichlet, nway_kshot
 
 
-def iid(train_y, test_y, num_clients, rng, num_classes, samples_per_client: int | None = None,
-        test_per_client: int | None = None, replace: bool = False) -> Partition:
+def iid(pools: Pools, samples_per_client: int | None = None, test_per_client: int | None = None,
+        replace: bool = False) -> Partition:
     """Uniformly random, equal-sized shares of the train pool and of the test pool. ``replace``: every client draws
     its samples independently (clients may share samples), for populations larger than the pool; then
     ``test_per_client`` may be 0 (clients without local test data are not evaluated)."""
+    train_y, test_y, num_clients, rng, _ = pools
     n_tr, n_te = len(train_y), len(test_y)
     if replace:
         per = 1 if samples_per_client is None else need_int("samples_per_client", samples_per_client, 1)
@@ -74,13 +77,13 @@ def iid(train_y, test_y, num_clients, rng, num_classes, samples_per_client: int 
     return Partition(train, test, classes)
 
 
-def shared_base(train_y, test_y, num_clients, rng, num_classes, per_class: int = 100,
-                test_per_class: int = 0) -> Partition:
+def shared_base(pools: Pools, per_class: int = 100, test_per_class: int = 0) -> Partition:
     """Every client holds the same ``per_class`` samples of each class (drawn once from the train pool): the base
     set of domain-shift benchmarks whose domains differ only by a transform (Rotated MNIST M0/M20/M40/M60 in MAFML's
     seed: 10 x 100 MNIST images, each domain rotated; use with ``data.rotations`` and ``data.local_split``).
     ``test_per_class`` samples of each class from the test pool go to every client too (0: no pool test; the
     ``local_split`` carves each client's test split from its own samples)."""
+    train_y, test_y, num_clients, rng, num_classes = pools
     if per_class <= 0 or test_per_class < 0:
         raise DataError(param_field("per_class"), f"must be > 0 (test_per_class >= 0), got {per_class} / {test_per_class}")
     base, tbase = [], []
@@ -122,11 +125,12 @@ def _proportional_test(train_counts: np.ndarray, test_y, rng, num_classes, test_
     return out
 
 
-def dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: float = 0.5, min_samples: int = 10,
-              samples_per_client: int | None = None, test_ratio: float = 1 / 3, max_tries: int = 1000) -> Partition:
+def dirichlet(pools: Pools, alpha: float = 0.5, min_samples: int = 10, samples_per_client: int | None = None,
+              test_ratio: float = 1 / 3, max_tries: int = 1000) -> Partition:
     """Label skew: class c's samples are split over clients by proportions ~ Dir(alpha). PFLlib's "practical"
     setting is alpha = 0.1. ``samples_per_client`` subsamples each client afterwards (scaling to a small machine);
     each local test set has the client's class proportions and ``test_ratio`` x its train size (0.25/0.75 = PFLlib)."""
+    train_y, test_y, num_clients, rng, num_classes = pools
     if alpha <= 0:
         raise DataError(param_field("alpha"), f"must be > 0, got {alpha}")
     min_samples = need_int("min_samples", min_samples, 0)
@@ -164,10 +168,10 @@ def dirichlet(train_y, test_y, num_clients, rng, num_classes, alpha: float = 0.5
     return Partition(train, test, classes, notes)
 
 
-def pathological(train_y, test_y, num_clients, rng, num_classes, classes_per_client: int = 2,
-                 samples_per_client: int | None = None) -> Partition:
+def pathological(pools: Pools, classes_per_client: int = 2, samples_per_client: int | None = None) -> Partition:
     """Each client holds ``classes_per_client`` classes (client i: classes i*s, i*s+1, ... mod C); a class's samples
     are shared equally among its holders; the test pool likewise."""
+    train_y, test_y, num_clients, rng, num_classes = pools
     if not 0 < classes_per_client <= num_classes:
         raise DataError(param_field("classes_per_client"), f"must be in 1..{num_classes}, got {classes_per_client}")
     if samples_per_client is not None:
@@ -195,16 +199,17 @@ def pathological(train_y, test_y, num_clients, rng, num_classes, classes_per_cli
     return Partition([np.sort(t) for t in train], [np.sort(np.concatenate(t)) for t in test], classes)
 
 
-def domains(train_y, test_y, num_clients, rng, num_classes, _domains=None) -> Partition:
+def domains(pools: Pools) -> Partition:
     """One client per domain of a multi-domain dataset (PACS's domains, a multi-source set's sources): client i holds
     every training-pool and every test-pool sample of domain i, nothing drawn at random. With
     ``data.local_split: {mode: dataset}`` the dataset's own parts then give each client its private, validation and
     test data (MAFML's PACS nodes)."""
-    if _domains is None or _domains[1] is None:
+    train_y, num_clients = pools.train_y, pools.num_clients
+    if pools.domains is None or pools.domains[1] is None:
         raise DataError("data.partition", "domains needs a dataset whose samples carry their domain (pacs, "
                                           "multisource_digits); for rotation domains use shared_base or "
                                           "domain_dirichlet")
-    k, tr_dom, te_dom = _domains
+    k, tr_dom, te_dom = pools.domains
     if num_clients != k:
         raise DataError("data.num_clients", f"partition domains gives one client per domain: the data has {k} "
                                             f"domains, the config asks for {num_clients} clients; set "
@@ -219,14 +224,15 @@ def domains(train_y, test_y, num_clients, rng, num_classes, _domains=None) -> Pa
                                             f"and test pools: {[len(t) for t in train]} / {[len(t) for t in test]}"])
 
 
-def natural(train_y, test_y, num_clients, rng, num_classes, _groups=None) -> Partition:
+def natural(pools: Pools) -> Partition:
     """The data's own clients (a loader's ``groups_train`` / ``groups_test``, LEAF's writers), kept as given:
     client k holds the samples of the k-th client id (sorted), train and test. With fewer clients than ids, a
     seeded sample of the ids (sorted) is kept."""
-    if _groups is None:
+    train_y, _, num_clients, rng, _ = pools
+    if pools.groups is None:
         raise DataError("data.partition", "natural needs data with natural client ids (groups_train and groups_test "
                                           "from a loader or an npz file, or the leaf format)")
-    gtr, gte, ids = _groups
+    gtr, gte, ids = pools.groups
     k = len(ids)
     if num_clients > k:
         raise DataError("data.num_clients", f"the data has {k} natural clients; at most {k}")
@@ -257,12 +263,12 @@ PARTITIONERS: dict[str, Callable[..., Partition]] = {
 
 def partition_params(name: str) -> list[str]:
     sig = inspect.signature(PARTITIONERS[name])
-    return [p for p in list(sig.parameters)[5:] if not p.startswith("_")]
+    return list(sig.parameters)[1:]  # after the pools: the keyword parameters, data.partition_params
 
 
-def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, num_classes,
-                    domains=None, groups=None) -> Partition:
-    """``domains``: (K, train-pool domain ids, test-pool domain ids) for partitioners that take ``_domains``."""
+def run_partitioner(name: str, params: dict, pools: Pools) -> Partition:
+    """Partitioner ``name`` over ``pools`` with its keyword ``params`` (``data.partition_params``), each checked
+    against the partitioner's signature."""
     if name not in PARTITIONERS:
         raise DataError("data.partition", f"{name!r} is not allowed; choose one of: {', '.join(PARTITIONERS)}, files")
     allowed = partition_params(name)
@@ -270,11 +276,7 @@ def run_partitioner(name: str, params: dict, train_y, test_y, num_clients, rng, 
         if key not in allowed:
             raise DataError(param_field(key), f"unknown parameter for partition {name!r}; allowed: {', '.join(allowed)}")
     try:
-        sig = inspect.signature(PARTITIONERS[name]).parameters
-        extra = {"_domains": domains} if domains is not None and "_domains" in sig else {}
-        if "_groups" in sig:
-            extra["_groups"] = groups
-        return PARTITIONERS[name](np.asarray(train_y), np.asarray(test_y), num_clients, rng, num_classes, **params,
-                                  **extra)
+        return PARTITIONERS[name](dataclasses.replace(pools, train_y=np.asarray(pools.train_y), test_y=np.asarray(pools.test_y)),
+                                  **params)
     except TypeError as e:  # e.g. a list where a number belongs
         raise DataError("data.partition_params", f"bad parameter for partition {name!r}: {e}") from None
