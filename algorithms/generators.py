@@ -144,13 +144,16 @@ class GeneratorRun:
     norm: Optional[tuple] = None
 
 
+LAST = 10  # the reported generator losses: their mean over the last LAST steps
+
+
 def train_proto_generator(gen: ProtoGenerator, protos: torch.Tensor, mask: torch.Tensor, embed,
                           run: GeneratorRun) -> tuple[dict, dict]:
     """Scenario 2: ``p.gen_steps`` Adam(0.5, 0.999) steps of the prototype-guided generator. Per batch of labels y
     drawn among the classes with a prototype (``mask``) and noise z: L_proto = MSE(per-label mean of
     ``embed(x, y)``, protos[those labels]), x = G(z, y) in the task's input space (``norm``), plus the mode-seeking
     diversity loss lam_div / (l_z + 1e-5). ``embed(x, y)``: the embeddings of x, each under the representative model
-    of its label. Returns (the generator's weights, the losses' means over the last 10 steps)."""
+    of its label. Returns (the generator's weights, the losses' means over the last 10 steps, or all when fewer)."""
     p, g, norm = run.params, run.generator, run.norm
     device = protos.device
     classes = torch.nonzero(mask, as_tuple=False).flatten().to(device)
@@ -167,8 +170,9 @@ def train_proto_generator(gen: ProtoGenerator, protos: torch.Tensor, mask: torch
         opt.zero_grad(set_to_none=True)
         (l_proto + l_div).backward()
         opt.step()
-        if step >= p.gen_steps - 10:  # mean over the last 10 steps
-            lp, ld = lp + float(l_proto.detach()) / 10, ld + float(l_div.detach()) / 10
+        if step >= p.gen_steps - LAST:  # mean over the last LAST steps (all of them when there are fewer)
+            n = min(LAST, p.gen_steps)
+            lp, ld = lp + float(l_proto.detach()) / n, ld + float(l_div.detach()) / n
     return clone_state(gen), {"gen_proto_loss": lp, "gen_div_loss": ld, "gen_steps": float(p.gen_steps)}
 
 
@@ -208,6 +212,7 @@ def train_acgan(gen: ACGANGenerator, disc: ACGANDiscriminator, x: torch.Tensor, 
         opt_g.zero_grad(set_to_none=True)
         l_g.backward()
         opt_g.step()
-        if step >= p.gen_steps - 10:
-            ld_sum, lg_sum = ld_sum + float(l_d.detach()) / 10, lg_sum + float(l_g.detach()) / 10
+        if step >= p.gen_steps - LAST:
+            n = min(LAST, p.gen_steps)
+            ld_sum, lg_sum = ld_sum + float(l_d.detach()) / n, lg_sum + float(l_g.detach()) / n
     return clone_state(gen), {"gan_d_loss": ld_sum, "gan_g_loss": lg_sum, "gen_steps": float(p.gen_steps)}

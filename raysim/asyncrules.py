@@ -41,11 +41,10 @@ def staleness_weight(tau: int, fn: str = "constant", a: float = 0.5, b: int = 4)
     raise ValueError(f"unknown staleness function {fn!r}; choose one of: {', '.join(STALENESS_FUNCTIONS)}")
 
 
-def mixing_weight(rule: str, staleness: list[int], *, alpha: float = 0.6, server_lr: float = 1.0,
-                  fn: str = "constant", a: float = 0.5, b: int = 4) -> float:
-    """How far the server state moves toward the aggregate of the applied updates: FedAsync alpha * s(tau) (one
-    update), FedBuff server_lr * mean s(tau_i) over the buffer."""
-    s = [staleness_weight(t, fn, a, b) for t in staleness]
+def mixing_weight(rule: str, s: list[float], *, alpha: float = 0.6, server_lr: float = 1.0) -> float:
+    """How far the server state moves toward the aggregate of the applied updates, from their staleness weights
+    ``s`` = s(tau_i) (:func:`staleness_weight`): FedAsync alpha * s(tau) (one update), FedBuff server_lr * mean
+    s(tau_i) over the buffer."""
     if not s:
         return 0.0
     if rule == "fedasync":

@@ -48,9 +48,9 @@ def test_staleness_functions_by_hand():
     assert w(4, "hinge", a=0.5, b=2) == 0.5  # 1 / (0.5 * (4 - 2) + 1)
     assert w(6, "hinge", a=1.0, b=2) == 0.2  # 1 / (1 * 4 + 1)
     mw = asyncrules.mixing_weight
-    assert mw("fedasync", [3], alpha=0.6, fn="polynomial", a=0.5) == pytest.approx(0.3)
-    assert mw("fedbuff", [0, 3], server_lr=0.5, fn="polynomial", a=0.5) == 0.375  # 0.5 * (1 + 0.5) / 2
-    assert mw("fedbuff", [0, 9], server_lr=1.0) == 1.0  # constant s: plain FedBuff
+    assert mw("fedasync", [w(3, "polynomial", a=0.5)], alpha=0.6) == pytest.approx(0.3)
+    assert mw("fedbuff", [w(t, "polynomial", a=0.5) for t in (0, 3)], server_lr=0.5) == 0.375  # 0.5 * (1 + 0.5) / 2
+    assert mw("fedbuff", [w(t) for t in (0, 9)], server_lr=1.0) == 1.0  # constant s: plain FedBuff
 
 
 @pytest.fixture(scope="module")
@@ -70,10 +70,11 @@ def _fedavg_step(prep, server_state, uploads, rule, taus, **kw):
                "num_samples": Message("num_samples", {"n": torch.tensor([n], dtype=torch.int64)})}
            for c, (v, n) in uploads.items()}
     s = {k: kw[k] for k in ("fn", "a", "b") if k in kw}
-    mix = asyncrules.mixing_weight(rule, [taus[c] for c in sorted(ups)], **kw)
+    weights = {c: asyncrules.staleness_weight(t, **s) for c, t in taus.items()}
+    mix = asyncrules.mixing_weight(rule, [weights[c] for c in sorted(ups)],
+                                   **{k: kw[k] for k in ("alpha", "server_lr") if k in kw})
     ctx = ServerContext(0, rngmod.SERVER, 1, torch.device("cpu"), prep.task,
-                        asynchronous={"rule": rule, "mix": mix, "staleness": taus,
-                                      "weights": {c: asyncrules.staleness_weight(t, **s) for c, t in taus.items()}})
+                        asynchronous={"rule": rule, "mix": mix, "staleness": taus, "weights": weights})
     return alg.async_aggregate(server_state, ups, ctx)
 
 

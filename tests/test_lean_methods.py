@@ -239,13 +239,24 @@ def test_train_proto_generator_on_a_tiny_generator():
     proj = torch.nn.Linear(64, 4)
     seen = []
 
+    outs = []
+
     def embed(x, y):
         seen.append(y)
         assert x.shape == (p.gen_batch, 1, 8, 8)
-        return proj(x.flatten(1))
+        e = proj(x.flatten(1))
+        outs.append((e.detach().clone(), y))
+        return e
 
     sd, metrics = train_proto_generator(gen, protos, mask, embed, GeneratorRun(p, torch.Generator().manual_seed(1)))
     assert set(torch.cat(seen).tolist()) <= {0, 2} and len(seen) == p.gen_steps
+    # fewer steps than the last-10 window: the reported loss is the mean over all of them (not their sum / 10)
+    losses = []
+    for e, y in outs:
+        labels = sorted(set(y.tolist()))
+        means = torch.stack([e[y == c].mean(0) for c in labels])
+        losses.append(float(((means - protos[labels]) ** 2).mean()))
+    assert metrics["gen_proto_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-5)
     assert set(metrics) == {"gen_proto_loss", "gen_div_loss", "gen_steps"} and metrics["gen_steps"] == 3.0
     assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values())
     assert any(not torch.equal(sd[k], before[k]) for k in sd)  # it trained

@@ -262,7 +262,7 @@ class AsyncServer:
         taus = {f.cid: self.version - f.version for f in buf}
         kw = dict(fn=s.staleness.fn, a=s.staleness.a, b=s.staleness.b)
         weights = {c: staleness_weight(t, **kw) for c, t in taus.items()}
-        mix = mixing_weight(self.rule, [taus[c] for c in ids], alpha=s.alpha, server_lr=s.server_lr, **kw)
+        mix = mixing_weight(self.rule, [weights[c] for c in ids], alpha=s.alpha, server_lr=s.server_lr)
         info = {"rule": self.rule, "mix": mix, "staleness": taus, "weights": weights, "version": self.version}
         if self.rebases:  # deltas against the dispatch versions: the server keeps one state per older version
             info["dispatch"] = {f.cid: f.version for f in buf}  # still referenced by a client in flight
