@@ -203,10 +203,24 @@ def plot_curves(curves: pd.DataFrame, path: Path, axes: PlotAxes, labels: Option
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(axes.title, fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best", title="mean over seeds; band: ± std over seeds", title_fontsize=7)
+    _legend(ax, "mean over seeds; band: ± std over seeds")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # the whole legend, also when it sits below the axes
     plt.close(fig)
+
+
+def _legend(ax, title: str) -> None:
+    """Inside the axes when the labels are short; below them, each label wrapped, when they are long (settings
+    that differ in several keys), so that no label runs off the figure."""
+    import textwrap
+
+    handles, labels = ax.get_legend_handles_labels()
+    if max((len(t) for t in labels), default=0) <= 45:
+        ax.legend(fontsize=7, loc="best", title=title, title_fontsize=7)
+        return
+    wrapped = ["\n".join(textwrap.wrap(t, 90, subsequent_indent="  ")) for t in labels]
+    ax.legend(handles, wrapped, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.2), title=title,
+              title_fontsize=7, frameon=False)
 
 
 def plot_client_curves(df: pd.DataFrame, index: pd.DataFrame, metric: str, path: Path, labels: dict) -> None:
