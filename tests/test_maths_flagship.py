@@ -362,8 +362,8 @@ def test_slaugfl_prototype_generator_step_by_hand():
     l_z = (mean([abs(raw[i][j] - raw[i + 2][j]) for i in range(2) for j in range(2)])
            / mean([abs(zs[i][j] - zs[i + 2][j]) for i in range(2) for j in range(2)]))
     l_div = 0.5 / (l_z + 1e-5)
-    assert metrics["gen_proto_loss"] == pytest.approx(l_proto / 10, rel=1e-5)
-    assert metrics["gen_div_loss"] == pytest.approx(l_div / 10, rel=1e-5)
+    assert metrics["gen_proto_loss"] == pytest.approx(l_proto, rel=1e-5)  # one step: the mean of the last (up to 10) steps is its loss
+    assert metrics["gen_div_loss"] == pytest.approx(l_div, rel=1e-5)
     # the step: autograd of the written-out loss on a float64 copy, then Adam by hand
     w = torch.tensor(GEN_W, dtype=torch.float64, requires_grad=True)
     u = torch.tensor(GEN_U, dtype=torch.float64, requires_grad=True)
@@ -439,7 +439,7 @@ def test_slaugfl_acgan_discriminator_then_generator_step_by_hand():
     xr, yr = [x[i] for i in idx], [y[i] for i in idx]
     fake = [to_input(gen_out(GEN_W, GEN_U, z, c)) for z, c in zip(zs, yg)]
     l_d, l_g_before = acgan_losses(DISC_A, DISC_A0, DISC_B, xr, yr, fake, yg)
-    assert metrics["gan_d_loss"] == pytest.approx(l_d / 10, rel=1e-5)
+    assert metrics["gan_d_loss"] == pytest.approx(l_d, rel=1e-5)  # one step: its loss, not loss / 10
 
     # the discriminator's step: autograd of the written-out L_D on a float64 copy, then Adam by hand
     d64 = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in (DISC_A, DISC_A0, DISC_B)]
@@ -462,7 +462,7 @@ def test_slaugfl_acgan_discriminator_then_generator_step_by_hand():
     # the generator is judged by the discriminator after its step
     _, l_g = acgan_losses(a1, a01, b1, xr, yr, fake, yg)
     assert abs(l_g - l_g_before) > 0.01  # (the updated discriminator judges measurably otherwise)
-    assert metrics["gan_g_loss"] == pytest.approx(l_g / 10, rel=1e-5)
+    assert metrics["gan_g_loss"] == pytest.approx(l_g, rel=1e-5)
     # the generator's step: autograd of L_G under the updated discriminator, then Adam by hand
     w = torch.tensor(GEN_W, dtype=torch.float64, requires_grad=True)
     u = torch.tensor(GEN_U, dtype=torch.float64, requires_grad=True)
