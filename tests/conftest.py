@@ -15,6 +15,11 @@ import pytest
 from raysim.config import make_config
 
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# Ray starts its workers at niceness 15: with pytest-xdist the Ray-session tests (one worker) would then get almost no
+# CPU while the other worker computes at niceness 0, and their serial chain becomes the suite's longest. The test
+# session's Ray clusters (the session, the two-node clusters, `raysim run` subprocesses) run their workers at the
+# pytest workers' niceness instead: the same work, shared fairly. (raysim itself leaves Ray's default alone.)
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout under test
 
