@@ -204,7 +204,11 @@ class FedAvg(LocalTraining):
         return ServerUpdate(new, self.broadcast(new, ctx), {})
 
     def init_server_state(self, ctx: Context):
-        return {"model": clone_state(self.task.build_model(0))}
+        return {"model": clone_state(self.build_global_model())}
+
+    def build_global_model(self):
+        """A fresh global model (its initial weights: the server's first state)."""
+        return self.task.build_model(0)
 
     def broadcast(self, server_state, ctx: Context):
         return {"model": state_message("weights", server_state["model"])}
@@ -243,7 +247,7 @@ class FedAvg(LocalTraining):
         return rebase_state_upload(upload, "model", base_state, server_state)
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
-        model = ctx.model()
+        model = self.live_model(ctx)
         if self.iteration_mode:
             model.load_state_dict(state["global" if self.params.eval_model == "global" else "model"])
         else:
@@ -251,8 +255,12 @@ class FedAvg(LocalTraining):
         # test_acc on the client's test split; with data.local_split also the seed-003 metrics bwt / fwt / acc_all
         return domain_metrics(model, data)
 
+    def global_model(self, ctx: Context):
+        """The runner's live module of the global model (the server's evaluation)."""
+        return ctx.model(0)
+
     def evaluate_server(self, server_state, test, ctx: Context) -> dict:
-        model = ctx.model(0)
+        model = self.global_model(ctx)
         model.load_state_dict(server_state["model"])
         logits, _ = forward_all(model, test.x.to(ctx.device))
         out = {"global_test_acc": accuracy(logits.argmax(1), test.y.to(ctx.device))}

@@ -29,6 +29,7 @@ from raysim.config import load_config  # noqa: E402
 from raysim.engine.loop import run_experiment  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "configs", "seed000_fedproto")
+UH = "FedAvg-UH (lr 0.03, 130 rounds)"
 METHODS = {"FedProto": ("fedproto_mnist5k.yaml", []),
            "FedAvg (lr 0.03, 130 rounds)": ("fedavg_mnist5k.yaml", ["train.lr=0.03", "rounds=130"])}
 
@@ -39,33 +40,39 @@ def main() -> int:
     ap.add_argument("--shots", type=int, nargs="+", default=[25, 5])
     ap.add_argument("--out", default="runs/fig3")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--uh", action="store_true",
+                    help="also FedAvg-UH (the fixed orthogonal head) at the largest k: claim 9, 'UH lowers FedAvg's "
+                         "accuracy', paired FedAvg minus FedAvg-UH")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="more overrides (a smoke test: rounds=1)")
     args = ap.parse_args()
     records = []
-    for seed in args.seeds:
-        for k in args.shots:
-            for label, (file, extra) in METHODS.items():
-                ov = [f"seed={seed}", f"data.partition_params.shots={k}", "output.progress=false"] + extra + args.extra
-                cfg = load_config(os.path.join(CONFIGS, file), ov)
-                out = os.path.join(args.out, f"{cfg.algorithm.name}-k{k}-s{seed}")
-                t0 = time.perf_counter()
-                res = run_experiment(cfg, out_dir=out, progress=False) if not os.path.exists(
-                    os.path.join(out, "results.parquet")) else None
-                wall = time.perf_counter() - t0
-                if res is None:
-                    from raysim.io import results
+    hi = max(args.shots)
+    plan = [(seed, k, label, f, e) for seed in args.seeds for k in args.shots for label, (f, e) in METHODS.items()]
+    if args.uh:
+        plan += [(seed, hi, UH, "fedavg_uh_mnist5k.yaml", ["train.lr=0.03", "rounds=130"]) for seed in args.seeds]
+    for seed, k, label, file, extra in plan:
+        ov = [f"seed={seed}", f"data.partition_params.shots={k}", "output.progress=false"] + extra + args.extra
+        cfg = load_config(os.path.join(CONFIGS, file), ov)
+        out = os.path.join(args.out, f"{cfg.algorithm.name}-k{k}-s{seed}")
+        t0 = time.perf_counter()
+        res = run_experiment(cfg, out_dir=out, progress=False) if not os.path.exists(
+            os.path.join(out, "results.parquet")) else None
+        wall = time.perf_counter() - t0
+        if res is None:
+            from raysim.io import results
 
-                    df, meta = results.load(out), results.load_metadata(out)
-                    acc = float(results.final(df, "test_acc")["mean"].iloc[-1])
-                else:
-                    df, meta, acc = res.table, res.metadata, float(res.final()[0])
-                rec = {"method": label, "shots": k, "seed": seed, "test_acc": acc, "wall_s": round(wall, 1),
-                       "config_hash": cfg.run_id(), "out": out, "code": meta.get("versions", {}).get("code"),
-                       "numerics": meta.get("numerics", {}).get("mode"), "cpu": platform.processor() or
-                       meta.get("versions", {}).get("cpu")}
-                records.append(rec)
-                print(f"{label:30s} k={k:3d} seed {seed}: test_acc {acc:.4f} ({wall:.0f} s)", flush=True)
-    hi, lo = max(args.shots), min(args.shots)
+            df, meta = results.load(out), results.load_metadata(out)
+            acc = float(results.final(df, "test_acc")["mean"].iloc[-1])
+        else:
+            df, meta, acc = res.table, res.metadata, float(res.final()[0])
+        rec = {"method": label, "shots": k, "seed": seed, "test_acc": acc,
+               "wall_s": None if res is None else round(wall, 1), "reused": res is None,  # a finished run in --out
+               "config_hash": cfg.run_id(), "out": out, "code": meta.get("versions", {}).get("code"),
+               "numerics": meta.get("numerics", {}).get("mode"), "cpu": platform.processor() or
+               meta.get("versions", {}).get("cpu")}
+        records.append(rec)
+        print(f"{label:30s} k={k:3d} seed {seed}: test_acc {acc:.4f} ({wall:.0f} s)", flush=True)
+    lo = min(args.shots)
     acc = {(r["method"], r["shots"], r["seed"]): r["test_acc"] for r in records}
     names = list(METHODS)
     drops = {m: [acc[(m, hi, s)] - acc[(m, lo, s)] for s in args.seeds] for m in names}
@@ -85,6 +92,17 @@ def main() -> int:
     summary = {"records": records, "drop_diff_pp": iv, "verdict": verdict, "n": len(diff),
                "claim": "FedProto's accuracy falls more slowly than FedAvg's as the clients' samples shrink",
                "table": "\n".join(lines)}
+    if args.uh:
+        base = names[1]
+        d_uh = interval([100 * (acc[(base, hi, s)] - acc[(UH, hi, s)]) for s in args.seeds])
+        v_uh = ("n too small" if len(args.seeds) < 3 else "held" if d_uh["lo"] > 0 else "reversed" if d_uh["hi"] < 0
+                else "tie")
+        u = interval([100 * acc[(UH, hi, s)] for s in args.seeds])
+        summary["uh"] = {"claim": "the fixed head UH lowers FedAvg's accuracy (claim 9)", "k": hi,
+                         "fedavg_uh_acc": u, "diff_pp": d_uh, "verdict": v_uh}
+        lines.append(f"| {UH} | {u['mean']:.2f} ± {u['sd']:.2f} (k = {hi}) | | |")
+        summary["table"] = "\n".join(lines)
+        print(f"FedAvg - FedAvg-UH at k = {hi}, pp, paired: {format_interval(d_uh)} -> {v_uh}")
     print("\n".join(lines))
     print(f"drop(FedAvg) - drop(FedProto), percentage points, paired over {len(diff)} seeds: "
           f"{format_interval(iv)} -> {verdict}")

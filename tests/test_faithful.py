@@ -115,6 +115,28 @@ def test_fedproto_uh_linear_head_is_frozen_and_free(tiny):
         _algo(tiny, "fedproto_uh", {"head": "mlp"})
 
 
+def test_fedavg_uh_trains_the_body_under_the_same_fixed_head(tiny):
+    """FedAvg-UH (seed 000): FedAvg's rounds with FedProto-UH's frozen orthogonal linear head — the global model's
+    head is W (orthonormal rows, from the seed) at the start and after training, the body moves, and the table is
+    not FedAvg's; the iteration mode is refused naming sync_every."""
+    from raysim.engine.loop import run_experiment as run
+
+    algo, prep = _algo(tiny, "fedavg_uh")
+    w = algo.head_weight()
+    C = prep.task.num_classes
+    assert torch.allclose(w @ w.t(), torch.eye(C), atol=1e-5)
+    start = algo.init_server_state(None)["model"]
+    assert torch.equal(start["head.weight"], w)
+    res = run(tiny(rounds=2, algorithm={"name": "fedavg_uh", "params": {}}), write=False)
+    uh = res.table
+    plain = run(tiny(rounds=2, algorithm={"name": "fedavg", "params": {}}), write=False).table
+    acc = lambda t: t[(t.metric == "test_acc") & (t.scope == "client")]["value"].tolist()  # noqa: E731
+    assert acc(uh) != acc(plain)
+    with pytest.raises(ConfigError) as e:
+        _algo(tiny, "fedavg_uh", {"sync_every": 5}, train={"local_steps": 10, "batch_size": 8, "lr": 0.05})
+    assert e.value.field == "algorithm.params.sync_every" and "classic rounds" in str(e.value)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # splits written by PFLlib / HtFLlib, and FedAvgCNN
 

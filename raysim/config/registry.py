@@ -29,6 +29,7 @@ from raysim.errors import ConfigError
 ALGORITHMS: dict[str, str] = {
     "local": "algorithms.local:Local",
     "fedavg": "algorithms.fedavg:FedAvg",
+    "fedavg_uh": "algorithms.fedavg_uh:FedAvgUH",
     "fedproto": "algorithms.fedproto:FedProto",
     "fedproto_uh": "algorithms.fedproto_uh:FedProtoUH",
     "fedtgp": "algorithms.fedtgp:FedTGP",
