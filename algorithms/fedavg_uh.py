@@ -31,16 +31,19 @@ class FedAvgUH(FedAvg):
             raise ConfigError("model.params.embed_dim", f"an orthogonal head needs embed_dim >= num_classes "
                                                         f"({self.task.num_classes}), got {d}")
 
-    def head_weight(self):
+    def head_weight(self, embed_dim: int):
+        """W (C x embed_dim), orthonormal rows, a pure function of the experiment seed (every client rebuilds it)."""
         g = rngmod.torch_generator(self.task.seed, rngmod.NO_ROUND, rngmod.SERVER, "uh_head")
-        return orthogonal_head(self.task.num_classes, self.task.build_model(0).embed_dim, g)
+        return orthogonal_head(self.task.num_classes, embed_dim, g)
+
+    def _with_head(self, base):
+        return uh_model(base, self.head_weight(base.embed_dim), 1.0, False, "linear")
 
     def _uh(self, ctx, base, client_id: int):
-        return ctx.models.get(("uh", arch_key(self.task.archs[client_id])),
-                              lambda: uh_model(base, self.head_weight(), 1.0, False, "linear"))
+        return ctx.models.get(("uh", arch_key(self.task.archs[client_id])), lambda: self._with_head(base))
 
     def build_global_model(self):
-        return uh_model(self.task.build_model(0), self.head_weight(), 1.0, False, "linear")
+        return self._with_head(self.task.build_model(0))
 
     def live_model(self, ctx):
         return self._uh(ctx, ctx.model(), ctx.client_id)

@@ -122,7 +122,7 @@ def test_fedavg_uh_trains_the_body_under_the_same_fixed_head(tiny):
     from raysim.engine.loop import run_experiment as run
 
     algo, prep = _algo(tiny, "fedavg_uh")
-    w = algo.head_weight()
+    w = algo.head_weight(prep.task.build_model(0).embed_dim)
     C = prep.task.num_classes
     assert torch.allclose(w @ w.t(), torch.eye(C), atol=1e-5)
     start = algo.init_server_state(None)["model"]

@@ -47,4 +47,4 @@ def check_device(s) -> None:
                                                      "(e.g. 0.1), or use backend.device: auto")
 
 
-__all__ = ["Backend", "SequentialBackend", "make_backend", "preflight"]
+__all__ = ["Backend", "SequentialBackend", "check_device", "preflight"]
