@@ -4,7 +4,8 @@
 same). Reported per workload and variant: seconds per round (median after the first round), client updates per
 second, time per local step, and on a GPU its utilisation and peak memory (NVML when pynvml is installed; torch's
 allocator peak always). Variants: sequential; Ray with one actor; on a GPU the fraction sweep (1, 0.5, 0.25, 0.125
-GPU per actor: 1, 2, 4, 8 actors). On a machine without a GPU it says "no GPU" and runs the CPU rows (the same
+GPU per actor: 1, 2, 4, 8 actors); for cnn4 also the vectorised executor (``backend.vectorize``). On a machine
+without a GPU it says "no GPU" and runs the CPU rows (the same
 threads for sequential and Ray: ``backend.torch_threads``), which give the Ray-vs-sequential ratio.
 
     python benchmarks/gpu.py [--clients 1000 --cohort 50 --rounds 5] [--models cnn4 resnet18] [--json out.json]
@@ -103,6 +104,19 @@ def _model_mb(cfg) -> float:
 
 
 def one(model, variant, backend, args) -> dict:
+    """One variant's row; a variant that fails is a row with its error (the others still run)."""
+    import traceback
+
+    try:
+        return _one(model, variant, backend, args)
+    except Exception as e:
+        traceback.print_exc()
+        out = {"model": model, "variant": variant, "error": f"{type(e).__name__}: {e}", "s_round": float("nan")}
+        print(json.dumps(out), flush=True)
+        return out
+
+
+def _one(model, variant, backend, args) -> dict:
     import torch
 
     from raysim.config import make_config
@@ -135,6 +149,8 @@ def main(argv=None):
     ap.add_argument("--root", default=None)
     ap.add_argument("--threads", type=int, default=1, help="backend.torch_threads of every variant")
     ap.add_argument("--fractions", nargs="*", type=float, default=[1.0, 0.5, 0.25, 0.125])
+    ap.add_argument("--numerics", default="portable", choices=["portable", "native"],
+                    help="backend.numerics of every variant (portable: deterministic CUDA kernels, no TF32)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import torch
@@ -144,22 +160,25 @@ def main(argv=None):
     register_dataset("cifar_twin", "benchmarks.gpu:cifar_twin")
     gpu = torch.cuda.is_available()
     print(f"device: {torch.cuda.get_device_name(0) if gpu else 'no GPU (CPU rows only)'}", flush=True)
-    common = {"torch_threads": args.threads, "device": "cuda" if gpu else "cpu"}
+    common = {"torch_threads": args.threads, "device": "cuda" if gpu else "cpu", "numerics": args.numerics}
+    on_ray = dict(common, device="auto")  # the client actors see their GPU share; the server actor (no share) the CPU
     rows = []
     for model in args.models:
         rows.append(one(model, "sequential", dict(common), args))
         rows.append(one(model, "ray 1 actor, an upload per client", dict(
-            common, name="ray", num_actors=1, num_cpus=1, num_gpus=1.0 if gpu else 0.0, partial_aggregate=False), args))
+            on_ray, name="ray", num_actors=1, num_cpus=1, num_gpus=1.0 if gpu else 0.0, partial_aggregate=False), args))
         ray1 = rows[-1]
         rows.append(one(model, "ray 1 actor, partial aggregates", dict(  # the default (auto) with one actor
-            common, name="ray", num_actors=1, num_cpus=1, num_gpus=1.0 if gpu else 0.0), args))
+            on_ray, name="ray", num_actors=1, num_cpus=1, num_gpus=1.0 if gpu else 0.0), args))
+        if model == "cnn4":  # no BatchNorm: the vectorised executor applies (ResNet-18 is refused by it)
+            rows.append(one(model, "sequential, vectorised", dict(common, vectorize=True), args))
         if gpu:
             for f in args.fractions:
                 if f == 1.0:
                     continue
                 n = int(round(1 / f))
                 rows.append(one(model, f"ray {n} x {f:g} GPU, partial aggregates", dict(
-                    common, name="ray", num_actors=n, num_cpus=1, num_gpus=f, partial_aggregate=True), args))
+                    on_ray, name="ray", num_actors=n, num_cpus=1, num_gpus=f, partial_aggregate=True), args))
         seq = next(r for r in rows if r["model"] == model and r["variant"] == "sequential")
         part = next(r for r in rows if r["model"] == model and r["variant"] == "ray 1 actor, partial aggregates")
         print(f"{model}: Ray (1 actor) / sequential = {part['s_round'] / seq['s_round']:.2f} (the default: partial "

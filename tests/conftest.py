@@ -1,5 +1,6 @@
 """Shared fixtures. Ray tests use one Ray session per test session (``ray_session``), declared with 2 CPUs and 2
-fake GPUs so that GPU packing can be tested without CUDA (nothing in the tests calls CUDA), with warm actors
+fake GPUs so that GPU packing can be tested without CUDA (nothing in the tests calls CUDA: it is hidden, below, on a
+machine that has it), with warm actors
 (``keep_actors_warm``): a Ray run reuses the worker processes of the previous run whose actors asked for the same
 resources instead of starting new ones. Parked actors hold their CPUs: a test that runs its own Ray tasks or actors
 asks for no CPU (``num_cpus=0``) or calls ``release_warm_actors()`` first."""
@@ -20,6 +21,15 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # session's Ray clusters (the session, the two-node clusters, `raysim run` subprocesses) run their workers at the
 # pytest workers' niceness instead: the same work, shared fairly. (raysim itself leaves Ray's default alone.)
 os.environ.setdefault("RAY_worker_niceness", "0")
+
+# The suite computes on the CPU on every machine, a GPU box included: `backend.device: auto` would otherwise pick CUDA
+# there and every exact comparison (goldens, sequential = Ray, hand-computed maths) would meet GPU numbers. Hidden
+# before anything initialises CUDA; Ray is told not to reset CUDA_VISIBLE_DEVICES in the actors that hold the session's
+# fake GPUs (they read their share from ray.get_gpu_ids()). RAYSIM_TEST_CUDA=1 keeps the GPUs visible for the tests
+# marked `gpu` (tests/test_gpu.py: pytest -m gpu), which are skipped where CUDA is absent or hidden.
+if os.environ.get("RAYSIM_TEST_CUDA") != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout under test
 
@@ -115,8 +125,16 @@ def ray_session():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": root}})
+        env = {"PYTHONPATH": root}
+        hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if hidden == "":  # Ray refuses 2 GPUs where none is visible: it sees the fake ones' ids, its workers none
+            os.environ["CUDA_VISIBLE_DEVICES"], env["CUDA_VISIBLE_DEVICES"] = "0,1", ""
+        try:
+            ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="ERROR",
+                     runtime_env={"env_vars": env})
+        finally:
+            if hidden is not None:
+                os.environ["CUDA_VISIBLE_DEVICES"] = hidden
     from raysim.backends.ray_actors import keep_actors_warm
 
     keep_actors_warm(True)  # each run reuses the previous run's actor processes when their resources match

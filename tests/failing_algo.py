@@ -82,19 +82,25 @@ class DyingFedProto(FedProto):
 
 class PlacementProbe(FedAvg):
     """A FedAvg whose clients report, with their test metrics, where they ran: the process, the GPUs Ray made
-    visible to it (CUDA_VISIBLE_DEVICES) and whether the model stayed on the CPU."""
+    reserved for it and whether the model stayed on the CPU."""
 
     name = "placement_probe"
 
     def evaluate_client(self, payload, state, data, ctx):
         import os
 
+        from ray._private.worker import global_worker
+
         out = super().evaluate_client(payload, state, data, ctx)
-        ids = [i for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
+        # the GPU slots Ray reserved for this actor (ray.get_gpu_ids() would map them through CUDA_VISIBLE_DEVICES,
+        # which the test session leaves empty: tests/conftest.py)
+        ids = sorted({i for name, slots in global_worker.core_worker.resource_ids().items() if name == "GPU"
+                      for i, _ in slots})
         out["probe_pid"] = float(os.getpid())
         out["probe_gpus_visible"] = float(len(ids))
         out["probe_gpu_id"] = float(ids[0]) if ids else -1.0
         out["probe_on_cpu"] = float(str(ctx.device) == "cpu")
+        out["probe_cuda_hidden"] = float(os.environ.get("CUDA_VISIBLE_DEVICES") == "")
         return out
 
 

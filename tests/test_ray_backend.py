@@ -1,5 +1,6 @@
 """Ray backend: identical result tables to the sequential backend (1 and 2 actors), GPU packing and fail-fast,
 failures as values. One Ray session for the whole test session (2 CPUs, 2 declared fake GPUs, no CUDA calls)."""
+import os
 import time
 
 import pandas as pd
@@ -95,12 +96,14 @@ def test_fractional_gpus_pack_onto_declared_gpus(ray_session, tiny):
                backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5, "num_gpus": 0.5, "server_num_gpus": 0.5})
     t = table(cfg)
     probe = {m: t[(t.scope == "client") & (t.metric == m)]["value"] for m in
-             ("probe_pid", "probe_gpus_visible", "probe_gpu_id", "probe_on_cpu")}
+             ("probe_pid", "probe_gpus_visible", "probe_gpu_id", "probe_on_cpu", "probe_cuda_hidden")}
     assert len(probe["probe_pid"]) == 6 and probe["probe_pid"].nunique() == 2  # every client evaluated, on 2 actors
     assert probe["probe_gpus_visible"].eq(1).all()  # Ray gave each actor (a share of) one of the fake GPUs
     assert probe["probe_gpu_id"].isin([0, 1]).all()
     if not torch.cuda.is_available():
         assert probe["probe_on_cpu"].eq(1).all()  # no CUDA here: the device stayed the CPU
+    if os.environ.get("RAYSIM_TEST_CUDA") != "1":  # the suite hides a real GPU from the actors too (tests/conftest.py)
+        assert probe["probe_cuda_hidden"].eq(1).all()
 
 
 def test_too_many_gpus_fail_fast(ray_session, tiny, monkeypatch):
