@@ -61,6 +61,7 @@ MARK = "RAYSIM_NUMERICS_PINNED"  # JSON {variable: the value it had before raysi
 ENV_MODE = "RAYSIM_NUMERICS"  # portable (default) | native: what ``import raysim`` pins
 
 _mode: Optional[str] = None  # the mode this process computes in, once a runner has entered it
+_device: Optional[str] = None  # the device a runner of this process resolved backend.device to (cpu, cuda:0, ...)
 
 
 def _cpuinfo(key: str):
@@ -170,6 +171,9 @@ def enter(mode: str, device=None) -> dict:
                                                   f"'import raysim' ({_where()}); start Python with {ENV_MODE}=native")
     if device is not None and getattr(device, "type", str(device)) == "cuda":
         cuda_deterministic(mode == "portable")
+    if device is not None:
+        global _device
+        _device = str(device)
     _mode = mode
     return describe()
 
@@ -200,4 +204,8 @@ def describe() -> dict:
            "mkldnn": bool(torch.backends.mkldnn.enabled), "torch_threads": torch.get_num_threads(),
            "cpu": cpu_model()}
     out["env"] = {k: os.environ.get(k) for k in (*PORTABLE_ENV, *CUDA_ENV) if os.environ.get(k) is not None}
+    if _device is not None:  # where this process's runner computes: a GPU table is not the CPU's (README, numerics)
+        out["device"] = _device
+        if _device.startswith("cuda"):
+            out["gpu"] = torch.cuda.get_device_name(torch.device(_device))
     return out

@@ -86,6 +86,7 @@ def test_numerics_is_part_of_the_identity_and_recorded():
     meta = run_experiment(make_config(tiny_config(rounds=1)), write=False).metadata
     assert meta["numerics"]["mode"] == "portable" and meta["numerics"]["cpu_capability"] == "AVX2"
     assert meta["numerics"]["mkldnn"] is False and meta["numerics"]["env"]["MKL_CBWR"] == "COMPATIBLE"
+    assert meta["numerics"]["device"] == "cpu"  # where the runner computed (the suite hides CUDA: tests/conftest.py)
     assert "up_bytes" in meta["count_metrics"] and "test_acc" not in meta["count_metrics"]
 
 

@@ -94,7 +94,8 @@ def test_fractional_gpus_pack_onto_declared_gpus(ray_session, tiny):
     # 2 actors x 0.5 GPU + server 0.5 GPU fit on the 2 fake GPUs; nothing calls CUDA (device stays cpu)
     cfg = tiny(rounds=1, algorithm={"name": "placement_probe", "params": {}},
                backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5, "num_gpus": 0.5, "server_num_gpus": 0.5})
-    t = table(cfg)
+    res = run_experiment(cfg, write=False)
+    t, meta = without_timing(res.table), res.metadata
     probe = {m: t[(t.scope == "client") & (t.metric == m)]["value"] for m in
              ("probe_pid", "probe_gpus_visible", "probe_gpu_id", "probe_on_cpu", "probe_cuda_hidden")}
     assert len(probe["probe_pid"]) == 6 and probe["probe_pid"].nunique() == 2  # every client evaluated, on 2 actors
@@ -104,6 +105,8 @@ def test_fractional_gpus_pack_onto_declared_gpus(ray_session, tiny):
         assert probe["probe_on_cpu"].eq(1).all()  # no CUDA here: the device stayed the CPU
     if os.environ.get("RAYSIM_TEST_CUDA") != "1":  # the suite hides a real GPU from the actors too (tests/conftest.py)
         assert probe["probe_cuda_hidden"].eq(1).all()
+        # and the run metadata says where each process computed
+        assert {p["role"]: p["device"] for p in meta["numerics_processes"]} == {"clients": "cpu", "server": "cpu"}
 
 
 def test_too_many_gpus_fail_fast(ray_session, tiny, monkeypatch):
