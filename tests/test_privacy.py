@@ -89,3 +89,25 @@ def test_client_data_is_tagged_private_and_public_data_public(tiny):
                               "public": {"dataset": "digits", "size": 20}}))
     assert all(c.provenance == "private" for c in prep.fed_data.clients)
     assert prep.fed_data.public.provenance == "public" and prep.task.public is prep.fed_data.public
+
+
+def test_unused_public_data_are_samples_of_the_clients_classes_that_no_client_holds(tiny):
+    """data.public {dataset: <the run's>, size, unused: true} (seed 004's scenario-1 candidates of the same classes):
+    drawn from the training pool minus every client's train and validation samples and the server's validation set."""
+    import torch
+
+    from raysim.errors import DataError
+
+    data = {"dataset": "synthetic", "num_clients": 4, "partition": "iid", "partition_params": {"samples_per_client": 40},
+            "val_fraction": 0.25, "server_val": 50, "public": {"dataset": "synthetic", "size": 300, "unused": True}}
+    prep = prepare(tiny(data=data))
+    pub = prep.fed_data.public
+    held = torch.cat([torch.cat([c.x_train, c.x_val]) for c in prep.fed_data.clients]
+                     + [prep.fed_data.server_val.x]).flatten(1)
+    assert len(pub) == 300 and pub.provenance == "public"
+    assert set(pub.y.tolist()) == set(range(10))  # the clients' classes
+    assert not (torch.cdist(pub.x.flatten(1), held) == 0).any()  # no sample any client or the server holds
+    with pytest.raises(DataError, match="data.public.unused"):
+        prepare(tiny(data=dict(data, public={"dataset": "digits", "size": 10, "unused": True})))
+    with pytest.raises(DataError, match="data.public.size"):
+        prepare(tiny(data=dict(data, public={"dataset": "synthetic", "size": 10**6, "unused": True})))

@@ -142,6 +142,9 @@ def _client_parts(cfg: DataConfig, seed: int, part: Partition) -> tuple[list, li
 
 
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
+    if cfg.public and cfg.public.get("unused") and (cfg.partition == "files" or cfg.local_split is not None):
+        raise DataError("data.public.unused", "draws from a partitioned dataset's training pool: not with "
+                                              "partition: files or data.local_split")
     if cfg.partition == "files":
         return _files_data(cfg, seed)
     ds = load_dataset(cfg.dataset, cfg.root, cfg.dataset_params)
@@ -174,7 +177,11 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     if cfg.rotations:
         notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
     public = None
-    if cfg.public:
+    if cfg.public and cfg.public.get("unused"):
+        public = _unused_public(cfg, seed, train_pool, tr_parts + (va_parts or []))
+        notes.append(f"public dataset: {cfg.public['size']} images of {cfg.dataset}'s training pool that no client "
+                     f"holds (and not the server's validation set)")
+    elif cfg.public:
         public = _load_public(cfg.public, seed)
         notes.append(f"public dataset: {cfg.public}")
     domains = [i % num_domains for i in range(cfg.num_clients)] if num_domains else None
@@ -357,6 +364,27 @@ def _local_split_note(split: dict, per: list, public_size: int, by_dataset: bool
             f"private/public/val/test sizes {sizes}; clients train on private + own public; the public "
             f"shares of all clients form the public dataset ({public_size} samples, owner per sample); the "
             f"pool's test split is not used")
+
+
+def _unused_public(cfg: DataConfig, seed: int, train_pool: ArrayDataset, parts: list) -> ArrayDataset:
+    """``data.public: {dataset: <data.dataset>, size: n, unused: true}``: n samples of the run's own training pool that
+    no client holds (train or validation part; the server's validation set is carved out of the pool before), drawn
+    with the "public" stream: public data of the clients' classes and distribution that no client has seen (seed 004's
+    scenario-1 candidates)."""
+    spec = cfg.public
+    if spec.get("dataset") != cfg.dataset or set(spec) - {"dataset", "size", "unused"}:
+        raise DataError("data.public.unused", f"draws from the run's own dataset ({cfg.dataset}): give exactly "
+                                              f"{{dataset: {cfg.dataset}, size: N, unused: true}}")
+    used = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])) if parts else np.zeros(0, int)
+    free = np.setdiff1d(np.arange(len(train_pool)), used)
+    size = spec.get("size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1 or size > len(free):
+        raise DataError("data.public.size", f"with unused: true, a whole number from 1 to the {len(free)} training "
+                                            f"samples no client holds; got {size!r}")
+    r = rngmod.numpy_rng(seed, rngmod.NO_ROUND, rngmod.SERVER, "public")
+    pub = train_pool.subset(np.sort(r.choice(free, size=size, replace=False)))
+    pub.provenance = "public"
+    return pub
 
 
 def _load_public(spec: dict, seed: int) -> ArrayDataset:
