@@ -388,7 +388,7 @@ def _unused_public(cfg: DataConfig, seed: int, train_pool: ArrayDataset, parts: 
 
 
 def _load_public(spec: dict, seed: int) -> ArrayDataset:
-    allowed = {"dataset", "size", "root", "params"}
+    allowed = {"dataset", "size", "root", "params", "unused"}  # unused: false (true: _unused_public)
     for k in spec:
         if k not in allowed:
             raise DataError(f"data.public.{k}", f"unknown key; allowed: {', '.join(sorted(allowed))}")
