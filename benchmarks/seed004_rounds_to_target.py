@@ -19,12 +19,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from raysim.verdicts import format_interval, judge  # noqa: E402
+from raysim.app.verdicts import format_interval, judge  # noqa: E402
 from seed004_traffic import first_reach, load_run  # noqa: E402
 
 TARGETS = (0.30, 0.50)
-PAIRS = [("SlaugFL s2", "VHL"), ("SlaugFL s2 selection test", "VHL"), ("SlaugFL s2 selection test", "SlaugFL s2")]
-LABELS = {"slaugfl-s2": "SlaugFL s2", "slaugfl-s2-selection-test": "SlaugFL s2 selection test", "vhl": "VHL"}
+PAIRS = [("SlaugFL s2", "VHL"), ("SlaugFL s2 selection test", "VHL"), ("SlaugFL s2 selection test", "SlaugFL s2"),
+         ("SlaugFL s1 unseen candidates", "VHL"), ("SlaugFL s1 unseen candidates", "SlaugFL s2")]
+LABELS = {"slaugfl-s2": "SlaugFL s2", "slaugfl-s2-selection-test": "SlaugFL s2 selection test", "vhl": "VHL",
+          "slaugfl-s1-unseen-candidates": "SlaugFL s1 unseen candidates"}
 
 
 def main() -> None:
