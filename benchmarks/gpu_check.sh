@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks in one go, as run on a lent H100 (the device tool): what "same seed, same table" means on CUDA
-# (benchmarks/gpu_numerics.py), where a client step's time goes (benchmarks/gpu_profile.py), the GPU-first throughput
-# figures (benchmarks/gpu.py) and the GPU tests (tests/test_gpu.py) with the non-Ray tests (CUDA hidden by conftest). Wheels that machine lacks (Ray, Optuna, mlxtend, ...) travel in .whl/.
-# Results go to $OUT (the device tool's folder), or ./gpu_out.
+# The GPU checks in one go, as run on a lent H100 (the device tool, 600 s a call): what "same seed, same table" means
+# on CUDA (benchmarks/gpu_numerics.py), where a client step's time goes (benchmarks/gpu_profile.py), the GPU-first
+# throughput figures (benchmarks/gpu.py) and the GPU tests (tests/test_gpu.py) with the non-Ray tests (CUDA hidden by
+# conftest). Wheels that machine lacks (Ray, Optuna, mlxtend, ...) travel in .whl/. Results go to $OUT (the device
+# tool's folder), or ./gpu_out. The step limits add up to 530 s; the exit status is the first failing step's.
 #   bash benchmarks/gpu_check.sh            # RAYSIM_GPU_SKIP_INSTALL=1 where everything is installed already
 set -u
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
@@ -16,21 +17,24 @@ export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; lscpu | grep -E "Model name|^CPU\(s\)";
   python3 -c "import torch, ray, numpy; print('torch', torch.__version__, 'ray', ray.__version__, 'numpy', numpy.__version__)"
 } > "$OUT/env.txt" 2>&1
-t0=$(date +%s)
-timeout 100 python3 benchmarks/gpu_numerics.py --rounds "$ROUNDS" --out /tmp/gpu_numerics > "$OUT/numerics.log" 2>&1
-echo "numerics rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
+status=0
+step() {  # step NAME LIMIT_S LOG CMD...: run one check under its limit, log its status and time
+  local name=$1 limit=$2 log=$3; shift 3
+  local t0; t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
+  [ "$status" -eq 0 ] && [ "$rc" -ne 0 ] && status=$rc
+  return 0
+}
+step numerics 100 numerics.log python3 benchmarks/gpu_numerics.py --rounds "$ROUNDS" --out /tmp/gpu_numerics
 cp /tmp/gpu_numerics/summary.json "$OUT/numerics_summary.json" 2>/dev/null
-t0=$(date +%s)
-timeout 120 python3 benchmarks/gpu_profile.py --json "$OUT/gpu_profile.json" > "$OUT/gpu_profile.log" 2>&1
-echo "gpu_profile rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
-t0=$(date +%s)
-timeout 200 python3 benchmarks/gpu.py --clients "$CLIENTS" --cohort "$COHORT" --rounds "$GROUNDS" \
-  --json "$OUT/gpu.json" > "$OUT/gpu.log" 2>&1
-echo "gpu.py rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
-t0=$(date +%s)
-RAYSIM_TEST_CUDA=1 timeout 60 python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider tests/test_gpu.py > "$OUT/pytest_gpu.log" 2>&1
-echo "pytest -m gpu rc=$?" >> "$OUT/env.txt"
-timeout 140 python3 -m pytest -q -n 14 --tb=no -rf -m "not ray and not cluster" -p no:cacheprovider --durations 5 tests \
-  > "$OUT/pytest.log" 2>&1
-echo "pytest rc=$? $(( $(date +%s) - t0 )) s" >> "$OUT/env.txt"
+step gpu_profile 90 gpu_profile.log python3 benchmarks/gpu_profile.py --json "$OUT/gpu_profile.json"
+step "pytest -m gpu" 60 pytest_gpu.log env RAYSIM_TEST_CUDA=1 python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider \
+  tests/test_gpu.py
+step gpu.py 180 gpu.log python3 benchmarks/gpu.py --clients "$CLIENTS" --cohort "$COHORT" --rounds "$GROUNDS" \
+  --json "$OUT/gpu.json"
+step pytest 100 pytest.log python3 -m pytest -q -n 14 --tb=no -rf -m "not ray and not cluster" -p no:cacheprovider \
+  --durations 5 tests
 cat "$OUT/env.txt"
+exit "$status"

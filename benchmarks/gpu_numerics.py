@@ -62,6 +62,8 @@ def child(name: str, rounds: int, out: Path, tag: str) -> None:
 
 
 def spawn(name: str, rounds: int, out: Path, tag: str) -> dict:
+    for suffix in ("parquet", "json"):  # never compare a table left by an earlier invocation
+        (out / f"{name}.{tag}.{suffix}").unlink(missing_ok=True)
     env = dict(os.environ)
     if VARIANTS[name][1] == "native":
         env["RAYSIM_NUMERICS"] = "native"
@@ -122,7 +124,8 @@ def main(argv=None):
 
     def table(name, tag):
         p = out / f"{name}.{tag}.parquet"
-        return pd.read_parquet(p) if p.exists() else None
+        ok = f"{name}.{tag}" in summary["runs"] and "error" not in summary["runs"][f"{name}.{tag}"]
+        return pd.read_parquet(p) if ok and p.exists() else None
 
     for name in ("cuda-portable", "cuda-native", "cuda-portable-vectorised"):
         a, b = table(name, "a"), table(name, "b")

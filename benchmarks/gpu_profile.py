@@ -1,8 +1,10 @@
 """Where a client's time goes on the device (the H100 sat at ~3.5 % utilisation, ~5 ms per local step of cnn4 at
-batch 10: benchmarks/PERFORMANCE.md, "On an H100"). One warm-up round, then one profiled round of benchmarks/gpu.py's
-cnn4 workload (sequential backend) under torch.profiler: the top operators by self CPU time, the CUDA runtime calls
-that block the host (synchronisations, pageable copies) with their counts per client, and the round's wall time in
-both numerics modes (each mode in a fresh process). On a machine without a GPU the same on the CPU.
+batch 10: benchmarks/PERFORMANCE.md, "On an H100"). One warm-up run, then one profiled 2-round run of
+benchmarks/gpu.py's cnn4 workload (sequential backend) under torch.profiler: the top operators by self CPU time, the
+CUDA runtime calls that block the host (synchronisations, pageable copies) with their counts per trained client, and
+the rounds' times (``round_s``: client steps and aggregation; ``wall_s`` and ``ms_per_step_wall`` also hold data and
+model building and the final evaluation), in both numerics modes (each mode in a fresh process). On a machine without
+a GPU the same on the CPU.
 
     python benchmarks/gpu_profile.py [--clients 200 --cohort 50] [--json out.json]
 """

@@ -171,9 +171,8 @@ def enter(mode: str, device=None) -> dict:
                                                   f"'import raysim' ({_where()}); start Python with {ENV_MODE}=native")
     if device is not None and getattr(device, "type", str(device)) == "cuda":
         cuda_deterministic(mode == "portable")
-    if device is not None:
-        global _device
-        _device = str(device)
+    global _device
+    _device = str(device) if device is not None else None  # the driver enters without one at the start of each run
     _mode = mode
     return describe()
 

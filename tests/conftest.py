@@ -25,8 +25,9 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # The suite computes on the CPU on every machine, a GPU box included: `backend.device: auto` would otherwise pick CUDA
 # there and every exact comparison (goldens, sequential = Ray, hand-computed maths) would meet GPU numbers. Hidden
 # before anything initialises CUDA; Ray is told not to reset CUDA_VISIBLE_DEVICES in the actors that hold the session's
-# fake GPUs (they read their share from ray.get_gpu_ids()). RAYSIM_TEST_CUDA=1 keeps the GPUs visible for the tests
-# marked `gpu` (tests/test_gpu.py: pytest -m gpu), which are skipped where CUDA is absent or hidden.
+# fake GPUs (the placement probe reads its reserved slots from Ray). RAYSIM_TEST_CUDA=1 keeps the GPUs visible for the
+# tests marked `gpu` (tests/test_gpu.py: RAYSIM_TEST_CUDA=1 pytest -m gpu), which are skipped where CUDA is absent or
+# hidden; it is for those alone (the Ray session's 2 fake GPUs then map onto the real ones).
 if os.environ.get("RAYSIM_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"

@@ -42,7 +42,10 @@ def test_cuda_and_cpu_tables_agree_on_counts_exactly_and_on_accuracy_within_the_
     counts = gpu["metric"].str.split("[:@]", regex=True).str[0].isin(COUNTS)
     assert gpu.loc[counts, "value"].equals(cpu.loc[counts, "value"])  # message sizes do not depend on the device
 
-    def mean_acc(t):
-        return t[(t.scope == "client") & (t.metric == "test_acc")].groupby("round")["value"].mean()
+    def final_acc(t):
+        acc = t[(t.scope == "client") & (t.metric == "test_acc")]
+        return acc[acc["round"] == acc["round"].max()]["value"].mean()
 
-    assert (mean_acc(gpu) - mean_acc(cpu)).abs().max() <= 0.05
+    # the last round's mean (early rounds swing more: 0.045 at worst over the 20-round quick start on an H100, 0.0006
+    # at its end); this 3-round tiny run is not yet measured on a GPU, hence the wider bound
+    assert abs(final_acc(gpu) - final_acc(cpu)) <= 0.1

@@ -111,3 +111,9 @@ def test_unused_public_data_are_samples_of_the_clients_classes_that_no_client_ho
         prepare(tiny(data=dict(data, public={"dataset": "digits", "size": 10, "unused": True})))
     with pytest.raises(DataError, match="data.public.size"):
         prepare(tiny(data=dict(data, public={"dataset": "synthetic", "size": 10**6, "unused": True})))
+    with pytest.raises(DataError, match="data.public.unused"):  # a quoted "false" is not false
+        prepare(tiny(data=dict(data, public={"dataset": "synthetic", "size": 10, "unused": "false"})))
+    with pytest.raises(DataError, match="data.public.root"):
+        prepare(tiny(data=dict(data, public={"dataset": "synthetic", "size": 10, "unused": True, "root": "/x"})))
+    with pytest.raises(DataError, match="data.rotations"):
+        prepare(tiny(data=dict(data, rotations=[0, 90])))

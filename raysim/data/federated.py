@@ -142,9 +142,14 @@ def _client_parts(cfg: DataConfig, seed: int, part: Partition) -> tuple[list, li
 
 
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
+    if cfg.public and not isinstance(cfg.public.get("unused", False), bool):
+        raise DataError("data.public.unused", f"true or false; got {cfg.public['unused']!r}")
     if cfg.public and cfg.public.get("unused") and (cfg.partition == "files" or cfg.local_split is not None):
         raise DataError("data.public.unused", "draws from a partitioned dataset's training pool: not with "
                                               "partition: files or data.local_split")
+    if cfg.public and cfg.public.get("unused") and cfg.rotations:
+        raise DataError("data.rotations", "not with data.public unused: true (the public samples would be unrotated "
+                                          "while every client sees its domain's rotation)")
     if cfg.partition == "files":
         return _files_data(cfg, seed)
     ds = load_dataset(cfg.dataset, cfg.root, cfg.dataset_params)
@@ -372,7 +377,10 @@ def _unused_public(cfg: DataConfig, seed: int, train_pool: ArrayDataset, parts: 
     with the "public" stream: public data of the clients' classes and distribution that no client has seen (seed 004's
     scenario-1 candidates)."""
     spec = cfg.public
-    if spec.get("dataset") != cfg.dataset or set(spec) - {"dataset", "size", "unused"}:
+    extra = sorted(set(spec) - {"dataset", "size", "unused"})
+    if extra:
+        raise DataError(f"data.public.{extra[0]}", "not with unused: true (the run's own training pool is used)")
+    if spec.get("dataset") != cfg.dataset:
         raise DataError("data.public.unused", f"draws from the run's own dataset ({cfg.dataset}): give exactly "
                                               f"{{dataset: {cfg.dataset}, size: N, unused: true}}")
     used = np.unique(np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])) if parts else np.zeros(0, int)
