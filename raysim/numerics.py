@@ -139,7 +139,7 @@ def _where() -> str:
 def enter(mode: str, device=None) -> dict:
     """Fix this process's kernels to ``mode`` before it computes (every runner calls it; the driver too, before it
     loads data) and check they took. Returns :func:`describe`. A second call with the other mode is an error."""
-    global _mode
+    global _mode, _device
     import torch
 
     check_mode(mode)
@@ -171,7 +171,6 @@ def enter(mode: str, device=None) -> dict:
                                                   f"'import raysim' ({_where()}); start Python with {ENV_MODE}=native")
     if device is not None and getattr(device, "type", str(device)) == "cuda":
         cuda_deterministic(mode == "portable")
-    global _device
     _device = str(device) if device is not None else None  # the driver enters without one at the start of each run
     _mode = mode
     return describe()

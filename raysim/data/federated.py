@@ -144,10 +144,11 @@ def _client_parts(cfg: DataConfig, seed: int, part: Partition) -> tuple[list, li
 def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     if cfg.public and not isinstance(cfg.public.get("unused", False), bool):
         raise DataError("data.public.unused", f"true or false; got {cfg.public['unused']!r}")
-    if cfg.public and cfg.public.get("unused") and (cfg.partition == "files" or cfg.local_split is not None):
+    unused = bool(cfg.public and cfg.public.get("unused"))  # public samples from the run's own pool (_unused_public)
+    if unused and (cfg.partition == "files" or cfg.local_split is not None):
         raise DataError("data.public.unused", "draws from a partitioned dataset's training pool: not with "
                                               "partition: files or data.local_split")
-    if cfg.public and cfg.public.get("unused") and cfg.rotations:
+    if unused and cfg.rotations:
         raise DataError("data.rotations", "not with data.public unused: true (the public samples would be unrotated "
                                           "while every client sees its domain's rotation)")
     if cfg.partition == "files":
@@ -182,7 +183,7 @@ def build_federated_data(cfg: DataConfig, seed: int) -> FederatedData:
     if cfg.rotations:
         notes.append(f"rotation domains {list(cfg.rotations)} assigned by client_id % {len(cfg.rotations)}")
     public = None
-    if cfg.public and cfg.public.get("unused"):
+    if unused:
         public = _unused_public(cfg, seed, train_pool, tr_parts + (va_parts or []))
         notes.append(f"public dataset: {cfg.public['size']} images of {cfg.dataset}'s training pool that no client "
                      f"holds (and not the server's validation set)")
