@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pandas as pd
 import yaml
@@ -82,32 +84,37 @@ def restore(env: dict) -> None:
     os.environ.update(env)
 
 
-def cli_run(config: str, overrides: list, out: str, env: dict):
-    """``raysim run`` in a fresh process (a process keeps one numerics mode; this driver is portable)."""
-    from raysim.io import results
-
-    args = [sys.executable, "-m", "raysim.app.cli", "run", config, "--out", out]
-    for o in overrides:
-        args += ["--set", o]
-    p = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        raise RuntimeError(f"raysim run failed ({p.returncode}): {p.stderr[-2000:]}")
-    return without_timing(results.load(out).drop(columns="run_id")), results.load_metadata(out)
+NATIVE_PAIR = """
+import json, sys
+from raysim.app.cli import main
+sys.exit(main(["run", *json.loads(sys.argv[1])]) or main(["run", *json.loads(sys.argv[2])]))
+"""
 
 
 def native_checks(config: str, ov: list, address: str, node2_id: str) -> dict:
-    """backend.numerics: native on the mixed cluster vs native sequentially with the head's kernels."""
+    """backend.numerics: native on the mixed cluster vs native sequentially with the head's kernels: both runs with
+    ``raysim run``'s code in one fresh process (a process keeps one numerics mode; this driver is portable)."""
+    from raysim.io import results
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    base = {k: v for k, v in os.environ.items() if k != numerics.MARK and k not in numerics.PORTABLE_ENV}
-    base.update(PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p),
-                RAYSIM_NUMERICS="native")
+    env = {k: v for k, v in os.environ.items() if k != numerics.MARK and k not in numerics.PORTABLE_ENV}
+    # the driver process computes the sequential run: the head's kernels (the actors' come from their nodes' env)
+    env.update(PYTHONPATH=os.pathsep.join(p for p in [root, os.environ.get("PYTHONPATH", "")] if p),
+               RAYSIM_NUMERICS="native", ATEN_CPU_CAPABILITY="avx2")
     ov = ov + ["backend.numerics=native", "output.progress=false"]
     with tempfile.TemporaryDirectory() as tmp:
-        seq, _ = cli_run(config, ov + ["backend.name=sequential"], f"{tmp}/seq",
-                         dict(base, ATEN_CPU_CAPABILITY="avx2"))
+        def args(out, extra):
+            return json.dumps([config, "--out", out] + [a for o in ov + extra for a in ("--set", o)])
+
         ray_ov = ["backend.name=ray", "backend.num_actors=2", "backend.num_cpus=0.5", "backend.placement=spread",
                   f"backend.address={address}"]
-        clu, meta = cli_run(config, ov + ray_ov, f"{tmp}/cluster", base)
+        p = subprocess.run([sys.executable, "-c", NATIVE_PAIR, args(f"{tmp}/seq", ["backend.name=sequential"]),
+                            args(f"{tmp}/cluster", ray_ov)], env=env, capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            raise RuntimeError(f"raysim run failed ({p.returncode}): {p.stderr[-2000:]}")
+        seq = without_timing(results.load(f"{tmp}/seq").drop(columns="run_id"))
+        clu = without_timing(results.load(f"{tmp}/cluster").drop(columns="run_id"))
+        meta = results.load_metadata(f"{tmp}/cluster")
     procs = meta["numerics_processes"]
     return {"native_capabilities": sorted({("node2" if p["node"] == node2_id else "head") + ":" + p["cpu_capability"]
                                             for p in procs}),
@@ -125,6 +132,9 @@ def main():
     ap.add_argument("--byo", action="store_true",
                     help="the node-stop run uses the user's own model, loader and method (benchmarks/two_node_byo.py's "
                          "config; their modules in the working directory, shipped to both nodes) instead of --config")
+    ap.add_argument("--tune", type=int, default=0, metavar="N",
+                    help="then a tuning study of N trials on PostgreSQL on the same cluster, with a fresh second node "
+                         "stopped mid-study (benchmarks/two_node_tune.py's study_on_cluster); its report under 'tune'")
     args = ap.parse_args()
     ov = [f"rounds={args.rounds}", "eval.every=4", "clients_per_round=10"]
     if args.byo:
@@ -138,6 +148,7 @@ def main():
         def make(*backend):
             return load_config(args.config, ov + [f"backend.{b}" for b in backend])
     ref = run_experiment(make("name=sequential"), progress=False, write=False)
+    pg = None
     saved = own_kernels("avx2")  # the head's processes: AVX2 kernels natively
     try:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -146,6 +157,12 @@ def main():
     finally:
         restore(saved)
     try:
+        if args.tune:  # the study's PostgreSQL server (stopped below, whatever happens)
+            from two_node_tune import Postgres
+
+            pg_root = Path(tempfile.mkdtemp(prefix="raysim-2node-tune-"))
+            pg = Postgres(pg_root)
+            pg_url = pg.start()
         cluster.wait_for_nodes()
         native = native_checks(args.config, ["rounds=1", "eval.every=1", "clients_per_round=10"],
                                cluster.address, node2.node_id) if args.native else {}
@@ -174,6 +191,13 @@ def main():
             out["byo"] = {"shipped": stopper.shipped, "actor_module_files": stopper.files,
                           "from_shipped_copy": all(f[m] and "runtime_resources" in f[m] for f in stopper.files
                                                    for m in MODULES)}
+        if args.tune:  # node2 is gone: a fresh second node for the study, stopped in its turn mid-study
+            from two_node_tune import study_on_cluster
+
+            node3 = cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            out["tune"] = study_on_cluster(cluster, node3, pg_url, args.tune, pg_root / "study",
+                                           log=lambda m: print(m, file=sys.stderr, flush=True))
         print(json.dumps(out, indent=1))
         if args.json:
             with open(args.json, "w") as f:
@@ -181,11 +205,15 @@ def main():
         if not identical:
             pd.testing.assert_frame_equal(a, b)
         ok_byo = not args.byo or out["byo"]["from_shipped_copy"]
-        return 0 if identical and out["actor_failures"] and ok_byo else 1
+        ok_tune = not args.tune or out["tune"]["ok"]
+        return 0 if identical and out["actor_failures"] and ok_byo and ok_tune else 1
     finally:
         if ray.is_initialized():
             ray.shutdown()
         cluster.shutdown()
+        if pg is not None:
+            pg.stop()
+            shutil.rmtree(pg_root, ignore_errors=True)
 
 
 if __name__ == "__main__":

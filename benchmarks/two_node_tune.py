@@ -9,6 +9,9 @@ the study finishes on the head. Then the study is resumed with more trials. Chec
 Everything started here is stopped at the end.
 
     python benchmarks/two_node_tune.py [--trials 6] [--json out.json]
+
+``benchmarks/two_node.py --tune N`` runs the same study (``study_on_cluster``) on its own cluster after its node-stop
+run, on a fresh second node: the test suite's way (one cluster, one driver process for both).
 """
 from __future__ import annotations
 
@@ -82,16 +85,72 @@ SPACE = {"params": {"algorithm.params.lam": {"type": "float", "low": 0.05, "high
          "sampler": {"name": "random", "seed": 0}, "trial_resources": {"num_cpus": 1, "num_gpus": 0}}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--trials", type=int, default=6)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=print) -> dict:
+    """The study on a running two-node cluster (``node2``: the node to stop) with PostgreSQL storage ``url``: node2
+    is stopped once a trial has finished there and another runs there; then the study is resumed with 2 more trials.
+    Returns what happened (trials, where they ran, interrupted and retried ones, the checks)."""
     import optuna
 
     from tuning.space import parse_space
     from tuning.study import open_storage, tune
 
+    study_name = "two-node"
+    stopped = {}
+
+    def watch():  # stop node 2 once a trial has finished there and another is running there
+        while not stopped:
+            time.sleep(0.2)
+            try:  # a fresh connection each time: a cached storage would not show other processes' updates
+                st = optuna.load_study(study_name=study_name, storage=open_storage(url))
+            except Exception as e:
+                log(f"watch: {type(e).__name__} {str(e)[:200]}")
+                continue
+            ts = st.get_trials(deepcopy=False)
+            done2 = [t for t in ts if t.user_attrs.get("node") == node2.node_id and t.state.is_finished()]
+            run2 = [t for t in ts if t.user_attrs.get("node") == node2.node_id and not t.state.is_finished()]
+            if done2 and run2:
+                stopped.update(at=time.time(), running_trial=run2[0].number)
+                cluster.remove_node(node2)
+
+    open_storage(url)  # create the schema once, before the watcher and the study connect (concurrent
+    # first connections race on PostgreSQL's CREATE TYPE: duplicate key in pg_type_typname_nsp_index)
+    threading.Thread(target=watch, daemon=True).start()
+    over = [f"backend.address={cluster.address}"]
+    t0 = time.perf_counter()
+    tune(BASE, parse_space(SPACE), trials, storage=url, study_name=study_name, out_dir=out_dir,
+         parallel=2, overrides=over, log=lambda m: log(f"tune: {m}"))
+    wall1 = time.perf_counter() - t0
+    stopped.setdefault("at", None)
+    r2 = tune(BASE, parse_space(SPACE), trials + 2, storage=url, study_name=study_name, out_dir=out_dir,
+              parallel=2, overrides=over, log=lambda m: log(f"tune (resumed): {m}"))
+    st = optuna.load_study(study_name=study_name, storage=open_storage(url))
+    ts = st.get_trials(deepcopy=False)
+    finished = [t for t in ts if t.user_attrs.get("outcome") in ("complete", "pruned", "diverged", "error")]
+    interrupted = [t for t in ts if t.user_attrs.get("outcome") == "interrupted"]
+    where = lambda t: "node2" if t.user_attrs.get("node") == node2.node_id else "head"  # noqa: E731
+    retried = {t.user_attrs.get("retry_of") for t in ts if t.user_attrs.get("retry_of") is not None}
+    lam = [round(t.params.get("algorithm.params.lam", float("nan")), 6) for t in finished]
+    out = {
+        "storage": url.split("@")[0] + "@127.0.0.1:<port>/raysim",
+        "trials": [{"number": t.number, "outcome": t.user_attrs.get("outcome"), "node": where(t),
+                    "retry_of": t.user_attrs.get("retry_of"), "value": t.value} for t in ts],
+        "finished": len(finished), "finished_on": sorted({where(t) for t in finished}),
+        "interrupted": [t.number for t in interrupted], "retried": sorted(retried),
+        "node2_stopped_while_running_trial": stopped.get("running_trial"),
+        "no_trial_lost": all(t.number in retried for t in interrupted),
+        "no_trial_counted_twice": len(lam) == len(set(lam)) and len(finished) == trials + 2,
+        "first_call_wall_s": round(wall1, 1), "best_value": r2.best_value,
+    }
+    out["ok"] = bool(out["no_trial_lost"] and out["no_trial_counted_twice"] and out["interrupted"]
+                     and "node2" in out["finished_on"])
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trials", type=int, default=6)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
     root = Path(tempfile.mkdtemp(prefix="raysim-2node-tune-"))
     pg = Postgres(root)
     cluster = None
@@ -100,60 +159,11 @@ def main():
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
         node2 = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
-        study_name = "two-node"
-        stopped = {}
-
-        def watch():  # stop node 2 once a trial has finished there and another is running there
-            while not stopped:
-                time.sleep(0.2)
-                try:  # a fresh connection each time: a cached storage would not show other processes' updates
-                    st = optuna.load_study(study_name=study_name, storage=open_storage(url))
-                except Exception as e:
-                    print("watch:", type(e).__name__, str(e)[:200])
-                    continue
-                ts = st.get_trials(deepcopy=False)
-                done2 = [t for t in ts if t.user_attrs.get("node") == node2.node_id and t.state.is_finished()]
-                run2 = [t for t in ts if t.user_attrs.get("node") == node2.node_id and not t.state.is_finished()]
-                if done2 and run2:
-                    stopped.update(at=time.time(), running_trial=run2[0].number)
-                    cluster.remove_node(node2)
-
-        open_storage(url)  # create the schema once, before the watcher and the study connect (concurrent
-        # first connections race on PostgreSQL's CREATE TYPE: duplicate key in pg_type_typname_nsp_index)
-        threading.Thread(target=watch, daemon=True).start()
-        over = [f"backend.address={cluster.address}"]
-        out_dir = root / "study"
-        t0 = time.perf_counter()
-        tune(BASE, parse_space(SPACE), args.trials, storage=url, study_name=study_name, out_dir=out_dir,
-                  parallel=2, overrides=over, log=lambda m: print("tune:", m))
-        wall1 = time.perf_counter() - t0
-        stopped.setdefault("at", None)
-        r2 = tune(BASE, parse_space(SPACE), args.trials + 2, storage=url, study_name=study_name, out_dir=out_dir,
-                  parallel=2, overrides=over, log=lambda m: print("tune (resumed):", m))
-        st = optuna.load_study(study_name=study_name, storage=open_storage(url))
-        ts = st.get_trials(deepcopy=False)
-        finished = [t for t in ts if t.user_attrs.get("outcome") in ("complete", "pruned", "diverged", "error")]
-        interrupted = [t for t in ts if t.user_attrs.get("outcome") == "interrupted"]
-        where = lambda t: "node2" if t.user_attrs.get("node") == node2.node_id else "head"  # noqa: E731
-        retried = {t.user_attrs.get("retry_of") for t in ts if t.user_attrs.get("retry_of") is not None}
-        lam = [round(t.params.get("algorithm.params.lam", float("nan")), 6) for t in finished]
-        out = {
-            "storage": url.split("@")[0] + "@127.0.0.1:<port>/raysim",
-            "trials": [{"number": t.number, "outcome": t.user_attrs.get("outcome"), "node": where(t),
-                        "retry_of": t.user_attrs.get("retry_of"), "value": t.value} for t in ts],
-            "finished": len(finished), "finished_on": sorted({where(t) for t in finished}),
-            "interrupted": [t.number for t in interrupted], "retried": sorted(retried),
-            "node2_stopped_while_running_trial": stopped.get("running_trial"),
-            "no_trial_lost": all(t.number in retried for t in interrupted),
-            "no_trial_counted_twice": len(lam) == len(set(lam)) and len(finished) == args.trials + 2,
-            "first_call_wall_s": round(wall1, 1), "best_value": r2.best_value,
-        }
+        out = study_on_cluster(cluster, node2, url, args.trials, root / "study")
         print(json.dumps(out, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps(out))
-        ok = out["no_trial_lost"] and out["no_trial_counted_twice"] and out["interrupted"] and \
-            "node2" in out["finished_on"]
-        return 0 if ok else 1
+        return 0 if out["ok"] else 1
     finally:
         if ray.is_initialized():
             ray.shutdown()

@@ -4,7 +4,6 @@ The public API: :func:`run_experiment`, :func:`load_config` / :func:`make_config
 the registrations and the marks a config's import paths need (``dataset_loader``, ``model_factory``), and
 ``raysim.results`` (the pandas helpers over result tables; the module lives in
 ``raysim/io/results.py`` and is reachable as ``raysim.results`` too, as it always was)."""
-import sys as _sys
 
 from raysim import numerics as _numerics
 
@@ -12,12 +11,9 @@ _numerics.pin_at_import()  # before anything computes: the portable kernels (bac
 
 from raysim.config import ExperimentConfig, load_config, make_config
 from raysim.errors import ConfigError, DataError, SimulationError
-from raysim.io import results
 from raysim.data.datasets import register_dataset
 from raysim.models import register_model
 from raysim.config.registry import dataset_loader, model_factory, register_algorithm
-
-_sys.modules.setdefault("raysim.results", results)  # ``import raysim.results`` keeps working
 
 __version__ = "0.1.0"
 
@@ -29,6 +25,11 @@ def run_experiment(*args, **kwargs):
 
 
 def __getattr__(name):
+    if name == "results":  # raysim/io/results.py (pandas, loaded on first use: a Ray worker never needs it);
+        # ``import raysim.results`` reaches the same module through raysim/results.py
+        from raysim.io import results
+
+        return results
     if name == "Callback":  # the driver's callback base class (imported lazily: torch stays unimported until needed)
         from raysim.engine.callbacks import Callback
 

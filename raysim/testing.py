@@ -302,6 +302,21 @@ _MOVES = frozenset({"to", "cuda", "_to_copy"})
 _PASSIVE = frozenset({"__setitem__", "__getitem__", "index_put_", "index_select", "copy_"})  # cross-device is legal
 
 
+def _tensors_in(x, tensor_type, found: list) -> list:
+    """The tensors in ``x`` and in the lists, tuples (named ones and torch's return types included) and dicts it
+    nests, in order: what torch's pytree flattening finds in an operation's arguments and results, at a fraction of
+    its cost (DeviceGuard sees every operation of a run)."""
+    if isinstance(x, tensor_type):
+        found.append(x)
+    elif isinstance(x, (list, tuple)):
+        for y in x:
+            _tensors_in(y, tensor_type, found)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors_in(y, tensor_type, found)
+    return found
+
+
 class DeviceGuard:
     """A TorchFunctionMode that finds, on a CPU, the operations that would mix devices on a GPU.
 
@@ -332,6 +347,9 @@ class DeviceGuard:
 
         self._mode = _Mode()
         self._torch = torch
+        from torch._C._functorch import is_batchedtensor, is_gradtrackingtensor
+
+        self._functorch = (is_batchedtensor, is_gradtrackingtensor)
 
     def __enter__(self):
         self._mode.__enter__()
@@ -356,13 +374,11 @@ class DeviceGuard:
         home[k] = (ref, tag)
 
     def _call(self, func, args, kwargs):
-        import torch
-        from torch._C._functorch import is_batchedtensor, is_gradtrackingtensor
-        from torch.utils._pytree import tree_flatten
-
+        torch = self._torch
+        is_batchedtensor, is_gradtrackingtensor = self._functorch
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
-        tens = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tens = _tensors_in((args, kwargs), torch.Tensor, [])
         if any(is_batchedtensor(t) or is_gradtrackingtensor(t) for t in tens):
             return out
         to_host = name == "cpu" or (name in _MOVES and any(isinstance(a, str) and a == "cpu" for a in args[1:]))
@@ -380,9 +396,8 @@ class DeviceGuard:
                 self._record(name)
             tag = "dev" if "dev" in homes else ("host" if "host" in homes else None)
         if tag is not None:
-            for o in tree_flatten(out)[0]:
-                if isinstance(o, torch.Tensor):
-                    self._set(o, tag)
+            for o in _tensors_in(out, torch.Tensor, []):
+                self._set(o, tag)
         return out
 
     def _record(self, name: str) -> None:

@@ -25,7 +25,6 @@ class TaskPool:
     task, the sequential backend inside). ``wait`` returns ``(key, result, error)`` for the next finished task."""
 
     def __init__(self, num_cpus: float, num_gpus: float, address=None, where: str = "trial_resources"):
-        release_warm_actors()  # parked run actors would hold the CPUs the tasks need
         self._own_session = False
         self._fns: dict = {}
         self.pending: dict = {}
@@ -42,6 +41,7 @@ class TaskPool:
         if num_cpus > cpus:
             self.shutdown()
             raise ConfigError(f"{where}.num_cpus", f"asks for {num_cpus:g} CPUs per task but the Ray cluster has {cpus:g}")
+        release_warm_actors()  # parked run actors would hold the CPUs the tasks need (kept when the request is refused)
         self.num_cpus, self.num_gpus = num_cpus, num_gpus
         self.slots = int(cpus // num_cpus) if num_cpus > 0 else 10**6
         if num_gpus > 0:
