@@ -3,8 +3,8 @@
 Starts a private PostgreSQL server (Debian's postgresql; initdb in a temporary directory, its own port, run as the
 postgres user), a two-node Ray cluster (``ray.cluster_utils.Cluster``: head and node 2, 1 CPU each), and runs
 ``tuning.study.tune(..., parallel=2, storage=postgresql+psycopg://...)`` with ``backend.address`` pointing at the
-cluster, so one trial runs on each node. Once a trial has finished on node 2 and another is running there, node 2 is
-stopped (its processes ended by PID). The lost trial is marked failed ("interrupted") and its values enqueued again;
+cluster, so one trial runs on each node. While a trial runs on node 2, node 2 is stopped (its processes ended by
+PID). The lost trial is marked failed ("interrupted") and its values enqueued again;
 the study finishes on the head. Then the study is resumed with more trials. Checks: no trial lost or counted twice.
 Everything started here is stopped at the end.
 
@@ -87,7 +87,7 @@ SPACE = {"params": {"algorithm.params.lam": {"type": "float", "low": 0.05, "high
 
 def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=print) -> dict:
     """The study on a running two-node cluster (``node2``: the node to stop) with PostgreSQL storage ``url``: node2
-    is stopped once a trial has finished there and another runs there; then the study is resumed with 2 more trials.
+    is stopped while a trial runs there; then the study is resumed with 2 more trials.
     Returns what happened (trials, where they ran, interrupted and retried ones, the checks)."""
     import optuna
 
@@ -97,21 +97,25 @@ def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=p
     study_name = "two-node"
     stopped = {}
 
-    def watch():  # stop node 2 once a trial has finished there and another is running there
+    def watch():  # stop node 2 while a trial runs there (its first, most often: the window is a whole trial; waiting
+        # for a second one there could miss it, as the head may take the remaining trials while node 2 starts up)
         while not stopped:
-            time.sleep(0.2)
+            time.sleep(0.1)
             try:  # a fresh connection each time: a cached storage would not show other processes' updates
                 st = optuna.load_study(study_name=study_name, storage=open_storage(url))
             except Exception as e:
                 log(f"watch: {type(e).__name__} {str(e)[:200]}")
                 continue
             ts = st.get_trials(deepcopy=False)
-            done2 = [t for t in ts if t.user_attrs.get("node") == node2.node_id and t.state.is_finished()]
             run2 = [t for t in ts if t.user_attrs.get("node") == node2.node_id and not t.state.is_finished()]
-            if done2 and run2:
+            if run2:
                 stopped.update(at=time.time(), running_trial=run2[0].number)
                 cluster.remove_node(node2)
 
+    own = not ray.is_initialized()
+    if own:  # one Ray job for both tune calls below: the resumed study reuses the first one's task workers
+        root = str(Path(__file__).resolve().parent.parent)
+        ray.init(address=cluster.address, logging_level="ERROR", runtime_env={"env_vars": {"PYTHONPATH": root}})
     open_storage(url)  # create the schema once, before the watcher and the study connect (concurrent
     # first connections race on PostgreSQL's CREATE TYPE: duplicate key in pg_type_typname_nsp_index)
     threading.Thread(target=watch, daemon=True).start()
@@ -123,6 +127,8 @@ def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=p
     stopped.setdefault("at", None)
     r2 = tune(BASE, parse_space(SPACE), trials + 2, storage=url, study_name=study_name, out_dir=out_dir,
               parallel=2, overrides=over, log=lambda m: log(f"tune (resumed): {m}"))
+    if own:
+        ray.shutdown()
     st = optuna.load_study(study_name=study_name, storage=open_storage(url))
     ts = st.get_trials(deepcopy=False)
     finished = [t for t in ts if t.user_attrs.get("outcome") in ("complete", "pruned", "diverged", "error")]
@@ -135,14 +141,16 @@ def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=p
         "trials": [{"number": t.number, "outcome": t.user_attrs.get("outcome"), "node": where(t),
                     "retry_of": t.user_attrs.get("retry_of"), "value": t.value} for t in ts],
         "finished": len(finished), "finished_on": sorted({where(t) for t in finished}),
+        "ran_on": sorted({where(t) for t in ts if t.user_attrs.get("node")}),
         "interrupted": [t.number for t in interrupted], "retried": sorted(retried),
         "node2_stopped_while_running_trial": stopped.get("running_trial"),
         "no_trial_lost": all(t.number in retried for t in interrupted),
         "no_trial_counted_twice": len(lam) == len(set(lam)) and len(finished) == trials + 2,
         "first_call_wall_s": round(wall1, 1), "best_value": r2.best_value,
     }
+    lost_on = {where(t) for t in interrupted}
     out["ok"] = bool(out["no_trial_lost"] and out["no_trial_counted_twice"] and out["interrupted"]
-                     and "node2" in out["finished_on"])
+                     and out["ran_on"] == ["head", "node2"] and lost_on == {"node2"})
     return out
 
 

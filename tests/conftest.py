@@ -21,6 +21,11 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 # session's Ray clusters (the session, the two-node clusters, `raysim run` subprocesses) run their workers at the
 # pytest workers' niceness instead: the same work, shared fairly. (raysim itself leaves Ray's default alone.)
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Ray starts idle workers ahead of demand at ray.init; raysim's actors never use them (each actor starts its own
+# process) and the suite starts several Ray clusters: the prestarted processes (an interpreter importing Ray each)
+# only take CPU from the tests. Tasks (tuning trials) start their workers on demand instead.
+os.environ.setdefault("RAY_enable_worker_prestart", "0")
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
 # The suite computes on the CPU on every machine, a GPU box included: `backend.device: auto` would otherwise pick CUDA
 # there and every exact comparison (goldens, sequential = Ray, hand-computed maths) would meet GPU numbers. Hidden

@@ -17,7 +17,7 @@ from raysim.engine.prepare import prepare
 from raysim.io import results
 from raysim.config import registry
 from raysim import rng as rngmod
-from tests.conftest import run_cli, tiny_config
+from tests.conftest import tiny_config
 
 SUPPORTED = {"fedavg", "fedprox", "fedper", "lgfedavg", "fedproto", "fedtgp"}
 
@@ -407,13 +407,15 @@ def test_resume_on_ray_equals_the_sequential_run(ray_session, tmp_path):
                                       check_exact=True)
 
 
-def test_cli_exit_2_names_server_mode(tmp_path):
+def test_cli_exit_2_names_server_mode(tmp_path, capsys):
+    from raysim.app.cli import main
+
     cfg = tmp_path / "c.yaml"
     cfg.write_text("algorithm: {name: scaffold}\ndata: {dataset: synthetic, num_clients: 6}\n"
                    "env: {preset: uniform}\nserver: {mode: async, concurrency: 3, buffer_size: 2}\n")
-    p = run_cli("run", str(cfg), "--dry-run")
-    assert p.returncode == 2, p.stderr
-    assert "server.mode" in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert main(["run", str(cfg), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "server.mode" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_every_client_busy_and_nobody_online():

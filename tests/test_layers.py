@@ -1,12 +1,20 @@
 """The library's dependency rule (ARCHITECTURE.md, top): imports point one way. Checked on the source, lazy imports
 (inside functions) included, since a lazy import hides a circle without removing it."""
 import ast
+import functools
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+
+@functools.lru_cache(maxsize=None)
+def parsed(path):
+    """A source file's syntax tree, parsed once per test session (several tests walk the same files; none changes
+    a tree)."""
+    return ast.parse(Path(path).read_text(), str(path))
 
 def module_imports(package: str = "raysim") -> dict[str, set[str]]:
     """{module: the modules of ``package`` it imports anywhere in its source}."""
@@ -65,7 +73,7 @@ def test_only_the_backends_import_ray():
         for p in sorted((ROOT / folder).rglob("*.py")):
             if p.relative_to(ROOT).parts[:2] == ("raysim", "backends"):
                 continue
-            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            for node in ast.walk(parsed(p)):
                 names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                          [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
                 if any(n == "ray" or n.startswith("ray.") for n in names):
@@ -82,7 +90,7 @@ def test_algorithms_import_only_the_contract():
                "raysim.grouped"}
     bad = []
     for p in sorted((ROOT / "algorithms").rglob("*.py")):
-        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+        for node in ast.walk(parsed(p)):
             mods = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             for m in mods:
@@ -98,7 +106,7 @@ def test_config_error_is_imported_from_raysim_errors():
     bad = []
     for folder in ("raysim", "algorithms", "envs", "tuning", "tests"):
         for p in sorted((ROOT / folder).rglob("*.py")):
-            for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            for node in ast.walk(parsed(p)):
                 if (isinstance(node, ast.ImportFrom) and not node.level
                         and node.module not in ("raysim", "raysim.errors") and (node.module or "").startswith("raysim")
                         and "ConfigError" in {a.name for a in node.names}):
@@ -159,7 +167,7 @@ def all_imports() -> dict[str, set[str]]:
     for name, path in names.items():
         pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
         out = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(parsed(path)):
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
