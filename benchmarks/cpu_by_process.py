@@ -1,6 +1,6 @@
-"""CPU time of every process a command and its descendants (Ray's daemons and workers included) use, by kind:
-samples /proc every 0.25 s while the command runs and sums each process's CPU time (user + system) gained since it
-was first seen. Linux only. Issue 32: where the test suite's CPU goes.
+"""CPU time used while a command runs, by kind of process (the command's own processes, Ray's daemons and workers,
+and whatever else runs on the machine): samples /proc every 0.25 s while the command runs and sums each process's CPU
+time (user + system) gained since it was first seen. Linux only. Issue 32: where the test suite's CPU goes.
 
     python benchmarks/cpu_by_process.py -- python3 -m pytest -q
     python benchmarks/cpu_by_process.py --json cpu.json -- python3 -m pytest -q tests/test_cluster.py

@@ -13,7 +13,12 @@ a CPU without AVX2). In ``backend.numerics: native`` the table then depends on w
 the cluster differs from a native sequential run with the head's kernels; its metadata shows both capabilities); in
 ``portable`` (the default, the run above) every process runs the same kernels and the table equals the sequential one.
 
-    python benchmarks/two_node.py [--rounds 8] [--stop-after 3]
+With ``--tune N`` the same cluster then hosts benchmarks/two_node_tune.py's study (a PostgreSQL server started and
+stopped here; a fresh second node joins, is stopped while a trial runs there, and a third joins for the resumed
+study): the test suite runs everything in one process on one cluster (tests/test_cluster.py). ``--json`` is written
+after the node-stop part and again after the study; a failed study is reported under ``tune.error``.
+
+    python benchmarks/two_node.py [--rounds 8] [--stop-after 3] [--byo] [--tune 4] [--json out.json]
 """
 from __future__ import annotations
 
@@ -148,7 +153,6 @@ def main():
         def make(*backend):
             return load_config(args.config, ov + [f"backend.{b}" for b in backend])
     ref = run_experiment(make("name=sequential"), progress=False, write=False)
-    pg = None
     saved = own_kernels("avx2")  # the head's processes: AVX2 kernels natively
     try:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
@@ -157,12 +161,6 @@ def main():
     finally:
         restore(saved)
     try:
-        if args.tune:  # the study's PostgreSQL server (stopped below, whatever happens)
-            from two_node_tune import Postgres
-
-            pg_root = Path(tempfile.mkdtemp(prefix="raysim-2node-tune-"))
-            pg = Postgres(pg_root)
-            pg_url = pg.start()
         cluster.wait_for_nodes()
         native = native_checks(args.config, ["rounds=1", "eval.every=1", "clients_per_round=10"],
                                cluster.address, node2.node_id) if args.native else {}
@@ -191,30 +189,58 @@ def main():
             out["byo"] = {"shipped": stopper.shipped, "actor_module_files": stopper.files,
                           "from_shipped_copy": all(f[m] and "runtime_resources" in f[m] for f in stopper.files
                                                    for m in MODULES)}
-        if args.tune:  # node2 is gone: a fresh second node for the study, stopped in its turn mid-study
-            from two_node_tune import study_on_cluster
-
-            node3 = cluster.add_node(num_cpus=1)
-            cluster.wait_for_nodes()
-            out["tune"] = study_on_cluster(cluster, node3, pg_url, args.tune, pg_root / "study",
-                                           log=lambda m: print(m, file=sys.stderr, flush=True))
-        print(json.dumps(out, indent=1))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f)
+        report(out, args.json)  # the node-stop part's report stands even if the study below fails
+        if args.tune:
+            out["tune"] = tune_part(cluster, args.tune)
+            report(out, args.json)
         if not identical:
             pd.testing.assert_frame_equal(a, b)
         ok_byo = not args.byo or out["byo"]["from_shipped_copy"]
-        ok_tune = not args.tune or out["tune"]["ok"]
+        ok_tune = not args.tune or out["tune"].get("ok", False)
         return 0 if identical and out["actor_failures"] and ok_byo and ok_tune else 1
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        cluster.shutdown()
+        try:
+            if ray.is_initialized():
+                ray.shutdown()
+        finally:
+            cluster.shutdown()
+
+
+def report(out: dict, path) -> None:
+    print(json.dumps(out, indent=1), flush=True)
+    if path:
+        with open(path, "w") as f:
+            json.dump(out, f)
+
+
+def tune_part(cluster, trials: int) -> dict:
+    """The study of benchmarks/two_node_tune.py on this cluster (node2 is gone: a fresh second node joins and is
+    stopped in its turn while a trial runs there); its PostgreSQL server is started and stopped here. A failure is
+    reported as ``{"error": ...}``, not raised."""
+    import traceback
+
+    from two_node_tune import Postgres, study_on_cluster
+
+    pg_root = Path(tempfile.mkdtemp(prefix="raysim-2node-tune-"))
+    pg = None
+    try:
+        pg = Postgres(pg_root)
+        url = pg.start()
+        node = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        return study_on_cluster(cluster, node, url, trials, pg_root / "study",
+                                log=lambda m: print(m, file=sys.stderr, flush=True))
+    except Exception as e:
+        detail = getattr(e, "stderr", None)
+        return {"ok": False, "error": "".join(traceback.format_exception(e))[-3000:]
+                + (f"\n{detail.decode(errors='replace')[-2000:]}" if isinstance(detail, bytes) else "")}
+    finally:
         if pg is not None:
             pg.stop()
-            shutil.rmtree(pg_root, ignore_errors=True)
-
+        shutil.rmtree(pg_root, ignore_errors=True)
 
 if __name__ == "__main__":
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped test or CI job: clean up (the finally blocks)
     sys.exit(main())

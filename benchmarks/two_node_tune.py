@@ -87,8 +87,9 @@ SPACE = {"params": {"algorithm.params.lam": {"type": "float", "low": 0.05, "high
 
 def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=print) -> dict:
     """The study on a running two-node cluster (``node2``: the node to stop) with PostgreSQL storage ``url``: node2
-    is stopped while a trial runs there; then the study is resumed with 2 more trials.
-    Returns what happened (trials, where they ran, interrupted and retried ones, the checks)."""
+    is stopped while a trial runs there; then a fresh node 3 joins and the study is resumed with 2 more trials (one
+    per node: a result comes back from a node other than the head). Returns what happened (trials, where they ran,
+    interrupted and retried ones, the checks)."""
     import optuna
 
     from tuning.space import parse_space
@@ -100,7 +101,7 @@ def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=p
     def watch():  # stop node 2 while a trial runs there (its first, most often: the window is a whole trial; waiting
         # for a second one there could miss it, as the head may take the remaining trials while node 2 starts up)
         while not stopped:
-            time.sleep(0.1)
+            time.sleep(0.25)
             try:  # a fresh connection each time: a cached storage would not show other processes' updates
                 st = optuna.load_study(study_name=study_name, storage=open_storage(url))
             except Exception as e:
@@ -125,6 +126,10 @@ def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=p
          parallel=2, overrides=over, log=lambda m: log(f"tune: {m}"))
     wall1 = time.perf_counter() - t0
     stopped.setdefault("at", None)
+    node3 = None
+    if stopped["at"] is not None:  # a fresh node for the resumed study: one of its 2 trials runs there
+        node3 = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
     r2 = tune(BASE, parse_space(SPACE), trials + 2, storage=url, study_name=study_name, out_dir=out_dir,
               parallel=2, overrides=over, log=lambda m: log(f"tune (resumed): {m}"))
     if own:
@@ -133,9 +138,15 @@ def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=p
     ts = st.get_trials(deepcopy=False)
     finished = [t for t in ts if t.user_attrs.get("outcome") in ("complete", "pruned", "diverged", "error")]
     interrupted = [t for t in ts if t.user_attrs.get("outcome") == "interrupted"]
-    where = lambda t: "node2" if t.user_attrs.get("node") == node2.node_id else "head"  # noqa: E731
+    names = {node2.node_id: "node2", cluster.head_node.node_id: "head"}
+    if node3 is not None:
+        names[node3.node_id] = "node3"
+    where = lambda t: names.get(t.user_attrs.get("node"), "?")  # noqa: E731
     retried = {t.user_attrs.get("retry_of") for t in ts if t.user_attrs.get("retry_of") is not None}
-    lam = [round(t.params.get("algorithm.params.lam", float("nan")), 6) for t in finished]
+    lam_of = lambda t: round(t.params.get("algorithm.params.lam", float("nan")), 6)  # noqa: E731
+    lam = [lam_of(t) for t in finished]
+    # an interrupted trial is not lost: a finished trial runs its values again and names it (retry_of)
+    rerun = {t.user_attrs.get("retry_of"): lam_of(t) for t in finished if t.user_attrs.get("retry_of") is not None}
     out = {
         "storage": url.split("@")[0] + "@127.0.0.1:<port>/raysim",
         "trials": [{"number": t.number, "outcome": t.user_attrs.get("outcome"), "node": where(t),
@@ -144,13 +155,13 @@ def study_on_cluster(cluster, node2, url: str, trials: int, out_dir: Path, log=p
         "ran_on": sorted({where(t) for t in ts if t.user_attrs.get("node")}),
         "interrupted": [t.number for t in interrupted], "retried": sorted(retried),
         "node2_stopped_while_running_trial": stopped.get("running_trial"),
-        "no_trial_lost": all(t.number in retried for t in interrupted),
+        "no_trial_lost": all(rerun.get(t.number) == lam_of(t) for t in interrupted),
         "no_trial_counted_twice": len(lam) == len(set(lam)) and len(finished) == trials + 2,
         "first_call_wall_s": round(wall1, 1), "best_value": r2.best_value,
     }
     lost_on = {where(t) for t in interrupted}
     out["ok"] = bool(out["no_trial_lost"] and out["no_trial_counted_twice"] and out["interrupted"]
-                     and out["ran_on"] == ["head", "node2"] and lost_on == {"node2"})
+                     and lost_on == {"node2"} and out["finished_on"] == ["head", "node3"])
     return out
 
 

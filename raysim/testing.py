@@ -304,8 +304,9 @@ _PASSIVE = frozenset({"__setitem__", "__getitem__", "index_put_", "index_select"
 
 def _tensors_in(x, tensor_type, found: list) -> list:
     """The tensors in ``x`` and in the lists, tuples (named ones and torch's return types included) and dicts it
-    nests, in order: what torch's pytree flattening finds in an operation's arguments and results, at a fraction of
-    its cost (DeviceGuard sees every operation of a run)."""
+    nests, in order: what torch's pytree flattening finds in an operation's arguments and results (but for
+    containers no torch operation takes, such as deques), at a fraction of its cost (DeviceGuard sees every operation
+    of a run)."""
     if isinstance(x, tensor_type):
         found.append(x)
     elif isinstance(x, (list, tuple)):

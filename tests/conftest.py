@@ -112,8 +112,8 @@ MUTUAL = {"mafml": {"iterations": 2}, "ind": {}, "agg": {}, "fml": {}, "fedkd": 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the xdist_group marks (else they are ignored)
 def pytest_collection_modifyitems(config, items):
     """With pytest-xdist (the suite runs on every core, pyproject.toml): every test that uses the Ray session runs on
-    one worker (one Ray session per test session); the rest, the two-node cluster tests included (each starts its own
-    cluster on free ports in a subprocess: two at once pass), wherever a worker is free."""
+    one worker (one Ray session per test session); the two-node cluster tests share one cluster, on one worker (their
+    own group, tests/test_cluster.py); the rest wherever a worker is free."""
     in_ray = []
     for item in items:
         if item.get_closest_marker("cluster") is not None:
@@ -122,13 +122,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group("ray"))
             in_ray.append(item)
     # Within the Ray group, the runs with the default actor resources first and together, then those whose actors
-    # ask for other resources or that end the parked actors (RAY_LATE): each switch of resources ends the parked
-    # actors and starts new processes (torch imported again, seconds each). Same order on every xdist worker.
-    late = {id(i): RAY_LATE.get(i.originalname if hasattr(i, "originalname") else i.name, 0) for i in in_ray}
-    if any(late.values()):
-        pos = {id(i): k for k, i in enumerate(items)}
-        ray_sorted = iter(sorted(in_ray, key=lambda i: (late[id(i)], pos[id(i)])))
-        items[:] = [next(ray_sorted) if id(i) in late else i for i in items]
+    # ask for other resources or that end the parked actors (RAY_LATE, moved to the end of the session in rank
+    # order; the rest keep their places): each switch of resources ends the parked actors and starts new processes
+    # (torch imported again, seconds each). Same order on every xdist worker.
+    rank = {id(i): RAY_LATE.get(getattr(i, "originalname", i.name), 0) for i in in_ray}
+    late = sorted((i for i in in_ray if rank[id(i)]), key=lambda i: rank[id(i)])  # stable: collection order within
+    if late:
+        moved = {id(i) for i in late}
+        items[:] = [i for i in items if id(i) not in moved] + late
 
 
 # Ray-group tests that run after the others (the rank orders them): their actors ask for other resources than the
