@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -391,14 +392,14 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
             log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target}" + (" (resumed)" if p.status == "resume" else ""))
             finish(p, run_one(p.cfg, p.target, progress))
         return
-    import multiprocessing
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
     from raysim.config import registry
 
-    # the workers start fresh: the registrations made in this process (register_algorithm, ...) go with them
-    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=registry.install, initargs=(registry.snapshot(),))
+    # the workers start fresh: the registrations made in this process (register_algorithm, ...) and its environment
+    # go with them
+    pool = ProcessPoolExecutor(max_workers=jobs, mp_context=_job_context(), initializer=_start_job_worker,
+                               initargs=(registry.snapshot(), dict(os.environ)))
     futures = {}
     try:
         for k, p in enumerate(todo, 1):
@@ -416,6 +417,31 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
         log("stopped: no run is started any more; unfinished runs resume from their checkpoints next time")
         raise
     pool.shutdown(wait=True)
+
+
+def _job_context():
+    """How ``--jobs`` workers start: forked from a server process that has imported torch and raysim once (Linux,
+    macOS: ``forkserver``; each worker then starts in a fraction of a second instead of importing torch again), else
+    fresh interpreters (``spawn``). Either way nothing of this process's state is inherited but what the workers are
+    given: its registrations, environment, working directory and import path."""
+    import multiprocessing
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["raysim.app.reproduce", "raysim.engine.loop"])  # no effect once it runs
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _start_job_worker(snapshot: dict, environ: dict) -> None:
+    """A ``--jobs`` worker: the parent's environment as it is now (the fork server keeps the one it started with)
+    and registrations. Numerics (raysim/numerics.py) were chosen when the fork server imported raysim, from the
+    environment of the parent that started it."""
+    from raysim.config import registry
+
+    os.environ.clear()
+    os.environ.update(environ)
+    registry.install(snapshot)
 
 
 def run_one(cfg, target: Path, progress: Optional[bool]) -> tuple[str, str, float]:
