@@ -29,3 +29,14 @@ def test_pyflakes_finds_nothing():
     for p in files:
         checkPath(str(p), rep)
     assert not rep.found, "pyflakes:\n" + "\n".join(rep.found)
+
+
+def test_every_late_ray_test_exists():
+    """tests/conftest.py orders the Ray-session tests by the names in RAY_LATE: a renamed test would silently lose
+    its place (and the suite its warm actors)."""
+    import re
+
+    from tests.conftest import RAY_LATE
+
+    defined = {m for p in (ROOT / "tests").glob("test_*.py") for m in re.findall(r"^def (test_\w+)\(", p.read_text(), re.M)}
+    assert set(RAY_LATE) <= defined, sorted(set(RAY_LATE) - defined)
