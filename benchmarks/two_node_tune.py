@@ -4,8 +4,9 @@ Starts a private PostgreSQL server (Debian's postgresql; initdb in a temporary d
 postgres user), a two-node Ray cluster (``ray.cluster_utils.Cluster``: head and node 2, 1 CPU each), and runs
 ``tuning.study.tune(..., parallel=2, storage=postgresql+psycopg://...)`` with ``backend.address`` pointing at the
 cluster, so one trial runs on each node. While a trial runs on node 2, node 2 is stopped (its processes ended by
-PID). The lost trial is marked failed ("interrupted") and its values enqueued again;
-the study finishes on the head. Then the study is resumed with more trials. Checks: no trial lost or counted twice.
+PID). The lost trial is marked failed ("interrupted") and its values enqueued again; they finish on the head. Then
+a fresh node 3 joins and the study is resumed with 2 more trials, one per node. Checks: no trial lost (each
+interrupted trial's values finish in a trial naming it) or counted twice; results came back from both nodes.
 Everything started here is stopped at the end.
 
     python benchmarks/two_node_tune.py [--trials 6] [--json out.json]
