@@ -11,8 +11,6 @@ _numerics.pin_at_import()  # before anything computes: the portable kernels (bac
 
 from raysim.config import ExperimentConfig, load_config, make_config
 from raysim.errors import ConfigError, DataError, SimulationError
-from raysim.data.datasets import register_dataset
-from raysim.models import register_model
 from raysim.config.registry import dataset_loader, model_factory, register_algorithm
 
 __version__ = "0.1.0"
@@ -30,6 +28,15 @@ def __getattr__(name):
         from raysim.io import results
 
         return results
+    if name == "register_dataset":  # torch-free until used: `import raysim` loads no torch (a Ray task that only
+        # reads a node's CPU, the CLI's early errors)
+        from raysim.data.datasets import register_dataset
+
+        return register_dataset
+    if name == "register_model":
+        from raysim.models import register_model
+
+        return register_model
     if name == "Callback":  # the driver's callback base class (imported lazily: torch stays unimported until needed)
         from raysim.engine.callbacks import Callback
 

@@ -86,6 +86,12 @@ def cpu_flags() -> set:
     return set((_cpuinfo("flags") or "").split())
 
 
+def node_cpu() -> tuple:
+    """(host, CPU model, has AVX2 and FMA) of this machine: what a cluster node reports before a portable run
+    (raysim/backends/ray_preflight.py runs it as a Ray task on each node; this module loads no torch)."""
+    return socket.gethostname(), cpu_model(), has_avx2()
+
+
 def has_avx2(flags: Optional[set] = None) -> bool:
     flags = cpu_flags() if flags is None else flags
     if not flags:  # no /proc/cpuinfo (not Linux): let torch decide; the capability check below still guards

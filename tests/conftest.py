@@ -136,8 +136,7 @@ def pytest_collection_modifyitems(config, items):
 # default backend's (1 CPU per client actor), or they end the session's parked actors (tasks, model_resources).
 RAY_LATE = {
     "test_warm_actors_are_reused_only_when_their_resources_match": 1,  # default, then 0.5 CPU per actor
-    "test_mafml_group_forms_on_ray_two_actors": 2,  # 0.5 CPU per actor
-    "test_mafml_sequential_equals_ray_one_actor_per_node": 2,
+    "test_mafml_sequential_equals_ray_one_actor_per_node": 2,  # 0.5 CPU per actor (4 actors), as the warm test's last
     "test_fractional_gpus_pack_onto_declared_gpus": 3,  # 0.5 GPU per actor
     "test_user_code_ships_to_ray_actors": 4,  # a runtime_env with the user's modules
     "test_model_resources_give_each_architecture_its_own_actors": 5,  # several pools: no warm actors

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -400,3 +401,12 @@ def test_user_code_ships_to_ray_actors(ray_session, workdir):
     for files in seen["files"]:  # each actor imported them from the copy Ray unpacked, not from workdir
         for m in ("mycnn", "mymethod"):
             assert files[m] and "runtime_resources" in files[m], files
+    # release_warm_actors() ends the parked actors (these carry the user's code: no later run of the session can use
+    # them; parked actors of other resources were ended when this run started) and gives their CPUs back to Ray
+    from raysim.backends.ray_actors import release_warm_actors
+
+    assert release_warm_actors() == 3  # the 2 client actors and the server
+    deadline = time.time() + 120
+    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:  # kills are asynchronous
+        time.sleep(0.05)
+    assert ray.available_resources().get("CPU", 0) == 2

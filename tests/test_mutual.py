@@ -295,7 +295,7 @@ def test_mafml_per_teacher_runs_its_global_step_per_node(tiny, monkeypatch):
 def test_mafml_group_forms_on_ray_two_actors(ray_session, tiny, monkeypatch):
     # two nodes per actor, each actor's pair as one group: the sequential group-of-four's table within tolerance
     seq = _table(mutual_cfg(tiny, "mafml", backend=VEC))
-    ray = _table(mutual_cfg(tiny, "mafml", backend={"name": "ray", "num_actors": 2, "num_cpus": 0.5, "vectorize": True}))
+    ray = _table(mutual_cfg(tiny, "mafml", backend={"name": "ray", "num_actors": 2, "vectorize": True}))
     m = seq.merge(ray, on=["round", "client_id", "scope", "metric"], how="outer", suffixes=("_s", "_r"), indicator=True)
     assert (m["_merge"] == "both").all()
     assert ((m["value_s"] - m["value_r"]).abs() <= 1e-4 * m["value_s"].abs().clip(lower=1.0)).all()

@@ -1,7 +1,6 @@
 """Ray backend: identical result tables to the sequential backend (1 and 2 actors), GPU packing and fail-fast,
 failures as values. One Ray session for the whole test session (2 CPUs, 2 declared fake GPUs, no CUDA calls)."""
 import os
-import time
 
 import pandas as pd
 import pytest
@@ -56,11 +55,8 @@ def test_failures_identical_on_ray(ray_session, tiny):
 def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tiny):
     """keep_actors_warm (on in the test session): a run reuses parked actor processes when its actors ask for the
     same resources (the same actors, reset), gives the table fresh actors give, leaves same-resource actors it does
-    not need parked, and ends parked actors that do not fit it before starting its own; release_warm_actors()
-    returns their resources to the cluster."""
-    import ray
-
-    from raysim.backends.ray_actors import WARM, release_warm_actors
+    not need parked, and ends parked actors that do not fit it before starting its own."""
+    from raysim.backends.ray_actors import WARM
     from raysim.engine.callbacks import Callback
 
     class Ids(Callback):
@@ -83,11 +79,8 @@ def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tin
     assert len(set(other) & set(first)) == 1  # the server (same resources) was reused; the client actor is new
     for t in (t_first, t_again, t_one, t_other):
         pd.testing.assert_frame_equal(t, seq, check_exact=True)
-    assert release_warm_actors() == 2
-    deadline = time.time() + 120
-    while ray.available_resources().get("CPU", 0) < 2 and time.time() < deadline:  # kills are asynchronous
-        time.sleep(0.05)
-    assert ray.available_resources().get("CPU", 0) == 2
+    # the last run's actors stay parked for the next test's 0.5-CPU actors (release_warm_actors() is checked in
+    # tests/test_byo.py, whose actors carry the user's code: no later run can use them)
 
 
 def test_fractional_gpus_pack_onto_declared_gpus(ray_session, tiny):

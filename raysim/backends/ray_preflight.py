@@ -53,20 +53,14 @@ def check_node_numerics(s, nodes: list[dict]) -> None:
         return
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    probe = ray.remote(num_cpus=0)(_node_cpu)
+    from raysim import numerics
+
+    probe = ray.remote(num_cpus=0)(numerics.node_cpu)  # a torch-free module: the task's worker imports no torch
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)).remote()
             for n in nodes if n.get("Alive")]
     why = node_numerics_refusal("portable", ray.get(refs))
     if why:
         raise ConfigError("backend.numerics", why)
-
-
-def _node_cpu() -> tuple:
-    import socket
-
-    from raysim import numerics
-
-    return socket.gethostname(), numerics.cpu_model(), numerics.has_avx2()
 
 
 def code_runtime_env(address) -> dict:
