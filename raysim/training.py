@@ -9,6 +9,7 @@ name, so it can live in the client's state (``train.persist_optimizer``) or acro
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
@@ -35,6 +36,71 @@ class OptimizerSpec:
         return replace(cls(cfg.optimizer, cfg.lr, cfg.momentum, cfg.weight_decay), **change)
 
 
+# -- torch's optimisers without the torch._dynamo import ---------------------------------------------------------------
+# torch.optim wraps Optimizer.step, zero_grad, add_param_group, state_dict and load_state_dict for torch.compile; each
+# wrapper imports torch._dynamo on its first call (about 1 s of CPU and 150 MB in every process that trains: each Ray
+# actor, trial worker and CLI run). The classes below are torch's SGD and Adam (isinstance holds, the same
+# param_groups, state, hooks and state_dict) whose methods call torch's own functions behind those wrappers, in the
+# grad mode the step wrapper sets: the same arithmetic, bit for bit (tests/test_engine.py). Under torch.compile the
+# wrapped methods run, as before. Where a torch version keeps the functions elsewhere (no __wrapped__ to follow),
+# make_optimizer builds torch's classes themselves.
+
+_WRAPPED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+
+
+def _behind_wrappers(cls, name: str):
+    """torch's function behind ``cls.name``'s wrappers, or None where it has none."""
+    fn = getattr(cls, name)
+    raw = inspect.unwrap(fn)
+    return raw if raw is not fn and raw.__qualname__.endswith(f".{name}") else None
+
+
+class _WithoutDynamoImport:
+    _raw: dict = {}
+
+    def step(self, closure=None):
+        if torch.compiler.is_compiling():
+            return super().step(closure)
+        prev = torch.is_grad_enabled()
+        try:  # what torch's step wrapper does, but for the graph breaks
+            torch.set_grad_enabled(self.defaults["differentiable"])
+            return self._raw["step"](self, closure)
+        finally:
+            torch.set_grad_enabled(prev)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if torch.compiler.is_compiling():
+            return super().zero_grad(set_to_none)
+        return self._raw["zero_grad"](self, set_to_none)
+
+    def add_param_group(self, param_group):
+        if torch.compiler.is_compiling():
+            return super().add_param_group(param_group)
+        return self._raw["add_param_group"](self, param_group)
+
+    def state_dict(self):
+        if torch.compiler.is_compiling():
+            return super().state_dict()
+        return self._raw["state_dict"](self)
+
+    def load_state_dict(self, state_dict):
+        if torch.compiler.is_compiling():
+            return super().load_state_dict(state_dict)
+        return self._raw["load_state_dict"](self, state_dict)
+
+
+def _eager(base):
+    raw = {name: _behind_wrappers(base, name) for name in ("step", *_WRAPPED)}
+    if any(fn is None for fn in raw.values()):
+        return base
+    return type(base.__name__, (_WithoutDynamoImport, base), {"_raw": raw, "__module__": __name__,
+                                                             "__doc__": f"torch.optim.{base.__name__}, without the "
+                                                                        f"torch._dynamo import (raysim.training)"})
+
+
+SGD, Adam = _eager(torch.optim.SGD), _eager(torch.optim.Adam)
+
+
 def make_optimizer(params, cfg: "TrainConfig | OptimizerSpec | None" = None, lr: Optional[float] = None,
                    state: Optional[dict] = None, model: Optional[nn.Module] = None) -> torch.optim.Optimizer:
     """The one optimiser builder: ``cfg``'s optimiser (a train section, or an :class:`OptimizerSpec` for one that
@@ -48,10 +114,9 @@ def make_optimizer(params, cfg: "TrainConfig | OptimizerSpec | None" = None, lr:
         raise TypeError(f"make_optimizer needs kind 'sgd' or 'adam' and a learning rate (from cfg or given), got "
                         f"kind={kind!r}, lr={lr!r}")
     if kind == "adam":
-        opt = torch.optim.Adam(params, lr=lr, weight_decay=spec.weight_decay,
-                               **({"betas": spec.betas} if spec.betas else {}))
+        opt = Adam(params, lr=lr, weight_decay=spec.weight_decay, **({"betas": spec.betas} if spec.betas else {}))
     else:
-        opt = torch.optim.SGD(params, lr=lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+        opt = SGD(params, lr=lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
     if state:
         if model is None:
             raise TypeError("make_optimizer: a saved state is loaded by parameter names: pass model=")

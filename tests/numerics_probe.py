@@ -31,4 +31,6 @@ if __name__ == "__main__":
         out.with_suffix(".json").write_text(json.dumps({"error": str(e)}))
         sys.exit(2)
     without_timing(res.table).drop(columns=["run_id"]).to_parquet(out.with_suffix(".parquet"), index=False)
-    out.with_suffix(".json").write_text(json.dumps(res.metadata["numerics"]))
+    # and whether the run loaded torch._dynamo (raysim.training's optimisers avoid it: 1 s and 150 MB a process)
+    out.with_suffix(".json").write_text(json.dumps(dict(res.metadata["numerics"],
+                                                        dynamo_loaded="torch._dynamo" in sys.modules)))

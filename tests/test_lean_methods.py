@@ -1,5 +1,6 @@
 """The shared pieces the methods are built from (one stream-naming rule, one seeding helper, one model cache, one
 optimiser builder, one PUParams, SlaugFL's GAN loops as functions) and the removed leftovers."""
+import copy
 import re
 from pathlib import Path
 
@@ -213,6 +214,48 @@ def test_make_optimizer_is_the_one_builder():
     assert torch.equal(again.state[w.weight]["momentum_buffer"], opt.state[w.weight]["momentum_buffer"])
     with pytest.raises(TypeError):
         make_optimizer(w.parameters(), OptimizerSpec("rmsprop", 0.1))
+
+
+def test_optimisers_without_the_dynamo_import_compute_as_torchs():
+    """make_optimizer's SGD and Adam (raysim.training: torch's classes, minus the torch._dynamo import of their
+    wrapped methods) give torch's parameters, state and state_dict bit for bit: momentum, weight decay, zero_grad,
+    a state_dict round trip, a closure; they are torch's classes for isinstance, and their step hooks still run.
+    (That a whole run imports no torch._dynamo: tests/test_numerics.py's fresh-process probe.)"""
+    from raysim import training
+
+    assert training.SGD is not torch.optim.SGD and training.Adam is not torch.optim.Adam  # this torch: the eager ones
+    for ours, theirs, kw in ((training.SGD, torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+                             (training.SGD, torch.optim.SGD, dict(lr=0.3)),
+                             (training.Adam, torch.optim.Adam, dict(lr=0.01, weight_decay=1e-4, betas=(0.5, 0.999)))):
+        torch.manual_seed(0)
+        a = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+        b = copy.deepcopy(a)
+        oa, ob = ours(a.parameters(), **kw), theirs(b.parameters(), **kw)
+        assert isinstance(oa, theirs)
+        hooked = []
+        oa.register_step_post_hook(lambda *_: hooked.append(1))
+        x = torch.randn(8, 5)
+        for k in range(4):
+            for m, o in ((a, oa), (b, ob)):
+                o.zero_grad(set_to_none=k % 2 == 0)
+                if k == 3:
+                    o.step(lambda m=m: m(x).pow(2).sum().backward())  # a closure
+                else:
+                    m(x).pow(2).sum().backward()
+                    o.step()
+            if k == 1:  # a state_dict round trip into fresh optimisers
+                sa, sb = oa.state_dict(), ob.state_dict()
+                oa, ob = ours(a.parameters(), **kw), theirs(b.parameters(), **kw)
+                oa.load_state_dict(sa)
+                ob.load_state_dict(sb)
+                oa.register_step_post_hook(lambda *_: hooked.append(1))
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+        sa, sb = oa.state_dict(), ob.state_dict()
+        assert sa["param_groups"] == sb["param_groups"] and sa["state"].keys() == sb["state"].keys()
+        for i, st in sa["state"].items():
+            assert st.keys() == sb["state"][i].keys()
+            assert all(torch.equal(v, sb["state"][i][k]) for k, v in st.items()), (i, st)
+        assert len(hooked) == 4
 
 
 # ---------------------------------------------------------------------------------------------------------------

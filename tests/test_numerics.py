@@ -39,6 +39,7 @@ def test_portable_on_another_kernel_choice_gives_the_golden_table_and_native_doe
     assert p.returncode == 0, p.stderr[-3000:]
     assert info["mode"] == "portable" and info["cpu_capability"] == "AVX2" and info["mkldnn"] is False
     assert info["env"]["MKL_CBWR"] == "COMPATIBLE"
+    assert info["dynamo_loaded"] is False  # a whole run (SGD, momentum) in a fresh process: no torch._dynamo import
     pd.testing.assert_frame_equal(table, gold, check_exact=True)
     p, info, table = probe(tmp_path, "native", dict(OTHER_MACHINE, RAYSIM_NUMERICS="native"))
     assert p.returncode == 0, p.stderr[-3000:]
