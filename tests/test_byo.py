@@ -360,7 +360,7 @@ def test_example_runs_end_to_end_sequential(workdir):
     sys.path.insert(0, str(EXAMPLE))
     try:
         import run_all
-        rows = run_all.run(rounds=2, backends=("sequential",), verbose=False)
+        rows = run_all.run(rounds=2, backends=("sequential",), verbose=False, overrides=("train.local_epochs=1",))
     finally:
         sys.path.remove(str(EXAMPLE))
         sys.modules.pop("run_all", None)
@@ -369,6 +369,7 @@ def test_example_runs_end_to_end_sequential(workdir):
     for a in ("fedavg", "fedproto"):
         assert without_timing(by[(a, "npz")]["table"]).drop(columns="run_id").equals(without_timing(by[(a, "loader")]["table"]).drop(columns="run_id"))
         assert 0.1 < by[(a, "npz")]["test_acc"] <= 1.0
+    assert by[("fedproto", "npz")]["test_acc"] > 0.3  # personalised prototypes: well above chance after 2 rounds
     assert "test_acc_proto" in by[("fedproto", "npz")]
 
 

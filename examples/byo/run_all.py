@@ -3,7 +3,7 @@ on the npz file and through the loader mydata:digits, on the sequential backend 
 prints the final accuracies. Run it from anywhere (it works inside this directory, which holds the user modules and
 is neither installed nor on PYTHONPATH):
 
-    python examples/byo/run_all.py [--rounds 10] [--backends sequential,ray]
+    python examples/byo/run_all.py [--rounds 10] [--backends sequential,ray] [--set train.local_epochs=1 ...]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def run(rounds: int = 10, backends=("sequential", "ray"), algorithms=("fedavg", "fedproto"),
-        datasets=("npz", "loader"), out: str | None = None, verbose: bool = True) -> list[dict]:
+        datasets=("npz", "loader"), out: str | None = None, verbose: bool = True, overrides=()) -> list[dict]:
     import raysim
     from raysim.engine.loop import run_experiment
 
@@ -31,7 +31,7 @@ def run(rounds: int = 10, backends=("sequential", "ray"), algorithms=("fedavg", 
         for backend in backends:
             for algo in algorithms:
                 for data in datasets:
-                    ov = [f"rounds={rounds}", f"algorithm.name={algo}", f"backend.name={backend}"]
+                    ov = [f"rounds={rounds}", f"algorithm.name={algo}", f"backend.name={backend}", *overrides]
                     if data == "loader":
                         ov += ["data.dataset=mydata:digits", "data.root=null"]
                     cfg = raysim.load_config("digits.yaml", ov)
@@ -57,8 +57,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--backends", default="sequential,ray")
     ap.add_argument("--out", default=None, help="write the run directories here (default: nothing written)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, as raysim run's")
     args = ap.parse_args(argv)
-    rows = run(args.rounds, tuple(args.backends.split(",")), out=args.out)
+    rows = run(args.rounds, tuple(args.backends.split(",")), out=args.out, overrides=tuple(args.set))
     from raysim.io.results import without_timing  # wall-time rows differ run to run
 
     by = {(r["backend"], r["algorithm"], r["data"]): without_timing(r["table"]).drop(columns="run_id") for r in rows}
