@@ -50,13 +50,6 @@ def register_for_test(monkeypatch, **targets: str) -> None:
         monkeypatch.setitem(registry.USER_ALGORITHMS, name, target)
 
 
-def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
-    """``python -m raysim.app.cli ARGS`` in a fresh process running this checkout (not whatever raysim is installed)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    return subprocess.run([sys.executable, "-m", "raysim.app.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, **kw)
-
-
 def tiny_config(**over) -> dict:
     """A run that takes well under a second per round: synthetic data, 6 clients, an MLP."""
     cfg = {
@@ -142,6 +135,29 @@ RAY_LATE = {
     "test_model_resources_give_each_architecture_its_own_actors": 5,  # several pools: no warm actors
     "test_parallel_trials_on_ray_match_in_process_runs": 5,  # Ray tasks need the CPUs the parked actors hold
 }
+
+
+@pytest.fixture(scope="session")
+def fresh_process(tmp_path_factory):
+    """tests/fresh_process.py's report (a dict): one fresh process for the checks that need one — what ``import
+    raysim`` loads, ``raysim list``, GPU requests refused before Ray starts on a plain machine (the configs: client
+    actors' GPUs, then the server's). Its tests share an xdist group: one process per test session."""
+    import json
+    import yaml
+
+    tmp = tmp_path_factory.mktemp("fresh_process")
+    runs = []
+    for k, b in enumerate(({"num_gpus": 0.5}, {"server_num_gpus": 1})):
+        cfg = tmp / f"gpu{k}.yaml"
+        cfg.write_text(yaml.safe_dump(tiny_config(backend={"name": "ray", "num_actors": 2, **b})))
+        runs.append([str(cfg), "--out", str(tmp / f"out{k}")])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "fresh_process.py"), str(tmp / "report.json"),
+                        json.dumps(runs)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((tmp / "report.json").read_text())
+    report["outs_left"] = [r[2] for r in runs if Path(r[2]).exists()]
+    return report
 
 
 @pytest.fixture

@@ -1,10 +1,11 @@
 """The command line: runs, lists, and bad input exits 2 with one message naming the field and no partial results."""
 
+import pytest
 import yaml
 
 from raysim.io import results
 from raysim.app.cli import main
-from tests.conftest import run_cli, tiny_config
+from tests.conftest import tiny_config
 
 
 def write(tmp_path, cfg, name="c.yaml"):
@@ -47,41 +48,25 @@ def test_missing_and_malformed_config(tmp_path, capsys):
     assert main(["run", str(write(tmp_path, tiny_config())), "--set", "nokey"]) == 2
 
 
-def test_gpu_request_without_gpus_fails_before_ray_starts(tmp_path):
+@pytest.mark.xdist_group("fresh_process")
+def test_gpu_request_without_gpus_fails_before_ray_starts(fresh_process):
     """The client actors' GPUs (backend.num_gpus) and the server's (backend.server_num_gpus) on a machine without
-    any: each refused in one line naming its key, before Ray starts, nothing written. In a fresh process (the test
-    session's own Ray declares fake GPUs; this is about a plain machine), both runs in one (``raysim run``'s main)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
+    any: each refused in one line naming its key, before Ray starts, nothing written (tests/fresh_process.py: the
+    test session's own Ray declares fake GPUs; this is about a plain machine)."""
     import torch
 
-    from tests.conftest import ROOT
-
     if torch.cuda.is_available():
-        import pytest
-
         pytest.skip("this machine has CUDA")
-    runs = [[str(write(tmp_path, tiny_config(backend={"name": "ray", "num_actors": 2, **b}), f"{k}.yaml")),
-             "--out", str(tmp_path / f"out{k}")]
-            for k, b in enumerate(({"num_gpus": 0.5}, {"server_num_gpus": 1}))]
-    code = ("import json, sys; from raysim.app.cli import main\n"
-            "for args in json.loads(sys.argv[1]):\n"
-            "    code = main(['run', *args]); print(f'exit {code}', file=sys.stderr, flush=True)")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p))
-    p = subprocess.run([sys.executable, "-c", code, json.dumps(runs)], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 4 and lines[1] == lines[3] == "exit 2", lines
-    assert "'backend.num_gpus'" in lines[0] and "has none" in lines[0]
-    assert "'backend.server_num_gpus'" in lines[2] and "has none" in lines[2]
-    assert "ray.init" not in p.stderr and not any((tmp_path / f"out{k}").exists() for k in (0, 1))
+    clients, server = fresh_process["runs"]
+    for run, key in ((clients, "'backend.num_gpus'"), (server, "'backend.server_num_gpus'")):
+        assert run["exit"] == 2 and run["stderr"].count("\n") == 1, run
+        assert key in run["stderr"] and "has none" in run["stderr"] and not run["ray_started"], run
+    assert fresh_process["outs_left"] == []
 
 
-def test_installed_entry_point_lists_everything():
-    out = run_cli("list", check=True, timeout=120).stdout
+@pytest.mark.xdist_group("fresh_process")
+def test_installed_entry_point_lists_everything(fresh_process):
+    """``raysim list`` in a fresh process (tests/fresh_process.py)."""
+    assert fresh_process["list_exit"] in (0, None)
     for word in ("fedproto", "fedavg", "local", "mnist5k", "fashion_mnist", "nway_kshot", "dirichlet", "cnn_mnist"):
-        assert word in out
+        assert word in fresh_process["list"]

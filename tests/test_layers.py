@@ -2,9 +2,9 @@
 (inside functions) included, since a lazy import hides a circle without removing it."""
 import ast
 import functools
-import subprocess
-import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -213,7 +213,8 @@ def test_the_folder_check_finds_a_circle():
     assert cycles({"raysim.engine": {"raysim.backends"}, "raysim.backends": {"raysim.engine"}})
 
 
-def test_the_application_sits_on_top():
+@pytest.mark.xdist_group("fresh_process")
+def test_the_application_sits_on_top(fresh_process):
     """The application (raysim/app/: the command line, sweeps, reproductions, verdicts, the report) imports the
     engine; nothing below it — the contract, the config plumbing, the engine, the backends, io/, the methods, the
     environments — imports it (tuning/, the CLI's Optuna layer, neither), and ``import raysim`` does not load it."""
@@ -221,14 +222,12 @@ def test_the_application_sits_on_top():
              if not m.startswith("raysim.app") and m != "raysim.__main__"}  # ``python -m raysim``: the entry point
     bad = sorted(f"{m} -> {o}" for m, outs in below.items() for o in outs if o.startswith("raysim.app"))
     assert not bad, f"the application imported from below: {bad}"
-    # nor pandas: a Ray worker (it imports raysim.backends.ray_actors) never reads a table; raysim.results loads it.
-    # ``import raysim`` and raysim.numerics load no torch either: a cluster node's CPU probe (a Ray task running
-    # raysim.numerics.node_cpu before a portable run) costs its worker no torch import
-    code = ("import raysim, raysim.numerics, sys; print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')); "
-            "import raysim.backends.ray_actors; "
-            "print(sorted(m for m in sys.modules if m.startswith('raysim.app') or m.split('.')[0] == 'pandas'))")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["[]", "[]"], out
+    # in a fresh process (tests/fresh_process.py): ``import raysim`` and raysim.numerics load no torch (a cluster
+    # node's CPU probe, a Ray task running raysim.numerics.node_cpu before a portable run, costs its worker no torch
+    # import); the Ray actor module then loads neither the application nor pandas (a Ray worker never reads a table;
+    # raysim.results loads it)
+    assert fresh_process["torch_after_import_raysim"] == []
+    assert fresh_process["app_or_pandas_after_actor_module"] == []
 
 
 def test_the_config_plumbing_sits_below_the_contract():
