@@ -9,7 +9,6 @@ name, so it can live in the client's state (``train.persist_optimizer``) or acro
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional
 
@@ -38,29 +37,54 @@ class OptimizerSpec:
 
 # -- torch's optimisers without the torch._dynamo import ---------------------------------------------------------------
 # torch.optim wraps Optimizer.step, zero_grad, add_param_group, state_dict and load_state_dict for torch.compile; each
-# wrapper imports torch._dynamo on its first call (about 1 s of CPU and 150 MB in every process that trains: each Ray
+# wrapper imports torch._dynamo on its first call (about 1 s of CPU and 145 MB in every process that trains: each Ray
 # actor, trial worker and CLI run). The classes below are torch's SGD and Adam (isinstance holds, the same
 # param_groups, state, hooks and state_dict) whose methods call torch's own functions behind those wrappers, in the
-# grad mode the step wrapper sets: the same arithmetic, bit for bit (tests/test_engine.py). Under torch.compile the
-# wrapped methods run, as before. Where a torch version keeps the functions elsewhere (no __wrapped__ to follow),
-# make_optimizer builds torch's classes themselves.
+# grad mode the step wrapper sets: the same arithmetic, bit for bit (tests/test_lean_methods.py). Under torch.compile
+# torch's wrapped functions run, as in torch's classes. Only the wrappers known to do nothing else are looked behind
+# (_KNOWN); a torch version with other wrappers, or without torch.compiler.is_compiling, gets torch's classes.
 
 _WRAPPED = ("add_param_group", "zero_grad", "state_dict", "load_state_dict")
+# a wrapper is known by its code (functools.wraps copies the wrapped function's names): (file, qualified name)
+_STEP_HOOKS = ("optimizer.py", "Optimizer.profile_hook_step.<locals>.wrapper")  # torch's per-class step hooks
+_KNOWN = {"step": (("optimizer.py", "_use_grad_for_differentiable.<locals>._use_grad"),),  # grad mode, graph breaks
+          **{name: (("_compile.py", "_disable_dynamo.<locals>.inner"),) for name in _WRAPPED}}  # dynamo.disable
 
 
-def _behind_wrappers(cls, name: str):
-    """torch's function behind ``cls.name``'s wrappers, or None where it has none."""
+def _code_of(fn) -> tuple:
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ("", "")
+    return (code.co_filename.replace("\\", "/").rsplit("/", 1)[-1], getattr(code, "co_qualname", code.co_name))
+
+
+def _same_code(found: tuple, known: tuple) -> bool:
+    return found[0] == known[0] and found[1] in (known[1], known[1].rsplit(".", 1)[-1])  # co_qualname: Python 3.11+
+
+
+def _functions(cls, name: str):
+    """(torch's wrapped function without the per-class step hooks, torch's function behind the wrappers) of
+    ``cls.name``, or None where the wrappers are not exactly the known ones."""
     fn = getattr(cls, name)
-    raw = inspect.unwrap(fn)
-    return raw if raw is not fn and raw.__qualname__.endswith(f".{name}") else None
+    if _same_code(_code_of(fn), _STEP_HOOKS):
+        fn = fn.__wrapped__
+    chain = [fn]
+    while hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    known = _KNOWN[name]
+    if len(chain) != len(known) + 1 or not all(_same_code(_code_of(f), k) for f, k in zip(chain, known)):
+        return None
+    raw = chain[-1]
+    return (fn, raw) if getattr(raw, "__qualname__", "").endswith(f".{name}") else None
 
 
 class _WithoutDynamoImport:
+    _wrapped: dict = {}
     _raw: dict = {}
 
     def step(self, closure=None):
         if torch.compiler.is_compiling():
-            return super().step(closure)
+            return self._wrapped["step"](self, closure)
         prev = torch.is_grad_enabled()
         try:  # what torch's step wrapper does, but for the graph breaks
             torch.set_grad_enabled(self.defaults["differentiable"])
@@ -69,33 +93,30 @@ class _WithoutDynamoImport:
             torch.set_grad_enabled(prev)
 
     def zero_grad(self, set_to_none: bool = True):
-        if torch.compiler.is_compiling():
-            return super().zero_grad(set_to_none)
-        return self._raw["zero_grad"](self, set_to_none)
+        fns = self._wrapped if torch.compiler.is_compiling() else self._raw
+        return fns["zero_grad"](self, set_to_none)
 
     def add_param_group(self, param_group):
-        if torch.compiler.is_compiling():
-            return super().add_param_group(param_group)
-        return self._raw["add_param_group"](self, param_group)
+        fns = self._wrapped if torch.compiler.is_compiling() else self._raw
+        return fns["add_param_group"](self, param_group)
 
     def state_dict(self):
-        if torch.compiler.is_compiling():
-            return super().state_dict()
-        return self._raw["state_dict"](self)
+        fns = self._wrapped if torch.compiler.is_compiling() else self._raw
+        return fns["state_dict"](self)
 
     def load_state_dict(self, state_dict):
-        if torch.compiler.is_compiling():
-            return super().load_state_dict(state_dict)
-        return self._raw["load_state_dict"](self, state_dict)
+        fns = self._wrapped if torch.compiler.is_compiling() else self._raw
+        return fns["load_state_dict"](self, state_dict)
 
 
 def _eager(base):
-    raw = {name: _behind_wrappers(base, name) for name in ("step", *_WRAPPED)}
-    if any(fn is None for fn in raw.values()):
+    found = {name: _functions(base, name) for name in ("step", *_WRAPPED)}
+    if any(f is None for f in found.values()) or not hasattr(torch.compiler, "is_compiling"):
         return base
-    return type(base.__name__, (_WithoutDynamoImport, base), {"_raw": raw, "__module__": __name__,
-                                                             "__doc__": f"torch.optim.{base.__name__}, without the "
-                                                                        f"torch._dynamo import (raysim.training)"})
+    return type(base.__name__, (_WithoutDynamoImport, base), {
+        "_wrapped": {k: f[0] for k, f in found.items()}, "_raw": {k: f[1] for k, f in found.items()},
+        "__module__": __name__, "__doc__": f"torch.optim.{base.__name__}, without the torch._dynamo import "
+                                          f"(raysim.training)"})
 
 
 SGD, Adam = _eager(torch.optim.SGD), _eager(torch.optim.Adam)

@@ -4,8 +4,10 @@
 * what ``import raysim`` (with raysim.numerics) loads — no torch — and then the Ray actor module — no pandas, no
   raysim.app (tests/test_layers.py);
 * ``raysim list`` (the command line's main, as ``python -m raysim.app.cli list`` runs it) (tests/test_cli.py);
+* make_optimizer's SGD and Adam stepped and saved without importing torch._dynamo (tests/test_lean_methods.py);
 * ``raysim run`` of configs that ask for GPUs on a machine without any: exit 2 and one line each, before Ray starts
-  (tests/test_cli.py; the test session's own Ray declares fake GPUs, so this needs a plain process).
+  (tests/test_cli.py; the test session's own Ray declares fake GPUs, so this needs a plain process; not where CUDA
+  is visible).
 
     python tests/fresh_process.py REPORT.json '[["c0.yaml", "--out", "out0"], ...]'
 """
@@ -32,7 +34,22 @@ if __name__ == "__main__":
     with contextlib.redirect_stdout(buf):
         out["list_exit"] = main(["list"])
     out["list"] = buf.getvalue()
+    # make_optimizer's SGD and Adam: a step, zero_grad and a state_dict round trip import no torch._dynamo
+    import torch
+
+    from raysim.training import OptimizerSpec, make_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    for spec in (OptimizerSpec("sgd", 0.1, momentum=0.9, weight_decay=0.01), OptimizerSpec("adam", 0.01)):
+        opt = make_optimizer(model.parameters(), spec)
+        model(torch.ones(4, 3)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        make_optimizer(model.parameters(), spec).load_state_dict(opt.state_dict())
+    out["dynamo_after_optimisers"] = "torch._dynamo" in sys.modules
     out["runs"] = []
+    if torch.cuda.is_available():  # RAYSIM_TEST_CUDA=1 on a GPU machine: the GPU requests would run
+        runs = []
     for args in runs:
         err = io.StringIO()
         with contextlib.redirect_stderr(err):

@@ -220,7 +220,9 @@ def test_optimisers_without_the_dynamo_import_compute_as_torchs():
     """make_optimizer's SGD and Adam (raysim.training: torch's classes, minus the torch._dynamo import of their
     wrapped methods) give torch's parameters, state and state_dict bit for bit: momentum, weight decay, zero_grad,
     a state_dict round trip, a closure; they are torch's classes for isinstance, and their step hooks still run.
-    (That a whole run imports no torch._dynamo: tests/test_numerics.py's fresh-process probe.)"""
+    (That they import no torch._dynamo: the fresh process below; a whole run: tests/test_numerics.py's probe.
+    Under torch.compile they call torch's wrapped functions: checked by hand, torch.compile(backend="eager") over a
+    zero_grad / backward / step function gives torch's classes' parameters and runs each step hook once.)"""
     from raysim import training
 
     assert training.SGD is not torch.optim.SGD and training.Adam is not torch.optim.Adam  # this torch: the eager ones
@@ -256,6 +258,13 @@ def test_optimisers_without_the_dynamo_import_compute_as_torchs():
             assert st.keys() == sb["state"][i].keys()
             assert all(torch.equal(v, sb["state"][i][k]) for k, v in st.items()), (i, st)
         assert len(hooked) == 4
+
+
+@pytest.mark.xdist_group("fresh_process")
+def test_optimisers_import_no_dynamo_in_a_fresh_process(fresh_process):
+    """tests/fresh_process.py: make_optimizer's SGD (momentum, weight decay) and Adam, a step, zero_grad and a
+    state_dict round trip, and torch._dynamo is still not loaded (torch's own classes would load it)."""
+    assert fresh_process["dynamo_after_optimisers"] is False
 
 
 # ---------------------------------------------------------------------------------------------------------------
