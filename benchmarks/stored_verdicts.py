@@ -2,10 +2,11 @@
 
     python benchmarks/stored_verdicts.py [--check]
 
-* A table stored with its per-run records (``<experiment>.json``: ``raysim reproduce``'s reproduction.json, a
-  ``runs`` list with each run's label, seed and values) is written again, ``<experiment>.md`` and the JSON's
-  ``table`` / ``claims``, by :func:`raysim.app.reproduce_table.render_records`: the same means (from the same per-run
-  values), each claim's paired per-seed differences with their 95 % interval and verdict. The runs are untouched.
+* A table stored with its per-run records (``<experiment>.json``, or ``<experiment>_r<N>.json`` for the experiment
+  run for N rounds: ``raysim reproduce``'s reproduction.json, a ``runs`` list with each run's label, seed and values)
+  is written again, its ``.md`` and the JSON's ``table`` / ``claims``, by
+  :func:`raysim.app.reproduce_table.render_records`: the same means (from the same per-run values), each claim's
+  paired per-seed differences with their 95 % interval and verdict. The runs are untouched.
 * A table stored as markdown only (means ± std, no per-run values) cannot give a paired interval: a note at its top
   says so, and names the verdict that n alone decides (fewer seeds than the experiment's ``min_seeds``: n too small).
 
@@ -52,6 +53,15 @@ def _claim_rows(md: str) -> int:
     return 0
 
 
+def _experiment_of(stem: str, exps) -> str | None:
+    """The experiment a stored table belongs to: its file name, or the name before a round suffix ``_r<N>`` (the same
+    experiment run for N rounds, e.g. ``slaugfl_fmnist_a005_e10_r15``); None for any other file."""
+    if stem in exps:
+        return stem
+    m = re.fullmatch(r"(.+)_r\d+", stem)
+    return m.group(1) if m and m.group(1) in exps else None
+
+
 def main(argv=None) -> int:
     from raysim.app import reproduce as rp
     from raysim.app import verdicts as vd
@@ -64,8 +74,8 @@ def main(argv=None) -> int:
     numbers = rp.load_numbers()
     changed = []
     for md_path in sorted(RESULTS.rglob("*.md")):
-        name = md_path.stem
-        if name not in exps:
+        name = _experiment_of(md_path.stem, exps)
+        if name is None:
             continue
         exp = exps[name]
         js = md_path.with_suffix(".json")
