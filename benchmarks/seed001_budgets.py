@@ -13,8 +13,8 @@ import math
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "seed001"
-EXPERIMENTS = ("seed001_table1_multisource", "seed001_table2_rotated", "seed001_table3_general_scaled",
-               "seed001_table3_general_a3_scaled")
+EXPERIMENTS = ("seed001_table1_multisource", "seed001_table2_rotated", "seed001_table3_general",
+               "seed001_table3_general_a3", "seed001_table3_general_scaled", "seed001_table3_general_a3_scaled")
 ROWS = ("PN-ICFL", "PN-ICFL k-means++ x10", "IFCA", "IFCA best of 10")
 
 
