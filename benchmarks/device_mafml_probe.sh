@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Where MAFML's time goes on a lent GPU (after device_reproduce.sh found 17 s/round with 16 processes sharing one H100,
 # IND 1.0 s/round): one process alone, per-node loop vs the grouped (vectorised) executor, then 4 processes at once.
-# Seconds per round of 50 iterations, from each run's wall time minus a 0-round... (setup included; rounds=R).
+# Per run: its whole wall time (setup included; rounds=R) and the last seconds per round of 50 iterations that tqdm
+# printed. Measured on an H100 (2026-11-27): benchmarks/results/gpu/mafml_probe_h100.txt.
 #   bash benchmarks/device_mafml_probe.sh        # DEVICE=cpu R=1 for a dry run here
 set -u
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; DEVICE=${DEVICE:-cuda}; R=${R:-4}
