@@ -24,5 +24,4 @@ one mafml_loop $C/mafml.yaml
 one mafml_vec $C/mafml.yaml --set backend.vectorize=true
 one ind_loop $C/ind.yaml
 for k in 1 2 3 4; do one "mafml_x4_$k" $C/mafml.yaml --set seed=$k & done; wait
-tail -3 /tmp/probe_mafml_vec.log | cut -c1-300 >> "$OUT/probe.txt"
-cat "$OUT/probe.txt"
+tail -3 /tmp/probe_mafml_vec.log | cut -c1-300 | tee -a "$OUT/probe.txt"
