@@ -129,6 +129,28 @@ def test_fedproto_heterogeneous_models(tiny):
     assert res.final("test_acc_proto")[0] > 0.5  # chance: 1/3 (3 local classes); 0.68 with this seed
 
 
+@pytest.mark.parametrize("keep", [0, 1, 2])
+def test_only_the_newest_round_checkpoints_stay_and_a_resume_from_them_is_exact(tiny, tmp_path, keep):
+    over = dict(rounds=5, eval={"every": 1}, output={"progress": False, "checkpoint_every": 1, "keep_checkpoints": keep})
+    full = run_experiment(tiny(**over), out_dir=tmp_path / "full")
+    names = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
+    rounds = [f"round_{r:05d}" for r in range(5)]
+    assert names == ["final"] + (rounds if keep == 0 else rounds[-keep:])
+    short = run_experiment(tiny(**{**over, "rounds": 3}), out_dir=tmp_path / "short")
+    assert sorted(p.name for p in (tmp_path / "short" / "checkpoints").iterdir() if p.name != "final") == \
+        (rounds[:3] if keep == 0 else rounds[:3][-keep:])
+    resumed = run_experiment(tiny(**over), resume=tmp_path / "short", out_dir=tmp_path / "resumed")
+    pd.testing.assert_frame_equal(without_timing(full.table), without_timing(resumed.table), check_exact=True)
+
+
+def test_keep_checkpoints_must_not_be_negative(tiny):
+    from raysim.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        tiny(output={"keep_checkpoints": -1})
+    assert e.value.field == "output.keep_checkpoints"
+
+
 class _Crash(RuntimeError):
     pass
 

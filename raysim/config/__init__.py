@@ -289,10 +289,12 @@ class ModelResources:
 class OutputConfig:
     dir: str = "runs"
     checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2  # the newest N round checkpoints stay (older ones are removed); 0: every one stays
     progress: bool = True
 
     def check(self, path: str) -> None:
         positive(_p(path, "checkpoint_every"), self.checkpoint_every, allow_zero=True)
+        positive(_p(path, "keep_checkpoints"), self.keep_checkpoints, allow_zero=True)
 
 
 @dataclass(frozen=True)

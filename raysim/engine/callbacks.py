@@ -25,7 +25,7 @@ from raysim.io import rundir
 from raysim.engine import safety
 from raysim.config import to_dict
 from raysim.io.tables import RESULTS_FILE, ResultTable, write_parquet
-from raysim.io.checkpoints import find_checkpoint, write_checkpoint
+from raysim.io.checkpoints import find_checkpoint, prune_checkpoints, write_checkpoint
 from raysim.engine.record import SETUP_ROUND, Run, RunResult
 
 
@@ -114,10 +114,14 @@ class RunDirectory(Callback):
 
 class Checkpointer(Callback):
     """Every ``every`` rounds (and after the setup phase, and at the end) the backend writes state shards and the
-    driver writes the checkpoint's meta (result rows so far, failure log, environment state, config hash)."""
+    driver writes the checkpoint's meta (result rows so far, failure log, environment state, config hash).
+    ``keep`` > 0: after each round checkpoint only the newest ``keep`` round checkpoints stay, and the setup one goes
+    (a resume continues from the newest; the one before it is there when the newest is damaged). A long reproduction
+    kept every checkpoint before and filled a disk; ``keep`` 0 keeps them all."""
 
-    def __init__(self, every: int):
+    def __init__(self, every: int, keep: int = 2):
         self.every = every
+        self.keep = keep
 
     def _save(self, run: Run, name: str, round_idx: int) -> None:
         shards = run.async_server.save_messages if run.async_server is not None else None
@@ -130,6 +134,8 @@ class Checkpointer(Callback):
     def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
         if self.every and (round_idx + 1) % self.every == 0:
             self._save(run, f"round_{round_idx:05d}", round_idx)
+            if self.keep:
+                prune_checkpoints(run.dir, self.keep)
         return None
 
     def on_run_end(self, run: Run, result: RunResult) -> None:

@@ -343,7 +343,7 @@ def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress: Optional[boo
     if rd is not None:
         (rd.work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         started.append(RunDirectory(rd))
-        cbs += [started[0], Checkpointer(cfg.output.checkpoint_every)]
+        cbs += [started[0], Checkpointer(cfg.output.checkpoint_every, cfg.output.keep_checkpoints)]
     if cfg.output.progress if progress is None else progress:
         cbs.append(ProgressBar(prep.algorithm.headline))
     return cbs + list(callbacks or []), started

@@ -48,6 +48,19 @@ def find_checkpoint(run_dir: Path) -> Optional[Path]:
     return setup if _complete(setup) else None
 
 
+def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
+    """Removes all but the newest ``keep`` (>= 1) complete round checkpoints of a run directory and, once one
+    exists, the setup checkpoint; returns the names removed. Incomplete ones (``*.tmp``) are left to their writer."""
+    root = Path(run_dir) / "checkpoints"
+    rounds = sorted(d for d in root.glob("round_*") if _complete(d))
+    if not rounds or keep < 1:
+        return []
+    gone = rounds[:-keep] + ([root / "setup"] if (root / "setup").is_dir() else [])
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return [d.name for d in gone]
+
+
 def read_checkpoint_meta(ck_dir: Path) -> dict:
     return load_file(Path(ck_dir) / META)
 
