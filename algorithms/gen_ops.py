@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -126,3 +127,37 @@ def select_representatives(acc: torch.Tensor, eligible: torch.Tensor, client_ids
     best = torch.argmax(a, dim=0)  # first maximum: the lowest client id
     ids = torch.as_tensor(client_ids, dtype=torch.int64)[best]
     return torch.where(eligible.any(dim=0), ids, torch.full_like(ids, -1))
+
+
+def select_prototype_sources(acc: torch.Tensor, eligible: torch.Tensor, client_ids: list, s: int,
+                             rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """SlaugFL's S selected local class prototypes (seed 004 §V-C3). ``s`` = C (or 0): every class's representative
+    (:func:`select_representatives`). ``s`` < C: ``s`` classes drawn at random keep theirs, the others get -1.
+    C < ``s`` <= 2C: besides the C representatives, ``s`` - C classes drawn at random also get the eligible device
+    with the second-highest accuracy (the best one excluded). Returns (first, second): client ids (C,), -1 where none."""
+    c = acc.shape[1]
+    first = select_representatives(acc, eligible, client_ids)
+    second = torch.full_like(first, -1)
+    if s == 0 or s == c:
+        return first, second
+    ids = torch.as_tensor(client_ids, dtype=torch.int64)
+    if s < c:
+        keep = torch.zeros(c, dtype=torch.bool)
+        keep[torch.as_tensor(np.sort(rng.choice(c, size=s, replace=False)), dtype=torch.int64)] = True
+        return torch.where(keep, first, torch.full_like(first, -1)), second
+    others = eligible & (ids.unsqueeze(1) != first.unsqueeze(0))  # every device but the class's representative
+    runner_up = select_representatives(acc, others, client_ids)
+    extra = torch.as_tensor(np.sort(rng.choice(c, size=s - c, replace=False)), dtype=torch.int64)
+    second[extra] = runner_up[extra]
+    return first, second
+
+
+def mean_class_prototypes(sent: list, c: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sent``: (classes, prototypes) of each device that sent some. Returns (C x d) the mean prototype of each class
+    over the devices that sent one (two with S > C: the seed averages them), zeros elsewhere, and the (C,) mask."""
+    total, count = torch.zeros(c, d), torch.zeros(c)
+    for classes, protos in sent:
+        total[classes] += protos.to(torch.float32)
+        count[classes] += 1.0
+    mask = count > 0
+    return torch.where(mask.unsqueeze(1), total / count.clamp(min=1.0).unsqueeze(1), total), mask

@@ -105,6 +105,9 @@ class SlaugFL(LocalTraining):
         candidate_dir: Optional[str] = None  # scenario 1: folder <class index>/<images>; None: data.public
         candidate_top_k: int = 1000  # per class (seed)
         candidate_delta: Optional[float] = None  # optional cosine-distance threshold
+        num_prototypes: int = 0  # S, the selected local class prototypes (seed §V-C3): 0 = C, one per class (the
+        #                          seed's default); S < C: S random classes; C < S <= 2C: S - C random classes also
+        #                          from their second-best device, averaged with the best one's
         selection: str = "validation"  # representatives chosen on: validation (data.server_val) | test (the seed's
         #                                "global test set": the reported test set; a named option, issue 34)
 
@@ -117,6 +120,7 @@ class SlaugFL(LocalTraining):
                       "gen_noise", "gan_channels", "gan_noise", "disc_channels", "candidate_top_k"):
                 positive(f"{path}.{k}", getattr(self, k))
             positive(f"{path}.syn_per_class", self.syn_per_class, allow_zero=True)
+            positive(f"{path}.num_prototypes", self.num_prototypes, allow_zero=True)
             if not 0.0 < self.prep_val_fraction < 1.0:
                 raise ConfigError(f"{path}.prep_val_fraction", f"must be in (0, 1), got {self.prep_val_fraction}")
             if self.gen_channels < 2:
@@ -126,6 +130,11 @@ class SlaugFL(LocalTraining):
 
     def validate(self):
         self.require_homogeneous()
+        c = self.task.num_classes
+        if self.params.num_prototypes > 2 * c:
+            raise ConfigError("algorithm.params.num_prototypes", f"S = {self.params.num_prototypes} exceeds 2 x the "
+                                                                 f"{c} classes (at most a best and a second-best device "
+                                                                 f"per class)")
         if len(self.task.input_shape) != 3:
             raise ConfigError("data.dataset", f"slaugfl's generators make images (C, H, W); the input shape is "
                                               f"{self.task.input_shape}")
@@ -198,14 +207,17 @@ class SlaugFL(LocalTraining):
             eligible.append(uploads[cid]["val_counts"]["counts"] > 0)
         if not ids:
             return ServerUpdate(state, {"requests": Message("prototype_request", {})}, {"representatives": 0.0})
-        rep = gen_ops.select_representatives(torch.stack(accs), torch.stack(eligible), ids)
+        rep, second = gen_ops.select_prototype_sources(torch.stack(accs), torch.stack(eligible), ids,
+                                                       self.params.num_prototypes, ctx.rng("slaug_s_classes"))
         reps = sorted({int(r) for r in rep if int(r) >= 0})
-        requests = {str(k): torch.nonzero(rep == k, as_tuple=False).flatten() for k in reps}
+        senders = sorted({int(r) for r in torch.cat([rep, second]) if int(r) >= 0})
+        requests = {str(k): torch.nonzero((rep == k) | (second == k), as_tuple=False).flatten() for k in senders}
         rep_models = {k: {n: v.clone() for n, v in uploads[k]["model"].tensors.items()} for k in reps}
         best = torch.stack(accs).max(dim=0).values
         new = {**state, "rep": rep, "rep_models": rep_models}
         return ServerUpdate(new, {"requests": Message("prototype_request", requests)},
                             {"representatives": float(len(reps)), "classes_covered": float((rep >= 0).sum()),
+                             "prototypes_selected": float((rep >= 0).sum() + (second >= 0).sum()),
                              "rep_class_acc": float(torch.nanmean(best))})
 
     def downlink(self, payload, client_id, ctx=None):
@@ -217,12 +229,8 @@ class SlaugFL(LocalTraining):
 
     def prep_generator(self, state, uploads, ctx: ServerContext):
         c, d = self.task.num_classes, self.embed_dim()
-        protos, mask = torch.zeros(c, d), torch.zeros(c, dtype=torch.bool)
-        for cid in sorted(uploads):
-            m = uploads[cid].get("protos")
-            if m is not None:
-                protos[m["classes"]] = m["protos"].to(torch.float32)
-                mask[m["classes"]] = True
+        protos, mask = gen_ops.mean_class_prototypes([(uploads[cid]["protos"]["classes"], uploads[cid]["protos"]["protos"])
+                                                      for cid in sorted(uploads) if "protos" in uploads[cid]], c, d)
         rep = state["rep"].clone()
         rep[~mask] = -1  # a representative that did not deliver its prototype
         models = {}

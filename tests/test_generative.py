@@ -143,6 +143,57 @@ def test_representative_selection_on_a_toy_problem():
     assert select_representatives(a, eligible, [4, 7, 9]).tolist() == [4, 9, 9, -1]
 
 
+def test_s_selected_prototypes_by_hand():
+    """Seed 004 §V-C3: S < C keeps S random classes' representatives; S > C adds the second-best eligible device for
+    S - C random classes; several prototypes of one class are averaged."""
+    import numpy as np
+
+    from algorithms.gen_ops import mean_class_prototypes, select_prototype_sources
+
+    a = torch.tensor([[0.9, 0.2, 0.5, 0.1],
+                      [0.9, 0.8, 0.7, 0.1],
+                      [0.1, 0.95, 0.6, 0.1]], dtype=torch.float64)
+    eligible = torch.tensor([[True, True, True, False],
+                             [True, True, False, False],
+                             [False, True, True, False]])
+    for s in (0, 4):  # the default: one per class
+        first, second = select_prototype_sources(a, eligible, [4, 7, 9], s, np.random.default_rng(0))
+        assert first.tolist() == [4, 9, 9, -1] and second.tolist() == [-1] * 4
+    drawn = sorted(np.random.default_rng(3).choice(4, size=2, replace=False).tolist())
+    first, second = select_prototype_sources(a, eligible, [4, 7, 9], 2, np.random.default_rng(3))
+    assert first.tolist() == [[4, 9, 9, -1][c] if c in drawn else -1 for c in range(4)]
+    assert second.tolist() == [-1] * 4
+    # S = 8 = 2C: every class also asks its runner-up: class 0 -> 7 (tie with 4, the best), class 1 -> 7 (0.8),
+    # class 2 -> 4 (0.5; 7 is not eligible), class 3 -> nobody
+    first, second = select_prototype_sources(a, eligible, [4, 7, 9], 8, np.random.default_rng(0))
+    assert first.tolist() == [4, 9, 9, -1] and second.tolist() == [7, 7, 4, -1]
+    drawn = sorted(np.random.default_rng(5).choice(4, size=1, replace=False).tolist())
+    _, second = select_prototype_sources(a, eligible, [4, 7, 9], 5, np.random.default_rng(5))
+    assert second.tolist() == [[7, 7, 4, -1][c] if c in drawn else -1 for c in range(4)]
+    protos, mask = mean_class_prototypes([(torch.tensor([0, 2]), torch.tensor([[1.0, 2.0], [3.0, 4.0]])),
+                                          (torch.tensor([2]), torch.tensor([[5.0, 8.0]]))], 4, 2)
+    assert mask.tolist() == [True, False, True, False]
+    assert protos.tolist() == [[1.0, 2.0], [0.0, 0.0], [4.0, 6.0], [0.0, 0.0]]
+
+
+@pytest.mark.parametrize("s", [3, 15])
+def test_slaugfl_uploads_exactly_the_s_selected_prototypes(s):
+    t = run("slaugfl", {**SLAUG, "num_prototypes": s}, rounds=1)
+    setup = t[t["round"] == -1]
+    picked = float(setup[setup["metric"] == "prototypes_selected"]["value"].iloc[0])
+    covered = float(setup[setup["metric"] == "classes_covered"]["value"].iloc[0])
+    assert total(setup, "up_floats@prep_prototypes") == picked * 16  # d = 16 floats each
+    if s < 10:
+        assert picked == covered <= s and covered > 0
+    else:
+        assert covered < picked <= s
+
+
+def test_slaugfl_s_above_twice_the_classes_is_refused():
+    with pytest.raises(ConfigError, match="num_prototypes"):
+        run("slaugfl", {**SLAUG, "num_prototypes": 21}, rounds=1)
+
+
 def test_candidate_filter_by_cosine_distance():
     from algorithms.gen_ops import cosine_distance, filter_candidates
 
