@@ -126,18 +126,22 @@ def test_moon_keeps_the_previous_model_in_client_state_and_sends_fedavg_traffic(
 SLAUG = {"gen_steps": 20, "gen_channels": 8, "gen_noise": 8, "gan_channels": 8, "gan_noise": 8, "disc_channels": 4}
 
 
+# per-class accuracies of devices 4, 7, 9 on 4 classes, and whether each holds class-c validation data
+TOY_ACC = torch.tensor([[0.9, 0.2, 0.5, 0.1],
+                        [0.9, 0.8, 0.7, 0.1],
+                        [0.1, 0.95, 0.6, 0.1]], dtype=torch.float64)
+TOY_ELIGIBLE = torch.tensor([[True, True, True, False],
+                             [True, True, False, False],
+                             [False, True, True, False]])
+
+
 def test_representative_selection_on_a_toy_problem():
     from algorithms.gen_ops import per_class_accuracy, select_representatives
 
     # per-class accuracy: y = [0,0,1,1,2], pred = [0,1,1,1,0] -> class 0: 1/2, class 1: 2/2, class 2: 0/1, class 3: nan
     acc = per_class_accuracy(torch.tensor([0, 1, 1, 1, 0]), torch.tensor([0, 0, 1, 1, 2]), 4)
     assert acc[:3].tolist() == [0.5, 1.0, 0.0] and math.isnan(float(acc[3]))
-    a = torch.tensor([[0.9, 0.2, 0.5, 0.1],
-                      [0.9, 0.8, 0.7, 0.1],
-                      [0.1, 0.95, 0.6, 0.1]], dtype=torch.float64)
-    eligible = torch.tensor([[True, True, True, False],
-                             [True, True, False, False],
-                             [False, True, True, False]])
+    a, eligible = TOY_ACC, TOY_ELIGIBLE
     # class 0: tie 0.9 between clients 4 and 7 -> lowest id 4; class 1: client 9 (0.95); class 2: client 7 has 0.7 but
     # no class-2 validation data -> client 9 (0.6); class 3: nobody eligible -> -1
     assert select_representatives(a, eligible, [4, 7, 9]).tolist() == [4, 9, 9, -1]
@@ -150,12 +154,7 @@ def test_s_selected_prototypes_by_hand():
 
     from algorithms.gen_ops import mean_class_prototypes, select_prototype_sources
 
-    a = torch.tensor([[0.9, 0.2, 0.5, 0.1],
-                      [0.9, 0.8, 0.7, 0.1],
-                      [0.1, 0.95, 0.6, 0.1]], dtype=torch.float64)
-    eligible = torch.tensor([[True, True, True, False],
-                             [True, True, False, False],
-                             [False, True, True, False]])
+    a, eligible = TOY_ACC, TOY_ELIGIBLE
     for s in (0, 4):  # the default: one per class
         first, second = select_prototype_sources(a, eligible, [4, 7, 9], s, np.random.default_rng(0))
         assert first.tolist() == [4, 9, 9, -1] and second.tolist() == [-1] * 4
