@@ -132,9 +132,11 @@ def select_representatives(acc: torch.Tensor, eligible: torch.Tensor, client_ids
 def select_prototype_sources(acc: torch.Tensor, eligible: torch.Tensor, client_ids: list, s: int,
                              rng: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """SlaugFL's S selected local class prototypes (seed 004 §V-C3). ``s`` = C (or 0): every class's representative
-    (:func:`select_representatives`). ``s`` < C: ``s`` classes drawn at random keep theirs, the others get -1.
-    C < ``s`` <= 2C: besides the C representatives, ``s`` - C classes drawn at random also get the eligible device
-    with the second-highest accuracy (the best one excluded). Returns (first, second): client ids (C,), -1 where none."""
+    (:func:`select_representatives`). ``s`` < C: ``s`` classes drawn at random among those with a representative keep
+    it, the others get -1. C < ``s`` <= 2C: besides the C representatives, ``s`` - C classes drawn at random among
+    those with a second eligible device also get that device, the one with the second-highest accuracy (the best one
+    excluded). Fewer than ``s`` only when too few classes have a device. Returns (first, second): client ids (C,), -1
+    where none.""" 
     c = acc.shape[1]
     first = select_representatives(acc, eligible, client_ids)
     second = torch.full_like(first, -1)
@@ -143,13 +145,20 @@ def select_prototype_sources(acc: torch.Tensor, eligible: torch.Tensor, client_i
     ids = torch.as_tensor(client_ids, dtype=torch.int64)
     if s < c:
         keep = torch.zeros(c, dtype=torch.bool)
-        keep[torch.as_tensor(np.sort(rng.choice(c, size=s, replace=False)), dtype=torch.int64)] = True
+        keep[_draw(first, s, rng)] = True
         return torch.where(keep, first, torch.full_like(first, -1)), second
     others = eligible & (ids.unsqueeze(1) != first.unsqueeze(0))  # every device but the class's representative
     runner_up = select_representatives(acc, others, client_ids)
-    extra = torch.as_tensor(np.sort(rng.choice(c, size=s - c, replace=False)), dtype=torch.int64)
+    extra = _draw(runner_up, s - c, rng)
     second[extra] = runner_up[extra]
     return first, second
+
+
+def _draw(source: torch.Tensor, n: int, rng: np.random.Generator) -> torch.Tensor:
+    """``n`` classes drawn without replacement among those with a device (``source`` >= 0), all of them when fewer."""
+    able = torch.nonzero(source >= 0, as_tuple=False).flatten().numpy()
+    picked = rng.choice(able, size=min(n, len(able)), replace=False) if len(able) else able
+    return torch.as_tensor(np.sort(picked), dtype=torch.int64)
 
 
 def mean_class_prototypes(sent: list, c: int, d: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -254,7 +254,10 @@ class SlaugFL(LocalTraining):
             gsd, metrics = self._scenario1(gen, protos.to(ctx.device), mask, rep, models,
                                            GeneratorRun(self.params, g, norm))
         new = {**state, "generator": gsd, "rep_models": {}, "rep_protos": protos, "rep_mask": mask}
-        return ServerUpdate(new, {"generator": state_message("generator", gsd)}, metrics)
+        out = {"generator": state_message("generator", gsd)}
+        if not bool(mask.all()):  # the generator learned these classes only: the devices synthesise those (S < C)
+            out["classes"] = Message("class_list", {"classes": torch.nonzero(mask, as_tuple=False).flatten()})
+        return ServerUpdate(new, out, metrics)
 
     # -- scenario 1 ---------------------------------------------------------------------------------------------------
     def candidates(self, device, norm):
@@ -359,7 +362,9 @@ class SlaugFL(LocalTraining):
         gen.load_state_dict(payload["generator"].tensors)
         gen.eval()
         per = self.params.syn_per_class or max(1, data.num_train // c)
-        y = torch.arange(c, device=ctx.device).repeat_interleave(per)
+        learned = payload.get("classes")  # sent when some class has no prototype (S < C, or nobody holds it)
+        classes = torch.arange(c) if learned is None else learned["classes"].to(torch.int64)
+        y = classes.to(ctx.device).repeat_interleave(per)
         z = torch.randn(len(y), self.noise_dim(), generator=ctx.generator("augment", ctx.device), device=ctx.device)
         with torch.no_grad():
             x = gen_ops.to_input_space(gen(z, y), data.norm)

@@ -143,6 +143,23 @@ def test_only_the_newest_round_checkpoints_stay_and_a_resume_from_them_is_exact(
     pd.testing.assert_frame_equal(without_timing(full.table), without_timing(resumed.table), check_exact=True)
 
 
+def test_pruning_orders_rounds_by_number_removes_by_rename_and_the_hint_names_what_is_kept(tmp_path):
+    from raysim.io.checkpoints import damaged_hint, find_checkpoint, prune_checkpoints
+
+    ck = tmp_path / "checkpoints"
+    for name in ("setup", "round_99989", "round_99999", "round_100009", "round_00005.trash", "round_00007.tmp"):
+        (ck / name).mkdir(parents=True)
+        (ck / name / "meta.pt").write_bytes(b"x")
+    assert find_checkpoint(tmp_path).name == "round_100009"  # by number, not by name
+    assert damaged_hint(ck / "round_99989").startswith(f"remove {ck / 'round_99989'} to resume from the checkpoint "
+                                                       f"before it (setup)")
+    assert prune_checkpoints(tmp_path, 2) == ["setup", "round_99989"]
+    assert sorted(p.name for p in ck.iterdir()) == ["round_00007.tmp", "round_100009", "round_99999"]
+    assert "(round_99999)" in damaged_hint(ck / "round_100009")
+    assert damaged_hint(ck / "round_99999").startswith("no checkpoint before round_99999 is kept")
+    assert prune_checkpoints(tmp_path, 2) == [] and prune_checkpoints(tmp_path, 0) == []
+
+
 def test_keep_checkpoints_must_not_be_negative(tiny):
     from raysim.errors import ConfigError
 

@@ -158,17 +158,22 @@ def test_s_selected_prototypes_by_hand():
     for s in (0, 4):  # the default: one per class
         first, second = select_prototype_sources(a, eligible, [4, 7, 9], s, np.random.default_rng(0))
         assert first.tolist() == [4, 9, 9, -1] and second.tolist() == [-1] * 4
-    drawn = sorted(np.random.default_rng(3).choice(4, size=2, replace=False).tolist())
+    # S = 2: two of the classes that have a representative (class 3 has none), the same two for the same stream
     first, second = select_prototype_sources(a, eligible, [4, 7, 9], 2, np.random.default_rng(3))
-    assert first.tolist() == [[4, 9, 9, -1][c] if c in drawn else -1 for c in range(4)]
+    kept = [c for c in range(4) if first[c] >= 0]
+    assert len(kept) == 2 and set(kept) <= {0, 1, 2} and all(first[c] == [4, 9, 9][c] for c in kept)
     assert second.tolist() == [-1] * 4
-    # S = 8 = 2C: every class also asks its runner-up: class 0 -> 7 (tie with 4, the best), class 1 -> 7 (0.8),
-    # class 2 -> 4 (0.5; 7 is not eligible), class 3 -> nobody
-    first, second = select_prototype_sources(a, eligible, [4, 7, 9], 8, np.random.default_rng(0))
+    assert torch.equal(first, select_prototype_sources(a, eligible, [4, 7, 9], 2, np.random.default_rng(3))[0])
+    first, _ = select_prototype_sources(a, eligible, [4, 7, 9], 3, np.random.default_rng(3))
+    assert first.tolist() == [4, 9, 9, -1]  # every class that has one
+    # S = 7 = C + 3: every class with a runner-up also asks it: class 0 -> 7 (tie with 4, the best), class 1 -> 7
+    # (0.8), class 2 -> 4 (0.5; 7 is not eligible), class 3 -> nobody
+    first, second = select_prototype_sources(a, eligible, [4, 7, 9], 7, np.random.default_rng(0))
     assert first.tolist() == [4, 9, 9, -1] and second.tolist() == [7, 7, 4, -1]
-    drawn = sorted(np.random.default_rng(5).choice(4, size=1, replace=False).tolist())
+    assert torch.equal(second, select_prototype_sources(a, eligible, [4, 7, 9], 8, np.random.default_rng(0))[1])
     _, second = select_prototype_sources(a, eligible, [4, 7, 9], 5, np.random.default_rng(5))
-    assert second.tolist() == [[7, 7, 4, -1][c] if c in drawn else -1 for c in range(4)]
+    extra = [c for c in range(4) if second[c] >= 0]
+    assert len(extra) == 1 and second[extra[0]] == [7, 7, 4, -1][extra[0]]
     protos, mask = mean_class_prototypes([(torch.tensor([0, 2]), torch.tensor([[1.0, 2.0], [3.0, 4.0]])),
                                           (torch.tensor([2]), torch.tensor([[5.0, 8.0]]))], 4, 2)
     assert mask.tolist() == [True, False, True, False]
@@ -177,13 +182,15 @@ def test_s_selected_prototypes_by_hand():
 
 @pytest.mark.parametrize("s", [3, 15])
 def test_slaugfl_uploads_exactly_the_s_selected_prototypes(s):
-    t = run("slaugfl", {**SLAUG, "num_prototypes": s}, rounds=1)
+    t = run("slaugfl", {**SLAUG, "num_prototypes": s, "syn_per_class": 2}, rounds=1)
     setup = t[t["round"] == -1]
     picked = float(setup[setup["metric"] == "prototypes_selected"]["value"].iloc[0])
     covered = float(setup[setup["metric"] == "classes_covered"]["value"].iloc[0])
     assert total(setup, "up_floats@prep_prototypes") == picked * 16  # d = 16 floats each
     if s < 10:
-        assert picked == covered <= s and covered > 0
+        assert picked == covered == s
+        syn = setup[(setup["metric"] == "syn_samples") & (setup["scope"] == "client")]["value"]
+        assert len(syn) == 6 and set(syn) == {2.0 * s}  # synthetic data of the S learned classes only
     else:
         assert covered < picked <= s
 
@@ -356,7 +363,8 @@ def test_server_val_is_carved_from_the_pool_disjoint_and_required_by_slaugfl():
 
 def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
     """Seed §IV-F: prep up N|w_C| + C d, generator down N|G| (once, in the setup only), each round K(|w| + Cd) up and
-    K|w| (+ K C d once global p-f prototypes exist) down; floats measured in the table."""
+    K|w| (+ K C d once global p-f prototypes exist) down, where the p-f prototypes up are of the classes the generator
+    learned (the covered ones); floats measured in the table."""
     t = run("slaugfl", SLAUG, rounds=3)
     n, c, d = 6, 10, 16
     w_c = mlp_floats()
@@ -370,11 +378,12 @@ def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
     assert total(setup, "down_floats") == n * g and total(setup, "up_floats") == n * w_c + covered * d
     gen_rows = t[(t["scope"] == "total") & (t["metric"] == "down_floats@prep_augment")]
     assert set(gen_rows["round"]) == {-1}  # never again
-    for r in range(3):
+    for r in range(3):  # p-f prototypes up: of the synthetic classes, i.e. the covered ones; the global ones down
         k = total(t, "participants", r)
-        assert total(t, "up_floats", r) == k * (w_2c + c * d)
+        assert total(t, "up_floats", r) == k * (w_2c + covered * d)
         assert total(t, "down_floats", r) == k * (w_2c + (c * d if r > 0 else 0))
-    formula = n * (w_c + g) + covered * d + sum(total(t, "participants", r) * 2 * (w_2c + c * d) for r in range(3)) \
+    formula = n * (w_c + g) + covered * d + sum(total(t, "participants", r) * (2 * w_2c + covered * d + c * d)
+                                                for r in range(3)) \
         - total(t, "participants", 0) * c * d  # round 0 has no global p-f prototypes to download yet
     assert total(t, "up_floats") + total(t, "down_floats") == formula
 
@@ -403,7 +412,9 @@ def test_slaugfl_pf_prototypes_come_from_synthetic_data_only():
     cid = ids[0]
     state = clients.state(cid)
     data = clients._data(cid)
-    assert state["syn_x"].shape[0] == 10 * max(1, data.num_train // 10)  # class-balanced, floor(|D|/C) per class
+    learned = payload["classes"]["classes"].tolist() if "classes" in payload else list(range(10))
+    assert sorted(set(state["syn_y"].tolist())) == learned  # only the classes the generator learned (a prototype)
+    assert state["syn_x"].shape[0] == len(learned) * max(1, data.num_train // 10)  # class-balanced, floor(|D|/C) each
     assert set(state) == {"syn_x", "syn_y"}  # the preparation model is gone
     res = alg.client_update(server.initial_payload(0), state, data, clients._ctx(0, cid, "update"))
     model = alg.live_model(clients._ctx(0, cid))

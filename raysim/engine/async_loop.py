@@ -48,6 +48,7 @@ from raysim.engine.record import RoundLog, Run
 from raysim.engine.reports import ClientReport, step_token
 from raysim.errors import DamagedFileError, SimulationError
 from raysim.steps import ClientStep, ServerStep, flatten
+from raysim.io.checkpoints import damaged_hint
 
 WAKE = -1  # a pseudo client id: retry dispatching when no client was online (sorts before real ids at equal times)
 EXACT_PICK_MAX = 4096  # populations up to this size pick among the idle clients exactly; larger ones by rejection
@@ -344,8 +345,7 @@ class AsyncServer:
             meta = Path(messages).with_name("meta.pt")
             raise DamagedFileError(meta, f"its async server state does not fit this run ({type(e).__name__}: "
                                          f"{str(e).splitlines()[0] if str(e) else ''})",
-                                   f"remove {meta.parent} to resume from the checkpoint before it, or start the run "
-                                   f"again") from None
+                                   damaged_hint(meta.parent)) from None
 
     def _restore(self, state: dict, messages: str) -> None:
         self.version, self.seq, self.batch = int(state["version"]), int(state["seq"]), int(state["batch"])

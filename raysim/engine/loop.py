@@ -25,7 +25,7 @@ from raysim.engine.backend import Follow, make_backend
 from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
 from raysim.engine.reports import step_token
-from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
+from raysim.io.checkpoints import damaged_hint, find_checkpoint, read_checkpoint_meta
 from raysim.io.tables import Row
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
 from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, ProgressBar, RunDirectory
@@ -252,7 +252,7 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
         from raysim.errors import DamagedFileError
 
         raise DamagedFileError(ck / "meta.pt", "it does not hold a raysim checkpoint's meta",
-                               f"remove {ck} to resume from the checkpoint before it, or start the run again")
+                               damaged_hint(ck))
     if (meta.get("extra") or {}).get("resume_hash") != resume_hash(cfg):
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
     manifest = meta.get("manifest") or {}
@@ -262,8 +262,7 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
 
         if not isinstance(meta["extra"].get("async"), dict) or "async" not in manifest:
             raise DamagedFileError(ck / META_NAME, "it holds no async server state (server.mode: async needs the "
-                                                   "clients in flight)", f"remove {ck} to resume from the checkpoint "
-                                                                         f"before it, or start the run again")
+                                                   "clients in flight)", damaged_hint(ck))
         shards.append(manifest["async"])
     from raysim.io.files import load_file
 
@@ -272,12 +271,12 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
             from raysim.errors import DamagedFileError
 
             raise DamagedFileError(ck / META_NAME, f"it lists a shard {name!r} that is not a file name in {ck}",
-                                   f"remove {ck} to resume from the checkpoint before it, or start the run again")
+                                   damaged_hint(ck))
         if not (ck / name).is_file():
             from raysim.errors import DamagedFileError
 
             raise DamagedFileError(ck / str(name), "a shard the checkpoint's meta.pt lists is missing",
-                                   f"remove {ck} to resume from the checkpoint before it, or start the run again")
+                                   damaged_hint(ck))
         load_file(ck / name, (meta.get("sha256") or {}).get(name))
     return ck.parent.parent, ck, meta
 
@@ -374,8 +373,7 @@ def _restore(run: Run, ck_dir: Path, meta: dict) -> None:
         if isinstance(e, DamagedFileError):
             raise
         raise DamagedFileError(Path(ck_dir) / "meta.pt", f"it does not hold a raysim checkpoint ({type(e).__name__}: "
-                               f"{e})", f"remove {ck_dir} to resume from the checkpoint before it, or start the run "
-                               f"again") from None
+                               f"{e})", damaged_hint(Path(ck_dir))) from None
 
 
 def _restore_from(run: Run, ck_dir: Path, meta: dict) -> None:

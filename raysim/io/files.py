@@ -205,8 +205,9 @@ def load_file(path: Path, sha256: Optional[str] = None):
         if "checkpoints" in path.parts:
             i = len(path.parts) - 1 - path.parts[::-1].index("checkpoints")
             ck = Path(*path.parts[: i + 2])
-            fix = (f"the checkpoint is damaged: remove {ck} to resume from the one before it, or start the run "
-                   f"again")
+            from raysim.io.checkpoints import damaged_hint  # (checkpoints imports this module)
+
+            fix = f"the checkpoint is damaged: {damaged_hint(ck)}"
         else:
             fix = ("a client state spilled to disk (backend.state_dir) is damaged: the run cannot continue; resume it "
                    "from its last checkpoint (--resume) or start it again")

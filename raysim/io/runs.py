@@ -10,6 +10,7 @@ from pathlib import Path
 from raysim.io import results
 from raysim.config import YamlBoundsError, yaml_load
 from raysim.errors import ConfigError, DamagedFileError, read_problem
+from raysim.io.checkpoints import checkpoint_dirs
 from raysim.io.rundir import INCOMPLETE, holder
 
 
@@ -70,7 +71,7 @@ def _describe(path: Path, row: dict) -> None:
     info = results.read_run_info(path) or {}
     if path.name.endswith(INCOMPLETE):
         cfg = _config_of(path)
-        ckpts = sorted(d for d in path.glob("checkpoints/round_*") if (d / "meta.pt").exists() and d.suffix != ".tmp")
+        ckpts = [d for d in checkpoint_dirs(path) if d.name != "setup"]
         done = int(ckpts[-1].name.split("_")[1]) + 1 if ckpts else 0
         who = holder(path)
         if who:
