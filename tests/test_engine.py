@@ -136,7 +136,7 @@ def test_only_the_newest_round_checkpoints_stay_and_a_resume_from_them_is_exact(
     names = sorted(p.name for p in (tmp_path / "full" / "checkpoints").iterdir())
     rounds = [f"round_{r:05d}" for r in range(5)]
     assert names == ["final"] + (rounds if keep == 0 else rounds[-keep:])
-    short = run_experiment(tiny(**{**over, "rounds": 3}), out_dir=tmp_path / "short")
+    run_experiment(tiny(**{**over, "rounds": 3}), out_dir=tmp_path / "short")
     assert sorted(p.name for p in (tmp_path / "short" / "checkpoints").iterdir() if p.name != "final") == \
         (rounds[:3] if keep == 0 else rounds[:3][-keep:])
     resumed = run_experiment(tiny(**over), resume=tmp_path / "short", out_dir=tmp_path / "resumed")
@@ -144,7 +144,8 @@ def test_only_the_newest_round_checkpoints_stay_and_a_resume_from_them_is_exact(
 
 
 def test_pruning_orders_rounds_by_number_removes_by_rename_and_the_hint_names_what_is_kept(tmp_path):
-    from raysim.io.checkpoints import damaged_hint, find_checkpoint, prune_checkpoints
+    from raysim.io.checkpoints import find_checkpoint, prune_checkpoints
+    from raysim.io.resume_points import damaged_hint
 
     ck = tmp_path / "checkpoints"
     for name in ("setup", "round_99989", "round_99999", "round_100009", "round_00005.trash", "round_00007.tmp"):

@@ -107,7 +107,7 @@ def test_toy_store_setting_and_resume_identical_setup_not_rerun(tiny, tmp_path):
     spilled = run_experiment(toy(tiny, backend={"name": "sequential", "state_memory_mb": 0}), write=False).table
     pd.testing.assert_frame_equal(without_timing(full), without_timing(spilled), check_exact=True)
 
-    over = {"output": {"progress": False, "checkpoint_every": 1}}
+    over = {"output": {"progress": False, "checkpoint_every": 1, "keep_checkpoints": 0}}  # the setup one stays too
 
     def crash(round_idx, table):
         if round_idx == 1:

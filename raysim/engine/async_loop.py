@@ -48,7 +48,7 @@ from raysim.engine.record import RoundLog, Run
 from raysim.engine.reports import ClientReport, step_token
 from raysim.errors import DamagedFileError, SimulationError
 from raysim.steps import ClientStep, ServerStep, flatten
-from raysim.io.checkpoints import damaged_hint
+from raysim.io.resume_points import damaged_hint
 
 WAKE = -1  # a pseudo client id: retry dispatching when no client was online (sorts before real ids at equal times)
 EXACT_PICK_MAX = 4096  # populations up to this size pick among the idle clients exactly; larger ones by rejection

@@ -25,7 +25,8 @@ from raysim.engine.backend import Follow, make_backend
 from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
 from raysim.engine.reports import step_token
-from raysim.io.checkpoints import damaged_hint, find_checkpoint, read_checkpoint_meta
+from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
+from raysim.io.resume_points import damaged_hint
 from raysim.io.tables import Row
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
 from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, ProgressBar, RunDirectory

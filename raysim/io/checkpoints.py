@@ -6,14 +6,13 @@ directory is built as ``<name>.tmp`` and renamed when complete, so a checkpoint 
 are keyed by client id, so a checkpoint restores into any number of actors."""
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
 from raysim.io.files import atomic_save, file_sha256, load_file
+from raysim.io.resume_points import META, TRASH, checkpoint_dirs
 
-META = "meta.pt"
 
 
 def write_checkpoint(path: Path, round_idx: int, backend, extra: dict,
@@ -35,42 +34,10 @@ def write_checkpoint(path: Path, round_idx: int, backend, extra: dict,
     return path
 
 
-_ROUND = re.compile(r"round_(\d+)")
-TRASH = ".trash"
-
-
-def _order(d: Path) -> int:
-    """A resumable checkpoint's place in time: setup -1, round_N N (numerically: round_100000 after round_99999)."""
-    m = _ROUND.fullmatch(d.name)
-    return int(m.group(1)) if m else -1
-
-
-def _complete(d: Path) -> bool:
-    """A whole resumable checkpoint: ``setup`` or ``round_N`` with its meta (never ``*.tmp`` or ``*.trash``)."""
-    return (d.name == "setup" or _ROUND.fullmatch(d.name) is not None) and d.is_dir() and (d / META).exists()
-
-
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """The complete resumable checkpoints of a run directory, oldest first (setup, then rounds by number)."""
-    root = Path(run_dir) / "checkpoints"
-    return sorted((d for d in root.iterdir() if _complete(d)), key=_order) if root.is_dir() else []
-
-
 def find_checkpoint(run_dir: Path) -> Optional[Path]:
     """The latest complete resumable checkpoint of a run directory (round checkpoints, else the setup one)."""
     found = checkpoint_dirs(run_dir)
     return found[-1] if found else None
-
-
-def damaged_hint(ck: Path) -> str:
-    """What to do about a damaged checkpoint ``ck``: resume from the one before it when one is kept, else start
-    again (``output.keep_checkpoints`` keeps the newest few)."""
-    ck = Path(ck)
-    earlier = [d for d in checkpoint_dirs(ck.parent.parent) if _order(d) < _order(ck) and d != ck]
-    if earlier:
-        return f"remove {ck} to resume from the checkpoint before it ({earlier[-1].name}), or start the run again"
-    return (f"no checkpoint before {ck.name} is kept (output.keep_checkpoints keeps the newest few): start the run "
-            f"again")
 
 
 def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:

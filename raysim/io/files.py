@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from raysim.io.resume_points import damaged_hint
+
 
 class _HashingWriter:
     """A write-only file wrapper that hashes what passes through (torch.save writes sequentially)."""
@@ -205,8 +207,6 @@ def load_file(path: Path, sha256: Optional[str] = None):
         if "checkpoints" in path.parts:
             i = len(path.parts) - 1 - path.parts[::-1].index("checkpoints")
             ck = Path(*path.parts[: i + 2])
-            from raysim.io.checkpoints import damaged_hint  # (checkpoints imports this module)
-
             fix = f"the checkpoint is damaged: {damaged_hint(ck)}"
         else:
             fix = ("a client state spilled to disk (backend.state_dir) is damaged: the run cannot continue; resume it "

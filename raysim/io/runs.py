@@ -10,7 +10,7 @@ from pathlib import Path
 from raysim.io import results
 from raysim.config import YamlBoundsError, yaml_load
 from raysim.errors import ConfigError, DamagedFileError, read_problem
-from raysim.io.checkpoints import checkpoint_dirs
+from raysim.io.resume_points import checkpoint_dirs
 from raysim.io.rundir import INCOMPLETE, holder
 
 
