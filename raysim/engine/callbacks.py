@@ -115,9 +115,8 @@ class RunDirectory(Callback):
 class Checkpointer(Callback):
     """Every ``every`` rounds (and after the setup phase, and at the end) the backend writes state shards and the
     driver writes the checkpoint's meta (result rows so far, failure log, environment state, config hash).
-    ``keep`` > 0: after each round checkpoint only the newest ``keep`` round checkpoints stay, and the setup one goes
-    (a resume continues from the newest; the one before it is there when the newest is damaged). A long reproduction
-    kept every checkpoint before and filled a disk; ``keep`` 0 keeps them all."""
+    ``keep`` > 0: after each round checkpoint only the newest ``keep`` resumable ones stay, the setup one counting as
+    the oldest (:func:`prune_checkpoints`); ``keep`` 0 keeps them all."""
 
     def __init__(self, every: int, keep: int = 2):
         self.every = every
@@ -134,8 +133,7 @@ class Checkpointer(Callback):
     def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
         if self.every and (round_idx + 1) % self.every == 0:
             self._save(run, f"round_{round_idx:05d}", round_idx)
-            if self.keep:
-                prune_checkpoints(run.dir, self.keep)
+            prune_checkpoints(run.dir, self.keep)  # keep 0: nothing removed
         return None
 
     def on_run_end(self, run: Run, result: RunResult) -> None:

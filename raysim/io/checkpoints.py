@@ -14,7 +14,6 @@ from raysim.io.files import atomic_save, file_sha256, load_file
 from raysim.io.resume_points import META, TRASH, checkpoint_dirs
 
 
-
 def write_checkpoint(path: Path, round_idx: int, backend, extra: dict,
                      shards: Optional[Callable[[str], dict]] = None) -> Path:
     """``shards``: writes more shards into the checkpoint's directory and returns their manifest entries (name ->
@@ -47,10 +46,7 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[str]:
     removed too. Incomplete ones (``*.tmp``) are left to their writer; ``final`` is not a resume point and stays."""
     root = Path(run_dir) / "checkpoints"
     found = checkpoint_dirs(run_dir)
-    if keep < 1 or len(found) <= keep:
-        gone = []
-    else:
-        gone = found[:-keep]
+    gone = found[:-keep] if keep >= 1 else []
     for d in gone:
         d.rename(d.with_name(d.name + TRASH))
     for t in (root.glob("*" + TRASH) if root.is_dir() else []):

@@ -32,7 +32,7 @@ def damaged_hint(ck: Path) -> str:
     """What to do about a damaged checkpoint ``ck``: resume from the one before it when one is kept, else start
     again (``output.keep_checkpoints`` keeps the newest few)."""
     ck = Path(ck)
-    earlier = [d for d in checkpoint_dirs(ck.parent.parent) if _order(d) < _order(ck) and d != ck]
+    earlier = [d for d in checkpoint_dirs(ck.parent.parent) if _order(d) < _order(ck)]
     if earlier:
         return f"remove {ck} to resume from the checkpoint before it ({earlier[-1].name}), or start the run again"
     return (f"no checkpoint before {ck.name} is kept (output.keep_checkpoints keeps the newest few): start the run "
