@@ -50,9 +50,15 @@ def sample_counts(uploads, ids) -> list[int]:
     return [int(uploads[i]["num_samples"]["n"][0]) for i in ids]
 
 
+def sample_count_tensor(uploads, ids) -> torch.Tensor:
+    """n_i of each upload's ``num_samples`` message as one int64 tensor, in ``ids`` order (nothing read)."""
+    counts = [uploads[i]["num_samples"]["n"].reshape(-1)[:1] for i in ids]
+    return torch.cat(counts) if len(counts) > 1 else counts[0]
+
+
 def sample_weighted_average(uploads, ids, key: str = "model") -> dict:
     """FedAvg's rule over the state messages ``uploads[i][key]``: sum_i (n_i / sum n) w_i."""
-    return weighted_average_states([uploads[i][key].tensors for i in ids], sample_counts(uploads, ids))
+    return weighted_average_states([uploads[i][key].tensors for i in ids], sample_count_tensor(uploads, ids))
 
 
 def rebase_state_upload(upload: dict, key: str, base_state: dict, server_state: dict) -> dict:
@@ -71,9 +77,9 @@ def merge_sample_weighted(uploads: dict, key: str = "model") -> dict:
     counts, is the weighted average of all: sum_j N_j (sum_{i in j} n_i w_i / N_j) / N)."""
     ids = sorted(uploads)
     first = uploads[ids[0]][key]
-    n = sum(sample_counts(uploads, ids))
+    n = sample_count_tensor(uploads, ids).sum().reshape(1).to(torch.int64)
     return {key: Message(first.kind, sample_weighted_average(uploads, ids, key), first.meta),
-            "num_samples": Message("num_samples", {"n": torch.tensor([n], dtype=torch.int64)})}
+            "num_samples": Message("num_samples", {"n": n})}
 
 
 class FedAvg(LocalTraining):
@@ -128,7 +134,7 @@ class FedAvg(LocalTraining):
         """P: the floats one node's weights message carries, as the accounting counts them."""
         with rngmod.keep_global_rng():
             model = self.task.build_model(0)
-        return payload_sizes({"m": state_message("weights", model.state_dict())})["weights"][0]
+        return payload_sizes({"m": state_message("weights", model.state_dict(keep_vars=True))})["weights"][0]
 
     @cached_property
     def sync_period(self) -> int:
@@ -190,7 +196,7 @@ class FedAvg(LocalTraining):
         opt.step()
         upload = {}
         if self._due(ctx.round_idx, ctx.iteration):
-            upload = {"model": state_message("weights", model.state_dict()),
+            upload = {"model": state_message("weights", model.state_dict(keep_vars=True)),
                       "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
         new = {"model": clone_state(model), "opt": optimizer_state(opt, model) if cfg.persist_optimizer else {},
                "global": state["global"]}
@@ -230,7 +236,7 @@ class FedAvg(LocalTraining):
         return start.aux["view"] is None  # FedPU's view is per client (its own prior and positive classes)
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
-        upload = {"model": state_message("weights", model.state_dict()),
+        upload = {"model": state_message("weights", model.state_dict(keep_vars=True)),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
         return state, upload
 

@@ -22,7 +22,8 @@ from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
 from raysim.messages import Message
-from raysim.ops import aggregate_prototypes, class_prototypes, nearest_prototype, prototype_regulariser
+from raysim.ops import (aggregate_prototypes, class_prototypes, known_class_prototypes, nearest_prototype,
+                        prototype_regulariser)
 from raysim.training import accuracy, clone_state, epoch_count, forward_all
 
 
@@ -56,7 +57,10 @@ class FedProto(LocalTraining):
 
     # -- server -------------------------------------------------------------------------------------------------
     def embed_dim(self) -> int:
-        return self.task.build_model(0).embed_dim
+        """The clients' embedding size (built once: the task does not change)."""
+        if getattr(self, "_embed_dim", None) is None:
+            self._embed_dim = self.task.build_model(0).embed_dim
+        return self._embed_dim
 
     def init_server_state(self, ctx: Context):
         d = self.embed_dim()
@@ -116,6 +120,19 @@ class FedProto(LocalTraining):
             mask[c] = True
         return protos, mask
 
+    def unpack_shared(self, payload, dim, device):
+        """:meth:`unpack` once per broadcast: every client of a step downloads the same message, so its dense
+        prototypes and mask are built for the first and shared (read-only) by the others. Returns (protos, mask,
+        the number of classes with a prototype -- known on the host from the message's shape)."""
+        msg = payload.get("global_protos")
+        key = (msg, dim, torch.device(device))
+        hit = getattr(self, "_unpacked", None)
+        if hit is None or hit[0][0] is not msg or hit[0][1:] != key[1:]:
+            protos, mask = self.unpack(payload, self.task.num_classes, dim, device)
+            known = 0 if msg is None else int(msg["classes"].numel())
+            hit = self._unpacked = (key, (protos, mask, known))
+        return hit[1]
+
     def build_client_model(self, client_id: int):
         """A fresh model for a client (its initial weights)."""
         return self.task.build_model(client_id)
@@ -123,9 +140,12 @@ class FedProto(LocalTraining):
     def init_client_state(self, ctx: Context):
         return {"model": clone_state(self.build_client_model(ctx.client_id))}
 
-    def make_loss(self, protos, mask, collect=None, pu=None):
+    def make_loss(self, protos, mask, collect=None, pu=None, known=None):
+        """The local objective. ``known``: how many classes have a global prototype, when the host knows it (no
+        read of ``mask``; with every class known the regulariser's target is P_y without the mask)."""
         lam = self.params.lam
-        use_protos = bool(mask.any()) and lam > 0
+        use_protos = (known > 0 if known is not None else bool(mask.any())) and lam > 0
+        reg_mask = None if known == self.task.num_classes else mask
 
         def loss_fn(model, xb, yb, epoch):
             logits, z = model(xb, return_embedding=True)
@@ -140,16 +160,16 @@ class FedProto(LocalTraining):
                 collect(z.detach(), yb, epoch)
             if not use_protos or yb.numel() == 0:
                 return ce, {**parts, "proto": 0.0}
-            reg = prototype_regulariser(z, yb, protos, mask)
+            reg = prototype_regulariser(z, yb, protos, reg_mask)
             return ce + lam * reg, {**parts, "proto": reg.detach()}
 
         return loss_fn
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         model.load_state_dict(state["model"])
-        protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, data.y_train.device)
+        protos, mask, known = self.unpack_shared(payload, model.embed_dim, data.y_train.device)
         pu = fedpu.make_view(data, self.task.num_classes, self.task.seed, self.params)
-        aux = {"protos": protos, "mask": mask, "pu": pu, "collect": None}
+        aux = {"protos": protos, "mask": mask, "known": known, "pu": pu, "collect": None}
         if self.params.proto_collect == "during_train":
             # official code: embeddings of the last local epoch, in train mode while the weights move (one optimiser
             # for all epochs: momentum carries on into the collecting epoch)
@@ -170,7 +190,7 @@ class FedProto(LocalTraining):
                     box["y"].append(y)
 
             collect = collect_on
-        return self.make_loss(a["protos"], a["mask"], collect, pu=a["pu"])
+        return self.make_loss(a["protos"], a["mask"], collect, pu=a["pu"], known=a.get("known"))
 
     def vectorizable(self, start: LocalStart) -> bool:
         # the global prototypes come from the broadcast; FedPU's view is per client and during_train collects the
@@ -186,8 +206,12 @@ class FedProto(LocalTraining):
             y = data.y_train if a["pu"] is None else a["pu"].y_obs
             if a["pu"] is not None:
                 z, y = z[a["pu"].labelled], y[a["pu"].labelled]
-        classes, local, counts = class_prototypes(z, y, self.task.num_classes)
-        upload = {"protos": Message("prototypes", {"protos": local.cpu(), "classes": classes.cpu(), "counts": counts.cpu()})}
+        if a["collect"] is None and a["pu"] is None:  # all training labels: their classes are known on the host
+            classes, local, counts = known_class_prototypes(z, y, data.classes, self.task.num_classes)
+        else:
+            classes, local, counts = class_prototypes(z, y, self.task.num_classes)
+        # the upload stays on the device until it leaves the runner (the server's rule reads it on the host)
+        upload = {"protos": Message("prototypes", {"protos": local, "classes": classes, "counts": counts})}
         return {"model": clone_state(model)}, upload
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:

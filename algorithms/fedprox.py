@@ -34,9 +34,14 @@ class FedProx(FedAvg):
         def loss_fn(model, xb, yb, epoch):
             nonlocal anchors
             if anchors is None:  # the global weights, in the order of model.parameters()
-                anchors = [global_w[n].to(p.device).detach() for n, p in model.named_parameters()]
+                anchors = [_const(global_w[n].to(p.device)) for n, p in model.named_parameters()]
             loss, parts = base(model, xb, yb, epoch)
             prox = proximal_term(list(model.parameters()), anchors, mu)
             return loss + prox, {**parts, "prox": prox.detach()}
 
         return loss_fn
+
+
+def _const(t):
+    """``t`` outside autograd (a downloaded tensor already is: no detached alias made for nothing)."""
+    return t.detach() if t.requires_grad else t

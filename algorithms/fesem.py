@@ -129,7 +129,7 @@ class FeSEM(Algorithm):
         model.load_state_dict(payload["model"].tensors)
         metrics = train_epochs(model, data.x_train, data.y_train, TrainOptions(
             self.task.train, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)), ce_loss)
-        upload = {"model": state_message("weights", model.state_dict())}
+        upload = {"model": state_message("weights", model.state_dict(keep_vars=True))}
         return ClientUpdate(state, upload, metrics)
 
     def aggregate(self, server_state, uploads, ctx: Context):

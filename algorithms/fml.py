@@ -106,7 +106,7 @@ class FML(Algorithm):
             steps += 1
         new = {"model": clone_state(model), "opt": optimizer_state(opt, model) if keep else {},
                "opt_meme": optimizer_state(opt_m, meme) if keep else {}}
-        return ClientUpdate(new, {"meme": state_message("weights", meme.state_dict())},
+        return ClientUpdate(new, {"meme": state_message("weights", meme.state_dict(keep_vars=True))},
                             {f"train_{k}": v / max(steps, 1) for k, v in tot.items()})
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:

@@ -224,7 +224,7 @@ class IFCA(Algorithm):
                                                                      ctx.generator("dropout", device=ctx.device)),
                                    ce_loss)
         metrics["cluster_loss"] = float(losses[k])
-        upload = {"model": state_message("weights", model.state_dict()),
+        upload = {"model": state_message("weights", model.state_dict(keep_vars=True)),
                   "cluster": Message("cluster_id", {"k": torch.tensor([k])})}
         return ClientUpdate(state, upload, metrics)
 

@@ -55,7 +55,8 @@ class Agg(Local):
         cfg = self.task.train
         opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
         metrics, opt_state = local_sgd(model, self.objective(start), x, y, TrainOptions(
-            cfg, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)), opt_state)
+            cfg, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device),
+            optimizer_out=cfg.persist_optimizer), opt_state)
         new_state, upload = self.client_final(model, start, payload, state, data, ctx)
         if cfg.persist_optimizer:
             new_state = {**(new_state or {}), "opt": opt_state}

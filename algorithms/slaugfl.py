@@ -397,7 +397,7 @@ class SlaugFL(LocalTraining):
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
         c = self.task.num_classes
-        upload = {"model": state_message("weights", model.state_dict()),
+        upload = {"model": state_message("weights", model.state_dict(keep_vars=True)),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
         syn_x = (state or {}).get("syn_x")
         if syn_x is not None:

@@ -166,7 +166,7 @@ class VHL(LocalTraining):
         return loss_fn
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
-        upload = {"model": state_message("weights", model.state_dict()),
+        upload = {"model": state_message("weights", model.state_dict(keep_vars=True)),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
         return state, upload
 

@@ -391,7 +391,8 @@ class LocalTraining(Algorithm):
         y = data.y_train if start.y is None else start.y
         x = data.x_train if start.x is None else start.x
         metrics, opt_state = local_sgd(model, self.objective(start), x, y, TrainOptions(
-            cfg, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device)), opt_state)
+            cfg, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device),
+            optimizer_out=cfg.persist_optimizer), opt_state)
         new_state, upload = self.client_final(model, start, payload, state, data, ctx)
         if cfg.persist_optimizer:
             new_state = {**(new_state or {}), "opt": opt_state}

@@ -65,11 +65,33 @@ def tensor_bytes(obj) -> int:
 
 
 def state_message(kind: str, state_dict: Mapping[str, torch.Tensor]) -> Message:
-    """A model (or part of one) as a message: its tensors, detached, copied, on CPU.
+    """A model (or part of one) as a message: its tensors copied (one copy each, outside autograd), on their device
+    -- a client runner's uploads stay on its device until they leave its process (the Ray client actor moves them to
+    the host: :func:`payload_to`). Pass ``model.state_dict(keep_vars=True)``: the parameters themselves, no detached
+    views made only to be copied.
 
     The copy matters: ``model.state_dict()`` aliases the runner's live module, which the next client's weights are
     loaded into in place, so without it every upload of a runner would end up holding the last client's weights."""
-    return Message(kind, {k: v.detach().to("cpu", copy=True) for k, v in state_dict.items()})
+    with torch.no_grad():
+        return Message(kind, {k: v.clone() for k, v in state_dict.items()})
+
+
+def payload_to(payload, device):
+    """A payload (a dict of :class:`Message`, or a dict of such payloads by client) with every tensor on
+    ``device``; the very same object when all already are (no copies)."""
+    device = torch.device(device)
+
+    def moved(obj):
+        if isinstance(obj, Message):
+            return obj if all(t.device == device for t in obj.tensors.values()) else obj.to(device)
+        if isinstance(obj, Mapping):
+            new = {k: moved(v) for k, v in obj.items()}
+            return obj if all(new[k] is obj[k] for k in obj) else new
+        if isinstance(obj, torch.Tensor):
+            return obj if obj.device == device else obj.to(device)
+        return obj
+
+    return moved(payload)
 
 
 MESSAGE_TAG = "__raysim_message__"

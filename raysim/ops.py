@@ -7,23 +7,53 @@ import torch
 
 
 def weighted_average_states(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict:
-    """sum_i w_i * state_i / sum_i w_i for floating tensors; integer buffers are taken from the first state."""
+    """sum_i w_i * state_i / sum_i w_i for floating tensors; integer buffers are taken from the first state.
+
+    The arithmetic of the plain loop ``acc = 0; for i: acc += (w_i / sum w) * state_i.to(float64)`` in client
+    order, bit for bit, in a few operations per call instead of three per tensor and state (a partial aggregate of
+    every step of a runner takes this path): the floating tensors of each state are laid side by side in one float64
+    row (per dtype and device), the rows of a chunk of states (at most ~32 MB) stacked, multiplied by their
+    normalised weights (the same float64 products) and summed by a sequential scan down the stack (``cumsum``:
+    ((0 + p_0) + p_1) + ..., the loop's order) behind the running sum."""
     if not states:
         raise ValueError("nothing to average")
-    w = torch.as_tensor([float(x) for x in weights], dtype=torch.float64)
-    if float(w.sum()) <= 0:
-        raise ValueError("weights must sum to a positive number")
-    w = w / w.sum()
-    out = {}
+    if torch.is_tensor(weights):  # e.g. sample counts as they arrived (counts: positive by construction, not read)
+        w = weights.reshape(-1).to(torch.float64)
+    else:
+        values = [float(x) for x in weights]
+        if not sum(values) > 0:
+            raise ValueError("weights must sum to a positive number")
+        w = torch.as_tensor(values, dtype=torch.float64)
+    w = (w / w.sum()).tolist()  # the normalised weights (a host tensor's values: no device read)
+    out = {k: v0.clone() for k, v0 in states[0].items() if not v0.is_floating_point()}
+    groups: dict = {}
     for k, v0 in states[0].items():
         if v0.is_floating_point():
-            acc = torch.zeros_like(v0, dtype=torch.float64)
-            for wi, s in zip(w, states):
-                acc += wi * s[k].to(torch.float64)
-            out[k] = acc.to(v0.dtype)
-        else:
-            out[k] = v0.clone()
-    return out
+            groups.setdefault((v0.dtype, v0.device), []).append(k)
+    for (dtype, _), keys in groups.items():
+        flat = _weighted_rows([[s[k] for k in keys] for s in states], w).to(dtype)
+        for k, part in zip(keys, flat.split([states[0][k].numel() for k in keys])):
+            out[k] = part.view(states[0][k].shape)
+    return {k: out[k] for k in states[0]}
+
+
+def _weighted_rows(states: Sequence[Sequence[torch.Tensor]], w: list) -> torch.Tensor:
+    """sum_i w[i] * row_i in float64, summed in order from 0, where row_i is state i's tensors flattened side by side
+    (docstring of weighted_average_states)."""
+    first = states[0][0]
+    numel = sum(t.numel() for t in states[0])
+    chunk = max(1, (32 << 20) // max(1, 8 * numel))
+    acc = first.new_zeros((1, numel), dtype=torch.float64)  # where the states are
+    ws = first.new_tensor(w, dtype=torch.float64).unsqueeze(1)
+    for start in range(0, len(states), chunk):
+        part = states[start:start + chunk]
+        n = len(part)
+        cols = [torch.stack([s[j] for s in part]).reshape(n, -1) if n > 1 else part[0][j].reshape(1, -1)
+                for j in range(len(part[0]))]
+        rows = (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).to(torch.float64)
+        scale = ws if n == len(states) else ws[start:start + n]
+        acc = torch.cat([acc, rows * scale]).cumsum(0)[-1:]
+    return acc[0]
 
 
 def class_prototypes(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -32,6 +62,17 @@ def class_prototypes(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tupl
     sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, y, z)
     present = torch.nonzero(counts, as_tuple=False).flatten()
     return present, sums[present] / counts[present].unsqueeze(1).to(z.dtype), counts[present]
+
+
+def known_class_prototypes(z: torch.Tensor, y: torch.Tensor, classes: Sequence[int],
+                           num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`class_prototypes` when the host already knows ``classes``, the sorted classes present in ``y`` (a
+    client's training labels: ``ClientData.classes``): the same tensors, bit for bit, without finding the present
+    classes on the device (a host read on a GPU)."""
+    present = torch.as_tensor(list(classes), dtype=torch.int64).to(z.device)
+    sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, y, z)
+    counts = torch.zeros(num_classes, dtype=torch.int64, device=z.device).index_add_(0, y, torch.ones_like(y))
+    return present, (sums / counts.unsqueeze(1).to(z.dtype))[present], counts[present]
 
 
 def aggregate_prototypes(uploads: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num_classes: int, dim: int,
@@ -61,7 +102,10 @@ def nearest_prototype(z: torch.Tensor, protos: torch.Tensor, candidates: torch.T
 
 def prototype_regulariser(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """FedProto's loss2: nn.MSELoss between z and its class's global prototype, where a sample whose class has no
-    global prototype uses z.detach() as target (contributes zero but still counts in the mean over |B| x d)."""
+    global prototype uses z.detach() as target (contributes zero but still counts in the mean over |B| x d).
+    ``mask`` None: every class has a prototype (``protos`` on z's device)."""
+    if mask is None:  # every class has one (known on the host): the target is P_y
+        return torch.nn.functional.mse_loss(z, protos[y])
     has = mask.to(z.device)[y]
     target = torch.where(has.unsqueeze(1), protos.to(z.device)[y], z.detach())
     return torch.nn.functional.mse_loss(z, target)

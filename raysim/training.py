@@ -174,13 +174,14 @@ def load_optimizer_state(opt: torch.optim.Optimizer, model: nn.Module, state: di
 @dataclass(frozen=True)
 class TrainOptions:
     """A local training call's options: the train section, the batch-order generator, the dropout generator (None:
-    the model's dropout draws from torch's global stream), ``epochs`` (default ``cfg.local_epochs``) and the learning
-    rate (default ``cfg.lr``)."""
+    the model's dropout draws from torch's global stream), ``epochs`` (default ``cfg.local_epochs``), the learning
+    rate (default ``cfg.lr``) and whether :func:`local_sgd` returns the optimiser state (``optimizer_out``)."""
     cfg: TrainConfig
     batches: torch.Generator
     dropout: Optional[torch.Generator] = None
     epochs: Optional[int] = None
     lr: Optional[float] = None
+    optimizer_out: bool = True  # local_sgd returns the optimiser state (False: {} -- nobody keeps it, no copies)
 
     @property
     def num_epochs(self) -> int:
@@ -191,14 +192,16 @@ def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.T
               opt_state: Optional[dict] = None) -> tuple[dict, dict]:
     """``run.num_epochs`` of minibatch training of the live ``model`` with the loss function
     ``objective(model, xb, yb, epoch)``, the optimiser built from ``run.cfg`` (and ``run.lr``) with the saved
-    ``opt_state``. Returns (mean losses as ``train_*`` metrics, the optimiser state after the last step)."""
+    ``opt_state``. Returns (mean losses as ``train_*`` metrics: 0-dim float64 tensors on the data's device, read by
+    the runner once per step for all its clients; the optimiser state after the last step, or {} when
+    ``run.optimizer_out`` is off)."""
     from raysim.models import set_dropout_generator
 
     set_dropout_generator(model, run.dropout)
     try:
         opt = make_optimizer(model.parameters(), run.cfg, run.lr, opt_state, model)
         metrics = _train_loop(model, x, y, run, objective, opt)
-        return metrics, optimizer_state(opt, model)
+        return metrics, (optimizer_state(opt, model) if run.optimizer_out else {})
     finally:
         set_dropout_generator(model, None)
 
@@ -206,13 +209,13 @@ def local_sgd(model: nn.Module, objective: Callable, x: torch.Tensor, y: torch.T
 def train_epochs(model: nn.Module, x: torch.Tensor, y: torch.Tensor, run: TrainOptions, loss_fn: Callable,
                  optimizer: Optional[torch.optim.Optimizer] = None) -> dict:
     """Run ``run.num_epochs`` of minibatch training with ``loss_fn(model, xb, yb, epoch) -> (loss, parts dict)`` and
-    ``optimizer`` (default: built from ``run.cfg``); returns mean losses."""
+    ``optimizer`` (default: built from ``run.cfg``); returns mean losses (Python floats)."""
     from raysim.models import set_dropout_generator
 
     set_dropout_generator(model, run.dropout)
     try:
         opt = optimizer or make_optimizer(model.parameters(), run.cfg)
-        return _train_loop(model, x, y, run, loss_fn, opt)
+        return {k: float(v) for k, v in _train_loop(model, x, y, run, loss_fn, opt).items()}
     finally:
         set_dropout_generator(model, None)
 
@@ -228,11 +231,12 @@ def epoch_count(cfg, n: int, epochs: int) -> int:
 
 def _train_loop(model, x, y, run: TrainOptions, loss_fn, opt) -> dict:
     """Minibatch training without host synchronisation: each epoch's shuffled indices reach the data's device in one
-    copy, and the loss and its parts are summed on the device in float64 (the same sums as adding Python floats) and
-    read once, at the end."""
+    copy; the loss and its parts of every step are kept (detached) and summed once at the end, on the device, in
+    float64 and in step order (a sequential scan: the same sums as adding Python floats), so the mean losses come
+    back as 0-dim tensors that nobody has read yet."""
     cfg, generator = run.cfg, run.batches
     model.train()
-    totals: dict = {}
+    values: dict = {}
     steps = 0
     n = int(y.shape[0])
     limit = getattr(cfg, "local_steps", None)  # exactly this many steps: epochs continued as needed
@@ -251,10 +255,36 @@ def _train_loop(model, x, y, run: TrainOptions, loss_fn, opt) -> dict:
             loss.backward()
             opt.step()
             steps += 1
-            accumulate_metric(totals, "loss", loss)
+            keep_metric(values, "loss", loss)
             for k, v in parts.items():
-                accumulate_metric(totals, k, v)
-    return {f"train_{k}": float(v) / max(steps, 1) for k, v in totals.items()}
+                keep_metric(values, k, v)
+    return {f"train_{k}": v for k, v in step_means(values, max(steps, 1)).items()}
+
+
+def keep_metric(values: dict, key: str, v) -> None:
+    """Append one step's value of a metric (a tensor, detached only when it needs it; or a number)."""
+    if torch.is_tensor(v) and v.requires_grad:
+        v = v.detach()
+    values.setdefault(key, []).append(v)
+
+
+def step_means(values: dict, steps: int) -> dict:
+    """Each metric's mean over the steps: its per-step values summed in step order in float64 (a sequential scan,
+    the sums of adding Python floats), divided by ``steps``. Tensor metrics of one device and count give 0-dim
+    tensors on that device from one stack, one cast, one scan and one division; numbers give Python floats."""
+    out, tensors = {}, {}
+    for k, vs in values.items():
+        if all(torch.is_tensor(v) and v.dim() == 0 for v in vs):
+            tensors.setdefault((vs[0].device, len(vs)), []).append(k)
+        else:
+            out[k] = sum(float(v) for v in vs) / steps  # numbers: Python's left-to-right sum
+    for (_, count), keys in tensors.items():
+        flat = [v for k in keys for v in values[k]]
+        table = (torch.stack(flat) if len(flat) > 1 else flat[0].reshape(1)).to(torch.float64).view(len(keys), count)
+        means = table.cumsum(1)[:, -1] / steps  # a sequential scan on a CPU: ((v0 + v1) + v2) + ..., as Python adds
+        for j, k in enumerate(keys):
+            out[k] = means[j] if len(keys) > 1 else means.view(())
+    return out
 
 
 def accumulate_metric(totals: dict, key: str, v) -> None:
@@ -268,6 +298,8 @@ def accumulate_metric(totals: dict, key: str, v) -> None:
 def forward_all(model: nn.Module, x: torch.Tensor, batch_size: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits, embeddings) for all of x in eval mode."""
     model.eval()
+    if 0 < int(x.shape[0]) <= batch_size:  # one chunk: no slicing, no concatenation
+        return model(x, return_embedding=True)
     logits, zs = [], []
     for s in range(0, int(x.shape[0]), batch_size):
         lo, z = model(x[s:s + batch_size], return_embedding=True)
@@ -285,4 +317,6 @@ def accuracy(pred: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
 
 
 def clone_state(model: nn.Module) -> dict:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """A copy of the model's state dict (one copy per tensor, outside autograd)."""
+    with torch.no_grad():
+        return {k: v.clone() for k, v in model.state_dict(keep_vars=True).items()}

@@ -9,7 +9,7 @@ from raysim.backends import ray_serialization
 from raysim.data.federated import ClientSet, LazyClients
 from raysim.engine.reports import StepReports
 from raysim.engine.runners import ClientRunner, ServerRunner
-from raysim.messages import tensor_bytes
+from raysim.messages import payload_to, tensor_bytes
 
 
 # -- warm actors between runs -----------------------------------------------------------------------------------------
@@ -120,6 +120,7 @@ class ClientActor(ClientRunner):
         for group, token in pre:
             self.commit_and_discard(group, token)
         uploads, reports = super().run_client_step(step, payload, round_idx, iteration, client_ids, merge)
+        uploads = payload_to(uploads, "cpu")  # uploads leave the actor from the host (one copy per merged upload)
         reports = StepReports(reports)
         reports.upload_bytes = tensor_bytes(uploads)
         return uploads, reports

@@ -5,7 +5,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from raysim import rng as rngmod
+
+# how many times host_values read a device's values (benchmarks and tests count host reads with it; on a CPU the
+# read is a plain memory access that no aten operation shows)
+HOST_READS = {"count": 0}
+
+
+def host_values(tensors: list) -> list[float]:
+    """The values of 0-dim tensors as Python floats, in order, with one read per device (a stack, then one copy to
+    the host): a client step's metrics and checks cost one synchronisation of the runner, not one per client."""
+    out: list = [None] * len(tensors)
+    by_device: dict = {}
+    for i, t in enumerate(tensors):
+        by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        stacked = torch.stack([tensors[i] for i in idx]) if len(idx) > 1 else tensors[idx[0]].reshape(1)
+        HOST_READS["count"] += 1
+        for i, v in zip(idx, stacked.tolist()):
+            out[i] = float(v)
+    return out
 
 
 @dataclass

@@ -12,6 +12,7 @@ method declared, and runs server steps. What a client step reports, and the step
 """
 from __future__ import annotations
 
+import math
 import traceback as tb
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,7 @@ from raysim.engine.settings import RunnerSettings
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
 from raysim.engine.executors import executor_chain
-from raysim.engine.reports import ClientReport, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
+from raysim.engine.reports import ClientReport, host_values, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
 from raysim.messages import from_plain, payload_sizes, to_plain
 from raysim.config.registry import load_target
 from raysim.steps import ClientStep, ServerStep
@@ -167,11 +168,34 @@ class ClientRunner:
         reports, and so the accounted messages, are per client as ever)."""
         uploads, reports = self._run_client_step(step, payload, round_idx, iteration, client_ids)
         merger = upload_merger(self.algorithm, merge) if merge is not None else None
-        if merger is not None and len(uploads) > 1:
-            merged = merger({cid: uploads[cid] for cid in sorted(uploads)})
-            if merged is not None:
-                uploads = {min(uploads): merged}
-        return uploads, reports
+        merged = _merged(merger, uploads)
+        if step.mode == "evaluate":
+            _read_metrics(reports)
+        elif self._settle(reports, uploads, merged):  # updates were discarded: merge what is left
+            merged = _merged(merger, uploads)
+        return ({min(uploads): merged} if merged is not None else uploads), reports
+
+    def _settle(self, reports: list, uploads: dict, merged: Optional[dict]) -> bool:
+        """The step's divergence check, batched: every client's metrics that are still tensors and the float64 sum of
+        each tensor of what leaves this runner (the merged upload, or each client's) read in one host read; a client
+        whose loss or metric is NaN/inf, or whose upload is (looked at one by one only when what leaves is), fails
+        as diverged: its staged state and upload are dropped (:mod:`raysim.engine.safety`). True when some were."""
+        leaving = [merged] if merged is not None else [uploads[c] for c in sorted(uploads)]
+        sums = [t.sum(dtype=torch.float64) for up in leaving for t in safety.float_tensors(up)]
+        finite = _read_metrics(reports, sums)
+        bad = []
+        for rep in reports:
+            what = safety.nonfinite_metrics(rep.metrics) if rep.ok else None
+            if rep.ok and not what and not finite and rep.client_id in uploads:
+                what = safety.nonfinite_upload(uploads[rep.client_id])
+            if what:
+                bad.append((rep, what))
+        for rep, what in bad:  # a diverged update never reaches the server; the client keeps its last state
+            rep.ok, rep.nonfinite, rep.error = False, what, safety.NONFINITE_PREFIX + what
+            rep.metrics, rep.up = {}, {}
+            self.store.discard([rep.client_id])
+            uploads.pop(rep.client_id, None)
+        return bool(bad)
 
     def _run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
                          client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
@@ -192,16 +216,13 @@ class ClientRunner:
             uploads.pop(cid, None)
 
     def _finish_update(self, rep: ClientReport, cid: int, res, token: str, uploads: dict) -> None:
-        """A client update's outcome: a diverged one is a failed report (the client keeps its last state), any other
-        is staged (committed later) and its upload kept."""
-        rep.nonfinite = safety.check_update(res.metrics, res.upload) or ""
-        if rep.nonfinite:  # a diverged update never reaches the server; the client keeps its last state
-            rep.ok, rep.error = False, safety.NONFINITE_PREFIX + rep.nonfinite
-        else:
-            self.store.stage(cid, res.state, token)
-            uploads[cid] = res.upload
-            rep.metrics = dict(res.metrics)
-            rep.up = payload_sizes(res.upload)
+        """A client update's outcome: its state staged (committed later), its upload kept, its metrics (tensors
+        still on the device) reported. Whether it diverged is checked for the whole step at its end (``_settle``:
+        a diverged update is dropped there, before anything leaves the runner)."""
+        self.store.stage(cid, res.state, token)
+        uploads[cid] = res.upload
+        rep.metrics = dict(res.metrics)
+        rep.up = payload_sizes(res.upload)
 
     def commit(self, client_ids: Optional[list[int]] = None, token: Optional[str] = None) -> None:
         """The step's results reached the driver: its new states become the committed ones."""
@@ -252,6 +273,32 @@ class ClientRunner:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _merged(merger, uploads: dict) -> Optional[dict]:
+    """The partial aggregate of a step's uploads (None: no merge asked, none defined, or fewer than two uploads)."""
+    if merger is None or len(uploads) < 2:
+        return None
+    return merger({cid: uploads[cid] for cid in sorted(uploads)})
+
+
+def _read_metrics(reports: list, extra: Optional[list] = None) -> bool:
+    """Replace every 0-dim tensor among the reports' metric values (also inside ``(value, weight)`` pairs) by its
+    Python float, reading them and the ``extra`` 0-dim tensors in one host read per device
+    (:func:`raysim.engine.reports.host_values`); True when every ``extra`` value is finite."""
+    slots, tensors = [], []
+    for rep in reports:
+        for k, v in rep.metrics.items():
+            if torch.is_tensor(v) and v.dim() == 0:
+                slots.append((rep.metrics, k, None))
+                tensors.append(v)
+            elif isinstance(v, tuple) and v and torch.is_tensor(v[0]) and v[0].dim() == 0:
+                slots.append((rep.metrics, k, v))
+                tensors.append(v[0])
+    values = host_values(tensors + list(extra or []))
+    for (metrics, k, pair), value in zip(slots, values):
+        metrics[k] = value if pair is None else (value, *pair[1:])
+    return all(math.isfinite(v) for v in values[len(tensors):])
 
 
 def server_data(spec: RunSpec, fed_data) -> dict:

@@ -88,6 +88,17 @@ def nonfinite_upload(upload: Mapping) -> Optional[str]:
     return None
 
 
+def float_tensors(upload: Mapping) -> list:
+    """The floating-point tensors of an upload payload (name -> Message), in the order :func:`nonfinite_upload`
+    looks at them (the runner sums each once per step to see whether any holds a NaN/inf)."""
+    out = []
+    for name in sorted(upload):
+        tensors = getattr(upload[name], "tensors", None) or {}
+        out += [tensors[k] for k in sorted(tensors) if isinstance(tensors[k], torch.Tensor)
+                and tensors[k].is_floating_point() and tensors[k].numel()]
+    return out
+
+
 def check_update(metrics: Mapping, upload: Mapping) -> Optional[str]:
     """What is non-finite in one client update (metrics first, then the upload), or None."""
     return nonfinite_metrics(metrics) or nonfinite_upload(upload)

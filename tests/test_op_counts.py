@@ -1,0 +1,51 @@
+"""The per-client path at the speed of a hand-written loop, counted on a CPU (issue "Faster than a hand-written loop
+on a GPU", part 1): the aten operations raysim dispatches per trained client against its plain-PyTorch twin doing
+the same work (benchmarks/twin.py: one model, weights copied in, torch.optim.SGD, the weighted sum on the device; the
+prototype methods' twin adds their loss and prototype sums), and the host reads among them. Each op is a kernel
+launch on a GPU and each read a stream synchronisation, so these counts say on any CPU what a GPU pays. Counted
+with benchmarks/op_count.py's dispatch-mode counter on benchmarks/gpu.py's workload (cnn4, 50 images 3x32x32 a
+client, batch 10, one epoch, SGD momentum 0.9, sequential backend, one runner), setup and final evaluation cancelled
+out by differencing runs of one and two rounds."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+COHORT = 6
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _counts(method: str):
+    import op_count
+
+    rs = op_count.raysim_client_counts(method, cohort=COHORT, clients=COHORT, rounds=(1, 2))
+    tw = op_count.twin_client_counts(op_count.TWIN_OBJECTIVE[method], cohort=COHORT, clients=COHORT, rounds=(1, 2))
+    return rs, tw
+
+
+@pytest.mark.parametrize("method", ["fedavg", "fedprox", "fedproto", "fedtgp"])
+def test_ops_per_trained_client_within_5_percent_of_the_plain_loop(method):
+    import op_count
+
+    rs, tw = _counts(method)
+    mine, plain = sum(rs["client steps"].values()), sum(tw.values())
+    extra = sorted(((rs["client steps"].get(k, 0) - tw.get(k, 0), k) for k in set(rs["client steps"]) | set(tw)),
+                   reverse=True)[:8]
+    assert mine <= 1.05 * plain, f"{method}: {mine:.1f} ops per client vs the plain loop's {plain:.1f}; most extra: {extra}"
+    # no host read per client: nothing in the client's own step reads a device value ...
+    assert rs["client steps"].get(op_count.READ, 0) == 0, rs["client steps"].get(op_count.READ)
+    assert tw.get(op_count.READ, 0) == 0
+    # ... the runner reads every client's metrics and divergence checks at once, once per step
+    assert rs["batched reads"] == pytest.approx(1 / COHORT)
