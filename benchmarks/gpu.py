@@ -8,6 +8,10 @@ GPU per actor: 1, 2, 4, 8 actors); for cnn4 also the vectorised executor (``back
 without a GPU it says "no GPU" and runs the CPU rows (the same
 threads for sequential and Ray: ``backend.torch_threads``), which give the Ray-vs-sequential ratio.
 
+Beside raysim's rows, in the same process and sitting, its plain-PyTorch twins (benchmarks/twin.py): the
+hand-written per-client loop (both models) and, for cnn4, the cohort as one ``vmap`` (on a GPU also at cohorts 200
+and 1,000), then the ratios raysim / twin. Work counted instead of timed: benchmarks/op_count.py.
+
     python benchmarks/gpu.py [--clients 1000 --cohort 50 --rounds 5] [--models cnn4 resnet18] [--json out.json]
     python benchmarks/gpu.py --clients 100 --cohort 20 --rounds 4        # a 2-core CPU machine
 """
@@ -22,6 +26,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def cifar_twin(root, clients: int = 100):
@@ -103,6 +108,71 @@ def _model_mb(cfg) -> float:
     return tensor_bytes(prepare(cfg).task.build_model(0).state_dict()) / 1e6
 
 
+def twin_rows(model: str, args, device) -> list[dict]:
+    """The plain-PyTorch twins (benchmarks/twin.py) on the same work, in this process: the per-client loop, and for
+    cnn4 the cohort as one vmap at this cohort (on a GPU also at 200 and 1,000 clients a round)."""
+    import torch
+
+    import twin
+    from raysim.models import cnn4, resnet18
+
+    data = cifar_twin(None, args.clients)
+    x, y = twin.client_tensors(data["x_train"], data["y_train"], args.clients, 50, device)
+    work = twin.Work(x, y)
+    build = {"cnn4": lambda: cnn4((3, 32, 32), 10), "resnet18": lambda: resnet18((3, 32, 32), 10)}[model]
+    variants = [("plain loop (twin)", args.cohort, lambda: twin.PlainLoop(build().to(device), work))]
+    if model == "cnn4":
+        cohorts = [args.cohort] + ([c for c in (200, 1000) if c <= args.clients and c != args.cohort]
+                                   if device.type == "cuda" else [])
+        variants += [(f"vmap cohort {c} (twin)", c, lambda: twin.VmapCohort(build().to(device), work))
+                     for c in cohorts]
+    rows = []
+    for name, cohort, make in variants:
+        torch.manual_seed(0)
+        runner, gen = make(), torch.Generator().manual_seed(1)
+        times = []
+        for _ in range(args.rounds):
+            ids = torch.randperm(args.clients, generator=gen)[:cohort].tolist()
+            _sync(device)
+            t0 = time.perf_counter()
+            runner.round(ids)
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        s = statistics.median(times[1:]) if len(times) > 1 else times[0]
+        out = {"model": model, "variant": name, "cohort": cohort, "s_round": s, "client_updates_per_s": cohort / s,
+               "ms_per_step": 1e3 * s / (cohort * 5)}
+        print(json.dumps(out), flush=True)
+        rows.append(out)
+    return rows
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def ratios(rows: list[dict], model: str) -> list[str]:
+    """raysim's rows over their twins (seconds per round at the same cohort: > 1 is slower than the twin)."""
+    def row(v):
+        return next((r for r in rows if r["model"] == model and r["variant"] == v and "error" not in r), None)
+
+    out = []
+    plain, seq = row("plain loop (twin)"), row("sequential")
+    vm, vec = row(f"vmap cohort {seq['cohort'] if seq else 0} (twin)"), row("sequential, vectorised")
+    ray1 = row("ray 1 actor, partial aggregates")
+    if plain and seq:
+        out.append(f"{model}: sequential (loop executor) / plain loop = {seq['s_round'] / plain['s_round']:.2f} "
+                   f"({seq['client_updates_per_s'] / plain['client_updates_per_s']:.2f}x its client updates/s)")
+    if ray1 and seq:
+        out.append(f"{model}: Ray (1 actor) / sequential = {ray1['s_round'] / seq['s_round']:.2f}")
+    if vm and vec:
+        out.append(f"{model}: vectorised executor / vmap twin = {vec['s_round'] / vm['s_round']:.2f} "
+                   f"({vec['client_updates_per_s'] / vm['client_updates_per_s']:.2f}x its client updates/s)")
+    return out
+
+
 def one(model, variant, backend, args) -> dict:
     """One variant's row; a variant that fails is a row with its error (the others still run)."""
     import traceback
@@ -131,7 +201,8 @@ def _one(model, variant, backend, args) -> dict:
     wall = time.perf_counter() - t0
     s = statistics.median(res.timing["round_s"][1:]) if args.rounds > 1 else res.timing["round_s"][0]
     steps = 5  # 50 images, batch 10, one epoch
-    out = {"model": model, "variant": variant, "s_round": s, "client_updates_per_s": args.cohort / s,
+    out = {"model": model, "variant": variant, "cohort": args.cohort, "s_round": s,
+           "client_updates_per_s": args.cohort / s,
            "ms_per_step": 1e3 * s / (args.cohort * steps), "wall_s": wall, "final_test_acc": res.final()[0],
            "object_store_mb_per_round": _store_mb(res.metadata), "model_mb": _model_mb(cfg), **gs.summary()}
     if torch.cuda.is_available():
@@ -152,6 +223,7 @@ def main(argv=None):
     ap.add_argument("--numerics", default="portable", choices=["portable", "native"],
                     help="backend.numerics of every variant (portable: deterministic CUDA kernels, no TF32)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-twin", action="store_true", help="skip the plain-PyTorch twins (benchmarks/twin.py)")
     args = ap.parse_args(argv)
     import torch
 
@@ -163,7 +235,11 @@ def main(argv=None):
     common = {"torch_threads": args.threads, "device": "cuda" if gpu else "cpu", "numerics": args.numerics}
     on_ray = dict(common, device="auto")  # the client actors see their GPU share; the server actor (no share) the CPU
     rows = []
+    device = torch.device("cuda" if gpu else "cpu")
+    torch.set_num_threads(args.threads)  # the twins run in this process, with the variants' thread count
     for model in args.models:
+        if not args.no_twin:
+            rows += twin_rows(model, args, device)
         rows.append(one(model, "sequential", dict(common), args))
         rows.append(one(model, "ray 1 actor, an upload per client", dict(
             on_ray, name="ray", num_actors=1, num_cpus=1, num_gpus=1.0 if gpu else 0.0, partial_aggregate=False), args))
@@ -183,6 +259,8 @@ def main(argv=None):
         part = next(r for r in rows if r["model"] == model and r["variant"] == "ray 1 actor, partial aggregates")
         print(f"{model}: Ray (1 actor) / sequential = {part['s_round'] / seq['s_round']:.2f} (the default: partial "
               f"aggregates); an upload per client {ray1['s_round'] / seq['s_round']:.2f}", flush=True)
+        for line in ratios(rows, model):
+            print(line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"gpu": gpu, "args": vars(args), "rows": rows}, indent=1))
 

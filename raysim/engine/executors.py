@@ -166,7 +166,8 @@ class Vectorized(Executor):
         start = alg.client_init(model, down, state, data, ctx)
         if alg.vectorizable(start):
             check_model(model)
-            params = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with torch.no_grad():  # the client's starting weights (the live model is reloaded for the next client)
+                params = {n: p.clone() for n, p in model.named_parameters()}
             opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
             vs.pending[cid] = _Pending(ctx, down, state, data, start, params, opt_state)
             vs.groups.setdefault(id(model), (model, []))[1].append(cid)

@@ -81,6 +81,10 @@ class _FunctionalModel:
         return getattr(self._module, name)
 
 
+def _const(t: torch.Tensor) -> torch.Tensor:
+    return t.detach() if t.requires_grad else t
+
+
 def _detached(parts: dict) -> dict:
     """An objective's ``parts`` (floats or tensors) as detached tensors, the form vmap can return."""
     return {key: (v if torch.is_tensor(v) else torch.tensor(float(v))).detach() for key, v in parts.items()}
@@ -120,14 +124,23 @@ class _GroupTraining:
         params = [m.params for m in members]
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head): no step
         self.names = [n for n in params[0] if n in trainable]
-        self.stacked = {n: torch.stack([p[n].detach() for p in params]).clone() for n in self.names}
-        self.frozen = {n: torch.stack([p[n].detach() for p in params]) for n in params[0] if n not in trainable}
+        self.stacked = {n: torch.stack([_const(p[n]) for p in params]) for n in self.names}  # stack: a new tensor
+        self.frozen = {n: torch.stack([_const(p[n]) for p in params]) for n in params[0] if n not in trainable}
         self.buffers = {n: b for n, b in model.named_buffers()}
         self.opt = StackedOptimizer(cfg, self.stacked, [m.opt_state for m in members], cfg.lr)
         # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm
         # per epoch)
         self.plans = [[(e, idx) for e in range(cfg.local_epochs)
                        for idx in minibatches(int(m.y.shape[0]), cfg.batch_size, m.batches)] for m in members]
+        # clients with data of one shape (the usual case): their data stacked once, each step's batches gathered for
+        # all of them in one indexing op; each step's losses kept as one vector (per-client sums at the end)
+        self.uniform = self.k > 1 and len({(tuple(m.x.shape), tuple(m.y.shape), m.x.device) for m in members}) == 1
+        if self.uniform:
+            self.xs, self.ys = torch.stack([m.x for m in members]), torch.stack([m.y for m in members])
+            self.ar = torch.arange(self.k, device=self.xs.device).unsqueeze(1)
+            self.idx = [torch.stack([p[s][1] for p in self.plans]).to(self.xs.device)
+                        for s in range(len(self.plans[0]))]
+        self.step_values: list = []  # uniform groups: per step, (loss vector, {part: vector}) of every client
         self.probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws
         self.calls: dict[tuple, Optional[list]] = {}  # (batch size, epoch) -> the objective's model calls (None: vmap)
         self.use_grouped = grouped and bool(self.names) and _grouped.supported(model)
@@ -198,12 +211,15 @@ class _GroupTraining:
     def _group_step(self, s: int, b: int, e: int, group: list[int]) -> None:
         spec = self.probe(b, e, group[0])
         ms = [self.members[i] for i in group]
-        xb = torch.stack([m.x[self.plans[i][s][1].to(m.x.device)] for i, m in zip(group, ms)])
-        yb = torch.stack([m.y[self.plans[i][s][1].to(m.y.device)] for i, m in zip(group, ms)])
+        whole = len(group) == self.k
+        if self.uniform and whole:  # every client's batch of this step in one gather
+            xb, yb = self.xs[self.ar, self.idx[s]], self.ys[self.ar, self.idx[s]]
+        else:
+            xb = torch.stack([m.x[self.plans[i][s][1].to(m.x.device)] for i, m in zip(group, ms)])
+            yb = torch.stack([m.y[self.plans[i][s][1].to(m.y.device)] for i, m in zip(group, ms)])
         masks = [torch.stack([torch.empty(shape, device=xb.device, dtype=dt).bernoulli_(1.0 - p, generator=m.dropout)
                               for m in ms]) for shape, dt, p in spec]
         rows = torch.as_tensor(group, device=xb.device)  # indexes the stacked tensors and optimiser state
-        whole = len(group) == self.k
         sub = self.stacked if whole else {n: t[rows] for n, t in self.stacked.items()}
         fz = self.frozen if whole else {n: t[rows] for n, t in self.frozen.items()}
         seen, out = self.calls.get((b, e)), None
@@ -214,18 +230,43 @@ class _GroupTraining:
                 self.calls[b, e] = None  # step runs with vmap instead (which raises a genuine error itself)
         grads, (loss, parts) = out if out is not None else self.grad_fn(sub, fz, xb, yb, masks, e)
         self.opt.step(self.stacked, grads, rows, whole, host_rows=group)
+        if self.uniform and whole and all(torch.is_tensor(v) and v.dim() == 1 for v in parts.values()):
+            self.step_values.append((loss.detach(), {key: v.detach() for key, v in parts.items()}))
+            return
+        self._flush_steps()  # a step that is not the whole group: the per-client sums from here on
         for j, i in enumerate(group):
             self.counts[i] += 1
             accumulate_metric(self.totals[i], "loss", loss[j])  # on the device: no host synchronisation per step
             for key, v in parts.items():
                 accumulate_metric(self.totals[i], key, v[j])
 
+    def _flush_steps(self) -> None:
+        """Fold the whole-group steps kept as vectors into the per-client sums (float64, in step order: one stack and
+        one sequential scan down the steps, the sums the per-client accumulation makes)."""
+        if not self.step_values:
+            return
+        keys = ["loss"] + sorted(self.step_values[0][1])
+        if any(sorted(parts) != keys[1:] for _, parts in self.step_values):
+            raise ValueError("an objective's parts changed between steps")
+        table = torch.stack([torch.stack([loss] + [parts[k] for k in keys[1:]]) for loss, parts in self.step_values])
+        sums = table.to(torch.float64).cumsum(0)[-1]  # [metrics, K]
+        for m, key in enumerate(keys):
+            for i, v in enumerate(sums[m].unbind()):
+                self.totals[i][key] = self.totals[i][key] + v if key in self.totals[i] else v
+        for i in range(self.k):
+            self.counts[i] += len(self.step_values)
+        self.step_values = []
+
     def run(self) -> tuple[list[dict], list[dict], list[dict]]:
         self.model.train()
         for s in range(max((len(p) for p in self.plans), default=0)):
             self.step(s)
-        trained = [{**{n: self.stacked[n][i].clone() for n in self.names},
-                    **{n: t[i].clone() for n, t in self.frozen.items()}} for i in range(self.k)]
-        metrics = [{f"train_{key}": float(v) / max(self.counts[i], 1) for key, v in self.totals[i].items()}
-                   for i in range(self.k)]
-        return trained, metrics, [self.opt.state_of(i, self.names) for i in range(self.k)]
+        self._flush_steps()
+        # each client's trained parameters as views of the stacks (nothing writes to them after the last step)
+        trained = [{**{n: self.stacked[n][i] for n in self.names},
+                    **{n: t[i] for n, t in self.frozen.items()}} for i in range(self.k)]
+        metrics = [{f"train_{key}": v / max(self.counts[i], 1) for key, v in self.totals[i].items()}
+                   for i in range(self.k)]  # 0-dim tensors (or floats): the runner reads them once per step
+        opt = ([self.opt.state_of(i, self.names) for i in range(self.k)] if self.cfg.persist_optimizer
+               else [{} for _ in range(self.k)])
+        return trained, metrics, opt
