@@ -49,3 +49,46 @@ def test_ops_per_trained_client_within_5_percent_of_the_plain_loop(method):
     assert tw.get(op_count.READ, 0) == 0
     # ... the runner reads every client's metrics and divergence checks at once, once per step
     assert rs["batched reads"] == pytest.approx(1 / COHORT)
+
+
+def test_an_executor_is_added_without_touching_the_runner(monkeypatch):
+    """Executors are an open interface (raysim/engine/executors.py): a class with enabled / accepts / run, registered
+    ahead of the per-client loop, runs the steps it accepts through StepRun's public surface and bookkeeping only;
+    the table is the loop's."""
+    from raysim.config import make_config
+    from raysim.engine import executors
+    from raysim.engine.loop import run_experiment
+    from raysim.io.results import without_timing
+    from tests.conftest import tiny_config
+
+    seen = []
+
+    class Recording(executors.Executor):
+        name = "recording"
+
+        def accepts(self, run):
+            return not run.evaluate
+
+        def run(self, run):
+            seen.append((run.round_idx, run.step.name, tuple(run.client_ids)))
+            for cid in run.client_ids:  # the loop's contract through the public surface only
+                ctx, down = run.download(cid)
+                state = run.state(cid)
+                run.seed(cid)
+                try:
+                    run.finish(cid, getattr(run.algorithm, run.step.method)(down, state, run.data(cid), ctx))
+                except Exception as e:
+                    run.fail(cid, e)
+            return True
+
+    cfg = make_config(tiny_config(rounds=2, backend={"name": "sequential"}))
+    plain = without_timing(run_experiment(cfg, write=False).table)
+    monkeypatch.setattr(executors, "_REGISTRY", list(executors._REGISTRY))
+    executors.register_executor(Recording)
+    assert [c.name for c in executors._REGISTRY][-2:] == ["recording", "loop"]
+    mine = without_timing(run_experiment(cfg, write=False).table)
+    assert [s[:2] for s in seen] == [(0, "update"), (1, "update")]
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(plain.drop(columns="run_id").reset_index(drop=True),
+                                  mine.drop(columns="run_id").reset_index(drop=True), check_exact=True)

@@ -1,6 +1,7 @@
-"""Executors: the ways a client runner runs a client step for its hosted clients, as objects behind one interface
-(:class:`Executor`). A runner holds a chain of them, chosen once from the run's settings (:func:`executor_chain`);
-a step goes to the first that takes it (``run`` returns None to pass it on):
+"""Executors: the ways a client runner runs a client step for its hosted clients, as objects behind one open
+interface (:class:`Executor`), registered in order (:func:`register_executor`). A runner builds its chain once from
+its settings (:func:`executor_chain`: the registered executors that are ``enabled`` for them); a step goes to the
+first executor that ``accepts`` it and runs it (``run`` returns False to pass it on after all):
 
 * :class:`GroupForm` — a method's group form of the step (``<fn>_group(payloads, states, datas, ctxs)``, MAFML's);
 * :class:`Vectorized` — local training of ``LocalTraining`` methods batched per architecture
@@ -8,9 +9,12 @@ a step goes to the first that takes it (``run`` returns None to pass it on):
   ``torch.func.vmap``);
 * :class:`Loop` — one client after another (always last: it takes every step).
 
-Each keeps the per-client loop's contract: each client's report, staged state and upload, and its own failure. They
-read the runner's parts (``algorithm``, ``spec``, ``_ctx``, ``state``, ``_data``, ``_finish_update``, ``_fail``)
-and hold no client state of their own."""
+An executor sees one :class:`StepRun`: the step, its payload and clients, and the runner's small public surface
+(``context``, ``download``, ``state``, ``data``, ``seed``) with the per-client bookkeeping, which lives only there
+(``finish``: a client's update staged, its upload kept, its report filled; ``fail``: its own failure, its staged
+state and upload dropped; ``result``: uploads and reports). Executors hold no client state and never touch the
+runner's private parts, so a new one (a CUDA-graph loop, a compiled group, a method's own group form) is a class
+with ``enabled``, ``accepts`` and ``run``, registered with :func:`register_executor`."""
 from __future__ import annotations
 
 import time
@@ -23,23 +27,111 @@ import torch
 
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, LocalTraining
-from raysim.engine.reports import ClientReport, step_purpose as _purpose, step_token
+from raysim.engine.reports import ClientReport, step_purpose, step_token
 from raysim.engine.vectorized import Member, check_model, vmap_local_sgd
 from raysim.errors import DamagedFileError
 from raysim.messages import payload_sizes
 from raysim.steps import ClientStep
 
 
+class StepRun:
+    """One client step on one runner, as an executor sees it (module docstring): ``step``, ``payload``,
+    ``round_idx``, ``iteration``, ``client_ids``, the ``algorithm``, the train section ``train``, and the per-client
+    bookkeeping. Made by the runner for each step."""
+
+    def __init__(self, runner, step: ClientStep, payload, round_idx: int, iteration: int, client_ids: list[int]):
+        self._runner = runner
+        self.step, self.payload, self.round_idx, self.iteration = step, payload, round_idx, iteration
+        self.client_ids = list(client_ids)
+        self.algorithm = runner.algorithm
+        self.train = runner.spec.task.train
+        self.evaluate = step.mode == "evaluate"
+        self.token = step_token(round_idx, step, iteration)
+        self.uploads: dict = {}
+        self._reports: dict[int, ClientReport] = {}
+
+    # -- the runner's surface -------------------------------------------------------------------------------------
+    def context(self, cid: int):
+        return self._runner.context(self.round_idx, cid, self.step.name, self.iteration)
+
+    def download(self, cid: int):
+        """(the client's context, what it downloads of the payload), the download accounted in its report."""
+        ctx = self.context(cid)
+        down = self.algorithm.downlink(self.payload, cid, ctx)
+        if not self.evaluate:
+            self.report(cid).down = payload_sizes(down)
+        return ctx, down
+
+    def state(self, cid: int):
+        return self._runner.state(cid, keep=not self.evaluate)
+
+    def data(self, cid: int):
+        return self._runner.client_data(cid)
+
+    def has_test_data(self, cid: int) -> bool:
+        return self._runner.has_test_data(cid)
+
+    def seed(self, cid: int) -> None:
+        """torch's global RNG for this client's step (what the per-client loop sets before each call)."""
+        rngmod.seed_torch_global(self._runner.spec.runner.seed, self.round_idx, cid,
+                                 step_purpose(self.step, self.iteration))
+
+    # -- the bookkeeping -----------------------------------------------------------------------------------------
+    def report(self, cid: int) -> ClientReport:
+        rep = self._reports.get(cid)
+        if rep is None:
+            rep = self._reports[cid] = ClientReport(cid, self.round_idx, self.step.name, iteration=self.iteration)
+        return rep
+
+    def finish(self, cid: int, update: ClientUpdate) -> None:
+        """A client's update: its state staged, its upload kept, its metrics and sizes reported (whether it
+        diverged is checked for the whole step by the runner, before anything leaves it)."""
+        self._runner.finish_update(self.report(cid), cid, update, self.token, self.uploads)
+
+    def fail(self, cid: int, e: BaseException) -> None:
+        """A client's own failure: its report says why, its staged state and upload are dropped."""
+        self._runner.fail(self.report(cid), cid, e, self.uploads)
+
+    def result(self) -> tuple[dict, list[ClientReport]]:
+        """Uploads by client, and the reports in ``client_ids`` order (clients never reported are left out: an
+        evaluation skips clients without test data)."""
+        return self.uploads, [self._reports[c] for c in self.client_ids if c in self._reports]
+
+
+_REGISTRY: list = []
+
+
+def register_executor(cls, before: Optional[str] = None):
+    """Add an executor class to the chain every runner builds (before the one named ``before``; default: before the
+    per-client loop, which stays last). Usable as a decorator. Returns ``cls``."""
+    names = [c.name for c in _REGISTRY]
+    if cls.name in names:
+        _REGISTRY.pop(names.index(cls.name))
+        names.remove(cls.name)
+    if before is None and "loop" in names:
+        before = "loop"
+    _REGISTRY.insert(names.index(before) if before in names else len(_REGISTRY), cls)
+    return cls
+
+
 class Executor(ABC):
-    """One way of running a client step. ``run`` returns (uploads by client, reports in ``client_ids`` order), or
-    None when it does not take this step (the next executor of the chain runs it)."""
+    """One way of running a client step (module docstring)."""
 
     name = "executor"
 
+    @classmethod
+    def enabled(cls, settings) -> bool:
+        """Whether a runner with these settings (``RunnerSettings``) holds this executor (default: always)."""
+        return True
+
+    def accepts(self, run: StepRun) -> bool:
+        """Whether this executor runs ``run``'s step (default: every step)."""
+        return True
+
     @abstractmethod
-    def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
-            client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
-        """Run ``step`` for ``client_ids`` on runner ``r``, or return None to pass it on."""
+    def run(self, run: StepRun) -> bool:
+        """Run the step for every client of ``run`` through its bookkeeping; False passes it on to the next
+        executor (only before anything was recorded)."""
 
 
 class GroupForm(Executor):
@@ -50,24 +142,29 @@ class GroupForm(Executor):
     def __init__(self):
         self._warned: set = set()  # group forms that failed once (warned)
 
-    def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
-            client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
-        """``backend.vectorize`` for a step whose method has a group form (``<fn>_group(payloads, states, datas,
-        ctxs)``, the contract in the comment after :meth:`raysim.algorithm.Algorithm.evaluate_client`): one call for
-        the hosted clients of the step. The group form returns None when it cannot take this group (the per-client
-        loop runs instead); if it raises, the per-client loop runs too (warned once per step), so a failing client
-        fails alone and with its own error. A result that is not one ClientUpdate per client is the method's bug: a
-        TypeError naming it."""
-        if step.mode == "evaluate" or len(client_ids) < 2 or getattr(r.algorithm, f"{step.method}_group", None) is None:
-            return None
+    @classmethod
+    def enabled(cls, settings) -> bool:
+        return bool(settings.vectorize)
+
+    def accepts(self, run: StepRun) -> bool:
+        return (not run.evaluate and len(run.client_ids) >= 2
+                and getattr(run.algorithm, f"{run.step.method}_group", None) is not None)
+
+    def run(self, run: StepRun) -> bool:
+        """One call of the method's group form (``<fn>_group(payloads, states, datas, ctxs)``, the contract in the
+        comment after :meth:`raysim.algorithm.Algorithm.evaluate_client`) for the step's clients. The group form
+        returns None when it cannot take this group (the per-client loop runs instead); if it raises, the per-client
+        loop runs too (warned once per step), so a failing client fails alone and with its own error. A result that
+        is not one ClientUpdate per client is the method's bug: a TypeError naming it."""
         t0 = time.perf_counter()
-        name = f"{type(r.algorithm).__name__}.{step.method}_group"
+        name = f"{type(run.algorithm).__name__}.{run.step.method}_group"
+        ids = run.client_ids
         try:
-            ctxs = [r._ctx(round_idx, cid, step.name, iteration) for cid in client_ids]
-            downs = [r.algorithm.downlink(payload, cid, ctx) for cid, ctx in zip(client_ids, ctxs)]
-            states = [r.state(cid) for cid in client_ids]
-            datas = [r._data(cid) for cid in client_ids]
-            results = getattr(r.algorithm, f"{step.method}_group")(downs, states, datas, ctxs)
+            ctxs = [run.context(cid) for cid in ids]
+            downs = [run.algorithm.downlink(run.payload, cid, ctx) for cid, ctx in zip(ids, ctxs)]
+            states = [run.state(cid) for cid in ids]
+            datas = [run.data(cid) for cid in ids]
+            results = getattr(run.algorithm, f"{run.step.method}_group")(downs, states, datas, ctxs)
         except DamagedFileError:
             raise
         except Exception as e:
@@ -75,27 +172,23 @@ class GroupForm(Executor):
                 self._warned.add(name)
                 warnings.warn(f"{name} failed ({type(e).__name__}: {e}); its clients run the per-client steps",
                               RuntimeWarning, stacklevel=2)
-            return None
+            return False
         if results is None:
-            return None
-        if (not isinstance(results, (list, tuple)) or len(results) != len(client_ids)
+            return False
+        if (not isinstance(results, (list, tuple)) or len(results) != len(ids)
                 or not all(isinstance(u, ClientUpdate) for u in results)):
-            raise TypeError(f"{name} must return None or one ClientUpdate per client ({len(client_ids)}), got "
+            raise TypeError(f"{name} must return None or one ClientUpdate per client ({len(ids)}), got "
                             f"{type(results).__name__}"
                             f"{f' of {len(results)}' if isinstance(results, (list, tuple)) else ''}")
-        token = step_token(round_idx, step, iteration)
-        share = (time.perf_counter() - t0) / len(client_ids)
-        uploads, reports = {}, []
-        for cid, down, res in zip(client_ids, downs, results):
-            rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
-            rep.down = payload_sizes(down)
+        share = (time.perf_counter() - t0) / len(ids)
+        for cid, down, res in zip(ids, downs, results):
+            run.report(cid).down = payload_sizes(down)
             try:
-                r._finish_update(rep, cid, res, token, uploads)
+                run.finish(cid, res)
             except Exception as e:
-                r._fail(rep, cid, e, uploads)
-            rep.seconds = share
-            reports.append(rep)
-        return uploads, reports
+                run.fail(cid, e)
+            run.report(cid).seconds = share
+        return True
 
 
 @dataclass
@@ -112,13 +205,9 @@ class _Pending:
 
 
 @dataclass
-class _VectorStep:
-    """One vectorised client step's bookkeeping: every client's report, the uploads so far, the clients waiting for
-    their architecture's batched training (grouped by live model)."""
+class _Groups:
+    """The clients of a vectorised step waiting for their architecture's batched training, by live model."""
 
-    token: str
-    reports: dict = field(default_factory=dict)
-    uploads: dict = field(default_factory=dict)
     pending: dict = field(default_factory=dict)
     groups: dict = field(default_factory=dict)
 
@@ -131,56 +220,57 @@ class Vectorized(Executor):
 
     name = "vectorized"
 
-    def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
-            client_ids: list[int]) -> Optional[tuple[dict, list[ClientReport]]]:
-        if step.mode == "evaluate" or step.method != "client_update" or not isinstance(r.algorithm, LocalTraining):
-            return None
-        vs = _VectorStep(step_token(round_idx, step, iteration))
-        for cid in client_ids:
+    @classmethod
+    def enabled(cls, settings) -> bool:
+        return bool(settings.vectorize)
+
+    def accepts(self, run: StepRun) -> bool:
+        return (not run.evaluate and run.step.method == "client_update"
+                and isinstance(run.algorithm, LocalTraining))
+
+    def run(self, run: StepRun) -> bool:
+        g = _Groups()
+        for cid in run.client_ids:
             t0 = time.perf_counter()
-            rep = vs.reports[cid] = ClientReport(cid, round_idx, step.name, iteration=iteration)
             try:
-                self._start(r, vs, step, payload, (round_idx, iteration), cid)
+                self._start(run, g, cid)
             except Exception as e:
-                r._fail(rep, cid, e, vs.uploads)
-                vs.pending.pop(cid, None)
-            rep.seconds += time.perf_counter() - t0
-        for model, cids in vs.groups.values():
-            cids = [c for c in cids if c in vs.pending]
+                run.fail(cid, e)
+                g.pending.pop(cid, None)
+            run.report(cid).seconds += time.perf_counter() - t0
+        for model, cids in g.groups.values():
+            cids = [c for c in cids if c in g.pending]
             if cids:
-                self._train(r, vs, model, cids)
-        return vs.uploads, [vs.reports[c] for c in client_ids]
+                self._train(run, g, model, cids)
+        return True
 
     @staticmethod
-    def _start(r, vs: _VectorStep, step: ClientStep, payload, when: tuple, cid: int) -> None:
+    def _start(run: StepRun, g: _Groups, cid: int) -> None:
         """``client_init`` for one client: it joins its architecture's group, or runs the per-client loop."""
-        alg, cfg = r.algorithm, r.spec.task.train
-        round_idx, iteration = when
-        ctx = r._ctx(round_idx, cid, step.name, iteration)
-        down = alg.downlink(payload, cid, ctx)
-        vs.reports[cid].down = payload_sizes(down)
-        state = r.state(cid)
-        data = r._data(cid)
-        rngmod.seed_torch_global(r.spec.runner.seed, round_idx, cid, _purpose(step, iteration))
+        alg = run.algorithm
+        ctx, down = run.download(cid)
+        state = run.state(cid)
+        data = run.data(cid)
+        run.seed(cid)
         model = alg.live_model(ctx)
         start = alg.client_init(model, down, state, data, ctx)
         if alg.vectorizable(start):
             check_model(model)
             with torch.no_grad():  # the client's starting weights (the live model is reloaded for the next client)
                 params = {n: p.clone() for n, p in model.named_parameters()}
-            opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
-            vs.pending[cid] = _Pending(ctx, down, state, data, start, params, opt_state)
-            vs.groups.setdefault(id(model), (model, []))[1].append(cid)
+            opt_state = (state or {}).get("opt") if run.train.persist_optimizer else None
+            g.pending[cid] = _Pending(ctx, down, state, data, start, params, opt_state)
+            g.groups.setdefault(id(model), (model, []))[1].append(cid)
         else:
-            rngmod.seed_torch_global(r.spec.runner.seed, round_idx, cid, _purpose(step, iteration))
-            r._finish_update(vs.reports[cid], cid, alg.client_update(down, state, data, ctx), vs.token, vs.uploads)
+            run.seed(cid)
+            run.finish(cid, alg.client_update(down, state, data, ctx))
 
     @staticmethod
-    def _train(r, vs: _VectorStep, model, cids: list[int]) -> None:
+    def _train(run: StepRun, g: _Groups, model, cids: list[int]) -> None:
         """The group's batched local training, then ``client_final`` per client (each in its own failure guard)."""
-        alg, cfg = r.algorithm, r.spec.task.train
+        alg, cfg = run.algorithm, run.train
         t0 = time.perf_counter()
-        items = [vs.pending[c] for c in cids]
+        items = [g.pending[c] for c in cids]
         try:
             members = [Member(it.params, it.data.x_train if it.start.x is None else it.start.x,
                               it.data.y_train if it.start.y is None else it.start.y, it.ctx.generator("batches"),
@@ -188,12 +278,11 @@ class Vectorized(Executor):
             trained, metrics, opt_states = vmap_local_sgd(model, alg.objective(items[0].start), members, cfg)
         except Exception as e:  # the batched computation failed: every client in it failed with the error
             for c in cids:
-                r._fail(vs.reports[c], c, e)
+                run.fail(c, e)
             return
         share = (time.perf_counter() - t0) / len(cids)
         for j, (c, it) in enumerate(zip(cids, items)):
             t1 = time.perf_counter()
-            rep = vs.reports[c]
             try:
                 with torch.no_grad():
                     for n, p in model.named_parameters():
@@ -201,10 +290,10 @@ class Vectorized(Executor):
                 new_state, upload = alg.client_final(model, it.start, it.down, it.state, it.data, it.ctx)
                 if cfg.persist_optimizer:
                     new_state = {**(new_state or {}), "opt": opt_states[j]}
-                r._finish_update(rep, c, ClientUpdate(new_state, upload, metrics[j]), vs.token, vs.uploads)
+                run.finish(c, ClientUpdate(new_state, upload, metrics[j]))
             except Exception as e:
-                r._fail(rep, c, e, vs.uploads)
-            rep.seconds += share + time.perf_counter() - t1
+                run.fail(c, e)
+            run.report(c).seconds += share + time.perf_counter() - t1
 
 
 class Loop(Executor):
@@ -212,41 +301,44 @@ class Loop(Executor):
 
     name = "loop"
 
-    def run(self, r, step: ClientStep, payload, round_idx: int, iteration: int,
-            client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
-        fn = getattr(r.algorithm, step.method)
-        evaluate = step.mode == "evaluate"
-        uploads, reports = {}, []
-        for cid in client_ids:
-            if evaluate and r.data[cid].y_test.numel() == 0:
+    def run(self, run: StepRun) -> bool:
+        fn = getattr(run.algorithm, run.step.method)
+        for cid in run.client_ids:
+            if run.evaluate and not run.has_test_data(cid):
                 continue  # a client without local test data is not evaluated
             t0 = time.perf_counter()
-            rep = ClientReport(cid, round_idx, step.name, iteration=iteration)
+            rep = run.report(cid)
             try:
-                ctx = r._ctx(round_idx, cid, step.name, iteration)
-                down = r.algorithm.downlink(payload, cid, ctx)
-                if not evaluate:
-                    rep.down = payload_sizes(down)
-                state = r.state(cid, keep=not evaluate)
-                rngmod.seed_torch_global(r.spec.runner.seed, round_idx, cid, _purpose(step, iteration))
-                if evaluate:
-                    data = r._data(cid)
+                ctx, down = run.download(cid)
+                state = run.state(cid)
+                run.seed(cid)
+                if run.evaluate:
+                    data = run.data(cid)
                     rep.metrics = dict(fn(down, state, data, ctx))
                     if data.has_val:  # the same evaluation on the validation split: test_* -> val_*
-                        rngmod.seed_torch_global(r.spec.runner.seed, round_idx, cid, _purpose(step, iteration))
+                        run.seed(cid)
                         vm = fn(down, state, data.validation_view(), ctx)
                         rep.metrics.update({"val_" + k[5:]: v for k, v in vm.items() if k.startswith("test_")})
                 else:
-                    r._finish_update(rep, cid, fn(down, state, r._data(cid), ctx),
-                                        step_token(round_idx, step, iteration), uploads)
+                    run.finish(cid, fn(down, state, run.data(cid), ctx))
             except Exception as e:  # a failing client is a value, not a crashed pool
-                r._fail(rep, cid, e, uploads)
+                run.fail(cid, e)
             rep.seconds = time.perf_counter() - t0
-            reports.append(rep)
-        return uploads, reports
+        return True
 
 
-def executor_chain(vectorize: bool) -> tuple[Executor, ...]:
-    """The executors a runner tries, in order: with ``backend.vectorize`` the vectorised executor and group forms
-    first; the per-client loop always last."""
-    return ((Vectorized(), GroupForm()) if vectorize else ()) + (Loop(),)
+# the built-in chain: the vectorised executor (client_update of LocalTraining methods) and group forms (a method's
+# <fn>_group), both enabled by backend.vectorize, ahead of the per-client loop
+for _cls in (Loop, Vectorized, GroupForm):
+    register_executor(_cls)
+
+
+def executor_chain(settings) -> tuple[Executor, ...]:
+    """The executors a runner with ``settings`` (``RunnerSettings``; a bool for ``vectorize`` alone) tries, in
+    registration order: the enabled ones, the per-client loop always last."""
+    if isinstance(settings, bool):
+        from types import SimpleNamespace
+
+        settings = SimpleNamespace(vectorize=settings)
+    chain = tuple(cls() for cls in _REGISTRY if cls.enabled(settings))
+    return chain if chain and isinstance(chain[-1], Loop) else chain + (Loop(),)

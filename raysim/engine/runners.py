@@ -28,7 +28,7 @@ from raysim.config import DataConfig
 from raysim.engine.settings import RunnerSettings
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.engine import safety
-from raysim.engine.executors import executor_chain
+from raysim.engine.executors import StepRun, executor_chain
 from raysim.engine.reports import ClientReport, host_values, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
 from raysim.messages import from_plain, payload_sizes, to_plain
 from raysim.config.registry import load_target
@@ -117,7 +117,7 @@ class ClientRunner:
         self._decoded: dict[int, ClientData] = {}
         self._decoded_bytes = 0
         self._decoded_budget = int(spec.runner.decoded_cache_mb * 2**20)
-        self.executors = executor_chain(spec.runner.vectorize)  # how a step runs (raysim.engine.executors)
+        self.executors = executor_chain(spec.runner)  # how a step runs (raysim.engine.executors)
         mem = spec.runner.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
@@ -125,6 +125,24 @@ class ClientRunner:
     def _ctx(self, round_idx: int, client_id: int, step: str = "", iteration: int = 0) -> Context:
         return Context(round_idx, client_id, self.spec.runner.seed, self.device, self.spec.task, self.models,
                        step=step, iteration=iteration)
+
+    # -- what executors see (raysim.engine.executors.StepRun) ---------------------------------------------------------
+    def context(self, round_idx: int, client_id: int, step: str = "", iteration: int = 0) -> Context:
+        """A client's context for a step (its random streams, device, models)."""
+        return self._ctx(round_idx, client_id, step, iteration)
+
+    def client_data(self, cid: int) -> ClientData:
+        """A hosted client's data on the runner's device."""
+        return self._data(cid)
+
+    def has_test_data(self, cid: int) -> bool:
+        return self.data[cid].y_test.numel() > 0
+
+    def finish_update(self, rep: ClientReport, cid: int, res, token: str, uploads: dict) -> None:
+        self._finish_update(rep, cid, res, token, uploads)
+
+    def fail(self, rep: ClientReport, cid: int, e: BaseException, uploads: Optional[dict] = None) -> None:
+        self._fail(rep, cid, e, uploads)
 
     def client_ids(self) -> list[int]:
         return sorted(self.data)
@@ -200,9 +218,9 @@ class ClientRunner:
     def _run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
                          client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
         for executor in self.executors:  # the first that takes the step runs it (the loop takes every step)
-            out = executor.run(self, step, payload, round_idx, iteration, client_ids)
-            if out is not None:
-                return out
+            run = StepRun(self, step, payload, round_idx, iteration, client_ids)
+            if executor.accepts(run) and executor.run(run):
+                return run.result()
         raise AssertionError("the executor chain ends with the per-client loop")
 
     def _fail(self, rep: ClientReport, cid: int, e: BaseException, uploads: Optional[dict] = None) -> None:
