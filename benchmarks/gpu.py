@@ -236,7 +236,11 @@ def main(argv=None):
     on_ray = dict(common, device="auto")  # the client actors see their GPU share; the server actor (no share) the CPU
     rows = []
     device = torch.device("cuda" if gpu else "cpu")
-    torch.set_num_threads(args.threads)  # the twins run in this process, with the variants' thread count
+    torch.set_num_threads(args.threads)  # the twins run in this process, with the variants' thread count ...
+    from raysim import numerics
+
+    numerics.enter(args.numerics, device)  # ... and the variants' kernels (portable: ATen's own convolutions, MKL's
+    # cross-vendor branch, deterministic CUDA kernels; a process keeps one mode, so raysim's sequential rows share it)
     for model in args.models:
         if not args.no_twin:
             rows += twin_rows(model, args, device)
