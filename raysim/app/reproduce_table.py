@@ -183,7 +183,8 @@ def _judge_claim(c, exp: Experiment, table: pd.DataFrame, per_run: pd.DataFrame,
     res = verdicts.judge(_per_seed(per_run, c.better, cb), _per_seed(per_run, c.worse, cw),
                          c.lower_is_better, exp.min_seeds, seed_diff=paper)
     fin = {"mean": math.nan, "half": math.nan, "lo": math.nan, "hi": math.nan, "verdict": ""}
-    if m != "floats" and len(per_run) and f"{cb}{FINAL}" in per_run.columns and f"{cw}{FINAL}" in per_run.columns:
+    if (m != "floats" and len(per_run) and f"{cb}{FINAL}" in per_run.columns and f"{cw}{FINAL}" in per_run.columns
+            and per_run[[f"{cb}{FINAL}", f"{cw}{FINAL}"]].astype(float).notna().any().all()):
         fin = verdicts.judge(_per_seed(per_run, c.better, cb + FINAL), _per_seed(per_run, c.worse, cw + FINAL),
                              c.lower_is_better, exp.min_seeds, seed_diff=paper)
     return {"text": c.text, "metric": m, "better": c.better, "worse": c.worse,
@@ -204,7 +205,7 @@ def value_rule(exp: Experiment, per_run: pd.DataFrame) -> str:
         return f"mean of the last {exp.window} evaluated rounds" + (
             f" (runs with fewer evaluations: all {', '.join(str(u) for u in used if u < exp.window)})"
             if any(u < exp.window for u in used) else "")
-    return "final round only: the stored records hold no per-round values, so no window (rerun for one)"
+    return "final round only (the stored records hold no per-round values)"
 
 
 def summarise(exp: Experiment, per_run: pd.DataFrame, numbers: dict) -> tuple[pd.DataFrame, list[dict]]:
@@ -391,8 +392,12 @@ def with_window(per_run: pd.DataFrame, exp: Experiment) -> pd.DataFrame:
     m = exp.metric
     if not len(per_run) or f"{m}{FINAL}" in per_run.columns:
         return per_run
-    per_run[f"{m}{FINAL}"] = per_run[m] if exp.select == "last" else math.nan
-    if exp.select != "last" or "curve" not in per_run.columns:
+    if exp.select != "last":
+        return per_run  # the seed's selection: the records hold no final round to show beside it
+    for k in (m, *exp.extra_metrics):
+        if k in per_run.columns:
+            per_run[f"{k}{FINAL}"] = per_run[k]
+    if "curve" not in per_run.columns:
         return per_run
     has = per_run["curve"].apply(lambda c: isinstance(c, dict) and len(c) > 0)
     if not has.all():

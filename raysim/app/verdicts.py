@@ -213,6 +213,35 @@ def holm_verdict(mean: float, p_adj: float, alpha: float = ALPHA) -> str:
     return TIE
 
 
+def combine(parts: list[dict], rule: str = "all") -> dict:
+    """One verdict for a claim the seed makes over several comparisons (issue 51: one claim, one verdict), from its
+    parts' verdicts (each a :func:`judge` result or a claims record: ``verdict``, ``p``, ``mean``):
+
+    * ``all`` (the seed: "better than every one", "on all metrics"): held when every part is held (an
+      intersection-union test: its p-value is the largest part's), reversed when any part is reversed (p: the
+      smallest reversed part's), otherwise underpowered when any part is, else tie (p: the largest);
+    * ``most`` (the seed: "for most settings", "usually"): held when more than half the parts are held and none is
+      reversed, reversed when more than half are reversed, otherwise as ``all``'s tie.
+
+    ``n too small`` when any part has no verdict. Returns ``verdict``, ``p`` (for Holm's column), ``sign`` (+1, or -1
+    when reversed) and ``counts`` (the parts' verdicts)."""
+    if rule not in ("all", "most"):
+        raise ValueError(f"rule must be 'all' or 'most', got {rule!r}")
+    vs = [p["verdict"] for p in parts]
+    ps = [float(p.get("p", math.nan)) for p in parts]
+    counts = count(vs)
+    if not parts or counts[TOO_FEW]:
+        return {"verdict": TOO_FEW, "p": math.nan, "sign": 1, "counts": counts}
+    need = len(parts) if rule == "all" else len(parts) // 2 + 1
+    if counts[REVERSED] and (rule == "all" or counts[REVERSED] >= need):
+        return {"verdict": REVERSED, "p": min(p for p, v in zip(ps, vs) if v == REVERSED), "sign": -1,
+                "counts": counts}
+    if counts[HELD] >= need and not counts[REVERSED]:
+        held = sorted(p for p, v in zip(ps, vs) if v == HELD)
+        return {"verdict": HELD, "p": held[need - 1] if rule == "most" else max(ps), "sign": 1, "counts": counts}
+    return {"verdict": UNDERPOWERED if counts[UNDERPOWERED] else TIE, "p": max(ps), "sign": 1, "counts": counts}
+
+
 def count(verdicts) -> dict[str, int]:
     """How many of each verdict (every key of :data:`VERDICTS`, 0 included)."""
     out = {v: 0 for v in VERDICTS}
