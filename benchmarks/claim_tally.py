@@ -229,6 +229,17 @@ def summary_table(result: dict) -> list[str]:
     return lines
 
 
+def work_table(body: dict) -> list[str]:
+    """Per method, the work behind the seed's comparisons (issue 51 item 4): tuning trials, optimiser steps per round,
+    local epochs, restarts, extra data."""
+    lines = ["Work per method (as run in the headline settings):", "",
+             "| method | tuning trials | optimiser steps per round | local epochs | restarts | extra data |",
+             "|---|---|---|---|---|---|"]
+    for w in body.get("work") or []:
+        lines.append(f"| {w['method']} | {w['trials']} | {w['steps']} | {w['epochs']} | {w['restarts']} | {w['extra']} |")
+    return lines + ([f"\n{body['work_note']}"] if body.get("work_note") else [])
+
+
 def claims_md(result: dict, registry: dict) -> str:
     lines = ["# One claim, one verdict (issue 51)", "",
              "Written by `python benchmarks/claim_tally.py` from `configs/seed_claims.yaml` and the stored per-run "
@@ -244,7 +255,7 @@ def claims_md(result: dict, registry: dict) -> str:
              "with a verdict, on the paired t-tests' two-sided p-values (a claim over several parts: the p-value of "
              "the part its verdict rests on).", "", *summary_table(result), ""]
     for seed, rows in result.items():
-        lines += [f"## {seed}: {registry[seed]['paper']}", ""]
+        lines += [f"## {seed}: {registry[seed]['paper']}", "", *work_table(registry[seed]), ""]
         for i, r in enumerate(rows, 1):
             lines += claim_block(i, r)
     return "\n".join(lines).rstrip() + "\n"

@@ -337,3 +337,38 @@ def test_window_below_five_is_refused(tmp_path):
     body["window"] = 8
     (folder / "experiments.yaml").write_text(yaml.safe_dump({"toy": body}))
     assert rp.load_experiments(tmp_path / "configs")["toy"].window == 8
+
+
+def test_combine_one_verdict_for_a_claim_over_several_comparisons():
+    H = {"verdict": "held", "p": 0.01}
+    H2 = {"verdict": "held", "p": 0.03}
+    T = {"verdict": "tie", "p": 0.4}
+    U = {"verdict": "underpowered", "p": 0.5}
+    R = {"verdict": "reversed", "p": 0.002}
+    # all: held only when every part is (IUT: the largest p), reversed when any part is (its p)
+    assert vd.combine([H, H2], "all") == {"verdict": "held", "p": 0.03, "sign": 1, "counts": vd.count(["held"] * 2)}
+    assert vd.combine([H, T], "all")["verdict"] == "tie" and vd.combine([H, T], "all")["p"] == 0.4
+    assert vd.combine([H, T, U], "all")["verdict"] == "underpowered"
+    got = vd.combine([H, R, T], "all")
+    assert (got["verdict"], got["p"], got["sign"]) == ("reversed", 0.002, -1)
+    # most: more than half held and none reversed (3 parts: 2 needed; p the 2nd smallest held p)
+    assert vd.combine([H, H2, T], "most")["verdict"] == "held" and vd.combine([H, H2, T], "most")["p"] == 0.03
+    assert vd.combine([H, T, T], "most")["verdict"] == "tie"
+    assert vd.combine([H, H2, R], "most")["verdict"] == "tie"  # a reversed part: not held, not a majority reversed
+    assert vd.combine([R, R, H], "most")["verdict"] == "reversed"
+    assert vd.combine([H, {"verdict": "n too small", "p": math.nan}], "all")["verdict"] == "n too small"
+    with pytest.raises(ValueError):
+        vd.combine([H], "any")
+
+
+def test_the_claim_tally_is_this_code_s():
+    """benchmarks/results/CLAIMS.md and REPRODUCTION.md's summary are what benchmarks/claim_tally.py writes from
+    configs/seed_claims.yaml and the stored records (every claim reference resolves to exactly one stored claim)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "claim_tally.py"
+    spec = importlib.util.spec_from_file_location("claim_tally", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--check"]) == 0, "run: python benchmarks/claim_tally.py"
