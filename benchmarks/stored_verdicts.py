@@ -7,6 +7,11 @@
   is written again, its ``.md`` and the JSON's ``table`` / ``claims``, by
   :func:`raysim.app.reproduce_table.render_records`: the same means (from the same per-run values), each claim's
   paired per-seed differences with their 95 % interval and verdict. The runs are untouched.
+* Issue 51: a claim rests on each run's mean of its last 5 evaluated rounds (the final round beside it). Records
+  written since carry each run's per-round values (``curve``); for older tables whose per-round values are stored
+  beside them (``<table>_rounds_to_target.md``, written by ``benchmarks/seed004_rounds_to_target.py`` from the run
+  directories: accuracy per round at 0.1 % resolution) those values are copied into the records' runs as ``curve``
+  first; every other stored table keeps its final-round value and its claims say so.
 * A table stored as markdown only (means ± std, no per-run values) cannot give a paired interval: a note at its top
   says so, and names the verdict that n alone decides (fewer seeds than the experiment's ``min_seeds``: n too small).
 
@@ -62,6 +67,32 @@ def _experiment_of(stem: str, exps) -> str | None:
     return m.group(1) if m and m.group(1) in exps else None
 
 
+def _curves_md(path: Path) -> dict:
+    """(label, seed) -> {round: value} from a ``*_rounds_to_target.md`` table (its 'accuracy per round' column)."""
+    out = {}
+    for ln in path.read_text().splitlines():
+        cells = [c.strip() for c in ln.strip().strip("|").split("|")]
+        if len(cells) < 4 or not cells[1].isdigit() or not cells[2].isdigit():
+            continue
+        vals = [float(x) for x in cells[3].split()]
+        if len(vals) != int(cells[2]):
+            raise ValueError(f"{path}: {cells[0]} seed {cells[1]}: {len(vals)} values for {cells[2]} rounds")
+        out[(cells[0], int(cells[1]))] = {str(i + 1): v for i, v in enumerate(vals)}
+    return out
+
+
+def attach_curves(js: Path, record: dict) -> dict:
+    """The record with each run's stored per-round values (``curve``) where ``<table>_rounds_to_target.md`` holds
+    them and the run has none yet."""
+    md = js.with_name(js.stem + "_rounds_to_target.md")
+    if not md.exists():
+        return record
+    curves = _curves_md(md)
+    runs = [dict(r, curve=curves[(r["label"], int(r["seed"]))]) if "curve" not in r and (r["label"], int(r["seed"]))
+            in curves else r for r in record.get("runs") or []]
+    return dict(record, runs=runs)
+
+
 def main(argv=None) -> int:
     from raysim.app import reproduce as rp
     from raysim.app import verdicts as vd
@@ -81,7 +112,7 @@ def main(argv=None) -> int:
         js = md_path.with_suffix(".json")
         old_md = md_path.read_text()
         if js.exists():
-            record = json.loads(js.read_text())
+            record = attach_curves(js, json.loads(js.read_text()))
             md, new = render_records(exp, record, numbers)
             new_js = json.dumps(new, indent=1) + "\n"
             if js.read_text() != new_js:

@@ -82,16 +82,22 @@ def test_reproduce_table_reuse_and_mismatch(tmp_path, capsys):
     assert sorted(runs["seed"]) == [1, 1, 2, 2] and (runs["floats"][runs["label"] == "Local"] == 0).all()
     fp = runs[runs["label"] == "FedProto (λ=1)"]
     assert (fp["floats"] > 0).all()
-    # the table's numbers are the runs' own: mean over clients at the last round, x 100
+    # the table's numbers are the runs' own (issue 51): the mean over the last 5 evaluated rounds (here every one) of
+    # the mean over clients, x 100; the final round beside it
     from raysim.io import results
 
-    got = []
+    got, final = [], []
     for seed in (1, 2):
         df = results.load(out / "toy_table" / "fedproto-1" / f"seed{seed}")
-        last = df[(df["scope"] == "client") & (df["metric"] == "test_acc")]
-        got.append(100 * last[last["round"] == last["round"].max()]["value"].mean())
+        acc = df[(df["scope"] == "client") & (df["metric"] == "test_acc")]
+        per_round = acc.groupby("round")["value"].mean().sort_index()
+        got.append(100 * per_round.iloc[-5:].mean())
+        final.append(100 * per_round.iloc[-1])
+        rec = [r for r in data["runs"] if r["label"] == "FedProto (λ=1)" and r["seed"] == seed][0]
+        assert rec["window"] == min(5, len(per_round)) and len(rec["curve"]) == len(per_round)
     row = [r for r in data["table"] if r["label"] == "FedProto (λ=1)"][0]
     assert row["test_acc_mean"] == pytest.approx(sum(got) / 2)
+    assert row["test_acc_final_mean"] == pytest.approx(sum(final) / 2)
     assert row["test_acc_paper"] == 60.0
     claim = data["claims"][0]
     assert claim["paper"] == pytest.approx(10.0)

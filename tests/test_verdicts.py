@@ -99,7 +99,8 @@ def test_n_too_small_whatever_the_numbers():
     assert vd.format_interval(vd.judge({}, {})) == "–"
     five = {s: 10.0 + s for s in range(1, 6)}
     assert vd.judge(five, {s: 0.0 for s in five}, min_n=5)["verdict"] == "held"
-    assert vd.count(["held", "tie", "held", "n too small"]) == {"held": 2, "tie": 1, "reversed": 0, "n too small": 1}
+    assert vd.count(["held", "tie", "held", "n too small"]) == {"held": 2, "tie": 1, "underpowered": 0,
+                                                                        "reversed": 0, "n too small": 1}
 
 
 # ------------------------------------------------------------------------------------------------ the claims table
@@ -152,10 +153,10 @@ def test_summarise_gives_each_claim_its_interval_and_verdict(tmp_path):
     assert by["A sends fewer floats than B"]["verdict"] == "held"  # 400 - 100 in every seed, sd 0
     md = table_markdown(exp, table, claims, numbers, _per_run(PER_RUN))
     assert "n = 3; a verdict needs 3" in md and "95 % Student-t interval" in md
-    assert "| A beats B | test_acc | 3 | +3.00 ± 2.48 [+0.52, +5.48] | +5.00 | held |" in md
-    assert "| A beats C | test_acc | 3 | +2.00 ± 2.48 [-0.48, +4.48] | – | tie |" in md
-    assert "| B beats A | test_acc | 3 | -3.00 ± 2.48 [-5.48, -0.52] | -5.00 | reversed |" in md
-    assert "| A sends fewer floats than B | floats | 3 | +300 ± 0 [+300, +300] | – | held |" in md
+    assert "| A beats B | test_acc | 3 | +3.00 ± 2.48 [+0.52, +5.48] | 2.48 | +5.00 | held | – |" in md
+    assert "| A beats C | test_acc | 3 | +2.00 ± 2.48 [-0.48, +4.48] | 2.48 | – | tie | – |" in md
+    assert "| B beats A | test_acc | 3 | -3.00 ± 2.48 [-5.48, -0.52] | 2.48 | -5.00 | reversed | – |" in md
+    assert "| A sends fewer floats than B | floats | 3 | +300 ± 0 [+300, +300] | 0.00 | – | held | – |" in md
     assert "code version: not recorded" in md  # these hand-made runs carry no code version
 
 
@@ -165,7 +166,7 @@ def test_fewer_seeds_than_the_minimum_give_n_too_small(tmp_path):
     table, claims = summarise(exp, _per_run(PER_RUN), numbers)  # only seeds 1-3 ran
     assert {c["verdict"] for c in claims} == {"n too small"}
     md = table_markdown(exp, table, claims, numbers)
-    assert "| A beats B | test_acc | 3 | +3.00 ± 2.48 [+0.52, +5.48] | +5.00 | n too small (3 of 5) |" in md
+    assert "| A beats B | test_acc | 3 | +3.00 ± 2.48 [+0.52, +5.48] | 2.48 | +5.00 | n too small (3 of 5) | – |" in md
     assert "fewer than 5 paired seeds" in md
 
 
@@ -230,3 +231,144 @@ def test_the_stored_tables_carry_this_code_s_verdicts():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--check"]) == 0, "run: python benchmarks/stored_verdicts.py"
+
+
+# ------------------------------------------------------------------------------------------------ issue 51: window, power, Holm
+
+def _p_df2(t: float) -> float:
+    """The two-sided p-value of Student's t with 2 degrees of freedom, by hand: P(|T| < t) = t / sqrt(t^2 + 2)."""
+    return 1.0 - t / math.sqrt(t * t + 2.0)
+
+
+def test_window_mean_by_hand():
+    curve = {1: 10.0, 2: 20.0, 3: 30.0, 4: 40.0, 5: 50.0, 6: 60.0, 7: 70.0}
+    assert vd.window_mean(curve, 5) == (pytest.approx((30 + 40 + 50 + 60 + 70) / 5), 5)  # rounds 3-7: 50
+    assert vd.window_mean({3: 1.0, 1: 5.0, 2: 3.0}, 5) == (pytest.approx(3.0), 3)  # fewer rounds: all of them
+    assert vd.window_mean({1: 1.0, 2: math.nan, 3: 3.0, 4: 5.0}, 2) == (pytest.approx(4.0), 2)  # NaN left out
+    assert vd.window_mean({}, 5)[1] == 0 and math.isnan(vd.window_mean({}, 5)[0])
+    with pytest.raises(ValueError):
+        vd.window_mean(curve, 0)
+
+
+def test_p_value_by_hand():
+    # differences 1, 2, 3: mean 2, sd 1, t = 2 / (1 / sqrt 3) = 2 sqrt 3; df 2: p = 1 - t / sqrt(t^2 + 2)
+    res = vd.interval([1.0, 2.0, 3.0])
+    assert vd.p_value(res) == pytest.approx(_p_df2(2 * math.sqrt(3)), rel=1e-9) == pytest.approx(0.074180, abs=1e-6)
+    assert vd.p_value(vd.interval([0.5, 0.5, 0.5])) == 0.0 and vd.p_value(vd.interval([0.0, 0.0])) == 1.0
+    assert math.isnan(vd.p_value(vd.interval([1.0])))
+    # p < 0.05 exactly when the 95 % interval excludes 0 (differences 2, 3, 4: [0.52, 5.48], p 0.035)
+    p = vd.p_value(vd.interval([2.0, 3.0, 4.0]))
+    assert p == pytest.approx(_p_df2(3 * math.sqrt(3))) and p < 0.05
+    assert vd.judge({1: 2.0, 2: 3.0, 3: 4.0}, {1: 0.0, 2: 0.0, 3: 0.0})["p"] == pytest.approx(0.035099, abs=1e-6)
+
+
+def test_holm_by_hand():
+    # sorted 0.005, 0.01, 0.03, 0.04 (m = 4): x4 = 0.02, x3 = 0.03, x2 = 0.06, x1 = 0.04 -> running max 0.06
+    assert vd.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    out = vd.holm([0.02, math.nan, 0.04])  # NaN: no verdict, not counted (m = 2)
+    assert out[0] == pytest.approx(0.04) and math.isnan(out[1]) and out[2] == pytest.approx(0.04)
+    assert vd.holm([0.6, 0.7]) == pytest.approx([1.0, 1.0])  # capped at 1
+    assert vd.holm([]) == []
+
+
+def test_power_underpowered_when_the_seed_difference_lies_inside_the_half_width():
+    h = T2 / math.sqrt(3)  # 2.484: differences 1, 2, 3 give [-0.48, +4.48]
+    assert vd.power("tie", h, 1.0) == "underpowered"  # the seed's +1.00 could not have been excluded
+    assert vd.power("tie", h, -2.0) == "underpowered"
+    assert vd.power("tie", h, 3.0) == "tie"  # the seed's +3.00 lies outside: the runs could have seen it
+    assert vd.power("tie", h, math.nan) == "tie"  # no seed number: a tie with its half-width beside it
+    assert vd.power("held", h, 1.0) == "held" and vd.power("reversed", h, 1.0) == "reversed"
+    assert vd.judge({1: 11.0, 2: 12.0, 3: 13.0}, {1: 10.0, 2: 10.0, 3: 10.0}, seed_diff=1.5)["verdict"] == "underpowered"
+    assert vd.judge({1: 11.0, 2: 12.0, 3: 13.0}, {1: 10.0, 2: 10.0, 3: 10.0}, seed_diff=2.6)["verdict"] == "tie"
+
+
+def test_holm_column_over_one_seed_s_claims_by_hand():
+    """Three claims of one seed, every number by hand (df 2): A differences 2, 3, 4 (t = 3 sqrt 3, p = 0.0351:
+    held alone), B 1, 2, 3 (t = 2 sqrt 3, p = 0.0742: tie), C 10, 11, 12 (t = 11 sqrt 3, p = 0.00274: held). Holm over
+    m = 3: C 3 x 0.002743 = 0.00823 (held), A max(0.0082, 2 x 0.0351 = 0.0702) (tie after correction), B max(0.0702,
+    0.0742) = 0.0742 (tie)."""
+    zero = {1: 0.0, 2: 0.0, 3: 0.0}
+    a = vd.judge({1: 2.0, 2: 3.0, 3: 4.0}, zero)
+    b = vd.judge({1: 1.0, 2: 2.0, 3: 3.0}, zero)
+    c = vd.judge({1: 10.0, 2: 11.0, 3: 12.0}, zero)
+    pa, pb, pc = _p_df2(3 * math.sqrt(3)), _p_df2(2 * math.sqrt(3)), _p_df2(11 * math.sqrt(3))
+    assert (a["p"], b["p"], c["p"]) == (pytest.approx(pa), pytest.approx(pb), pytest.approx(pc))
+    assert (a["verdict"], b["verdict"], c["verdict"]) == ("held", "tie", "held")
+    adj = vd.holm([a["p"], b["p"], c["p"]])
+    assert adj == pytest.approx([2 * pa, pb, 3 * pc])
+    assert adj == pytest.approx([0.070197, 0.074180, 0.008230], abs=1e-6)
+    assert [vd.holm_verdict(r["mean"], q) for r, q in zip((a, b, c), adj)] == ["tie", "tie", "held"]
+    assert vd.holm_verdict(-3.0, 0.01) == "reversed" and vd.holm_verdict(1.0, math.nan) == "n too small"
+
+
+def test_claims_rest_on_the_window_the_final_round_beside_it(tmp_path):
+    """A stored record with each run's per-round values: the claim reads the mean of the last 5 rounds; the final
+    round's verdict is shown beside it. Without per-round values the claims say the final round is all they have."""
+    exp, numbers = _experiment(tmp_path, claims=[{"text": "A beats B", "better": "A", "worse": "B"}])
+    # A: rounds 1-6 flat at 80 + seed, then round 7 drops to 70 + seed; B flat at 75 in every round
+    runs = []
+    for s in (1, 2, 3):
+        runs.append({"label": "A", "seed": s, "test_acc": 70.0 + s, "floats": 1.0,
+                     "curve": {str(r): (80.0 + s if r < 7 else 70.0 + s) for r in range(1, 8)}})
+        runs.append({"label": "B", "seed": s, "test_acc": 75.0, "floats": 1.0,
+                     "curve": {str(r): 75.0 for r in range(1, 8)}})
+    md, new = render_records(exp, {"runs": runs}, numbers)
+    c = new["claims"][0]
+    # window (rounds 3-7) of A: (4 x (80 + s) + 70 + s) / 5 = 78 + s; minus 75: 4, 5, 6 -> mean 5, sd 1: held
+    assert c["ours"] == pytest.approx(5.0) and c["verdict"] == "held" and c["rule"].startswith("mean of the last 5")
+    # the final round: 70 + s - 75 = -4, -3, -2 -> mean -3: reversed, shown beside it
+    assert c["final"]["mean"] == pytest.approx(-3.0) and c["final"]["verdict"] == "reversed"
+    assert "+5.00 ± 2.48 [+2.52, +7.48] | 2.48 | +5.00 | held | -3.00 ± 2.48 [-5.48, -0.52]: reversed |" in md
+    assert new["runs"] == runs  # the records themselves are untouched
+    bare = [{k: v for k, v in r.items() if k != "curve"} for r in runs]
+    _, old = render_records(exp, {"runs": bare}, numbers)
+    assert old["claims"][0]["rule"].startswith("final round only") and old["claims"][0]["ours"] == pytest.approx(-3.0)
+
+
+def test_window_below_five_is_refused(tmp_path):
+    folder = tmp_path / "configs" / "seed999_toy"
+    folder.mkdir(parents=True)
+    (folder / "a.yaml").write_text("name: a\n")
+    body = {"title": "t", "source": "s.t", "metric": "test_acc", "window": 3,
+            "runs": [{"label": "A", "config": "a.yaml"}]}
+    (folder / "experiments.yaml").write_text(yaml.safe_dump({"toy": body}))
+    with pytest.raises(ConfigError, match="window"):
+        rp.load_experiments(tmp_path / "configs")
+    body["window"] = 8
+    (folder / "experiments.yaml").write_text(yaml.safe_dump({"toy": body}))
+    assert rp.load_experiments(tmp_path / "configs")["toy"].window == 8
+
+
+def test_combine_one_verdict_for_a_claim_over_several_comparisons():
+    H = {"verdict": "held", "p": 0.01}
+    H2 = {"verdict": "held", "p": 0.03}
+    T = {"verdict": "tie", "p": 0.4}
+    U = {"verdict": "underpowered", "p": 0.5}
+    R = {"verdict": "reversed", "p": 0.002}
+    # all: held only when every part is (IUT: the largest p), reversed when any part is (its p)
+    assert vd.combine([H, H2], "all") == {"verdict": "held", "p": 0.03, "sign": 1, "counts": vd.count(["held"] * 2)}
+    assert vd.combine([H, T], "all")["verdict"] == "tie" and vd.combine([H, T], "all")["p"] == 0.4
+    assert vd.combine([H, T, U], "all")["verdict"] == "underpowered"
+    got = vd.combine([H, R, T], "all")
+    assert (got["verdict"], got["p"], got["sign"]) == ("reversed", 0.002, -1)
+    # most: more than half held and none reversed (3 parts: 2 needed; p the 2nd smallest held p)
+    assert vd.combine([H, H2, T], "most")["verdict"] == "held" and vd.combine([H, H2, T], "most")["p"] == 0.03
+    assert vd.combine([H, T, T], "most")["verdict"] == "tie"
+    assert vd.combine([H, H2, R], "most")["verdict"] == "tie"  # a reversed part: not held, not a majority reversed
+    assert vd.combine([R, R, H], "most")["verdict"] == "reversed"
+    assert vd.combine([H, {"verdict": "n too small", "p": math.nan}], "all")["verdict"] == "n too small"
+    with pytest.raises(ValueError):
+        vd.combine([H], "any")
+
+
+def test_the_claim_tally_is_this_code_s():
+    """benchmarks/results/CLAIMS.md and REPRODUCTION.md's summary are what benchmarks/claim_tally.py writes from
+    configs/seed_claims.yaml and the stored records (every claim reference resolves to exactly one stored claim)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "claim_tally.py"
+    spec = importlib.util.spec_from_file_location("claim_tally", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--check"]) == 0, "run: python benchmarks/claim_tally.py"

@@ -27,7 +27,7 @@ CONFIGS_ROOT = Path(__file__).resolve().parents[2] / "configs"
 NUMBERS_FILE = "seed_numbers.yaml"
 MANIFEST = "experiments.yaml"
 _KEYS = {"title", "source", "seeds", "min_seeds", "metric", "extra_metrics", "select", "select_per", "percent", "scaled", "set",
-         "runs", "claims", "extends", "description"}
+         "runs", "claims", "extends", "description", "window"}
 _RUN_KEYS = {"label", "config", "set", "paper", "metric"}
 _CLAIM_KEYS = {"text", "better", "worse", "metric", "lower_is_better"}
 
@@ -83,6 +83,7 @@ class Experiment:
     claims: tuple = ()
     description: str = ""
     min_seeds: int = 3  # paired seeds a claim needs for a verdict (5 where the seed paper ran 5); fewer: n too small
+    window: int = 5  # select 'last': a run's verdict value is the mean of its last `window` evaluated rounds (issue 51)
 
     def run(self, label: str) -> RunSpec:
         for r in self.runs:
@@ -154,6 +155,23 @@ def load_experiments(root: str | Path = CONFIGS_ROOT) -> dict[str, Experiment]:
     return {name: _build(name, raw[name][0], merged(name)) for name in raw}
 
 
+def _selection(body: dict, where: str) -> tuple[str, str, int]:
+    """An experiment's rule for a run's value: ``select`` (last, or a validation metric), ``select_per`` (run or
+    client) and ``window`` (the last evaluated rounds averaged under ``last``; issue 51: >= 5, fixed in advance)."""
+    window = body.get("window", 5)
+    if isinstance(window, bool) or not isinstance(window, int) or window < 5:
+        raise ConfigError(f"{where}.window", f"{window!r}: the last evaluated rounds a run's value averages, an "
+                                             f"integer >= 5, fixed before the runs (issue 51)")
+    select = str(body.get("select", "last"))
+    select_per = str(body.get("select_per", "run"))
+    if select_per not in ("run", "client"):
+        raise ConfigError(f"{where}.select_per", f"{select_per!r} is not allowed; choose one of: run, client")
+    if select != "last" and not select.startswith("val_"):
+        raise ConfigError(f"{where}.select", f"{select!r}: choose 'last' or a validation metric (val_*); a test "
+                                             f"metric never selects")
+    return select, select_per, window
+
+
 def _build(name: str, path: Path, body: dict) -> Experiment:
     where = f"{path}: {name}"
     folder = path.parent
@@ -199,19 +217,14 @@ def _build(name: str, path: Path, body: dict) -> Experiment:
     if isinstance(min_seeds, bool) or not isinstance(min_seeds, int) or min_seeds < 3:
         raise ConfigError(f"{where}.min_seeds", f"{min_seeds!r}: the seeds a verdict needs, an integer >= 3 (5 where "
                                                 f"the seed paper ran 5)")
-    select = str(body.get("select", "last"))
-    select_per = str(body.get("select_per", "run"))
-    if select_per not in ("run", "client"):
-        raise ConfigError(f"{where}.select_per", f"{select_per!r} is not allowed; choose one of: run, client")
-    if select != "last" and not select.startswith("val_"):
-        raise ConfigError(f"{where}.select", f"{select!r}: choose 'last' or a validation metric (val_*); a test "
-                                             f"metric never selects")
+    select, select_per, window = _selection(body, where)
     return Experiment(name=name, folder=folder, title=str(body["title"]), source=str(body["source"]), seeds=seeds,
                       metric=str(body["metric"]), runs=tuple(runs),
                       extra_metrics=tuple(_as_list(body.get("extra_metrics"), f"{where}.extra_metrics")),
                       select=select, select_per=select_per, percent=bool(body.get("percent", True)),
                       scaled=str(body.get("scaled") or ""), overrides=_overrides(body.get("set"), f"{where}.set"),
-                      claims=tuple(claims), description=str(body.get("description") or ""), min_seeds=min_seeds)
+                      claims=tuple(claims), description=str(body.get("description") or ""), min_seeds=min_seeds,
+                      window=window)
 
 
 def load_numbers(root: str | Path = CONFIGS_ROOT) -> dict:

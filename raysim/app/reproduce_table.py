@@ -22,6 +22,9 @@ from raysim.errors import ConfigError
 from raysim.app.reproduce import Experiment, Planned, diverged_reason, paper_value, source_entry
 
 
+FINAL = "@final"  # a per-run record's column: the metric at the last evaluated round, shown beside the verdict's value
+
+
 def _client_or_server(df: pd.DataFrame, metric: str) -> tuple[str, str]:
     name = metric.split(":", 1)[1] if metric.startswith("server:") else metric
     scopes = set(df.loc[df["metric"] == name, "scope"].unique())
@@ -59,6 +62,26 @@ def run_value(df: pd.DataFrame, metric: str, select: str = "last", select_per: s
     best_round = int(means.idxmax())
     at = rows[rows["round"] == best_round]["value"]
     return float(at.mean()) if len(at) else math.nan
+
+
+def run_curve(df: pd.DataFrame, metric: str) -> dict[int, float]:
+    """One run's ``metric`` at every evaluated round (round -> the mean over clients, or the server value): what the
+    window of the last evaluated rounds averages (:func:`raysim.app.verdicts.window_mean`)."""
+    scope, name = _client_or_server(df, metric)
+    rows = df[(df["scope"] == scope) & (df["metric"] == name)]
+    return {int(r): float(v) for r, v in rows.groupby("round")["value"].mean().sort_index().items()}
+
+
+def run_values(df: pd.DataFrame, metric: str, exp: Experiment) -> dict:
+    """What a run contributes to a claim (issue 51): under ``select: last`` the mean of its last ``exp.window``
+    evaluated rounds (``value``), the final round beside it (``final``), the rounds averaged (``window``) and the
+    curve; under a validation selection (the seed's own rule) the selected value, the final round beside it."""
+    final = run_value(df, metric, "last")
+    if exp.select != "last":
+        return {"value": run_value(df, metric, exp.select, exp.select_per), "final": final, "window": 0, "curve": None}
+    curve = run_curve(df, metric)
+    value, used = verdicts.window_mean(curve, exp.window)
+    return {"value": value, "final": final, "window": used, "curve": curve}
 
 
 def _run_info(path: Path) -> dict:
@@ -102,13 +125,17 @@ def collect(exp: Experiment, planned: list[Planned]) -> pd.DataFrame:
         row = {"label": p.run.label, "seed": p.seed, "path": str(p.target)}
         for m in metrics:
             try:
-                v = run_value(df, m, exp.select, exp.select_per)
+                got = run_values(df, m, exp)
             except ConfigError:
                 if m == exp.metric:
                     raise ConfigError(f"{exp.name}.metric", f"run {p.target} has no {m!r}") from None
-                v = math.nan  # an extra metric a method does not report (e.g. test_acc_proto for FedAvg): '–'
-
-            row[m] = v * 100 if exp.percent and not m.startswith("server:") and _is_rate(m) else v
+                got = {"value": math.nan, "final": math.nan, "window": 0, "curve": None}  # a metric a method lacks
+            scale = 100.0 if exp.percent and not m.startswith("server:") and _is_rate(m) else 1.0
+            row[m], row[f"{m}{FINAL}"] = got["value"] * scale, got["final"] * scale
+            if m == exp.metric:
+                row["window"] = got["window"]
+                if got["curve"] is not None:
+                    row["curve"] = {str(r): v * scale for r, v in got["curve"].items()}
         com = results.communication(df)
         tot = com.set_index("metric")["total"]
         row["floats"] = float(tot.get("up_floats", 0.0) + tot.get("down_floats", 0.0))
@@ -139,6 +166,48 @@ def _per_seed(per_run: pd.DataFrame, label: str, col: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in zip(g["seed"], g[col]) if v is not None and np.isfinite(float(v))}
 
 
+def _judge_claim(c, exp: Experiment, table: pd.DataFrame, per_run: pd.DataFrame, own: dict) -> dict:
+    """One claim's record: its verdict on the runs' values (the window's mean, or the seed's selection), the seed's
+    own difference (a tie inside the half-width is underpowered), the two-sided p-value, and the same verdict on the
+    final round beside it (where the records hold it)."""
+    # a claim's own metric for both sides; else each side's run metric (the one the seed reports for it)
+    mb, mw = (c.metric, c.metric) if c.metric else (own[c.better], own[c.worse])
+    m = mb if mb == mw else f"{mb} vs {mw}"
+    cb, cw = ("floats" if mb == "floats" else mb), ("floats" if mw == "floats" else mw)
+    paper = math.nan
+    if m != "floats":
+        b, w = table.set_index("label").loc[c.better], table.set_index("label").loc[c.worse]
+        pb, pw = b.get(f"{mb}_paper", math.nan), w.get(f"{mw}_paper", math.nan)
+        if np.isfinite(pb) and np.isfinite(pw):
+            paper = (-1.0 if c.lower_is_better else 1.0) * (pb - pw)
+    res = verdicts.judge(_per_seed(per_run, c.better, cb), _per_seed(per_run, c.worse, cw),
+                         c.lower_is_better, exp.min_seeds, seed_diff=paper)
+    fin = {"mean": math.nan, "half": math.nan, "lo": math.nan, "hi": math.nan, "verdict": ""}
+    if (m != "floats" and len(per_run) and f"{cb}{FINAL}" in per_run.columns and f"{cw}{FINAL}" in per_run.columns
+            and per_run[[f"{cb}{FINAL}", f"{cw}{FINAL}"]].astype(float).notna().any().all()):
+        fin = verdicts.judge(_per_seed(per_run, c.better, cb + FINAL), _per_seed(per_run, c.worse, cw + FINAL),
+                             c.lower_is_better, exp.min_seeds, seed_diff=paper)
+    return {"text": c.text, "metric": m, "better": c.better, "worse": c.worse,
+            "lower_is_better": c.lower_is_better, "n": res["n"], "min_n": res["min_n"],
+            "ours": res["mean"], "sd": res["sd"], "half": res["half"], "lo": res["lo"], "hi": res["hi"],
+            "p": res["p"], "diffs": {str(k): v for k, v in res["diffs"].items()}, "paper": paper,
+            "verdict": res["verdict"], "rule": value_rule(exp, per_run),
+            "final": {k: fin[k] for k in ("mean", "half", "lo", "hi", "verdict")}}
+
+
+def value_rule(exp: Experiment, per_run: pd.DataFrame) -> str:
+    """What a run's value in the claims is: the window's mean, the seed's validation selection, or (stored records
+    without per-round values) the final round."""
+    if exp.select != "last":
+        return f"the checkpoint the best {exp.select} selects ({'per client' if exp.select_per == 'client' else 'per run'}; the seed's rule)"
+    if len(per_run) and "window" in per_run.columns and per_run["window"].notna().all():
+        used = sorted({int(w) for w in per_run["window"]})
+        return f"mean of the last {exp.window} evaluated rounds" + (
+            f" (runs with fewer evaluations: all {', '.join(str(u) for u in used if u < exp.window)})"
+            if any(u < exp.window for u in used) else "")
+    return "final round only (the stored records hold no per-round values)"
+
+
 def summarise(exp: Experiment, per_run: pd.DataFrame, numbers: dict) -> tuple[pd.DataFrame, list[dict]]:
     """Per run label: mean and sample std over seeds of each metric, the seed's number and the difference; and per
     claim its verdict from the paired per-seed differences (:func:`raysim.app.verdicts.judge`: n, mean, the 95 % interval,
@@ -153,50 +222,50 @@ def summarise(exp: Experiment, per_run: pd.DataFrame, numbers: dict) -> tuple[pd
             row[f"{m}_mean"] = float(vals.mean()) if len(vals) else math.nan
             row[f"{m}_std"] = float(vals.std(ddof=1)) if len(vals) > 1 else math.nan
             row[f"{m}_paper"] = paper_value(exp, numbers, r, m.split(":", 1)[-1]) if r.paper else math.nan
+        fin = f"{exp.metric}{FINAL}"
+        row[f"{exp.metric}_final_mean"] = (float(g[fin].astype(float).mean()) if len(g) and fin in g.columns
+                                           else math.nan)
         for k in ("floats", "setup_floats", "wall_s"):
             row[k] = float(g[k].astype(float).mean()) if len(g) and k in g.columns else math.nan
         out.append(row)
     table = pd.DataFrame(out)
-    claims = []
     own = {r.label: (r.metric or exp.metric) for r in exp.runs}
-    for c in exp.claims:
-        # a claim's own metric for both sides; else each side's run metric (the one the seed reports for it)
-        mb, mw = (c.metric, c.metric) if c.metric else (own[c.better], own[c.worse])
-        m = mb if mb == mw else f"{mb} vs {mw}"
-        cb, cw = ("floats" if mb == "floats" else mb), ("floats" if mw == "floats" else mw)
-        res = verdicts.judge(_per_seed(per_run, c.better, cb), _per_seed(per_run, c.worse, cw),
-                             c.lower_is_better, exp.min_seeds)
-        paper = math.nan
-        if m != "floats":
-            b, w = table.set_index("label").loc[c.better], table.set_index("label").loc[c.worse]
-            pb, pw = b.get(f"{mb}_paper", math.nan), w.get(f"{mw}_paper", math.nan)
-            if np.isfinite(pb) and np.isfinite(pw):
-                paper = (-1.0 if c.lower_is_better else 1.0) * (pb - pw)
-        claims.append({"text": c.text, "metric": m, "better": c.better, "worse": c.worse,
-                       "lower_is_better": c.lower_is_better, "n": res["n"], "min_n": res["min_n"],
-                       "ours": res["mean"], "sd": res["sd"], "half": res["half"], "lo": res["lo"], "hi": res["hi"],
-                       "diffs": {str(k): v for k, v in res["diffs"].items()}, "paper": paper,
-                       "verdict": res["verdict"]})
+    claims = [_judge_claim(c, exp, table, per_run, own) for c in exp.claims]
     return table, claims
 
 
 VERDICT_RULE = ("paired per-seed differences (better − worse, the same seed; lower − higher where lower is better), "
                 "mean ± half-width of the 95 % Student-t interval (n − 1 degrees of freedom) [interval]; held: the "
-                "interval lies above 0; tie: it contains 0; reversed: it lies below 0")
+                "interval lies above 0; tie: it contains 0 and the seed's own difference lies outside the half-width "
+                "(or the seed gives none); underpowered: it contains 0 and the seed's difference lies inside the "
+                "half-width (the runs could not have told the seed's effect from none); reversed: it lies below 0")
+
+
+def _claim_cells(c: dict) -> list[str]:
+    floats = c["metric"] == "floats"
+    ours = verdicts.format_interval({"mean": c["ours"], "half": c["half"], "lo": c["lo"], "hi": c["hi"]},
+                                    digits=0 if floats else 2, thousands=floats)
+    half = f"{c['half']:.2f}" if isinstance(c.get("half"), float) and np.isfinite(c["half"]) else "–"
+    paper = f"{c['paper']:+.2f}" if np.isfinite(c["paper"]) else "–"
+    verdict = c["verdict"] + (f" ({c['n']} of {c['min_n']})" if c["verdict"] == verdicts.TOO_FEW else "")
+    fin = c.get("final") or {}
+    final = "–"
+    if fin.get("verdict"):
+        final = f"{verdicts.format_interval(fin)}: {fin['verdict']}"
+    return [c["text"], c["metric"], str(c["n"]), ours, half, paper, verdict, final]
 
 
 def claims_markdown(claims: list[dict], min_n: int) -> str:
-    """The claims table: n, the paired mean ± 95 % interval, the seed's difference, the verdict."""
+    """The claims table: n, the paired mean ± 95 % interval, its half-width (the smallest difference it could have
+    excluded), the seed's difference, the verdict, and the same on the final round beside it."""
+    rule = claims[0].get("rule", "") if claims else ""
     lines = [f"Claims: {VERDICT_RULE}; n too small: fewer than {min_n} paired seeds (this experiment's minimum), no "
-             f"verdict.\n",
-             "| claim | metric | n | ours: paired difference, mean ± 95 % [interval] | seed's | verdict |",
-             "|---|---|---|---|---|---|"]
+             f"verdict. A run's value: {rule or 'the final round'}; the final round's verdict beside it.\n",
+             "| claim | metric | n | ours: paired difference, mean ± 95 % [interval] | half-width | seed's | verdict "
+             "| final round: paired difference, verdict |",
+             "|---|---|---|---|---|---|---|---|"]
     for c in claims:
-        ours = verdicts.format_interval({"mean": c["ours"], "half": c["half"], "lo": c["lo"], "hi": c["hi"]},
-                                        digits=0 if c["metric"] == "floats" else 2, thousands=c["metric"] == "floats")
-        paper = f"{c['paper']:+.2f}" if np.isfinite(c["paper"]) else "–"
-        verdict = c["verdict"] + (f" ({c['n']} of {c['min_n']})" if c["verdict"] == verdicts.TOO_FEW else "")
-        lines.append(f"| {c['text']} | {c['metric']} | {c['n']} | {ours} | {paper} | {verdict} |")
+        lines.append("| " + " | ".join(_claim_cells(c)) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -226,7 +295,8 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
     metrics = [exp.metric, *exp.extra_metrics]
     entry = source_entry(exp, numbers)
     unit = " (%)" if exp.percent else ""
-    sel = ("last evaluated round" if exp.select == "last" else
+    sel = (value_rule(exp, per_run if per_run is not None else pd.DataFrame()) + " (the final round: column 'final')"
+           if exp.select == "last" else
            f"the round with the best {exp.select} ({'per client' if exp.select_per == 'client' else 'mean over clients'})")
     seeds = sorted(set(int(x) for x in exp.seeds))
     lines = [f"## {exp.name}: {exp.title}\n",
@@ -238,7 +308,7 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
     head = ["method", "seeds"]
     for m in metrics:
         head += [m, "seed's", "diff"]
-    head += ["floats (up+down)", "of which setup", "wall s/run"]
+    head += ["final", "floats (up+down)", "of which setup", "wall s/run"]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "|".join("---" for _ in head) + "|")
     for _, r in table.iterrows():
@@ -247,7 +317,9 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
             mean, std, paper = r[f"{m}_mean"], r[f"{m}_std"], r[f"{m}_paper"]
             cells += [_fmt(mean, std), _fmt(paper, math.nan),
                       (f"{mean - paper:+.2f}" if np.isfinite(mean) and np.isfinite(paper) else "–")]
-        cells += [f"{r['floats']:,.0f}" if np.isfinite(r["floats"]) else "–",
+        fin = r.get(f"{exp.metric}_final_mean", math.nan)
+        cells += [_fmt(fin, math.nan) if exp.select == "last" else "–",
+                  f"{r['floats']:,.0f}" if np.isfinite(r["floats"]) else "–",
                   f"{r['setup_floats']:,.0f}" if np.isfinite(r["setup_floats"]) else "–",
                   f"{r['wall_s']:.1f}" if np.isfinite(r["wall_s"]) else "–"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -311,13 +383,38 @@ def _json_default(v):
     return str(v)
 
 
+def with_window(per_run: pd.DataFrame, exp: Experiment) -> pd.DataFrame:
+    """Stored per-run records as the claims read them (issue 51): records written before the window hold one value
+    per metric, the final round (or the seed's selection); where they carry each run's per-round values (``curve``:
+    round -> value of the experiment's metric) the metric becomes the mean of the last ``exp.window`` evaluated
+    rounds and the final round moves to ``<metric>@final``; without a curve the value stays the final round (the
+    claims then say so)."""
+    m = exp.metric
+    if not len(per_run) or f"{m}{FINAL}" in per_run.columns:
+        return per_run
+    if exp.select != "last":
+        return per_run  # the seed's selection: the records hold no final round to show beside it
+    for k in (m, *exp.extra_metrics):
+        if k in per_run.columns:
+            per_run[f"{k}{FINAL}"] = per_run[k]
+    if "curve" not in per_run.columns:
+        return per_run
+    has = per_run["curve"].apply(lambda c: isinstance(c, dict) and len(c) > 0)
+    if not has.all():
+        return per_run
+    got = per_run["curve"].apply(lambda c: verdicts.window_mean({int(r): v for r, v in c.items()}, exp.window))
+    per_run[m] = [v for v, _ in got]
+    per_run["window"] = [k for _, k in got]
+    return per_run
+
+
 def render_records(exp: Experiment, record: dict, numbers: dict) -> tuple[str, dict]:
     """The table and claims again from a stored ``reproduction.json`` (``record``: its per-run records under
     ``runs``), with this code's verdicts: (markdown, the record with ``table``, ``claims``, ``seeds`` and
     ``min_seeds`` recomputed; ``runs`` untouched). Runs whose label is no longer in the experiment are left out."""
     per_run = pd.DataFrame(record.get("runs") or [])
     if len(per_run):
-        per_run = per_run[per_run["label"].isin([r.label for r in exp.runs])]
+        per_run = with_window(per_run[per_run["label"].isin([r.label for r in exp.runs])].copy(), exp)
     seeds = tuple(sorted({int(s) for s in per_run["seed"]})) if len(per_run) else exp.seeds
     exp = replace(exp, seeds=seeds)
     table, claims = summarise(exp, per_run, numbers)

@@ -1,0 +1,291 @@
+"""One claim, one verdict (issue 51): the seeds' claims tallied once each, from the stored per-run records.
+
+    python benchmarks/claim_tally.py [--check]
+
+Reads configs/seed_claims.yaml (each claim of the five seeds once, in the seed's words, at the setting closest to the
+seed, its other settings as ablations) and the stored tables under benchmarks/results/ (their per-run records, judged
+by this code: raysim.app.reproduce_table.render_records, the window of the last 5 evaluated rounds where the records
+hold per-round values, else the final round, and said so); writes benchmarks/results/CLAIMS.md (every claim with its
+one verdict, its parts, its ablations, the final round's verdict and a Holm-corrected column across each seed's
+claims) and the summary between the issue-51 markers at the top of benchmarks/REPRODUCTION.md. Ablations are never
+counted. ``--check`` writes nothing and fails when a file would change.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+REGISTRY = ROOT / "configs" / "seed_claims.yaml"
+OUT = RESULTS / "CLAIMS.md"
+REPRO = ROOT / "benchmarks" / "REPRODUCTION.md"
+START, END = "<!-- issue51-summary:start -->", "<!-- issue51-summary:end -->"
+NO_VERDICT = "no verdict"
+COUNTED = ("held", "tie", "underpowered", "reversed", NO_VERDICT)
+SEED_PREFIX = {"seed000": "seed000_002", "seed002": "seed000_002"}
+
+
+class Tables:
+    """The stored tables' claims as this code judges them, read once each."""
+
+    def __init__(self):
+        from raysim.app import reproduce as rp
+
+        self.exps, self.numbers, self.cache = rp.load_experiments(), rp.load_numbers(), {}
+
+    def record(self, table: str) -> dict | None:
+        if table not in self.cache:
+            self.cache[table] = self._load(table)
+        return self.cache[table]
+
+    def _load(self, table: str) -> dict | None:
+        import importlib.util
+
+        from raysim.app.reproduce_table import render_records
+
+        js = RESULTS / f"{table}.json"
+        if not js.exists():
+            return None
+        spec = importlib.util.spec_from_file_location("stored_verdicts", ROOT / "benchmarks" / "stored_verdicts.py")
+        sv = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sv)
+        record = sv.attach_curves(js, json.loads(js.read_text()))
+        name = sv._experiment_of(js.stem, self.exps)
+        if name is None:
+            return record  # not a reproduce table (fig3_shots.json): read by its own kind
+        _, new = render_records(self.exps[name], record, self.numbers)
+        runs = record.get("runs") or []
+        new["no_code"] = sum(1 for r in runs if not (isinstance(r, dict) and r.get("code")))
+        return new
+
+    def part(self, table: str, start: str) -> dict:
+        rec = self.record(table)
+        if rec is None:
+            return {"text": start, "verdict": NO_VERDICT, "missing": f"{table} not stored"}
+        hits = [c for c in rec.get("claims", []) if c["text"] == start] or [
+            c for c in rec.get("claims", []) if c["text"].startswith(start)]
+        if len(hits) != 1:
+            raise SystemExit(f"{REGISTRY.name}: {table}: {len(hits)} claims start with {start!r}")
+        return hits[0]
+
+
+def _judge_fig3(rec: dict, measure: str) -> dict:
+    """Seed 000's Fig. 3 records: ``drop`` -- drop(FedAvg) - drop(FedProto) from k = 25 to 5 shots, per seed (the
+    claim: FedProto falls more slowly); ``uh`` -- FedAvg - FedAvg-UH at k = 25 (the claim: UH lowers FedAvg)."""
+    from raysim.app import verdicts as vd
+
+    acc = {}
+    for r in rec["records"]:
+        acc[(r["method"].split(" (")[0], int(r["shots"]), int(r["seed"]))] = 100.0 * float(r["test_acc"])
+    seeds = sorted({s for (_, _, s) in acc})
+    if measure == "drop":
+        drop = {m: {s: acc[(m, 25, s)] - acc[(m, 5, s)] for s in seeds if (m, 5, s) in acc and (m, 25, s) in acc}
+                for m in ("FedProto", "FedAvg")}
+        res = vd.judge(drop["FedAvg"], drop["FedProto"])
+        text = "drop(FedAvg) - drop(FedProto), k 25 -> 5, pp"
+    else:
+        res = vd.judge({s: acc[("FedAvg", 25, s)] for s in seeds}, {s: acc[("FedAvg-UH", 25, s)] for s in seeds})
+        text = "FedAvg - FedAvg-UH at k = 25, pp"
+    return _as_claim(res, text, "final round (the records hold one value per run)")
+
+
+def _as_claim(res: dict, text: str, rule: str) -> dict:
+    return {"text": text, "n": res["n"], "ours": res["mean"], "half": res["half"], "lo": res["lo"], "hi": res["hi"],
+            "p": res["p"], "paper": math.nan, "verdict": res["verdict"], "rule": rule,
+            "final": {"verdict": ""}}
+
+
+def _rounds_to(rec: dict, target: float, better: str, worse: str) -> dict:
+    """Rounds to ``target`` % from each run's stored per-round values (a run that never reaches it: rounds + 1),
+    paired over seeds, fewer is better."""
+    from raysim.app import verdicts as vd
+
+    def first(curve: dict) -> float:
+        pts = sorted((int(r), float(v)) for r, v in curve.items())
+        return next((float(r) for r, v in pts if v >= target), float(len(pts) + 1))
+
+    side = {lab: {int(r["seed"]): first(r["curve"]) for r in rec["runs"] if r["label"] == lab and r.get("curve")}
+            for lab in (better, worse)}
+    res = vd.judge(side[better], side[worse], lower_is_better=True)
+    return _as_claim(res, f"rounds to {target:g} %: {worse} - {better}", "rounds to target from the stored per-round values")
+
+
+def judge_setting(tables: Tables, claim: dict, setting: dict) -> dict:
+    """One setting of a claim: its parts (each a stored claim, judged by this code) and the claim's one verdict
+    there (:func:`raysim.app.verdicts.combine` over the parts by the claim's rule)."""
+    from raysim.app import verdicts as vd
+
+    kind = claim.get("kind", "table")
+    if kind == "fig3":
+        parts = [_judge_fig3(tables.record(setting["table"]), claim["measure"])]
+    elif kind == "rounds_to":
+        parts = [_rounds_to(tables.record(setting["table"]), setting["target"], setting["better"], setting["worse"])]
+    else:
+        names = setting.get("parts") or claim["at"]["parts"]
+        parts = [tables.part(setting["table"], p) for p in names]
+        for extra in setting.get("also") or []:
+            parts += [tables.part(extra["table"], p) for p in extra["parts"]]
+    if any(p.get("missing") for p in parts):
+        return {"verdict": NO_VERDICT, "p": math.nan, "sign": 1, "parts": parts, "missing": parts[0]["missing"]}
+    out = vd.combine(parts, claim.get("rule", "all")) if len(parts) > 1 else {
+        "verdict": parts[0]["verdict"], "p": parts[0].get("p", math.nan),
+        "sign": -1 if parts[0]["verdict"] == vd.REVERSED else 1}
+    fin = [p.get("final") or {} for p in parts]
+    out["final"] = (vd.combine([{"verdict": f["verdict"], "p": math.nan} for f in fin], claim.get("rule", "all"))["verdict"]
+                    if all(f.get("verdict") for f in fin) else "")
+    out["parts"] = parts
+    return out
+
+
+def tally(tables: Tables, registry: dict) -> dict:
+    """seed -> its claims, each with its one verdict (at its setting), its ablations' verdicts (not counted) and the
+    Holm-adjusted p-value across the seed's claims that have a verdict."""
+    from raysim.app import verdicts as vd
+
+    out = {}
+    for seed, body in registry.items():
+        rows = []
+        for c in body["claims"]:
+            row = {"claim": c}
+            if c.get("kind") == "accounting":
+                row["verdict"] = "agrees" if c["agrees"] else "disagrees"
+            elif c.get("no_setting"):
+                row.update(verdict=NO_VERDICT, p=math.nan, sign=1)
+            else:
+                row.update(judge_setting(tables, c, c["at"]))
+            row["ablations"] = [dict(a, result=judge_setting(tables, c, a)) for a in c.get("ablations") or []]
+            rows.append(row)
+        stat = [r for r in rows if r["verdict"] in COUNTED]
+        adj = vd.holm([r.get("p", math.nan) for r in stat])
+        for r, q in zip(stat, adj):
+            r["holm_p"] = q
+            # Holm can only take a verdict away: a claim that is not held / reversed uncorrected keeps its verdict
+            r["holm"] = (vd.holm_verdict(r.get("sign", 1), q) if r["verdict"] in (vd.HELD, vd.REVERSED) else
+                         r["verdict"])
+        out[seed] = rows
+    return out
+
+
+def counts(rows: list[dict]) -> dict:
+    c = {k: 0 for k in (*COUNTED, "agrees", "disagrees")}
+    for r in rows:
+        c[r["verdict"] if r["verdict"] in c else NO_VERDICT] += 1
+    c["holm_held"] = sum(1 for r in rows if r.get("holm") == "held")
+    c["holm_reversed"] = sum(1 for r in rows if r.get("holm") == "reversed")
+    return c
+
+
+def _num(x: float, fmt: str = "{:+.2f}") -> str:
+    return fmt.format(x) if isinstance(x, (int, float)) and math.isfinite(x) else "–"
+
+
+def _part_line(p: dict) -> str:
+    if p.get("missing"):
+        return f"{p['text']}: not stored yet"
+    iv = f"{_num(p.get('ours'))} ± {_num(p.get('half'), '{:.2f}')} [{_num(p.get('lo'))}, {_num(p.get('hi'))}]"
+    fin = (p.get("final") or {}).get("verdict")
+    return (f"{p['text']}: {iv}, half-width {_num(p.get('half'), '{:.2f}')}, seed's {_num(p.get('paper'))}, "
+            f"**{p['verdict']}**" + (f" (final round: {fin})" if fin else "") + f"; value: {p.get('rule', '')}")
+
+
+def claim_block(i: int, r: dict) -> list[str]:
+    c = r["claim"]
+    head = f"**{i}. {c['claim']}** — seed: “{c['seed_words']}”"
+    if c.get("kind") == "accounting":
+        return [head, f"- verdict: **{r['verdict']}** (accounting, no interval): {c['evidence']}", ""]
+    if c.get("no_setting"):
+        lines = [head, f"- verdict: **{NO_VERDICT}** — {c['no_setting']}"]
+    else:
+        rule = f" (rule `{c.get('rule', 'all')}` over {len(r['parts'])} parts)" if len(r["parts"]) > 1 else ""
+        lines = [head, f"- setting: {c['at']['setting']} (`{c['at']['table']}`)",
+                 f"- verdict: **{r['verdict']}**{rule}; final round: {r.get('final') or '–'}; Holm-adjusted p "
+                 f"{_num(r.get('holm_p'), '{:.3g}')}: {r.get('holm', '–')}"]
+        lines += [f"  - {_part_line(p)}" for p in r["parts"]]
+    for a in r["ablations"]:
+        res = a["result"]
+        why = "; ".join(x for x in (("degenerate: " + a["degenerate"]) if a.get("degenerate") else "",
+                                     "no code version in its records" if a.get("no_code_version") else "") if x)
+        lines.append(f"- ablation, not counted — {a['setting']} (`{a['table']}`)" + (f" [{why}]" if why else "")
+                     + f": **{res['verdict']}**" + (f" ({res['missing']})" if res.get("missing") else ""))
+        if not res.get("missing"):
+            lines += [f"  - {_part_line(p)}" for p in res["parts"]]
+    return lines + [""]
+
+
+def summary_table(result: dict) -> list[str]:
+    lines = ["| seed | distinct claims | held | tie | underpowered | reversed | no verdict | accounting: agrees / "
+             "disagrees | after Holm: held / reversed |", "|---|---|---|---|---|---|---|---|---|"]
+    for seed, rows in result.items():
+        c = counts(rows)
+        lines.append(f"| {seed[4:]} | {len(rows)} | {c['held']} | {c['tie']} | {c['underpowered']} | {c['reversed']} "
+                     f"| {c[NO_VERDICT]} | {c['agrees']} / {c['disagrees']} | {c['holm_held']} / "
+                     f"{c['holm_reversed']} |")
+    return lines
+
+
+def work_table(body: dict) -> list[str]:
+    """Per method, the work behind the seed's comparisons (issue 51 item 4): tuning trials, optimiser steps per round,
+    local epochs, restarts, extra data."""
+    lines = ["Work per method (as run in the headline settings):", "",
+             "| method | tuning trials | optimiser steps per round | local epochs | restarts | extra data |",
+             "|---|---|---|---|---|---|"]
+    for w in body.get("work") or []:
+        lines.append(f"| {w['method']} | {w['trials']} | {w['steps']} | {w['epochs']} | {w['restarts']} | {w['extra']} |")
+    return lines + ([f"\n{body['work_note']}"] if body.get("work_note") else [])
+
+
+def claims_md(result: dict, registry: dict) -> str:
+    lines = ["# One claim, one verdict (issue 51)", "",
+             "Written by `python benchmarks/claim_tally.py` from `configs/seed_claims.yaml` and the stored per-run "
+             "records under `benchmarks/results/`; nothing here is typed by hand. Each claim of the five seeds "
+             "appears once, in the seed's words, with ONE verdict at the setting closest to the seed; its other "
+             "settings are ablations under it and are never counted. A run's value: the mean of its last 5 evaluated "
+             "rounds where the records hold per-round values (seed 004's 10-epoch tables), the seed's own rule "
+             "where it states one (seed 003: the checkpoint with the best validation ACC per node), else the final "
+             "round (said beside each part). Verdicts: the paired 95 % Student-t interval over seeds (held / tie / "
+             "reversed); a tie whose seed difference lies inside the half-width is **underpowered**; a claim over "
+             "several comparisons takes one verdict by its rule (`all`: held only if every part is held, reversed if "
+             "any is; `most`: held if more than half are held and none reversed). Holm: across each seed's claims "
+             "with a verdict, on the paired t-tests' two-sided p-values (a claim over several parts: the p-value of "
+             "the part its verdict rests on).", "", *summary_table(result), ""]
+    for seed, rows in result.items():
+        lines += [f"## {seed}: {registry[seed]['paper']}", "", *work_table(registry[seed]), ""]
+        for i, r in enumerate(rows, 1):
+            lines += claim_block(i, r)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")
+    args = ap.parse_args(argv)
+    registry = yaml.safe_load(REGISTRY.read_text())
+    result = tally(Tables(), registry)
+    md = claims_md(result, registry)
+    repro = REPRO.read_text()
+    block = START + "\n" + "\n".join(summary_table(result)) + "\n" + END
+    if START in repro:
+        new_repro = repro[:repro.index(START)] + block + repro[repro.index(END) + len(END):]
+    else:
+        new_repro = repro
+    changed = [p for p, new in ((OUT, md), (REPRO, new_repro)) if not p.exists() or p.read_text() != new]
+    if args.check:
+        if changed:
+            print("would change: " + ", ".join(str(p.relative_to(ROOT)) for p in changed), file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(md)
+    REPRO.write_text(new_repro)
+    for line in summary_table(result):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
