@@ -22,7 +22,7 @@ from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
 from raysim.messages import Message
-from raysim.ops import (aggregate_prototypes, class_prototypes, known_class_prototypes, nearest_prototype,
+from raysim.ops import (aggregate_prototypes, class_prototypes, known_class_prototypes, moved_like, nearest_prototype,
                         prototype_regulariser)
 from raysim.training import accuracy, clone_state, epoch_count, forward_all
 
@@ -89,6 +89,7 @@ class FedProto(LocalTraining):
             return server_state, {}
         ups = [(uploads[i]["protos"]["classes"], uploads[i]["protos"]["protos"], uploads[i]["protos"]["counts"]) for i in ids]
         protos, mask = aggregate_prototypes(ups, self.task.num_classes, self.embed_dim(), self.params.proto_agg)
+        protos, mask = moved_like(protos, server_state["protos"]), moved_like(mask, server_state["mask"])
         # keep prototypes of classes nobody uploaded this round (partial participation)
         keep = server_state["mask"] & ~mask
         protos[keep] = server_state["protos"][keep]
@@ -102,10 +103,10 @@ class FedProto(LocalTraining):
             return None
         ups = [(u["protos"]["classes"], u["protos"]["protos"], u["protos"]["counts"]) for _, u in sorted(uploads.items())]
         protos, mask = aggregate_prototypes(ups, self.task.num_classes, self.embed_dim(), "weighted")
-        counts = torch.zeros(self.task.num_classes, dtype=torch.int64)
+        counts = torch.zeros(self.task.num_classes, dtype=torch.int64, device=mask.device)
         for classes, _, n in ups:
-            counts.index_add_(0, classes.cpu(), n.cpu().to(torch.int64))
-        classes = torch.nonzero(mask).flatten()
+            counts.index_add_(0, classes.to(mask.device), n.to(mask.device, torch.int64))
+        classes = torch.nonzero(mask).flatten()  # the merged classes (one host read per step on a GPU)
         return {"protos": Message("prototypes", {"protos": protos[classes], "classes": classes,
                                                  "counts": counts[classes]})}
 

@@ -65,7 +65,7 @@ from raysim.data.class_folders import load_class_folders
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
-from raysim.ops import aggregate_prototypes, class_prototypes
+from raysim.ops import aggregate_prototypes, class_prototypes, moved_like
 from raysim.steps import ALL, ClientStep, ServerStep
 from raysim.training import TrainOptions, accuracy, clone_state, forward_all, make_optimizer, train_epochs
 
@@ -416,6 +416,7 @@ class SlaugFL(LocalTraining):
         new = {**server_state, "model": model}
         if pf:
             protos, mask = aggregate_prototypes(pf, self.task.num_classes, self.embed_dim(), "weighted")
+            protos, mask = moved_like(protos, server_state["protos"]), moved_like(mask, server_state["mask"])
             new["protos"], new["mask"] = protos, mask | server_state["mask"]
             new["protos"][~mask] = server_state["protos"][~mask]
         return new, {}

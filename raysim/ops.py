@@ -64,6 +64,12 @@ def class_prototypes(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tupl
     return present, sums[present] / counts[present].unsqueeze(1).to(z.dtype), counts[present]
 
 
+def moved_like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``t`` on ``ref``'s device: an aggregate computed where the uploads are, brought home to the server state it
+    joins (once per round)."""
+    return t.cpu() if ref.device.type == "cpu" else t.to(ref.device)
+
+
 def known_class_prototypes(z: torch.Tensor, y: torch.Tensor, classes: Sequence[int],
                            num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`class_prototypes` when the host already knows ``classes``, the sorted classes present in ``y`` (a
@@ -81,15 +87,17 @@ def aggregate_prototypes(uploads: Sequence[tuple[torch.Tensor, torch.Tensor, tor
 
     ``weighted``: P_c = sum_i n_ic p_ic / sum_i n_ic (FedProto paper); ``mean``: plain mean over the clients holding c
     (FedProto's official code). Returns (prototypes C x d, mask C of classes that have one)."""
-    num = torch.zeros(num_classes, dim, dtype=torch.float64)
-    den = torch.zeros(num_classes, dtype=torch.float64)
+    dev = uploads[0][1].device if uploads else torch.device("cpu")  # where the uploads are (nothing read back)
+    num = torch.zeros(num_classes, dim, dtype=torch.float64, device=dev)
+    den = torch.zeros(num_classes, dtype=torch.float64, device=dev)
     for classes, protos, counts in uploads:
-        w = counts.to(torch.float64) if mode == "weighted" else torch.ones(len(classes), dtype=torch.float64)
-        num.index_add_(0, classes.cpu(), protos.detach().cpu().to(torch.float64) * w.unsqueeze(1).cpu())
-        den.index_add_(0, classes.cpu(), w.cpu())
+        w = (counts.to(dev, torch.float64) if mode == "weighted" else
+             torch.ones(len(classes), dtype=torch.float64, device=dev))
+        c = classes.to(dev)
+        num.index_add_(0, c, protos.detach().to(dev, torch.float64) * w.unsqueeze(1))
+        den.index_add_(0, c, w)
     mask = den > 0
-    out = torch.zeros(num_classes, dim, dtype=torch.float32)
-    out[mask] = (num[mask] / den[mask].unsqueeze(1)).to(torch.float32)
+    out = torch.where(mask.unsqueeze(1), num / den.clamp_min(1e-300).unsqueeze(1), 0.0).to(torch.float32)
     return out, mask
 
 
