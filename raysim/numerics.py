@@ -19,6 +19,11 @@ oneDNN                         off             its convolution kernels pick bloc
 ``ONEDNN_MAX_CPU_ISA``         ``AVX2``        a cap for any path that still reaches oneDNN
 ``OPENBLAS_CORETYPE``          ``Haswell``     numpy's OpenBLAS (read when numpy loads)
 intra-op threads               ``backend.torch_threads`` (1 by default): reductions split by thread count
+``aten::sqrt`` on the CPU      IEEE            torch computes sqrt with oneMKL's VML (``vsSqrt``/``vdSqrt``), whose kernels seed
+                                               from ``rsqrtps``, an approximate instruction that Intel and AMD implement
+                                               differently (so do the VML ``log2/log10/tan/atan/asin/acos`` kernels, via
+                                               ``rcpps``); MKL_CBWR does not touch it: portable replaces the CPU kernel of
+                                               ``sqrt`` by :func:`ieee_sqrt` (IEEE operations only)
 CUDA (``backend.device``)      deterministic   ``torch.use_deterministic_algorithms``, cuDNN deterministic and not
                                                benchmarking, no TF32, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``
 ============================  ==============  ==========================================================================
@@ -159,6 +164,7 @@ def enter(mode: str, device=None) -> dict:
                                                   f"backend.numerics: native (the table then depends on the CPU)")
         pin(PORTABLE_ENV)
         torch.backends.mkldnn.enabled = False
+        exact_sqrt()
         cap = torch.backends.cpu.get_cpu_capability()
         if cap != PORTABLE_CAPABILITY:
             raise ConfigError("backend.numerics", f"portable: this process chose its CPU kernels ({cap}) before raysim "
@@ -180,6 +186,54 @@ def enter(mode: str, device=None) -> dict:
     _device = str(device) if device is not None else None  # the driver enters without one at the start of each run
     _mode = mode
     return describe()
+
+
+_sqrt_library = None  # the torch.library registration of ieee_sqrt as aten::sqrt's CPU kernel (portable processes)
+
+
+def ieee_sqrt(x):
+    """sqrt(x) from IEEE-specified operations only, so the same bits on every x86-64 CPU: float32 (and half types)
+    correctly rounded (equal to ``numpy.sqrt``), float64 ``x * rsqrt(x)`` (rsqrt = 1 / the sqrt instruction; within
+    2 ulp, deterministic). torch's own CPU sqrt calls oneMKL VML, whose kernels start from the approximate
+    ``rsqrtps`` (Intel and AMD return different approximations; the result is not correctly rounded: +-1 ulp on
+    about 20% of float32 inputs), so an Adam step or a distance differed in the last bit between CPU vendors."""
+    import torch
+
+    if x.dtype == torch.float64:
+        y = x * torch.rsqrt(x)
+        return torch.where((x == 0) | torch.isinf(x), x, y)  # 0 * inf and inf * 0: the IEEE sqrt of 0, -0, inf
+    if not x.is_floating_point():
+        return ieee_sqrt(x.to(torch.get_default_dtype()))
+    d = x.double()
+    y = (d * torch.rsqrt(d)).to(x.dtype)  # within 1 ulp of sqrt(x) in x's precision
+    for _ in range(2):  # exact correction: the float whose rounding interval holds sqrt(x)
+        yd = y.double()
+        up = torch.nextafter(y, torch.full_like(y, float("inf")))
+        dn = torch.nextafter(y, torch.full_like(y, float("-inf")))
+        mu, ml = (yd + up.double()) * 0.5, (yd + dn.double()) * 0.5  # midpoints and their squares exact in float64
+        y = torch.where(d > mu * mu, up, torch.where(d < ml * ml, dn, y))
+    special = torch.where(x < 0, torch.full_like(x, float("nan")), x)  # nan, -x, +-0, inf as IEEE sqrt gives them
+    return torch.where((x > 0) & torch.isfinite(x), y, special)
+
+
+def exact_sqrt() -> None:
+    """Make :func:`ieee_sqrt` the CPU kernel of ``aten::sqrt`` (and its ``out=`` and in-place forms) in this process:
+    every CPU sqrt then avoids VML — torch.optim.Adam's denominator, ``Tensor.sqrt`` in methods, autograd's forward
+    (its backward formula is unchanged), ``torch.cdist``. Once per process (portable mode is for its lifetime)."""
+    global _sqrt_library
+    if _sqrt_library is not None:
+        return
+    import warnings
+
+    import torch
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel": that is the point
+        lib.impl("sqrt", ieee_sqrt, "CPU")
+        lib.impl("sqrt.out", lambda x, *, out: out.copy_(ieee_sqrt(x)), "CPU")
+        lib.impl("sqrt_", lambda x: x.copy_(ieee_sqrt(x)), "CPU")
+    _sqrt_library = lib
 
 
 def cuda_deterministic(on: bool) -> None:
