@@ -1,0 +1,212 @@
+"""Issue 50's probes as tests (beside tests/test_faults.py): import paths that would run a program, a dry run whose
+code leaves a thread or an atexit hook behind, builders that would download weights, secrets in backend.code,
+directories raysim did not make, readers that would hang, identity that does not mean what runs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+from raysim.app.cli import main
+from raysim.errors import ConfigError
+from tests.conftest import ROOT, tiny_config
+
+LOADER = '''
+import numpy as np
+import raysim
+
+
+@raysim.dataset_loader
+def arrays(root=None):
+    r = np.random.default_rng(0)
+    return {"x_train": r.normal(size=(60, 1, 8, 8)).astype("float32"), "y_train": np.arange(60) % 3,
+            "x_test": r.normal(size=(30, 1, 8, 8)).astype("float32"), "y_test": np.arange(30) % 3}
+'''
+
+
+@pytest.fixture
+def userdir(tmp_path, monkeypatch):
+    """A working directory for user modules (named um50*), removed from sys.modules and sys.path afterwards."""
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("um50")]:
+        sys.modules.pop(name, None)
+    while str(tmp_path) in sys.path:
+        sys.path.remove(str(tmp_path))
+
+
+def user_config(d, module: str, **over) -> str:
+    cfg = tiny_config(rounds=1, data={"dataset": f"{module}:arrays", "num_clients": 3, "partition": "iid",
+                                      "partition_params": {}}, algorithm={"name": "fedavg"},
+                      model={"arch": "mlp", "params": {"hidden": 8}}, **over)
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (d / "u.yaml").write_text(yaml.safe_dump(cfg))
+    return "u.yaml"
+
+
+def one_line(capsys) -> list[str]:
+    return [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("raysim: note:")]
+
+
+# -- 2. a config names code; nothing else runs --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["tqdm.__main__:x", "numpy.f2py.__main__:x", "IPython.__main__:x"])
+def test_a_main_module_is_refused_before_it_is_imported(userdir, capsys, target):
+    module = target.split(":")[0]
+    sys.modules.pop(module, None)
+    user_config(userdir, "um50none")
+    code = main(["run", "u.yaml", "--dry-run", "--set", f"data.dataset={target}"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "data.dataset" in lines[0] and "__main__ module" in lines[0], lines
+    assert module not in sys.modules
+    assert list(userdir.iterdir()) == [userdir / "u.yaml"]
+
+
+def test_a_package_main_is_refused(userdir):
+    from raysim.config.registry import resolve
+
+    (userdir / "um50pkg").mkdir()
+    (userdir / "um50pkg" / "__init__.py").write_text("")
+    (userdir / "um50pkg" / "__main__.py").write_text("raise SystemExit('ran')\n")
+    with pytest.raises(ConfigError, match="__main__ module") as e:
+        resolve("um50pkg.__main__:x", "model.arch")
+    assert e.value.field == "model.arch" and "um50pkg.__main__" not in sys.modules
+
+
+def test_system_exit_while_importing_is_one_config_error_and_the_import_runs_once(userdir, capsys):
+    from raysim.config.registry import resolve
+
+    (userdir / "um50exit.py").write_text("import builtins\nbuiltins.um50_runs = getattr(builtins, 'um50_runs', 0) + 1\n"
+                                         "raise SystemExit(0)\n")
+    import builtins
+
+    for _ in range(3):
+        with pytest.raises(ConfigError, match="importing 'um50exit' raised SystemExit") as e:
+            resolve("um50exit:arrays", "data.dataset", "loader")
+        assert e.value.field == "data.dataset"
+    assert builtins.um50_runs == 1  # imported once: the failure is remembered
+    del builtins.um50_runs
+    user_config(userdir, "um50exit")
+    assert main(["run", "u.yaml", "--dry-run"]) == 2  # never exit 0 without validating
+    assert "SystemExit" in one_line(capsys)[0]
+
+
+def test_an_installed_package_is_guarded_in_a_dry_run_too(userdir, monkeypatch, capsys):
+    """An installed package's import writes nothing in a dry run: a write it copes without is refused quietly, one it
+    cannot do without ends in the one line naming the key."""
+    from raysim.config import registry
+
+    (userdir / "um50copes.py").write_text(LOADER + "try:\n    open('cache.txt', 'w')\nexcept PermissionError:\n"
+                                                   "    pass\n")
+    (userdir / "um50needs.py").write_text(LOADER + "open('cache.txt', 'w').write('x')\n")
+    monkeypatch.setattr(registry, "_installed_package", lambda module: True)
+    user_config(userdir, "um50copes")
+    assert main(["run", "u.yaml", "--dry-run"]) == 0, capsys.readouterr().err
+    assert not (userdir / "cache.txt").exists()
+    capsys.readouterr()
+    user_config(userdir, "um50needs")
+    assert main(["run", "u.yaml", "--dry-run"]) == 2
+    lines = one_line(capsys)
+    assert len(lines) == 1 and "data.dataset" in lines[0] and "cache.txt" in lines[0], lines
+    assert not (userdir / "cache.txt").exists()
+
+
+def test_a_torchvision_builder_gets_every_weights_parameter_off(monkeypatch, tmp_path):
+    pytest.importorskip("torchvision")
+    import torch.hub
+    from torchvision.models.segmentation import lraspp_mobilenet_v3_large
+
+    from raysim.adapt import weight_parameters
+
+    off = weight_parameters(lraspp_mobilenet_v3_large)
+    assert off == {"weights": None, "weights_backbone": None}
+
+    def no_download(*a, **k):
+        raise AssertionError("a download was attempted")
+
+    monkeypatch.setattr(torch.hub, "load_state_dict_from_url", no_download)
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    lraspp_mobilenet_v3_large(**off, num_classes=3)
+    assert not (tmp_path / "torch").exists()
+
+
+def test_a_segmentation_builder_in_a_dry_run_downloads_nothing(userdir, monkeypatch, capsys):
+    pytest.importorskip("torchvision")
+    monkeypatch.setenv("TORCH_HOME", str(userdir / "torch"))
+    user_config(userdir, "um50none")
+    code = main(["run", "u.yaml", "--dry-run", "--set", "data.dataset=synthetic",
+                 "--set", "model.arch=torchvision.models.segmentation:lraspp_mobilenet_v3_large", "--set",
+                 "model.params={}"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "model.arch" in lines[0] and "download" not in lines[0], lines
+    assert not (userdir / "torch").exists()
+
+
+# -- 3. a dry run writes nothing, ever ----------------------------------------------------------------------------------
+
+THREAD = LOADER + '''
+import threading
+
+go, done, result = threading.Event(), threading.Event(), {}
+
+
+def later():
+    go.wait(60)
+    try:
+        with open("from_thread.txt", "w") as f:
+            f.write("x")
+        result["wrote"] = True
+    except PermissionError as e:
+        result["refused"] = str(e)
+    inner = threading.Thread(target=again)
+    inner.start()
+    inner.join()
+    done.set()
+
+
+def again():
+    try:
+        open("from_inner_thread.txt", "w").close()
+    except PermissionError:
+        result["inner_refused"] = True
+
+
+threading.Thread(target=later, daemon=True).start()
+'''
+
+
+def test_a_thread_the_dry_runs_code_started_writes_nothing_after_it_ended(userdir, capsys):
+    (userdir / "um50thread.py").write_text(THREAD)
+    user_config(userdir, "um50thread")
+    assert main(["run", "u.yaml", "--dry-run"]) == 0, capsys.readouterr().err
+    import um50thread
+
+    um50thread.go.set()  # the dry run is over; now the thread tries to write
+    assert um50thread.done.wait(60)
+    assert "refused" in um50thread.result and "wrote" not in um50thread.result
+    assert um50thread.result.get("inner_refused")  # and so does a thread it starts
+    assert not (userdir / "from_thread.txt").exists() and not (userdir / "from_inner_thread.txt").exists()
+    with open(userdir / "main_thread.txt", "w") as f:  # the process itself writes as ever
+        f.write("ok")
+
+
+def test_an_atexit_hook_the_dry_runs_code_registered_writes_nothing(tmp_path):
+    (tmp_path / "um50atexit.py").write_text(LOADER + "import atexit\n\n\n@atexit.register\ndef bye():\n"
+                                                     "    open('from_atexit.txt', 'w').write('x')\n")
+    user_config(tmp_path, "um50atexit")
+    r = subprocess.run([sys.executable, "-m", "raysim", "run", "u.yaml", "--dry-run"], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1"))
+    assert r.returncode == 0, r.stderr
+    assert "nothing was trained or written" in r.stdout
+    assert not (tmp_path / "from_atexit.txt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["u.yaml", "um50atexit.py"]
+    # without --dry-run the same hook writes (the refusal is the dry run's, not the module's)
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import um50atexit
+    """)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0 and (tmp_path / "from_atexit.txt").exists(), r.stderr
