@@ -210,3 +210,53 @@ def test_an_atexit_hook_the_dry_runs_code_registered_writes_nothing(tmp_path):
         import um50atexit
     """)], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert r.returncode == 0 and (tmp_path / "from_atexit.txt").exists(), r.stderr
+
+
+# -- 4. only code ships --------------------------------------------------------------------------------------------------
+
+def _ship(tmp_path, entries):
+    from raysim.config import make_config
+    from raysim.config.usercode import code_to_ship
+
+    return code_to_ship(make_config(tiny_config(backend={"name": "ray", "code": [str(e) for e in entries]})))
+
+
+def test_backend_code_refuses_hidden_directories_and_key_material(tmp_path):
+    ssh = tmp_path / ".ssh"
+    ssh.mkdir()
+    (ssh / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    with pytest.raises(ConfigError, match="hidden") as e:
+        _ship(tmp_path, [ssh])
+    assert e.value.field == "backend.code[0]"
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "server.pem").write_text("secret")
+    with pytest.raises(ConfigError, match="server.pem, which is key material") as e:
+        _ship(tmp_path, [pkg])
+    (pkg / "server.pem").unlink()
+    (pkg / ".env").write_text("TOKEN=x")
+    with pytest.raises(ConfigError, match=r"\.env, which is hidden"):
+        _ship(tmp_path, [pkg])
+    (pkg / ".env").unlink()
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "x.csv").write_text("1,2\n")
+    with pytest.raises(ConfigError, match="holds no Python code") as e:
+        _ship(tmp_path, [pkg, data])
+    assert e.value.field == "backend.code[1]"
+    with pytest.raises(ConfigError, match="key material"):
+        _ship(tmp_path, [ssh / "id_rsa"])
+
+
+def test_backend_code_says_what_ships(tmp_path):
+    from raysim.config.usercode import describe_shipped
+
+    pkg = tmp_path / "mypkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "model.py").write_text("X = 1\n")
+    (tmp_path / "helper.py").write_text("Y = 2\n")
+    paths = _ship(tmp_path, [pkg, tmp_path / "helper.py"])
+    line = describe_shipped(paths)
+    assert f"{pkg} (2 files, 6 bytes)" in line and f"{tmp_path / 'helper.py'} (1 file, 6 bytes)" in line
