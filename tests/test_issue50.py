@@ -260,3 +260,35 @@ def test_backend_code_says_what_ships(tmp_path):
     paths = _ship(tmp_path, [pkg, tmp_path / "helper.py"])
     line = describe_shipped(paths)
     assert f"{pkg} (2 files, 6 bytes)" in line and f"{tmp_path / 'helper.py'} (1 file, 6 bytes)" in line
+
+
+# -- 5. raysim deletes only what it made ---------------------------------------------------------------------------------
+
+def test_an_incomplete_directory_raysim_did_not_make_keeps_its_files(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({**tiny_config(rounds=1), "output": {"progress": False}}))
+    mine = tmp_path / "out" / "keep.incomplete"
+    mine.mkdir(parents=True)
+    (mine / "thesis.tex").write_text("years of work")
+    (mine / "figs").mkdir()
+    (mine / "figs" / "a.png").write_bytes(b"png")
+    assert main(["run", "c.yaml", "--out", "out/keep"]) == 0
+    err = capsys.readouterr().err
+    assert "raysim did not create it" in err and "out/keep-2" in err
+    assert (mine / "thesis.tex").read_text() == "years of work" and (mine / "figs" / "a.png").exists()
+    assert sorted(p.name for p in mine.iterdir()) == ["figs", "thesis.tex"]  # no lock, no marker written into it
+    assert (tmp_path / "out" / "keep-2" / "results.parquet").exists()
+
+
+def test_a_failed_run_removes_only_its_own_marked_directory(tmp_path):
+    from raysim.io import rundir
+
+    rd = rundir.RunDir.claim(tmp_path / "r")
+    assert rundir.is_marked(rd.work)
+    rd.abandon(keep=False)
+    assert not (tmp_path / "r.incomplete").exists()
+    foreign = tmp_path / "f.incomplete"
+    foreign.mkdir()
+    (foreign / "data.csv").write_text("1")
+    rd = rundir.RunDir.for_resume(foreign)  # resumed in place, but not raysim's: never removed
+    assert rd.abandon(keep=False) is None and (foreign / "data.csv").exists()
