@@ -292,3 +292,192 @@ def test_a_failed_run_removes_only_its_own_marked_directory(tmp_path):
     (foreign / "data.csv").write_text("1")
     rd = rundir.RunDir.for_resume(foreign)  # resumed in place, but not raysim's: never removed
     assert rd.abandon(keep=False) is None and (foreign / "data.csv").exists()
+
+
+# -- 6. every reader bounded ---------------------------------------------------------------------------------------------
+
+def bounded(fn, fifos=(), seconds: float = 120):
+    """``fn()`` in a thread; a reader blocked on a FIFO is released (a writer opens it) and the test fails."""
+    import threading
+
+    out = {}
+
+    def target():
+        try:
+            out["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            out["error"] = e
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        for f in fifos:
+            try:
+                os.close(os.open(f, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass
+        t.join(30)
+        pytest.fail("a reader blocked on a FIFO")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    from raysim.config import make_config
+    from raysim.engine.loop import run_experiment
+
+    d = tmp_path_factory.mktemp("run50")
+    c = tiny_config(rounds=2)
+    c["output"] = {"progress": False, "checkpoint_every": 1}
+    run_experiment(make_config(c), out_dir=d / "r")
+    return d / "r", c
+
+
+@pytest.mark.parametrize("name, finished", [("config.yaml", True), ("config.yaml", False), ("run.json", True)])
+def test_a_fifo_in_a_run_directory_never_hangs_raysim_runs(finished_run, tmp_path, capsys, name, finished):
+    import shutil
+
+    run = tmp_path / "runs" / ("r" if finished else "r.incomplete")
+    shutil.copytree(finished_run[0], run)
+    if not finished:
+        (run / "results.parquet").unlink()
+    (run / name).unlink()
+    os.mkfifo(run / name)
+    code = bounded(lambda: main(["runs", str(tmp_path / "runs")]), [run / name])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    if not (finished and name == "config.yaml"):  # a finished run's config is read from its table
+        assert "FIFO" in out and name in out, out
+
+
+def test_a_fifo_checkpoint_meta_never_hangs_a_resume(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "r"
+    shutil.copytree(finished_run[0], run)
+    from raysim.io.checkpoints import find_checkpoint
+
+    meta = find_checkpoint(run) / "meta.pt"
+    meta.unlink()
+    os.mkfifo(meta)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({**finished_run[1], "rounds": 3}))
+    code = bounded(lambda: main(["run", str(tmp_path / "c.yaml"), "--resume", str(run)]), [meta])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "meta.pt" in lines[0] and "FIFO" in lines[0], lines
+
+
+def test_a_fifo_named_like_an_image_never_hangs(userdir, capsys):
+    from PIL import Image
+
+    for split in ("train", "test"):
+        for c in ("a", "b"):
+            d = userdir / "imgs" / split / c
+            d.mkdir(parents=True)
+            for i in range(3):
+                Image.new("L", (8, 8), color=40 * i).save(d / f"{i}.png")
+    fifo = userdir / "imgs" / "train" / "a" / "9.png"
+    os.mkfifo(fifo)
+    user_config(userdir, "um50none")
+    code = bounded(lambda: main(["run", "u.yaml", "--dry-run", "--set", "data.dataset=imagefolder",
+                                 "--set", "data.root=imgs", "--set", "data.num_clients=2"]), [fifo])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "9.png" in lines[0] and "FIFO" in lines[0], lines
+
+
+def test_an_npz_zip_bomb_is_refused_from_its_header(userdir, monkeypatch, capsys):
+    import numpy as np
+
+    import raysim.data.arrays as arrays
+
+    np.savez_compressed(userdir / "d.npz", x_train=np.zeros((4000, 1, 8, 8), np.float32), y_train=np.zeros(4000),
+                        x_test=np.zeros((100, 1, 8, 8), np.float32), y_test=np.zeros(100))
+    monkeypatch.setattr(arrays, "available_memory", lambda: 1_000_000)  # the unpacked 2 MB exceed half of it
+    user_config(userdir, "um50none")
+    code = main(["run", "u.yaml", "--dry-run", "--set", "data.dataset=npz", "--set", "data.root=d.npz"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "d.npz unpacks to" in lines[0] and "zip bomb" in lines[0], lines
+
+
+@pytest.mark.parametrize("doc, says", [
+    ({"users": 5, "user_data": {}}, "'users' must be a list of user names, got int"),
+    ({"users": [["u0"]], "user_data": {}}, "'users' must be a list of user names, got list holding list"),
+    ({"users": ["u0"], "user_data": {"u0": {"x": 5, "y": [1]}}}, "user 'u0': x and y must be lists, got x int"),
+    ({"users": ["u0"], "user_data": {"u0": {"x": [[1.0], "a"], "y": [1, 2]}}}, "user 'u0': every sample in x"),
+    ({"users": ["u0"], "user_data": {"u0": {"x": [[1.0]], "y": [{"a": 1}]}}}, "user 'u0': every label in y"),
+    ({"users": ["u0"], "user_data": []}, "'user_data' must map each user"),
+])
+def test_leaf_json_of_the_wrong_shape_is_one_line_naming_file_and_user(userdir, capsys, doc, says):
+    import json
+
+    for split in ("train", "test"):
+        (userdir / "leaf" / split).mkdir(parents=True)
+        (userdir / "leaf" / split / "all.json").write_text(json.dumps(doc))
+    user_config(userdir, "um50none")
+    code = main(["run", "u.yaml", "--dry-run", "--set", "data.dataset=leaf", "--set", "data.root=leaf",
+                 "--set", "data.partition=natural"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "all.json" in lines[0] and says in lines[0], lines
+    assert "Traceback" not in lines[0]
+
+
+@pytest.mark.parametrize("participation, key", [
+    ({"dropout": 1.0}, "env.participation.dropout"),
+    ({"availability": {"mode": "bernoulli", "p": 0.0}}, "env.participation.availability.p"),
+])
+def test_async_without_arrivals_is_refused_at_config_time(tiny, participation, key):
+    from raysim.engine.prepare import prepare
+
+    cfg = tiny(server={"mode": "async", "concurrency": 2, "buffer_size": 1}, algorithm={"name": "fedavg"},
+               env={"preset": "mobile-heterogeneous", "participation": participation})
+    with pytest.raises(ConfigError) as e:
+        bounded(lambda: prepare(cfg))
+    assert e.value.field == key and "wait forever" in str(e.value)
+
+
+# -- 7. identity means what runs -----------------------------------------------------------------------------------------
+
+def test_resume_with_fewer_rounds_than_done_is_refused(finished_run, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "r"
+    shutil.copytree(finished_run[0], run)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({**finished_run[1], "rounds": 1}))
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code = main(["run", str(tmp_path / "c.yaml"), "--resume", str(run)])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "'rounds'" in lines[0] and "2 rounds" in lines[0], lines
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("over, key", [
+    ({"backend": {"name": "sequential", "partial_aggregate": 1}}, "backend.partial_aggregate"),
+    ({"backend": {"name": "sequential", "partial_aggregate": 0}}, "backend.partial_aggregate"),
+    ({"model": {"arch": "mlp", "params": {"embed_dim": 0}}}, "model.params.embed_dim"),
+    ({"model": {"arch": "mlp", "params": {"embed_dim": 2.5}}}, "model.params.embed_dim"),
+    ({"model": {"per_client": [{"arch": "mlp", "params": {"embed_dim": -1}}]}}, "model.per_client[0].params.embed_dim"),
+    ({"algorithm": {"name": "raysim.algorithm:Algorithm"}}, "algorithm.name"),
+])
+def test_values_that_mean_nothing_are_refused_at_config_time(over, key):
+    from raysim.config import make_config
+
+    with pytest.raises(ConfigError) as e:
+        make_config(tiny_config(**over)).config_hash()
+        from raysim.config.registry import algorithm_class
+
+        algorithm_class(make_config(tiny_config(**over)).algorithm.name)
+    assert e.value.field == key
+
+
+def test_a_missing_objective_metric_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    c = tiny_config(rounds=1, data__val_fraction=0.25)
+    c["output"] = {"dir": "out", "progress": False}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(c))
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({"params": {"algorithm.params.lam": {
+        "type": "float", "low": 0.1, "high": 2.0}}, "objective": {"metric": "val_nothing"}}))
+    code = main(["tune", "c.yaml", "--space", "space.yaml", "--trials", "1"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "objective.metric" in lines[0] and "val_nothing" in lines[0], lines

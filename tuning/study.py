@@ -70,6 +70,10 @@ class RoundMonitor:
                 self.diverged = f"diverged: {r.metric}={r.value} at round {r.round} (client {r.client_id})"
                 return True
         acc = table.latest(self.obj.metric)
+        if acc is None and not any(r.metric == self.obj.metric for r in table.rows):
+            names = sorted({r.metric for r in table.rows if r.scope == "client" and not r.metric.startswith("train_")})
+            raise ConfigError("objective.metric", f"the runs record no {self.obj.metric!r} (a missing metric is not a "
+                                                  f"diverged trial); choose one they record: {', '.join(names[:20])}")
         if acc is None or not math.isfinite(acc):
             self.diverged = f"diverged: mean {self.obj.metric}={acc} at round {round_idx}"
             return True

@@ -124,6 +124,12 @@ class ModelConfig:
 
     def check(self, path: str) -> None:
         choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list", "tier"])
+        specs = [(_p(path, "params"), self.params)] + [(_p(path, f"per_client[{i}].params"), s.params)
+                                                       for i, s in enumerate(self.per_client or [])]
+        for where, params in specs:
+            v = (params or {}).get("embed_dim") if isinstance(params, dict) else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{where}.embed_dim", f"must be an integer >= 1 (the embedding's size), got {v!r}")
         if self.per_client is not None and len(self.per_client) == 0:
             raise ConfigError(_p(path, "per_client"), "must name at least one architecture")
         if self.assign == "tier":
@@ -237,7 +243,7 @@ class BackendConfig:
                                                    "to start a local cluster)")
         choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
         choice(_p(path, "numerics"), self.numerics, ["portable", "native"])
-        if self.partial_aggregate not in (True, False, "auto"):
+        if not (isinstance(self.partial_aggregate, bool) or self.partial_aggregate == "auto"):  # 1 is not true
             raise ConfigError(_p(path, "partial_aggregate"), f"must be auto, true or false, got "
                                                              f"{self.partial_aggregate!r}")
         if isinstance(self.code, str):

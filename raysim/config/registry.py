@@ -333,6 +333,10 @@ def algorithm_target(name: str) -> str:
             cls = resolve(name, "algorithm.name", "Class")
             if not _is_algorithm_class(cls):
                 raise ConfigError("algorithm.name", f"{name!r} is not a subclass of raysim.algorithm.Algorithm")
+            if _is_abstract_algorithm(cls):
+                raise ConfigError("algorithm.name", f"{name!r} is raysim's abstract base class (a round needs a method "
+                                                    f"that implements it); name a method, e.g. fedavg, or your "
+                                                    f"subclass of it")
             return name
         raise ConfigError("algorithm.name", f"{name!r} is not allowed; choose one of: {', '.join(sorted(ALGORITHMS))}, "
                                             f"or an import path package.module:Class")
@@ -344,6 +348,13 @@ def _is_algorithm_class(obj) -> bool:
     contract and does not import it)."""
     return isinstance(obj, type) and any(f"{k.__module__}.{k.__qualname__}" == "raysim.algorithm.Algorithm"
                                          for k in obj.__mro__)
+
+
+def _is_abstract_algorithm(cls) -> bool:
+    """``cls`` is the contract's base class itself or leaves abstract methods unimplemented."""
+    import inspect
+
+    return f"{cls.__module__}.{cls.__qualname__}" == "raysim.algorithm.Algorithm" or inspect.isabstract(cls)
 
 
 def load_target(target: str):

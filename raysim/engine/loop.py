@@ -263,6 +263,10 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
                                damaged_hint(ck))
     if (meta.get("extra") or {}).get("resume_hash") != resume_hash(cfg):
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
+    done = int(meta.get("round_idx", -1)) + 1
+    if cfg.rounds < done:  # the run's config and id would say fewer rounds than its table holds
+        raise ConfigError("rounds", f"{cfg.rounds} is fewer than the {done} rounds the checkpoint {ck} already holds; "
+                                    f"--resume continues a run (rounds >= {done}), it never shortens one")
     manifest = meta.get("manifest") or {}
     shards = [manifest.get("server")] + list(manifest.get("clients") or [])
     if cfg.server.mode == "async":  # the event loop's state and the messages of its clients in flight
