@@ -296,8 +296,9 @@ def test_a_failed_run_removes_only_its_own_marked_directory(tmp_path):
 
 # -- 6. every reader bounded ---------------------------------------------------------------------------------------------
 
-def bounded(fn, fifos=(), seconds: float = 120):
-    """``fn()`` in a thread; a reader blocked on a FIFO is released (a writer opens it) and the test fails."""
+def bounded(fn, fifos=(), seconds: float = float(os.environ.get("RAYSIM_TEST_BOUND_S", 120))):
+    """``fn()`` in a thread; a reader blocked on a FIFO is released (a writer opens it) and the test fails (the
+    bound only catches a regression; it is no timing assertion)."""
     import threading
 
     out = {}
@@ -481,3 +482,55 @@ def test_a_missing_objective_metric_is_one_line_exit_2(tmp_path, monkeypatch, ca
     code = main(["tune", "c.yaml", "--space", "space.yaml", "--trials", "1"])
     lines = one_line(capsys)
     assert code == 2 and len(lines) == 1 and "objective.metric" in lines[0] and "val_nothing" in lines[0], lines
+
+
+def _tune_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    c = tiny_config(rounds=1, data__val_fraction=0.25)
+    c["output"] = {"dir": "out", "progress": False}
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(c))
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({"params": {"algorithm.params.lam": {
+        "type": "float", "low": 0.1, "high": 2.0}}, "objective": {"metric": "val_acc"}}))
+
+
+def test_an_sqlite_database_of_another_application_is_refused(tmp_path, monkeypatch, capsys):
+    import sqlite3
+
+    _tune_dir(tmp_path, monkeypatch)
+    con = sqlite3.connect(tmp_path / "app.db")
+    con.execute("CREATE TABLE users (id INTEGER PRIMARY KEY, name TEXT)")
+    con.execute("INSERT INTO users VALUES (1, 'ada')")
+    con.commit()
+    con.close()
+    before = (tmp_path / "app.db").read_bytes()
+    code = main(["tune", "c.yaml", "--space", "space.yaml", "--trials", "1", "--storage", "sqlite:///app.db"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "--storage" in lines[0] and "users" in lines[0], lines
+    assert (tmp_path / "app.db").read_bytes() == before
+
+
+def test_a_study_raysim_did_not_create_is_not_adopted(tmp_path, monkeypatch, capsys):
+    import optuna
+
+    from tuning.storage import open_storage
+
+    _tune_dir(tmp_path, monkeypatch)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna.create_study(study_name="theirs", storage=open_storage(f"journal:{tmp_path / 's.log'}"))
+    code = main(["tune", "c.yaml", "--space", "space.yaml", "--trials", "1", "--storage", "journal:s.log",
+                 "--study-name", "theirs"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "--study-name" in lines[0] and "not created by raysim" in lines[0], lines
+
+
+def test_a_dry_run_summarises_a_large_population(tmp_path, monkeypatch, capsys):
+    from raysim.app.cli import DRY_RUN_CLIENTS
+
+    monkeypatch.chdir(tmp_path)
+    c = tiny_config(rounds=1, data={"dataset": "synthetic", "num_clients": 80, "partition": "iid",
+                                    "partition_params": {}})
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(c))
+    assert main(["run", "c.yaml", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    listed = [ln for ln in out.splitlines() if ln.startswith("  client ")]
+    assert len(listed) == DRY_RUN_CLIENTS and "  client  79:" in out and "30 more clients" in out

@@ -347,6 +347,7 @@ def _open_study(storage_url: str, study_name: str, space: SearchSpace, cfg):
     store = open_storage(storage_url)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
+        existed = study_name in optuna.study.get_all_study_names(store)
         study = optuna.create_study(study_name=study_name, storage=store, direction=space.objective.direction,
                                     sampler=space.build_sampler(), pruner=space.pruner.build(), load_if_exists=True)
         study.user_attrs  # reads the stored study: a damaged journal or database fails here
@@ -355,6 +356,9 @@ def _open_study(storage_url: str, study_name: str, space: SearchSpace, cfg):
     except Exception as e:
         raise storage_failure(storage_url, e) from None
     identity = {"space_hash": space.space_hash(), "config_hash": cfg.config_hash()}
+    if existed and not any(k in study.user_attrs for k in identity):
+        raise ConfigError("--study-name", f"study {study_name!r} in {storage_url} was not created by raysim tune (it "
+                                          f"records no search space or base config); use a new --study-name")
     for key, value in identity.items():
         old = study.user_attrs.get(key)
         if old is not None and old != value:

@@ -280,6 +280,9 @@ def _say_failures(summary) -> None:
              f"metadata)")
 
 
+DRY_RUN_CLIENTS = 50  # a dry run lists this many clients at most (issue 50: 1M clients printed 1M lines)
+
+
 def _cmd_dry_run(cfg, args) -> int:
     import numpy as np
     import yaml
@@ -312,7 +315,12 @@ def _cmd_dry_run(cfg, args) -> int:
           f"{fd.num_classes} classes, images {shape}")
     for label, v in (("train samples", tr), ("test samples", te), ("classes", ncls)):
         print(f"  {label:<14} per client: min {v.min()}, median {np.median(v):g}, max {v.max()}, total {v.sum()}")
-    for cid, (a, b, c) in enumerate(zip(tr, te, s["classes"])):
+    n = len(tr)
+    shown = range(n) if n <= DRY_RUN_CLIENTS else [*range(DRY_RUN_CLIENTS - 5), *range(n - 5, n)]
+    for cid in shown:  # a large population is summarised: the first clients and the last five
+        if n > DRY_RUN_CLIENTS and cid == n - 5:
+            print(f"  ... {n - DRY_RUN_CLIENTS:,} more clients (the summary above covers all {n:,})")
+        a, b, c = tr[cid], te[cid], s["classes"][cid]
         spec = prep.task.archs[cid]
         m = prep.models.get(arch_key(spec), {})
         emb = m.get("embed_dim")

@@ -250,10 +250,7 @@ def _script_problem(module: str) -> str:
     ``__main__`` module (a package's command line, ``python -m``), or a spec whose file is not a module's."""
     if "__main__" in module.split("."):
         return "is a __main__ module: importing it runs that package's command line"
-    try:
-        spec = importlib.util.find_spec(module)
-    except BaseException:  # a parent package that fails to import: the import below reports it
-        return ""
+    spec = importlib.util.find_spec(module)  # imports the parent packages: whatever they raise is the import's error
     origin = getattr(spec, "origin", None) if spec is not None else None
     if not isinstance(origin, str) or origin in ("built-in", "frozen") or not os.path.isabs(origin):
         return ""

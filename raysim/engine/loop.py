@@ -152,8 +152,9 @@ class _RoundWalk:
             r = failed[0]
             raise SimulationError(f"round {round_idx}, step '{step.name}': {len(failed)} of {len(reports)} clients "
                                   f"failed; first: client {r.client_id}: {r.error}\n{r.traceback}")
-        if failed and len(failed) > cfg.max_failed_share * len(reports):
-            r = failed[0]
+        own = [r for r in failed if not str(r.error).startswith("ActorDied:")]  # dead actors: on_actor_failure's
+        if own and len(own) > cfg.max_failed_share * len(reports):
+            r = own[0]
             raise SimulationError(f"round {round_idx}, step '{step.name}': {len(failed)} of {len(reports)} clients "
                                   f"failed, more than max_failed_share={cfg.max_failed_share:g} of them, so the run "
                                   f"stops rather than aggregate the rest (first: client {r.client_id}: "
