@@ -482,6 +482,7 @@ def test_a_missing_objective_metric_is_one_line_exit_2(tmp_path, monkeypatch, ca
     code = main(["tune", "c.yaml", "--space", "space.yaml", "--trials", "1"])
     lines = one_line(capsys)
     assert code == 2 and len(lines) == 1 and "objective.metric" in lines[0] and "val_nothing" in lines[0], lines
+    assert not (tmp_path / "out").exists()  # the study that never ran a trial is not kept: the fixed command starts afresh
 
 
 def _tune_dir(tmp_path, monkeypatch):
@@ -517,9 +518,11 @@ def test_a_study_raysim_did_not_create_is_not_adopted(tmp_path, monkeypatch, cap
     _tune_dir(tmp_path, monkeypatch)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     optuna.create_study(study_name="theirs", storage=open_storage(f"journal:{tmp_path / 's.log'}"))
+    before = (tmp_path / "s.log").read_bytes()
     code = main(["tune", "c.yaml", "--space", "space.yaml", "--trials", "1", "--storage", "journal:s.log",
                  "--study-name", "theirs"])
     lines = one_line(capsys)
+    assert (tmp_path / "s.log").read_bytes() == before  # not written to
     assert code == 2 and len(lines) == 1 and "--study-name" in lines[0] and "not created by raysim" in lines[0], lines
 
 
@@ -534,3 +537,13 @@ def test_a_dry_run_summarises_a_large_population(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     listed = [ln for ln in out.splitlines() if ln.startswith("  client ")]
     assert len(listed) == DRY_RUN_CLIENTS and "  client  79:" in out and "30 more clients" in out
+
+
+def test_a_float_range_on_an_integer_key_is_refused_before_any_trial(tmp_path, monkeypatch, capsys):
+    _tune_dir(tmp_path, monkeypatch)
+    (tmp_path / "space.yaml").write_text(yaml.safe_dump({"params": {"train.local_epochs": {
+        "type": "float", "low": 1, "high": 3}}, "objective": {"metric": "val_acc"}}))
+    code = main(["tune", "c.yaml", "--space", "space.yaml", "--trials", "1"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "space.params.train.local_epochs" in lines[0], lines
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").rglob("results.parquet"))
