@@ -278,7 +278,7 @@ PROBES = [
                                   "--set", "backend.code=[data]"], 2, "no Python code",
           both(cfg_file(), lambda d: write(d, "data/x.csv", "1,2\n"))),
     # 5. raysim deletes only what it made
-    Probe("foreign-incomplete-out", ["run", "c.yaml", "--out", "out/keep"], 0, "", both(
+    Probe("foreign-incomplete-out", ["run", "c.yaml", "--out", "out/keep"], 0, "did not create it", both(
         cfg_file(), lambda d: write(d, "out/keep.incomplete/thesis.tex", "years of work")), writes=True,
         keep=("out/keep.incomplete/thesis.tex",), check=kept_files),
     # 6. every reader bounded
@@ -409,7 +409,10 @@ def grade(p: Probe, code, err: str, changed, problem, lost, forbidden) -> tuple[
         return "poor", f"exit {code}{' with a traceback' if tb else ''}"
     if problem:
         return "poor", problem
-    if p.code == 0:
+    if p.code == 0:  # a success: silent, or the one notice it owes (p.text)
+        if p.text:
+            return ("exemplary", "") if len(lines) == 1 and p.text in lines[0] else \
+                ("acceptable", f"{len(lines)} lines") if any(p.text in ln for ln in lines) else ("poor", "not said")
         return ("exemplary", "") if not lines else ("acceptable", f"{len(lines)} lines")
     if tb or (p.text and not any(p.text in ln for ln in lines)):
         return "poor", "traceback" if tb else f"no line names {p.text!r}"

@@ -204,6 +204,8 @@ def test_an_atexit_hook_the_dry_runs_code_registered_writes_nothing(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "nothing was trained or written" in r.stdout
     assert not (tmp_path / "from_atexit.txt").exists()
+    assert "raysim: note: a dry run writes nothing, not even after it ended" in r.stderr  # one line, no traceback
+    assert "Traceback" not in r.stderr, r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["u.yaml", "um50atexit.py"]
     # without --dry-run the same hook writes (the refusal is the dry run's, not the module's)
     r = subprocess.run([sys.executable, "-c", textwrap.dedent("""

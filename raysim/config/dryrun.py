@@ -126,7 +126,34 @@ def _late(event: str, args: tuple) -> None:
         _state.inside = False
     if not tainted:
         return
-    raise PermissionError(f"a dry run writes nothing, not even after it ended: refused to {_operation(event, args)}")
+    raise LateRefusal(f"a dry run writes nothing, not even after it ended: refused to {_operation(event, args)}")
+
+
+class LateRefusal(PermissionError):
+    """A write refused after the dry run's window (a thread or an atexit hook its user code left behind). When the
+    code does not catch it, one line says so instead of a traceback (:func:`_quiet_hooks`)."""
+
+
+def _say_late(exc) -> bool:
+    if isinstance(exc, LateRefusal):
+        print(f"raysim: note: {exc} (by code a --dry-run imported or called; nothing was written)", file=sys.stderr)
+        return True
+    return False
+
+
+def _quiet_hooks() -> None:
+    """An uncaught :class:`LateRefusal` in a thread or an atexit hook is one line, not a traceback."""
+    thread_hook, unraisable = threading.excepthook, sys.unraisablehook
+
+    def on_thread(args):
+        if not _say_late(args.exc_value):
+            thread_hook(args)
+
+    def on_unraisable(args):
+        if not _say_late(args.exc_value):
+            unraisable(args)
+
+    threading.excepthook, sys.unraisablehook = on_thread, on_unraisable
 
 
 def _hook(event: str, args: tuple) -> None:
@@ -158,6 +185,7 @@ def _install() -> None:
             # code (or a thread it started) is starting it
             threading.Thread.start = _start
             _thread.start_new_thread = _start_new_thread
+            _quiet_hooks()
             _installed = True
 
 
