@@ -232,7 +232,8 @@ def resolve(target: Union[str, Callable], key: str, what: str = "object", truste
         raise ConfigError(key, f"{target!r} names Python's standard library (module {module.split('.')[0]!r}); a "
                                f"config may name only {own}, registered names or the built-in choices (README: "
                                f"Bring your own model and data)")
-    obj = import_config_module(module, key, target)
+    # a target registered from Python is the program's own choice (it may name its __main__); one from a config is not
+    obj = import_config_module(module, key, target, own_program=trusted)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(key, f"module {module!r} has no {attr!r}")
@@ -261,24 +262,25 @@ def _script_problem(module: str) -> str:
     return ""
 
 
-def import_config_module(module: str, key: str, target: str):
+def import_config_module(module: str, key: str, target: str, own_program: bool = False):
     """Import ``module``, which the config key ``key`` names (``target``), once: never a ``__main__`` module or a
     script; whatever its import raises — ``SystemExit`` included — is one ConfigError naming ``key``, remembered,
     so a later lookup does not run the module's code again; under ``--dry-run`` its top-level code writes nothing
-    (installed packages too)."""
+    (installed packages too). ``own_program``: a target registered from Python (it may name the program's own
+    ``__main__``), not one a config names."""
     from raysim.config import dryrun
 
     if (module, os.getcwd()) in _FAILED_IMPORTS:
         raise _FAILED_IMPORTS[module, os.getcwd()]
-    if module in sys.modules:
-        return sys.modules[module]
+    if module in sys.modules and (own_program or "__main__" not in module.split(".")):
+        return sys.modules[module]  # (a config never reaches the running program's __main__)
     _ensure_cwd_on_path()
 
     try:
         # installed packages are guarded too (nothing written), but a cache they make on first use and cope without
         # is not the config's fault; the user's own modules may not try at all
         with dryrun.user_code(key, f"importing {module!r}", report=not _installed_package(module)):
-            problem = _script_problem(module)
+            problem = "" if own_program else _script_problem(module)
             if problem:
                 raise ConfigError(key, f"{target!r}: module {module!r} {problem}; a config names a module that "
                                        f"defines a loader, factory or method")
