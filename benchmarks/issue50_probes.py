@@ -337,6 +337,8 @@ PROBES = [
           both(cfg_file("my config.yaml", on_client_failure="stop",
                         output={"progress": False, "dir": "out", "checkpoint_every": 1}),
                failing([3], "ValueError('my bug')")), writes=True),
+    Probe("out-dot-beside-config-yaml", ["run", "config.yaml", "--out", "."], 2, "--out", cfg_file("config.yaml"),
+          check=lambda d, out, err: None if not (d.parent / f"{d.name}-2").exists() else "wrote a sibling directory"),
     Probe("dry-run-1000-clients", ["run", "c.yaml", "--dry-run", "--set", "data.num_clients=1000", "--set",
                                    "data.partition=iid", "--set", "data.partition_params={}", "--set",
                                    "data.dataset=mnist5k"], 0, "", cfg_file(), check=dry_lines(200)),

@@ -549,3 +549,14 @@ def test_a_float_range_on_an_integer_key_is_refused_before_any_trial(tmp_path, m
     lines = one_line(capsys)
     assert code == 2 and len(lines) == 1 and "space.params.train.local_epochs" in lines[0], lines
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").rglob("results.parquet"))
+
+
+def test_out_dot_in_a_project_whose_config_is_config_yaml_is_refused(tmp_path, monkeypatch, capsys):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    monkeypatch.chdir(proj)
+    (proj / "config.yaml").write_text(yaml.safe_dump({**tiny_config(rounds=1), "output": {"progress": False}}))
+    code = main(["run", "config.yaml", "--out", "."])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "'--out'" in lines[0], lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["proj"]  # no ../proj-2

@@ -99,8 +99,12 @@ RUN_FILES = ("results.parquet", "run.json", "config.yaml")  # a directory holdin
 
 
 def is_run_dir(path: Path) -> bool:
-    """A directory that holds a run (finished or damaged): one of :data:`RUN_FILES`."""
-    return any(os.path.lexists(Path(path) / f) for f in RUN_FILES)
+    """A directory that holds a run (finished or damaged): one of :data:`RUN_FILES` — a ``config.yaml`` only with
+    raysim's marker (issue 50: ``--out .`` in a project whose config is ``config.yaml`` took the project for a run
+    and wrote to ``../<project>-2``)."""
+    p = Path(path)
+    return any(os.path.lexists(p / f) for f in RUN_FILES[:2]) or (os.path.lexists(p / "config.yaml")
+                                                                    and is_marked(p))
 
 
 def next_free(final: Path) -> Path:
