@@ -560,3 +560,15 @@ def test_out_dot_in_a_project_whose_config_is_config_yaml_is_refused(tmp_path, m
     lines = one_line(capsys)
     assert code == 2 and len(lines) == 1 and "'--out'" in lines[0], lines
     assert sorted(p.name for p in tmp_path.iterdir()) == ["proj"]  # no ../proj-2
+
+
+def test_an_async_server_that_never_gets_an_update_stops_with_one_line(tiny):
+    from raysim.engine.loop import run_experiment
+    from raysim.errors import SimulationError
+
+    cfg = tiny(rounds=2, server={"mode": "async", "concurrency": 2, "buffer_size": 1}, algorithm={"name": "fedavg"},
+               env={"preset": "mobile-heterogeneous", "participation": {
+                   "availability": {"mode": "bernoulli", "p": 1e-12}, "idle_s": 3600}})
+    with pytest.raises(SimulationError, match=r"async: no client update arrived in 30 simulated days .*"
+                                              r"env.participation"):
+        bounded(lambda: run_experiment(cfg, write=False))
