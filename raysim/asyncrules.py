@@ -91,7 +91,27 @@ def check_async(cfg, algorithm, env) -> None:
         raise ConfigError("env.participation.over_selection", "selects extra clients for a round's deadline; "
                                                               "server.mode: async has no rounds (its clients in "
                                                               "flight are server.concurrency): remove it")
+    _check_async_arrivals(getattr(getattr(env, "cfg", None), "participation", None))
     deadline = getattr(getattr(getattr(env, "cfg", None), "participation", None), "deadline_s", None)
     if deadline is not None:
         raise ConfigError("env.participation.deadline_s", "is a round deadline; server.mode: async has no rounds "
                                                           "(remove it, or bound staleness with server.max_staleness)")
+
+
+def _check_async_arrivals(part) -> None:
+    """An async server waits for arrivals: with every client dropping out (dropout 1) or never available
+    (availability p 0, or a diurnal high of 0) none ever comes, and the event loop would spin forever (issue 50)."""
+    from raysim.errors import ConfigError
+
+    if part is None:
+        return
+    if getattr(part, "dropout", 0.0) >= 1.0:
+        raise ConfigError("env.participation.dropout", "is 1: every dispatched client drops out, so no update ever "
+                                                       "arrives and server.mode: async would wait forever; use a "
+                                                       "dropout below 1")
+    a = getattr(part, "availability", None)
+    never = a is not None and ((a.mode == "bernoulli" and a.p <= 0.0) or (a.mode == "diurnal" and a.high <= 0.0))
+    if never:
+        key = "p" if a.mode == "bernoulli" else "high"
+        raise ConfigError(f"env.participation.availability.{key}", "is 0: no client is ever available, so "
+                                                                   "server.mode: async would wait forever")

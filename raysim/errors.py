@@ -55,10 +55,33 @@ class DamagedFileError(DataError):
         ValueError.__init__(self, f"cannot read {where}: {problem}; {fix}")
 
 
+class NotRegularFileError(OSError):
+    """A path raysim would read is a FIFO, a device, a socket: reading it could block forever or never end."""
+
+
+def check_regular(path) -> None:
+    """Raise :class:`NotRegularFileError` unless ``path`` is a regular file (a symbolic link is followed; ``stat``
+    never blocks, where opening a FIFO would wait for a writer forever). Every reader of data, run and checkpoint
+    files calls it first (issue 50: a FIFO in place of an image, a run's config.yaml or a checkpoint's meta.pt hung
+    ``raysim run`` and ``raysim runs``)."""
+    import os
+    import stat
+
+    mode = os.stat(path).st_mode
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "not a file")
+    raise NotRegularFileError(f"it is {kind}, not a regular file")
+
+
 def read_problem(e: BaseException) -> str:
     """What went wrong reading a file, in a few words (for :class:`DamagedFileError`)."""
     import zlib
 
+    if isinstance(e, NotRegularFileError):
+        return str(e)
     if isinstance(e, IsADirectoryError):
         return "it is a directory, not a file"
     if isinstance(e, PermissionError):

@@ -123,6 +123,7 @@ def test_lock_is_exclusive_and_dies_with_its_holder(tmp_path):
     (tmp_path / "r.incomplete").mkdir()
     (tmp_path / "r.incomplete" / ".lock").write_text("pid 1 on gone")
     (tmp_path / "r.incomplete" / "junk").write_text("x")
+    rundir.mark(tmp_path / "r.incomplete")  # raysim made it (issue 50: only such a directory is reused)
     rd = rundir.RunDir.claim(tmp_path / "r")
     assert rd.work == tmp_path / "r.incomplete" and not (rd.work / "junk").exists()
     # ... or, holding checkpoints, kept for a resume while the new run takes the next name

@@ -80,7 +80,9 @@ class ParamSpec:
             return list(self.choices)
         if self.type == "int":
             return [int(self.low), int(self.high)]
-        return [float(self.low), float(self.high)]
+        lo, hi = float(self.low), float(self.high)
+        inner = [] if self.step else [v for v in (lo + (hi - lo) / math.pi,) if lo < v < hi and not v.is_integer()]
+        return [lo, hi] + inner  # a value between them too: a float range on an integer key fails here, not in a trial
 
 
 @dataclass(frozen=True)

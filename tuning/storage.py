@@ -97,6 +97,33 @@ def _sqlite_quick_check(db: Path) -> None:
                              f"--storage")
 
 
+# the tables Optuna's RDB storage creates (and SQLite's own): a database holding any other belongs to another
+# application, whose file a study must not write into (issue 50: --storage sqlite:///app.db)
+OPTUNA_TABLES = frozenset({"alembic_version", "studies", "study_directions", "study_system_attributes",
+                           "study_user_attributes", "trial_heartbeats", "trial_intermediate_values", "trial_params",
+                           "trial_system_attributes", "trial_user_attributes", "trial_values", "trials",
+                           "version_info", "study_attributes", "trial_attributes"})
+
+
+def _sqlite_only_optuna(db: Path) -> None:
+    """An existing SQLite database holds only Optuna's tables (read-only look), else one ConfigError naming it."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=SQLITE_CHECK_TIMEOUT_S)
+        try:
+            names = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return  # the quick check above speaks for an unreadable file
+    foreign = sorted(n for n in names - OPTUNA_TABLES if not n.startswith("sqlite_"))
+    if foreign:
+        raise _storage_error(f"{db} holds tables that are not a study's ({', '.join(foreign[:5])}"
+                             f"{', ...' if len(foreign) > 5 else ''}): another application's database; give a file of "
+                             f"its own, e.g. sqlite:///{db.with_name(db.stem + '-study.db')}")
+
+
 def check_storage(url: str, timeout_s: float = STORAGE_TIMEOUT_S) -> None:
     """Before the study starts: the scheme is supported, its driver installed, the server reachable within
     ``timeout_s``, the file (SQLite, journal) writable. Every problem is one ConfigError naming --storage."""
@@ -139,6 +166,7 @@ def check_storage(url: str, timeout_s: float = STORAGE_TIMEOUT_S) -> None:
             _check_file_target(db, "SQLite database", b"SQLite format 3\x00")
             if db.is_file() and db.stat().st_size:
                 _sqlite_quick_check(db)
+                _sqlite_only_optuna(db)
         return
     if u.host:
         port = u.port or _DB_PORTS.get(backend)

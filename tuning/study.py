@@ -70,6 +70,10 @@ class RoundMonitor:
                 self.diverged = f"diverged: {r.metric}={r.value} at round {r.round} (client {r.client_id})"
                 return True
         acc = table.latest(self.obj.metric)
+        if acc is None and not any(r.metric == self.obj.metric for r in table.rows):
+            names = sorted({r.metric for r in table.rows if r.scope == "client" and not r.metric.startswith("train_")})
+            raise ConfigError("objective.metric", f"the runs record no {self.obj.metric!r} (a missing metric is not a "
+                                                  f"diverged trial); choose one they record: {', '.join(names[:20])}")
         if acc is None or not math.isfinite(acc):
             self.diverged = f"diverged: mean {self.obj.metric}={acc} at round {round_idx}"
             return True
@@ -300,7 +304,8 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
     storage_url = storage if storage is not None else f"journal:{out_dir / 'study.journal'}"
     if parallel > 1:  # Ray workers may run in another directory
         storage_url = absolute_storage_url(storage_url)
-    study = _open_study(storage_url, study_name, space, cfg)
+    made = next((p for p in [*reversed(out_dir.absolute().parents), out_dir.absolute()] if not p.exists()), None)
+    study, existed = _open_study(storage_url, study_name, space, cfg)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     if first_params and not study.get_trials(deepcopy=False):
@@ -313,14 +318,30 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
         f"{f' on Ray, {parallel} at a time' if parallel > 1 and todo else ''}")
     session = _Session(study, space, base, out_dir, storage_url, study_name)
     ran = 0
-    if todo:
-        if parallel > 1:
-            ran = _run_parallel(session, todo, parallel, log, stop_after)
-        else:
-            ran = _run_sequential(session, todo, log, stop_after)
+    try:
+        if todo:
+            ran = (_run_parallel(session, todo, parallel, log, stop_after) if parallel > 1 else
+                   _run_sequential(session, todo, log, stop_after))
+    except ConfigError:  # a bad setting found by the first trial (a missing objective metric): nothing is kept
+        if not existed and done == 0:
+            _discard_new_study(study, storage_url, made)
+        raise
     res = export(study, out_dir, base, space)
     res.ran, res.wall_s = ran, time.perf_counter() - t_start
     return res
+
+
+def _discard_new_study(study, storage_url: str, made_dir: Optional[Path]) -> None:
+    """A study this call created whose first trial found a bad setting: removed from its storage, and the output
+    directory this call made removed with it, so that the corrected command starts afresh."""
+    import optuna
+
+    try:
+        optuna.delete_study(study_name=study.study_name, storage=study._storage)
+    except Exception:
+        pass
+    if made_dir is not None:
+        shutil.rmtree(made_dir, ignore_errors=True)
 
 
 def _study_space(config, space, overrides, log: Callable):
@@ -342,7 +363,13 @@ def _open_study(storage_url: str, study_name: str, space: SearchSpace, cfg):
 
     store = open_storage(storage_url)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
+    identity = {"space_hash": space.space_hash(), "config_hash": cfg.config_hash()}
     try:
+        existed = study_name in optuna.study.get_all_study_names(store)
+        if existed and not any(k in optuna.load_study(study_name=study_name, storage=store).user_attrs
+                               for k in identity):  # looked at before anything is written to it
+            raise ConfigError("--study-name", f"study {study_name!r} in {storage_url} was not created by raysim tune "
+                                              f"(it records no search space or base config); use a new --study-name")
         study = optuna.create_study(study_name=study_name, storage=store, direction=space.objective.direction,
                                     sampler=space.build_sampler(), pruner=space.pruner.build(), load_if_exists=True)
         study.user_attrs  # reads the stored study: a damaged journal or database fails here
@@ -350,7 +377,6 @@ def _open_study(storage_url: str, study_name: str, space: SearchSpace, cfg):
         raise
     except Exception as e:
         raise storage_failure(storage_url, e) from None
-    identity = {"space_hash": space.space_hash(), "config_hash": cfg.config_hash()}
     for key, value in identity.items():
         old = study.user_attrs.get(key)
         if old is not None and old != value:
@@ -360,7 +386,7 @@ def _open_study(storage_url: str, study_name: str, space: SearchSpace, cfg):
         study.set_user_attr(key, value)
     study.set_user_attr("space", space.to_dict())
     study.set_user_attr("base_config", to_dict(cfg))
-    return study
+    return study, existed
 
 
 def _run_sequential(session: _Session, todo: int, log: Callable, stop_after: Optional[int]) -> int:

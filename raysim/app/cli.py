@@ -265,7 +265,22 @@ def _cmd_run(args) -> int:
     if len(sim):
         print(f"  simulated time: {sim.iloc[-1]:,.1f} s (environment: {printable(cfg.env.get('preset') or 'custom')})")
     print(f"results: {printable(result.out_dir / 'results.parquet')}")
+    _say_failures(result.metadata.get("client_failures"))
     return 0
+
+
+def _say_failures(summary) -> None:
+    """A run that skipped failed clients says so (one notice; the list is in run.json's failures)."""
+    if summary and summary.get("count"):
+        first = summary["first"]
+        _say(f"note: {summary['count']} client step(s) failed and were skipped (on_client_failure: skip) in "
+             f"{summary['rounds']} round(s), clients {', '.join(map(str, summary['clients'][:10]))}"
+             f"{' ...' if len(summary['clients']) > 10 else ''}; first: round {first['round']}, client "
+             f"{first['client_id']}: {str(first['error']).splitlines()[0][:200]} (all of them: the run's failures "
+             f"metadata)")
+
+
+DRY_RUN_CLIENTS = 50  # a dry run lists this many clients at most (issue 50: 1M clients printed 1M lines)
 
 
 def _cmd_dry_run(cfg, args) -> int:
@@ -300,7 +315,12 @@ def _cmd_dry_run(cfg, args) -> int:
           f"{fd.num_classes} classes, images {shape}")
     for label, v in (("train samples", tr), ("test samples", te), ("classes", ncls)):
         print(f"  {label:<14} per client: min {v.min()}, median {np.median(v):g}, max {v.max()}, total {v.sum()}")
-    for cid, (a, b, c) in enumerate(zip(tr, te, s["classes"])):
+    n = len(tr)
+    shown = range(n) if n <= DRY_RUN_CLIENTS else [*range(DRY_RUN_CLIENTS - 5), *range(n - 5, n)]
+    for cid in shown:  # a large population is summarised: the first clients and the last five
+        if n > DRY_RUN_CLIENTS and cid == n - 5:
+            print(f"  ... {n - DRY_RUN_CLIENTS:,} more clients (the summary above covers all {n:,})")
+        a, b, c = tr[cid], te[cid], s["classes"][cid]
         spec = prep.task.archs[cid]
         m = prep.models.get(arch_key(spec), {})
         emb = m.get("embed_dim")
@@ -345,9 +365,11 @@ def _with_command(text: str, args) -> str:
     """``text`` with ``raysim run CONFIG`` spelled out for this command line."""
     if getattr(args, "command", None) != "run":
         return text
-    cmd = " ".join([args.config] + [f"--set {o}" for o in args.overrides] +
-                   ([f"--backend {args.backend}"] if args.backend else []))
-    return text.replace("raysim run CONFIG", f"raysim run {cmd}")
+    import shlex
+
+    words = [args.config] + [w for o in args.overrides for w in ("--set", o)] + \
+        (["--backend", args.backend] if args.backend else [])
+    return text.replace("raysim run CONFIG", "raysim run " + " ".join(shlex.quote(str(w)) for w in words))
 
 
 def _notes(e: BaseException, args) -> list[str]:
@@ -415,8 +437,14 @@ def _main(args) -> int:
             _say(note)
         return 1
     except Exception as e:
+        from raysim.engine.faults import MachineFault, classify
         from raysim.errors import SimulationError
 
+        fault = None if isinstance(e, MachineFault) else classify(e)  # a disk-full chain (torch.save), an OOM
+        if isinstance(e, MachineFault) or fault is not None:  # one line: the resource, the key, the resume command
+            text = str(getattr(e, "cause", None) or e) if fault is None else fault.message()
+            _say("; ".join([text.splitlines()[0] if text else type(e).__name__] + _notes(e, args)))
+            return 1
         if isinstance(e, SimulationError):
             from raysim.engine.safety import NonFiniteError
 

@@ -124,6 +124,12 @@ class ModelConfig:
 
     def check(self, path: str) -> None:
         choice(_p(path, "assign"), self.assign, ["cycle", "blocks", "list", "tier"])
+        specs = [(_p(path, "params"), self.params)] + [(_p(path, f"per_client[{i}].params"), s.params)
+                                                       for i, s in enumerate(self.per_client or [])]
+        for where, params in specs:
+            v = (params or {}).get("embed_dim") if isinstance(params, dict) else None
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{where}.embed_dim", f"must be an integer >= 1 (the embedding's size), got {v!r}")
         if self.per_client is not None and len(self.per_client) == 0:
             raise ConfigError(_p(path, "per_client"), "must name at least one architecture")
         if self.assign == "tier":
@@ -237,7 +243,7 @@ class BackendConfig:
                                                    "to start a local cluster)")
         choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
         choice(_p(path, "numerics"), self.numerics, ["portable", "native"])
-        if self.partial_aggregate not in (True, False, "auto"):
+        if not (isinstance(self.partial_aggregate, bool) or self.partial_aggregate == "auto"):  # 1 is not true
             raise ConfigError(_p(path, "partial_aggregate"), f"must be auto, true or false, got "
                                                              f"{self.partial_aggregate!r}")
         if isinstance(self.code, str):
@@ -356,6 +362,9 @@ class ExperimentConfig:
     on_nonfinite: str = "stop"  # a NaN/inf loss, metric or upload: stop the run (exit 1) | skip_client: drop that update
     on_actor_failure: str = "retry"  # a client actor died: retry (recreate it, rerun its clients) | skip | stop
     max_retries: int = 3  # retries of one actor's step before on_actor_failure falls back to skip
+    # on_client_failure: skip stops the run (exit 1, checkpoints kept) when more than this share of a step's clients
+    # failed in one round (1.0: only when all failed); skipped failures are counted in the table and the metadata
+    max_failed_share: float = 0.5
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -374,6 +383,9 @@ class ExperimentConfig:
         choice("on_nonfinite", self.on_nonfinite, ["stop", "skip_client"])
         choice("on_actor_failure", self.on_actor_failure, ["retry", "skip", "stop"])
         positive("max_retries", self.max_retries, allow_zero=True)
+        if isinstance(self.max_failed_share, bool) or not 0.0 <= self.max_failed_share <= 1.0:
+            raise ConfigError("max_failed_share", f"must be a share in [0, 1] of a round's clients that may fail "
+                                                  f"before the run stops, got {self.max_failed_share!r}")
         archs = [self.model.arch] if self.model.per_client is None else [a.arch for a in self.model.per_client]
         for i, r in enumerate(self.backend.model_resources or []):
             if r.arch not in archs:
@@ -415,6 +427,7 @@ class ExperimentConfig:
         d.pop("name")
         d.pop("on_actor_failure")  # recovery policies: a retried client reproduces exactly
         d.pop("max_retries")
+        d.pop("max_failed_share")  # when to stop, not what a finished run computes
         return d
 
     def identity_dict(self, drop: tuple = ()) -> dict:

@@ -15,8 +15,8 @@ of its kind (a subclass of ``raysim.algorithm.Algorithm`` for ``algorithm.name``
 standard library or of an installed package (``shutil:rmtree``, ``os:system``, ``numpy:save``) is none of these."""
 from __future__ import annotations
 
-import contextlib
 import importlib
+import importlib.machinery
 import importlib.util
 import inspect
 import os
@@ -232,26 +232,72 @@ def resolve(target: Union[str, Callable], key: str, what: str = "object", truste
         raise ConfigError(key, f"{target!r} names Python's standard library (module {module.split('.')[0]!r}); a "
                                f"config may name only {own}, registered names or the built-in choices (README: "
                                f"Bring your own model and data)")
-    _ensure_cwd_on_path()
-    from raysim.config import dryrun
-
-    # a dry run lets no user code write, its modules' top-level code included; installed packages load as usual
-    guard = contextlib.nullcontext() if _installed_package(module) else dryrun.user_code(key, f"importing {module!r}")
-    try:
-        with guard:
-            obj = importlib.import_module(module)
-    except ConfigError:
-        raise
-    except ImportError as e:
-        raise ConfigError(key, f"cannot import module {module!r} of {target!r} ({type(e).__name__}: {e}); it must be "
-                               f"importable from the working directory, PYTHONPATH or an installed package") from None
-    except Exception as e:  # the user's module raised while importing
-        raise ConfigError(key, f"importing {module!r} raised {type(e).__name__}: {e}") from None
+    # a target registered from Python is the program's own choice (it may name its __main__); one from a config is not
+    obj = import_config_module(module, key, target, own_program=trusted)
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(key, f"module {module!r} has no {attr!r}")
         obj = getattr(obj, part)
     return obj
+
+
+# (module, working directory) -> the error its one import attempt gave (never retried; a dry run's refusals are not
+# kept: the same process may run the config for real afterwards)
+_FAILED_IMPORTS: dict[tuple[str, str], ConfigError] = {}
+
+
+def _script_problem(module: str) -> str:
+    """Why ``module`` would run a program instead of defining names ('' when it is an ordinary module): a
+    ``__main__`` module (a package's command line, ``python -m``), or a spec whose file is not a module's."""
+    if "__main__" in module.split("."):
+        return "is a __main__ module: importing it runs that package's command line"
+    spec = importlib.util.find_spec(module)  # imports the parent packages: whatever they raise is the import's error
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    if not isinstance(origin, str) or origin in ("built-in", "frozen") or not os.path.isabs(origin):
+        return ""
+    if os.path.basename(origin) == "__main__.py":
+        return "is a __main__ module: importing it runs that package's command line"
+    if not origin.endswith(tuple(importlib.machinery.all_suffixes())):
+        return f"is loaded from {os.path.basename(origin)!r}, a script, not a module file"
+    return ""
+
+
+def import_config_module(module: str, key: str, target: str, own_program: bool = False):
+    """Import ``module``, which the config key ``key`` names (``target``), once: never a ``__main__`` module or a
+    script; whatever its import raises — ``SystemExit`` included — is one ConfigError naming ``key``, remembered,
+    so a later lookup does not run the module's code again; under ``--dry-run`` its top-level code writes nothing
+    (installed packages too). ``own_program``: a target registered from Python (it may name the program's own
+    ``__main__``), not one a config names."""
+    from raysim.config import dryrun
+
+    if (module, os.getcwd()) in _FAILED_IMPORTS:
+        raise _FAILED_IMPORTS[module, os.getcwd()]
+    if module in sys.modules and (own_program or "__main__" not in module.split(".")):
+        return sys.modules[module]  # (a config never reaches the running program's __main__)
+    _ensure_cwd_on_path()
+
+    try:
+        # installed packages are guarded too (nothing written), but a cache they make on first use and cope without
+        # is not the config's fault; the user's own modules may not try at all
+        with dryrun.user_code(key, f"importing {module!r}", report=not _installed_package(module)):
+            problem = "" if own_program else _script_problem(module)
+            if problem:
+                raise ConfigError(key, f"{target!r}: module {module!r} {problem}; a config names a module that "
+                                       f"defines a loader, factory or method")
+            return importlib.import_module(module)
+    except KeyboardInterrupt:
+        raise
+    except ConfigError as e:
+        error = e
+    except ImportError as e:
+        error = ConfigError(key, f"cannot import module {module!r} of {target!r} ({type(e).__name__}: {e}); it must "
+                                 f"be importable from the working directory, PYTHONPATH or an installed package")
+    except BaseException as e:  # the module raised, or exited (SystemExit), while importing
+        text = str(e).splitlines()[0][:200] if str(e) else ""
+        error = ConfigError(key, f"importing {module!r} raised {type(e).__name__}{': ' + text if text else ''}")
+    if not dryrun.is_active():
+        _FAILED_IMPORTS[module, os.getcwd()] = error
+    raise error from None
 
 
 def check_signature(fn: Callable, args: tuple, kwargs: dict, key: str, params_key: str, expected: str) -> None:
@@ -286,6 +332,10 @@ def algorithm_target(name: str) -> str:
             cls = resolve(name, "algorithm.name", "Class")
             if not _is_algorithm_class(cls):
                 raise ConfigError("algorithm.name", f"{name!r} is not a subclass of raysim.algorithm.Algorithm")
+            if _is_abstract_algorithm(cls):
+                raise ConfigError("algorithm.name", f"{name!r} is raysim's abstract base class (a round needs a method "
+                                                    f"that implements it); name a method, e.g. fedavg, or your "
+                                                    f"subclass of it")
             return name
         raise ConfigError("algorithm.name", f"{name!r} is not allowed; choose one of: {', '.join(sorted(ALGORITHMS))}, "
                                             f"or an import path package.module:Class")
@@ -297,6 +347,13 @@ def _is_algorithm_class(obj) -> bool:
     contract and does not import it)."""
     return isinstance(obj, type) and any(f"{k.__module__}.{k.__qualname__}" == "raysim.algorithm.Algorithm"
                                          for k in obj.__mro__)
+
+
+def _is_abstract_algorithm(cls) -> bool:
+    """``cls`` is the contract's base class itself or leaves abstract methods unimplemented."""
+    import inspect
+
+    return f"{cls.__module__}.{cls.__qualname__}" == "raysim.algorithm.Algorithm" or inspect.isabstract(cls)
 
 
 def load_target(target: str):

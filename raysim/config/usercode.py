@@ -85,19 +85,74 @@ def config_modules(cfg) -> set[str]:
     return names
 
 
+# files that hold secrets, never shipped (issue 50: ``backend.code: [~/.ssh]`` uploaded id_rsa to every node)
+KEY_NAMES = frozenset({"id_rsa", "id_dsa", "id_ecdsa", "id_ed25519", "id_ecdsa_sk", "id_ed25519_sk", "authorized_keys",
+                       "known_hosts", ".netrc", ".pgpass", "credentials", ".git-credentials", ".npmrc", ".pypirc"})
+KEY_SUFFIXES = (".pem", ".key", ".p12", ".pfx", ".jks", ".keystore", ".gpg", ".kdbx", ".ppk", ".crt", ".der")
+MAX_FILES = 20_000
+
+
+def _secret(name: str) -> bool:
+    return name in KEY_NAMES or name.lower().endswith(KEY_SUFFIXES) or name.startswith(("id_rsa", "id_ed25519"))
+
+
+def _package_files(p: Path, key: str, given: str) -> tuple[int, int]:
+    """(files, bytes) of the package directory ``p``; ConfigError naming ``key`` for a directory that is no Python
+    package or holds key material."""
+    if not ((p / "__init__.py").is_file() or any(p.glob("*.py"))):
+        raise ConfigError(key, f"{given} holds no Python code (no __init__.py, no .py file); backend.code ships Python "
+                               f"packages and modules only")
+    files = size = 0
+    for root, dirs, names in os.walk(p):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for n in names + [d for d in dirs if d.startswith(".")]:
+            if _secret(n) or n.startswith("."):
+                where = Path(root, n).relative_to(p)
+                raise ConfigError(key, f"{given} holds {where}, which is {'key material' if _secret(n) else 'hidden'}; "
+                                       f"backend.code ships only code: list the package's own directory")
+        files += len(names)
+        size += sum(os.path.getsize(os.path.join(root, n)) for n in names if os.path.isfile(os.path.join(root, n)))
+        if files > MAX_FILES:
+            raise ConfigError(key, f"{given} holds more than {MAX_FILES:,} files; is it a package?")
+    return files, size
+
+
+def listed_code(code: list) -> list[tuple[str, int, int]]:
+    """(path, files, bytes) of each ``backend.code`` entry: a ``.py`` module file or a Python package directory, not
+    hidden, holding no key material (ConfigError naming ``backend.code[i]``)."""
+    out = []
+    for i, c in enumerate(code):
+        key, given = f"backend.code[{i}]", str(c)
+        p = Path(c).expanduser().resolve()
+        if p.name.startswith(".") or _secret(p.name):
+            raise ConfigError(key, f"{given} is {'key material' if _secret(p.name) else 'a hidden file or directory'};"
+                                   f" backend.code ships only Python modules and packages")
+        if p.is_file() and p.suffix == ".py":
+            out.append((str(p), 1, p.stat().st_size))
+        elif p.is_dir():
+            out.append((str(p), *_package_files(p, key, given)))
+        else:
+            raise ConfigError(key, f"{c} is neither a package directory nor a .py module file")
+    return out
+
+
+def describe_shipped(paths: list[str]) -> str:
+    """What ships, in one line: each path with its files and bytes."""
+    parts = []
+    for p in paths:
+        q = Path(p)
+        files, size = (1, q.stat().st_size) if q.is_file() else _package_files(q, "backend.code", p)
+        parts.append(f"{p} ({files} file{'s' if files != 1 else ''}, {size:,} bytes)")
+    return "backend.code ships " + "; ".join(parts) if parts else ""
+
+
 def code_to_ship(cfg) -> list[str]:
     """The paths ``backend.code`` ships (ConfigError naming backend.code when a listed path does not exist)."""
     code = cfg.backend.code
     if code in ("none", "working_dir"):
         return []
     if isinstance(code, (list, tuple)):
-        out = []
-        for i, c in enumerate(code):
-            p = Path(c).expanduser().resolve()
-            if not (p.is_dir() or (p.is_file() and p.suffix == ".py")):
-                raise ConfigError(f"backend.code[{i}]", f"{c} is neither a package directory nor a .py module file")
-            out.append(str(p))
-        return out
+        return [p for p, _, _ in listed_code(list(code))]
     installed = _installed_dirs()
     own = [ROOT / p for p in OWN_PACKAGES]
     reachable = [] if cfg.backend.address else [ROOT] + [Path(p).resolve() for p in

@@ -162,3 +162,18 @@ def need_int(name: str, value, minimum: int) -> int:
     if value < minimum:
         raise DataError(param_field(name), f"must be {'> 0' if minimum == 1 else f'>= {minimum}'}, got {value}")
     return int(value)
+
+
+def available_memory() -> Optional[int]:
+    """Bytes of free memory on this machine (None when unknown)."""
+    import os
+
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (ValueError, OSError, AttributeError):
+            return None

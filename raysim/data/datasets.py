@@ -18,25 +18,13 @@ import torch
 
 from raysim.data import formats
 from raysim.data.arrays import ArrayDataset, LoadedDataset, mnist5k_arrays, normalise, sklearn_digits_arrays
+from raysim.data.arrays import available_memory
+
+__all__ = ["available_memory"]  # kept here too: the split-file loader and callers read it as datasets.available_memory
 from raysim.data.multisource import load_multisource_digits
 from raysim.data.pacs import load_pacs
 from raysim.errors import ConfigError, DamagedFileError, DataError, read_problem
 from raysim.config.registry import DATASET_LOADER, DATASETS, is_import_path, marked, refuse_unmarked, registered, resolve
-
-
-def available_memory() -> Optional[int]:
-    """Bytes of free memory on this machine (None when unknown)."""
-    import os
-
-    try:
-        import psutil
-
-        return int(psutil.virtual_memory().available)
-    except Exception:
-        try:
-            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (ValueError, OSError, AttributeError):
-            return None
 
 
 @functools.lru_cache(maxsize=1)

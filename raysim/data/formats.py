@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from raysim.data.arrays import ArrayDataset, LoadedDataset
-from raysim.errors import ConfigError, DataError
+from raysim.errors import ConfigError, DataError, check_regular
 
 PIXEL_NORM = (0.5, 0.5)  # uint8 pixels -> [-1, 1]
 REQUIRED = ("x_train", "y_train", "x_test", "y_test")
@@ -179,12 +179,31 @@ def load_npz(root: Optional[str], params: dict, key: str = "data.root") -> Loade
     path = _root(root, "the .npz file holding x_train, y_train, x_test, y_test")
     if not path.is_file():
         raise DataError(key, f"{path} is not a file (npz: data.root is the .npz file)")
+    _check_unpacked_size(path, key)
     try:
         with np.load(path, allow_pickle=False) as f:
             m = {k: f[k] for k in f.files}
     except Exception as e:
         raise DataError(key, f"cannot read {path} as .npz ({type(e).__name__}: {e})") from None
     return dataset_from_mapping(m, "npz", key, f"npz file {path}")
+
+
+def _check_unpacked_size(path: Path, key: str) -> None:
+    """A ``.npz`` whose arrays unpack to more than half the free memory (a zip bomb: 19 MB on disk, 4.5 GB
+    unpacked) is refused from its zip header, before anything is unpacked (as the split-file loader does)."""
+    import zipfile
+
+    from raysim.data.arrays import available_memory
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            size = sum(i.file_size for i in z.infolist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return  # not a zip: numpy's reader names the problem below
+    avail = available_memory()
+    if avail is not None and size > avail // 2:
+        raise DataError(key, f"{path} unpacks to {size:,} bytes, more than half the {avail:,} bytes of free memory "
+                             f"(a zip bomb, or data too large for this machine)")
 
 
 def _size(v) -> Optional[tuple]:
@@ -258,6 +277,7 @@ def _open_images(files: dict, key: str) -> dict:
         out = []
         for f, _ in items:
             try:
+                check_regular(f)  # a FIFO named like an image would block forever
                 im = Image.open(f)
                 im.load()
             except Exception as e:
@@ -301,20 +321,10 @@ def load_leaf(root: Optional[str], params: dict, key: str = "data.root") -> Load
             raise DataError(key, f"no LEAF JSON files in {base / split} (leaf: train/*.json and test/*.json)")
         xs, ys, gs = [], [], []
         for f in files:
-            try:
-                d = json.loads(f.read_text())
-                users, data = d["users"], d["user_data"]
-            except Exception as e:
-                raise DataError(key, f"{f} is not a LEAF JSON file with users and user_data ({type(e).__name__}: {e})") from None
-            for u in users:
-                ud = data.get(u) if isinstance(data, dict) else None
-                if not ud or "x" not in ud or "y" not in ud:
-                    raise DataError(key, f"{f}: user {u!r} has no x / y in user_data")
-                if len(ud["x"]) != len(ud["y"]):
-                    raise DataError(key, f"{f}: user {u!r} has {len(ud['x'])} samples but {len(ud['y'])} labels")
-                xs += ud["x"]
-                ys += ud["y"]
-                gs += [str(u)] * len(ud["y"])
+            for u, x, y in _leaf_users(f, key):
+                xs += x
+                ys += y
+                gs += [str(u)] * len(y)
         try:
             x = np.asarray(xs, dtype=np.float32)
         except (ValueError, TypeError) as e:
@@ -347,6 +357,49 @@ def load_leaf(root: Optional[str], params: dict, key: str = "data.root") -> Load
     users = len(np.unique(m["groups_train"]))
     return dataset_from_mapping(m, "leaf", key, f"LEAF data {base}: {users} writers (natural clients), "
                                                 f"{len(m['y_train'])} train / {len(m['y_test'])} test samples")
+
+
+def _leaf_users(f: Path, key: str) -> list:
+    """[(user, x, y)] of one LEAF JSON file, every value checked by type: ``users`` a list of names, ``user_data`` a
+    mapping of each to ``{x: [sample, ...], y: [label, ...]}`` of equal length, a sample a list of numbers (or of
+    lists of numbers), a label a number; anything else a DataError naming the file and the user."""
+    try:
+        check_regular(f)  # a FIFO would block forever
+        d = json.loads(f.read_text())
+        users, data = d["users"], d["user_data"]
+    except Exception as e:
+        raise DataError(key, f"{f} is not a LEAF JSON file with users and user_data ({type(e).__name__}: {e})") from None
+    if not isinstance(users, list) or not all(isinstance(u, (str, int)) and not isinstance(u, bool) for u in users):
+        raise DataError(key, f"{f}: 'users' must be a list of user names, got {type(users).__name__}"
+                             f"{'' if not isinstance(users, list) else ' holding ' + _kinds(users)}")
+    if not isinstance(data, dict):
+        raise DataError(key, f"{f}: 'user_data' must map each user to its x and y, got {type(data).__name__}")
+    out = []
+    for u in users:
+        ud = data.get(u, data.get(str(u)))
+        if not isinstance(ud, dict) or "x" not in ud or "y" not in ud:
+            raise DataError(key, f"{f}: user {u!r} has no x / y in user_data")
+        x, y = ud["x"], ud["y"]
+        if not isinstance(x, list) or not isinstance(y, list):
+            raise DataError(key, f"{f}: user {u!r}: x and y must be lists, got x {type(x).__name__}, "
+                                 f"y {type(y).__name__}")
+        if len(x) != len(y):
+            raise DataError(key, f"{f}: user {u!r} has {len(x)} samples but {len(y)} labels")
+        if not all(_number(v) for v in y):
+            raise DataError(key, f"{f}: user {u!r}: every label in y must be a number, found {_kinds(y)}")
+        if not all(isinstance(v, list) and all(_number(a) or (isinstance(a, list) and all(map(_number, a)))
+                                               for a in v) for v in x):
+            raise DataError(key, f"{f}: user {u!r}: every sample in x must be a list of numbers, found {_kinds(x)}")
+        out.append((u, x, y))
+    return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _kinds(values: list) -> str:
+    return ", ".join(sorted({type(v).__name__ for v in values})) or "nothing"
 
 
 FORMAT_LOADERS: dict[str, Callable] = {"npz": load_npz, "imagefolder": load_imagefolder, "leaf": load_leaf}

@@ -51,6 +51,7 @@ from raysim.steps import ClientStep, ServerStep, flatten
 from raysim.io.resume_points import damaged_hint
 
 WAKE = -1  # a pseudo client id: retry dispatching when no client was online (sorts before real ids at equal times)
+MAX_STALL_S = 30 * 86400.0  # simulated seconds an async server waits for an update before it stops (a stall)
 EXACT_PICK_MAX = 4096  # populations up to this size pick among the idle clients exactly; larger ones by rejection
 # clients per client step: an aggregation reads the whole upload groups of its updates' batches (the backends return
 # one handle per actor and step), so a batch of 1,000 would make every FedAsync version deserialise 1,000 uploads;
@@ -133,6 +134,7 @@ class AsyncServer:
         self.wake_pending = False
         self.pending_dispatch = False  # a version was just applied; its freed slots are not refilled yet
         self.t_last = 0.0  # simulated time of the last version (its aggregation done: env.server_s after it began)
+        self.t_progress = 0.0  # simulated time of the last update that reached the buffer (a stall is bounded)
         self.server_s = float(getattr(getattr(self.env, "cfg", None), "server_s", 0.0) or 0.0)
         self._reset_interval()
         self.stats = {"updates": 0, "applied": 0, "dropped": 0, "discarded": 0, "failed": 0, "batches": 0,
@@ -165,6 +167,7 @@ class AsyncServer:
         return seq, None
 
     def dispatch(self, now: float) -> None:
+        self._check_stall(now)
         now = max(now, self.t_last)  # a slot freed while the server aggregates waits for the new version
         while len(self.flights) < self.cfg.server.concurrency:
             seq, c = self._pick(now)
@@ -226,6 +229,7 @@ class AsyncServer:
     # -- events -----------------------------------------------------------------------------------------------------
     def resolve(self, f: Flight, now: float) -> None:
         """An arrival (into the buffer, or discarded as too stale), a drop-out or a failure."""
+        self._check_stall(now)
         r = f.report
         self.log.add(self.step.name, [r])
         row = self.resolved.setdefault(f.cid, {"sim_compute_s": 0.0, "sim_comm_s": 0.0, "dropped": 0.0,
@@ -251,10 +255,21 @@ class AsyncServer:
         else:
             row["staleness"] = float(tau)
             self.buffer.append(f)
+            self.t_progress = max(self.t_progress, now)
             return  # stays busy (and its batch's uploads alive) until the aggregation
         row["wasted_s"] = row.get("wasted_s", 0.0) + f.compute_s
         self.busy.discard(f.cid)
         self._release(f)
+
+    def _check_stall(self, now: float) -> None:
+        """An async server that has waited :data:`MAX_STALL_S` of simulated time without one update reaching its
+        buffer (every client dropping out, never online, failing or too stale) stops with one line instead of
+        simulating forever (issue 50)."""
+        if now - self.t_progress > MAX_STALL_S:
+            raise SimulationError(f"async: no client update arrived in {MAX_STALL_S / 86400:g} simulated days (since "
+                                  f"t={self.t_progress:,.0f} s, version {self.version}); every dispatched client "
+                                  f"dropped out, was offline, failed or came too stale: check env.participation "
+                                  f"(dropout, availability) and server.max_staleness")
 
     def aggregate(self, now: float) -> None:
         s = self.cfg.server
@@ -317,7 +332,8 @@ class AsyncServer:
         if self.log.order or self.resolved or self.failures:
             raise SimulationError("async: a checkpoint in the middle of a version's interval (internal error)")
         return {"version": self.version, "seq": self.seq, "batch": self.batch, "t_last": float(self.t_last),
-                "wake_pending": self.wake_pending, "pending_dispatch": self.pending_dispatch,
+                "t_progress": float(self.t_progress), "wake_pending": self.wake_pending,
+                "pending_dispatch": self.pending_dispatch,
                 "flights": [_flight_state(f) for _, f in sorted(self.flights.items())],
                 "buffer": [_flight_state(f) for f in self.buffer],
                 "untrained": [(float(t), int(c)) for t, c in self.untrained],
@@ -350,6 +366,7 @@ class AsyncServer:
     def _restore(self, state: dict, messages: str) -> None:
         self.version, self.seq, self.batch = int(state["version"]), int(state["seq"]), int(state["batch"])
         self.t_last = float(state["t_last"])
+        self.t_progress = max(self.t_last, float(state.get("t_progress", 0.0)))
         self.wake_pending, self.pending_dispatch = bool(state["wake_pending"]), bool(state["pending_dispatch"])
         self.flights = {int(d["cid"]): _flight(d) for d in state["flights"]}
         self.buffer = [_flight(d) for d in state["buffer"]]

@@ -31,7 +31,7 @@ from raysim.io.tables import Row
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
 from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, ProgressBar, RunDirectory
 from raysim.engine.prepare import Prepared, prepare, resume_hash, versions
-from raysim.engine.record import SETUP_ROUND, Run, RunResult, RoundLog
+from raysim.engine.record import SETUP_ROUND, Run, RunResult, RoundLog, failure_summary
 
 
 EQUALITY_POLICY = {
@@ -152,6 +152,14 @@ class _RoundWalk:
             r = failed[0]
             raise SimulationError(f"round {round_idx}, step '{step.name}': {len(failed)} of {len(reports)} clients "
                                   f"failed; first: client {r.client_id}: {r.error}\n{r.traceback}")
+        own = [r for r in failed if not str(r.error).startswith("ActorDied:")]  # dead actors: on_actor_failure's
+        if own and len(own) > cfg.max_failed_share * len(reports):
+            r = own[0]
+            raise SimulationError(f"round {round_idx}, step '{step.name}': {len(failed)} of {len(reports)} clients "
+                                  f"failed, more than max_failed_share={cfg.max_failed_share:g} of them, so the run "
+                                  f"stops rather than aggregate the rest (first: client {r.client_id}: "
+                                  f"{r.error.splitlines()[0] if r.error else '?'}); fix the cause, or raise "
+                                  f"max_failed_share")
         self.failures = sorted(set(self.failures) | {(r.client_id, r.error) for r in failed})
         self.out_of_round |= {r.client_id for r in failed}
 
@@ -256,6 +264,10 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
                                damaged_hint(ck))
     if (meta.get("extra") or {}).get("resume_hash") != resume_hash(cfg):
         raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
+    done = int(meta.get("round_idx", -1)) + 1
+    if cfg.rounds < done:  # the run's config and id would say fewer rounds than its table holds
+        raise ConfigError("rounds", f"{cfg.rounds} is fewer than the {done} rounds the checkpoint {ck} already holds; "
+                                    f"--resume continues a run (rounds >= {done}), it never shortens one")
     manifest = meta.get("manifest") or {}
     shards = [manifest.get("server")] + list(manifest.get("clients") or [])
     if cfg.server.mode == "async":  # the event loop's state and the messages of its clients in flight
@@ -406,6 +418,7 @@ def _metadata(run: Run) -> dict:
         "data_notes": run.prep.fed_data.notes,
         "stopped_early": run.stopped_early,
         "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures],
+        "client_failures": failure_summary(run.failures),
         "equality_policy": EQUALITY_POLICY,
         "actor_failures": list(run.backend.actor_failures),
         # tensor bytes through Ray's object store per round (payload reads by the actors' calls, returned uploads)

@@ -77,6 +77,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     from raysim.config import registry, usercode
 
     code = usercode.code_to_ship(cfg) if cfg.backend.name == "ray" else ()
+    if code:  # what leaves for the actors, said (files, bytes)
+        _notice_once("note: " + usercode.describe_shipped(list(code)))
     spec = RunSpec(runner_settings(cfg), cfg.data, task, algorithm_target(cfg.algorithm.name), params,
                    registry=registry.snapshot(),
                    code=tuple(code), cwd=None if cfg.backend.code == "working_dir" else os.getcwd(),

@@ -151,6 +151,15 @@ class Recorder:
                 self.t.add(round_idx, -1, "wmean", name, float((vals * ws).sum() / ws.sum()), float(ws.sum()))
 
 
+def failure_summary(failures: list[dict]) -> dict:
+    """The run's skipped client failures in numbers (the metadata's ``client_failures``; the table has the
+    per-round count as ``total``/``failures``): how many, in how many rounds, which clients, the first error."""
+    first = failures[0] if failures else None
+    return {"count": len(failures), "rounds": len({f["round"] for f in failures}),
+            "clients": sorted({f["client_id"] for f in failures}),
+            "first": None if first is None else {k: first[k] for k in ("round", "client_id", "stage", "error")}}
+
+
 class Run:
     """The driver's state of one run, handed to every callback."""
 

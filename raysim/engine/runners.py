@@ -27,7 +27,7 @@ from raysim.algorithm import Context, ModelCache, ServerContext, ServerUpdate, T
 from raysim.config import DataConfig
 from raysim.engine.settings import RunnerSettings
 from raysim.data.federated import ClientData, ClientSet, LazyClients
-from raysim.engine import safety
+from raysim.engine import faults, safety
 from raysim.engine.executors import StepRun, executor_chain
 from raysim.engine.reports import ClientReport, host_values, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
 from raysim.messages import from_plain, payload_sizes, to_plain
@@ -225,9 +225,11 @@ class ClientRunner:
 
     def _fail(self, rep: ClientReport, cid: int, e: BaseException, uploads: Optional[dict] = None) -> None:
         """A client's step failed: the report says why, its staged state and its upload are dropped. A damaged state
-        file is not the client's failure: the run stops, naming it."""
+        file is not the client's failure, nor is a fault of the machine (a full disk under the store, out of memory:
+        :mod:`raysim.engine.faults`): the run stops, naming it."""
         if isinstance(e, DamagedFileError):
             raise e
+        faults.raise_if_machine(e)
         rep.ok, rep.error, rep.traceback = False, f"{type(e).__name__}: {e}", tb.format_exc()
         self.store.discard([cid])
         if uploads is not None:
@@ -244,7 +246,8 @@ class ClientRunner:
 
     def commit(self, client_ids: Optional[list[int]] = None, token: Optional[str] = None) -> None:
         """The step's results reached the driver: its new states become the committed ones."""
-        self.store.commit(client_ids, token)
+        with faults.machine_faults():  # a full disk under the store stops the run (raysim.engine.faults)
+            self.store.commit(client_ids, token)
 
     def discard(self, client_ids: Optional[list[int]] = None) -> None:
         self.store.discard(client_ids)
@@ -273,7 +276,8 @@ class ClientRunner:
 
     # -- checkpoints ----------------------------------------------------------------------------------------------
     def save_shard(self, path: str) -> list[int]:
-        return self.store.save_shard(Path(path))
+        with faults.machine_faults(faults.CHECKPOINTS):
+            return self.store.save_shard(Path(path))
 
     def load_shards(self, paths: list[str]) -> list[int]:
         mine = set(self.data)

@@ -192,10 +192,11 @@ def load_file(path: Path, sha256: Optional[str] = None):
     import hashlib
     import io
 
-    from raysim.errors import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, check_regular, read_problem
 
     path = Path(path)
     try:
+        check_regular(path)  # a FIFO would block forever
         data = path.read_bytes()
         if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
             raise ValueError(f"its contents changed since it was written ({len(data):,} bytes; sha256 differs from "

@@ -13,6 +13,8 @@ A run with intended directory ``<out>/<name>`` is built in the visible ``<out>/<
   symbolic link (even a dangling one) is followed, ``..`` and ``.`` are resolved, and the root of the file system, a
   file, a directory holding other files than a run, an unfinished run's ``.incomplete`` name and a mount point (a
   run is renamed into place, which cannot cross file systems) are refused in one line;
+* every working directory raysim creates holds a marker file (:data:`MARKER`); only a marked ``.incomplete``
+  directory is ever reused or removed: any other one keeps its files and the run takes the next free name, saying so;
 * a finished run whose final rename still fails is never thrown away: its ``.incomplete`` directory stays, whole
   and resumable, and the error (:class:`RunNotMoved`) says where it is.
 
@@ -33,6 +35,17 @@ from raysim.errors import ConfigError
 
 INCOMPLETE = ".incomplete"
 LOCK_FILE = ".lock"
+MARKER = ".raysim-made"  # in every working directory raysim creates: only such a directory is ever reused or removed
+
+
+def mark(path: Path) -> None:
+    """Write raysim's marker into a directory it has just created."""
+    (Path(path) / MARKER).write_text("created by raysim; raysim removes or reuses only directories holding this "
+                                     "file\n")
+
+
+def is_marked(path: Path) -> bool:
+    return (Path(path) / MARKER).is_file()
 
 
 def notice(message: str) -> None:
@@ -86,8 +99,12 @@ RUN_FILES = ("results.parquet", "run.json", "config.yaml")  # a directory holdin
 
 
 def is_run_dir(path: Path) -> bool:
-    """A directory that holds a run (finished or damaged): one of :data:`RUN_FILES`."""
-    return any(os.path.lexists(Path(path) / f) for f in RUN_FILES)
+    """A directory that holds a run (finished or damaged): one of :data:`RUN_FILES` — a ``config.yaml`` only with
+    raysim's marker (issue 50: ``--out .`` in a project whose config is ``config.yaml`` took the project for a run
+    and wrote to ``../<project>-2``)."""
+    p = Path(path)
+    return any(os.path.lexists(p / f) for f in RUN_FILES[:2]) or (os.path.lexists(p / "config.yaml")
+                                                                    and is_marked(p))
 
 
 def next_free(final: Path) -> Path:
@@ -267,6 +284,12 @@ class RunDir:
                 work.parent.mkdir(parents=True, exist_ok=True)
                 os.mkdir(work)
             except FileExistsError:
+                if not is_marked(work):  # not made by raysim (or by a version before the marker): never touched
+                    new = next_free(final)
+                    notify(f"{work} exists but raysim did not create it (no {MARKER} file): its files are kept; "
+                           f"writing this run to {new}")
+                    final = new
+                    continue
                 fd = cls._lock(work, field)  # raises when a live run holds it
                 if has_checkpoints(work):
                     os.close(fd)
@@ -275,12 +298,13 @@ class RunDir:
                            f"to {new}")
                     final = new
                     continue
-                for p in work.iterdir():  # a stale start without checkpoints: nothing worth keeping
-                    if p.name != LOCK_FILE:
+                for p in work.iterdir():  # raysim's own stale start without checkpoints: nothing worth keeping
+                    if p.name not in (LOCK_FILE, MARKER):
                         shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
                 return cls(final, work, fd, [])
             except OSError as e:
                 raise ConfigError(field, f"cannot create {work}: {e.strerror or e}") from None
+            mark(work)
             return cls(final, work, cls._lock(work, field), created + [work])
 
     @classmethod
@@ -330,9 +354,9 @@ class RunDir:
     def abandon(self, keep: bool) -> Optional[Path]:
         """The run stopped: keep the working directory (``keep``: it holds checkpoints or a record of why it
         stopped) and return it, or remove it and any parent directories the claim created."""
-        if keep:
+        if keep or not is_marked(self.work):  # a directory raysim did not create is never removed
             self._release(self.work)
-            return self.work
+            return self.work if keep else None
         self._release(self.work)
         shutil.rmtree(self.work, ignore_errors=True)
         for p in reversed(self._created[:-1]):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from raysim.io import results
 from raysim.config import YamlBoundsError, yaml_load
-from raysim.errors import ConfigError, DamagedFileError, read_problem
+from raysim.errors import ConfigError, DamagedFileError, check_regular, read_problem
 from raysim.io.resume_points import checkpoint_dirs
 from raysim.io.rundir import INCOMPLETE, holder
 
@@ -59,6 +59,7 @@ def _config_of(path: Path) -> dict:
     if not f.exists():
         return {}
     try:
+        check_regular(f)  # a FIFO would block `raysim runs` forever
         cfg = yaml_load(f.read_text(), str(f)) or {}
         if not isinstance(cfg, dict):
             raise ValueError("not a mapping")

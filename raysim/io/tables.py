@@ -108,12 +108,13 @@ _verified: dict = {}  # (path, size, mtime_ns) -> True: a table checked once is 
 def read_run_info(run_dir) -> dict | None:
     """A run directory's run.json (None when it has none, e.g. a result table copied on its own or an old run);
     a damaged one is a DamagedFileError naming it."""
-    from raysim.errors import DamagedFileError, read_problem
+    from raysim.errors import DamagedFileError, check_regular, read_problem
 
     path = Path(run_dir) / RUN_INFO
     if not path.exists() and not path.is_symlink():
         return None
     try:
+        check_regular(path)  # a FIFO would block `raysim runs` forever
         info = json.loads(path.read_text())
         if not isinstance(info, dict):
             raise ValueError(f"expected a JSON object, got {type(info).__name__}")
