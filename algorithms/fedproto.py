@@ -141,6 +141,11 @@ class FedProto(LocalTraining):
     def init_client_state(self, ctx: Context):
         return {"model": clone_state(self.build_client_model(ctx.client_id))}
 
+    def client_regulariser(self, z, y, protos, mask):
+        """The prototype term of the local objective: FedProto's nn.MSELoss(z, P_y) (``mask`` None: every class has
+        a global prototype). FedTGP overrides it (``client_reg``)."""
+        return prototype_regulariser(z, y, protos, mask)
+
     def make_loss(self, protos, mask, collect=None, pu=None, known=None):
         """The local objective. ``known``: how many classes have a global prototype, when the host knows it (no
         read of ``mask``; with every class known the regulariser's target is P_y without the mask)."""
@@ -161,7 +166,7 @@ class FedProto(LocalTraining):
                 collect(z.detach(), yb, epoch)
             if not use_protos or yb.numel() == 0:
                 return ce, {**parts, "proto": 0.0}
-            reg = prototype_regulariser(z, yb, protos, reg_mask)
+            reg = self.client_regulariser(z, yb, protos, reg_mask)
             return ce + lam * reg, {**parts, "proto": reg.detach()}
 
         return loss_fn

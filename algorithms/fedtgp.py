@@ -1,7 +1,8 @@
 """FedTGP (Zhang et al., "FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive Learning for
 Data and Model Heterogeneity in Federated Learning", AAAI 2024; reference §2).
 
-Clients train as in FedProto (CE + lambda * MSE(z, P_y), prototypes computed after training in eval mode) and upload
+Clients train as in FedProto (CE + lambda * MSE(z, P_y), prototypes computed after training in eval mode; the
+official code's per-sample regulariser, ``client_reg: mse``, the default) and upload
 their per-class prototypes. The server keeps a *trainable* prototype generator, ``Embedding(C, d) -> Linear(d, h) ->
 ReLU -> Linear(h, d)``, persistent across rounds in the server state (so checkpoints carry it), and trains it inside
 ``aggregate`` for ``server_epochs`` epochs with the adaptive-margin contrastive loss on the uploaded prototypes:
@@ -13,6 +14,12 @@ nearest-other-class gap, never larger than the seed's), Q_c the unweighted mean 
 mode) for all C classes are broadcast. Inference: nearest global prototype over all classes ("test_acc_proto",
 HtFLlib protocol; ``restrict_local_classes`` defaults to False here) and the client's own classifier ("test_acc").
 Server randomness (generator init, batch order) comes from ctx.generator / the (seed, round, server, "tgp") streams.
+
+``client_reg: seed``: seed 002's own regulariser instead (section 5 step 4, L_i = CE + lambda E_{c ~ C_i}
+[phi(P_i^c, P'^c)], phi Euclidean): the distance between the client's class prototype -- on a minibatch, the mean
+embedding of the batch's samples of that class -- and the global one, averaged over the classes in the batch. Not the
+default: every stored seed-002 table (and tests/golden/fedtgp.parquet) runs the official MSE, and lambda was tuned for
+it; the two forms are on different scales (a squared distance divided by d per sample vs a distance per class).
 
 Server metrics in the result table, every round: ``tgp_margin`` = delta(t); ``tgp_max_dist`` = the distance before the
 cap (so delta(t) = min(tgp_max_dist, tau)); ``tgp_margin_capped`` = 1.0 when tau binds (the margin is pinned at tau,
@@ -27,7 +34,8 @@ import torch
 import torch.nn as nn
 
 from algorithms.fedproto import FedProto
-from algorithms.proto_ops import pairwise_distances, tgp_contrastive_loss, tgp_margin_distance
+from algorithms.proto_ops import (pairwise_distances, prototype_distance_regulariser, tgp_contrastive_loss,
+                                  tgp_margin_distance)
 from raysim import rng as rngmod
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
@@ -96,10 +104,14 @@ class FedTGP(FedProto):
         server_lr: Optional[float] = None  # None: the client lr (official ties them)
         server_batch_size: Optional[int] = None  # None: the client batch size (official ties them)
         hidden_dim: Optional[int] = None  # None: the embedding size (official)
+        # client regulariser: mse = the official clienttgp.py, lambda * nn.MSELoss(z, P_y) per sample (over |B| x d);
+        # seed = seed 002 section 5 step 4, lambda * E_{c ~ C_i} ||P_i^c - P'^c||_2 (batch class means, Euclidean)
+        client_reg: str = "mse"
 
         def check(self, path):
             super().check(path)
             choice(f"{path}.margin", self.margin, ["seed", "code", "paper"])
+            choice(f"{path}.client_reg", self.client_reg, ["mse", "seed"])
             positive(f"{path}.margin_threshold", self.margin_threshold, allow_zero=True)
             positive(f"{path}.server_epochs", self.server_epochs, allow_zero=True)
             positive(f"{path}.server_lr", self.server_lr)
@@ -107,6 +119,14 @@ class FedTGP(FedProto):
             positive(f"{path}.hidden_dim", self.hidden_dim)
             if self.proto_collect != "after":
                 raise ConfigError(f"{path}.proto_collect", "FedTGP collects prototypes after training; allowed: after")
+
+    # -- client -------------------------------------------------------------------------------------------------
+    def client_regulariser(self, z, y, protos, mask):
+        """``client_reg: mse`` (default, the official code): FedProto's nn.MSELoss(z, P_y); ``seed``: seed 002's
+        prototype distance E_{c ~ C_i} ||P_i^c - P'^c||_2 over the batch's classes (proto_ops)."""
+        if self.params.client_reg == "seed":
+            return prototype_distance_regulariser(z, y, protos, mask)
+        return super().client_regulariser(z, y, protos, mask)
 
     # -- server -------------------------------------------------------------------------------------------------
     def make_generator(self) -> PrototypeGenerator:

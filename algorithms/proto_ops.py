@@ -59,6 +59,28 @@ def tgp_contrastive_loss(feats: torch.Tensor, labels: torch.Tensor, global_proto
     return F.cross_entropy(logits, labels)
 
 
+def prototype_distance_regulariser(z: torch.Tensor, y: torch.Tensor, protos: torch.Tensor,
+                                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Seed 002's client regulariser (section 5, step 4), E_{c ~ C_i}[phi(P_i^c, P'^c)] with phi the Euclidean
+    distance, on a minibatch: P_i^c is the mean embedding of the batch's samples of class c, the expectation the
+    plain mean over the classes present in the batch that have a global prototype (``mask``; None: every class has
+    one). Classes absent from the batch, or without a global prototype, add nothing; none left: 0. The official
+    code's form (``raysim.ops.prototype_regulariser``) is instead nn.MSELoss(z, P_y) per sample, averaged over
+    |B| x d. Written without data-dependent branches (one-hot sums, a masked mean), so it runs under vmap."""
+    num_classes = protos.shape[0]
+    onehot = (y.unsqueeze(1) == torch.arange(num_classes, device=y.device)).to(z.dtype)  # B x C
+    counts = onehot.sum(0)
+    local = (onehot.t() @ z) / counts.clamp_min(1.0).unsqueeze(1)  # P_i^c for the classes in the batch
+    present = counts > 0
+    if mask is not None:
+        present = present & mask.to(z.device)
+    diff = local - protos.to(device=z.device, dtype=z.dtype)
+    sq = (diff * diff).sum(1)
+    dist = torch.where(sq > 0, sq, torch.ones_like(sq)).sqrt() * (sq > 0).to(sq.dtype)  # gradient 0 at distance 0
+    weight = present.to(z.dtype)
+    return (dist * weight).sum() / weight.sum().clamp_min(1.0)
+
+
 def min_pairwise_distance(protos: torch.Tensor) -> float:
     d = pairwise_distances(protos, protos)
     d = d + torch.diag(torch.full((protos.shape[0],), float("inf"), dtype=d.dtype))
