@@ -474,6 +474,55 @@ def test_values_that_mean_nothing_are_refused_at_config_time(over, key):
     assert e.value.field == key
 
 
+@pytest.mark.parametrize("algorithm, over, key", [
+    ("scaffold", {"backend": {"name": "sequential", "partial_aggregate": True}}, "partial_aggregate"),  # no merge
+    ("vhl", {"backend": {"name": "sequential", "partial_aggregate": True}}, "partial_aggregate"),
+    ("fedavg", {"backend": {"name": "sequential", "partial_aggregate": True},
+                "env": {"preset": "mobile-heterogeneous"}}, "partial_aggregate"),  # the env decides what arrives
+    ("fedmd", {"backend": {"name": "sequential", "vectorize": True}}, "vectorize"),  # no LocalTraining, no group form
+    ("ifca", {"backend": {"name": "sequential", "vectorize": True}}, "vectorize"),
+])
+def test_a_backend_switch_that_does_nothing_is_left_out_of_the_identity_with_a_notice(algorithm, over, key):
+    from raysim.config import make_config
+    from raysim.engine.prepare import _notice_dropped
+
+    on = make_config(tiny_config(algorithm={"name": algorithm}, **over))
+    plain = make_config(tiny_config(algorithm={"name": algorithm}, **{**over, "backend": {"name": "sequential"}}))
+    assert on.inert_backend() == (key,)
+    assert on.run_id() == plain.run_id() and f"backend.{key}" not in on.identity_dict()
+    notes = []
+    _notice_dropped(on, notes.append)
+    assert len(notes) == 1 and f"backend.{key}: true does nothing for {algorithm}" in notes[0], notes
+    assert on.run_id() in notes[0] and "left out of the run's identity" in notes[0]
+
+
+@pytest.mark.parametrize("algorithm, key", [("fedavg", "partial_aggregate"), ("fedavg", "vectorize"),
+                                            ("scaffold", "vectorize"), ("mafml", "vectorize"),
+                                            ("fedproto", "partial_aggregate")])
+def test_a_backend_switch_that_changes_the_numbers_stays_in_the_identity(algorithm, key):
+    from raysim.config import make_config
+
+    on = make_config(tiny_config(algorithm={"name": algorithm}, backend={"name": "sequential", key: True}))
+    plain = make_config(tiny_config(algorithm={"name": algorithm}))
+    assert on.inert_backend() == () and on.run_id() != plain.run_id()
+    assert f"backend.{key}" in on.identity_dict()
+
+
+def test_a_dry_run_says_that_partial_aggregate_does_nothing_for_scaffold(userdir, capsys):
+    cfg = tiny_config(rounds=1, algorithm={"name": "scaffold"}, backend={"name": "sequential",
+                                                                          "partial_aggregate": True})
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (userdir / "s.yaml").write_text(yaml.safe_dump(cfg))
+    code = main(["run", "s.yaml", "--dry-run"])
+    out = capsys.readouterr()
+    plain = tiny_config(rounds=1, algorithm={"name": "scaffold"})
+    from raysim.config import make_config
+
+    rid = make_config({**plain, "output": cfg["output"]}).run_id()
+    assert code == 0 and f"run id {rid}" in out.out
+    assert "backend.partial_aggregate: true does nothing for scaffold" in out.err, out.err
+
+
 def test_a_missing_objective_metric_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     c = tiny_config(rounds=1, data__val_fraction=0.25)
