@@ -621,3 +621,16 @@ def test_an_async_server_that_never_gets_an_update_stops_with_one_line(tiny):
     with pytest.raises(SimulationError, match=r"async: no client update arrived in 30 simulated days .*"
                                               r"env.participation"):
         bounded(lambda: run_experiment(cfg, write=False))
+
+
+@pytest.mark.parametrize("p", [0.0, 1e-12])
+def test_a_sync_run_in_which_no_client_is_ever_available_exits_1_with_one_line(userdir, capsys, p):
+    cfg = tiny_config(rounds=2, env={"participation": {"availability": {"mode": "bernoulli", "p": p}, "idle_s": 30}})
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (userdir / "c.yaml").write_text(yaml.safe_dump(cfg))
+    code = main(["run", "c.yaml"])
+    lines = one_line(capsys)
+    assert code == 1 and len(lines) == 1, lines
+    assert "no client ever trained" in lines[0] and "2 rounds" in lines[0] and "env.participation.availability" in \
+        lines[0]
+    assert not (userdir / "out").exists() or not any((userdir / "out").iterdir())  # no result left behind
