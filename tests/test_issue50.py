@@ -217,10 +217,13 @@ def test_an_atexit_hook_the_dry_runs_code_registered_writes_nothing(tmp_path):
 # -- 4. only code ships --------------------------------------------------------------------------------------------------
 
 def _ship(tmp_path, entries):
+    import contextlib
+
     from raysim.config import make_config
     from raysim.config.usercode import code_to_ship
 
-    return code_to_ship(make_config(tiny_config(backend={"name": "ray", "code": [str(e) for e in entries]})))
+    with contextlib.chdir(tmp_path):  # listed code lies under the working directory (or is named on the command line)
+        return code_to_ship(make_config(tiny_config(backend={"name": "ray", "code": [str(e) for e in entries]})))
 
 
 def test_backend_code_refuses_hidden_directories_and_key_material(tmp_path):
@@ -262,6 +265,32 @@ def test_backend_code_says_what_ships(tmp_path):
     paths = _ship(tmp_path, [pkg, tmp_path / "helper.py"])
     line = describe_shipped(paths)
     assert f"{pkg} (2 files, 6 bytes)" in line and f"{tmp_path / 'helper.py'} (1 file, 6 bytes)" in line
+
+
+def test_backend_code_outside_the_working_directory_ships_only_when_named_on_the_command_line(tmp_path, monkeypatch,
+                                                                                           capsys):
+    from raysim.config import make_config, usercode
+
+    outside = tmp_path / "elsewhere" / "theirpkg"
+    outside.mkdir(parents=True)
+    (outside / "__init__.py").write_text("")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(usercode, "COMMAND_LINE", set())
+    with pytest.raises(ConfigError, match="outside the working directory") as e:  # named in a config file
+        usercode.code_to_ship(make_config(tiny_config(backend={"name": "ray", "code": [str(outside)]})))
+    assert e.value.field == "backend.code[0]" and "--set" in str(e.value)
+    cfg = tiny_config(rounds=1, backend={"name": "ray", "code": [str(outside)]})
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (work / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["run", "c.yaml", "--dry-run"]) == 2
+    lines = one_line(capsys)
+    assert len(lines) == 1 and "'backend.code[0]'" in lines[0] and "outside the working directory" in lines[0]
+    usercode.allow_from_command_line([f"backend.code=[{outside}]"])  # what the CLI does with its --set
+    assert usercode.listed_code([str(outside)]) == [(str(outside), 1, 0)]
+    (work / "mine.py").write_text("Z = 3\n")
+    assert usercode.listed_code(["mine.py"]) == [(str(work / "mine.py"), 1, 6)]  # under the working directory
 
 
 # -- 5. raysim deletes only what it made ---------------------------------------------------------------------------------
