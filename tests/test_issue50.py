@@ -293,6 +293,61 @@ def test_backend_code_outside_the_working_directory_ships_only_when_named_on_the
     assert usercode.listed_code(["mine.py"]) == [(str(work / "mine.py"), 1, 6)]  # under the working directory
 
 
+def test_rays_unpacked_copy_of_the_shipped_code_is_removed_from_a_session_raysim_started(tmp_path):
+    pytest.importorskip("ray")
+    from raysim.backends.ray_preflight import remove_unpacked, shipped_uris
+
+    renv = {"py_modules": ["gcs://_ray_pkg_own1.zip", "gcs://_ray_pkg_user1.zip", "gcs://_ray_pkg_user2.zip"],
+            "working_dir": "gcs://_ray_pkg_wd.zip"}
+    assert shipped_uris(renv, 2, False) == ["gcs://_ray_pkg_user1.zip", "gcs://_ray_pkg_user2.zip"]  # not raysim's
+    assert shipped_uris(renv, 0, True) == ["gcs://_ray_pkg_wd.zip"] and shipped_uris(None, 2, True) == []
+    res = tmp_path / "session_x" / "runtime_resources"
+    for sub, name in (("py_modules_files", "_ray_pkg_own1"), ("py_modules_files", "_ray_pkg_user1"),
+                      ("working_dir_files", "_ray_pkg_wd")):
+        (res / sub / name / ".ssh").mkdir(parents=True)
+        (res / sub / name / ".ssh" / "id_rsa").write_text("secret")
+    (res / "py_modules_files" / "_ray_pkg_user1.zip").write_text("zip")
+    removed = remove_unpacked(str(tmp_path / "session_x"), shipped_uris(renv, 2, True) + ["gcs://../../etc.zip"])
+    assert sorted(os.path.basename(r) for r in removed) == ["_ray_pkg_user1", "_ray_pkg_user1.zip", "_ray_pkg_wd"]
+    assert (res / "py_modules_files" / "_ray_pkg_own1" / ".ssh" / "id_rsa").exists()  # raysim's own: kept
+    assert not (res / "py_modules_files" / "_ray_pkg_user1").exists()
+    assert remove_unpacked(None, ["gcs://_ray_pkg_user1.zip"]) == []  # a session Ray does not name: nothing
+
+
+@pytest.mark.ray
+def test_a_ray_run_leaves_no_unpacked_copy_of_the_users_code(tmp_path):
+    """End to end, in a child process that starts its own local Ray session (the session fixture's is shared, so
+    raysim leaves its copies alone): after the run no package under the session's runtime_resources holds the
+    user's module."""
+    import glob
+    import shutil
+    import tempfile
+
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "um50ship.py").write_text(LOADER)
+    cfg = tiny_config(rounds=1, data={"dataset": "um50ship:arrays", "num_clients": 2, "partition": "iid",
+                                      "partition_params": {}}, algorithm={"name": "fedavg"},
+                      model={"arch": "mlp", "params": {"hidden": 8}},
+                      backend={"name": "ray", "num_actors": 1, "num_cpus": 0.5})
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (work / "c.yaml").write_text(yaml.safe_dump(cfg))
+    ray_tmp = tempfile.mkdtemp(prefix="r50", dir="/tmp")  # short: Ray's socket paths are length-bound
+    try:
+        env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(ROOT)}
+        p = subprocess.run([sys.executable, "-m", "raysim", "run", "c.yaml"], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "backend.code ships" in p.stderr and "um50ship.py" in p.stderr, p.stderr[-2000:]
+        sessions = glob.glob(os.path.join(ray_tmp, "**", "session_2*"), recursive=True)
+        assert sessions, os.listdir(ray_tmp)
+        left = [f for s in sessions for f in glob.glob(os.path.join(s, "runtime_resources", "**", "um50ship.py"),
+                                                        recursive=True)]
+        assert left == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
 # -- 5. raysim deletes only what it made ---------------------------------------------------------------------------------
 
 def test_an_incomplete_directory_raysim_did_not_make_keeps_its_files(tmp_path, monkeypatch, capsys):
