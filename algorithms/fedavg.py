@@ -36,7 +36,7 @@ from algorithms import fedpu
 from algorithms.local import ce_loss
 from algorithms.mutual_ops import domain_metrics, random_batch
 from raysim import rng as rngmod
-from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
+from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate, inert_switches
 from raysim.errors import ConfigError
 from raysim.messages import Message, payload_sizes, state_message
 from raysim.ops import rebase_trees, weighted_average_states
@@ -152,6 +152,11 @@ class FedAvg(LocalTraining):
     def _due(self, round_idx: int, iteration: int) -> bool:
         g = round_idx * int(self.task.train.local_steps) + iteration
         return (g + 1) % self.sync_period == 0
+
+    @classmethod
+    def settings_without_effect(cls, env: bool) -> tuple[str, ...]:
+        # the iteration mode's server steps declare no merge: only the classic round's merge may apply
+        return inert_switches(cls, env, classic=True)
 
     def schedule(self):
         if not self.iteration_mode:

@@ -319,6 +319,15 @@ class Algorithm:
         merged (:func:`upload_merger`). The per-client message accounting is unchanged: it is made before merging."""
         return None
 
+    @classmethod
+    def settings_without_effect(cls, env: bool) -> tuple[str, ...]:
+        """The ``backend`` switches (``vectorize``, ``partial_aggregate``) that cannot change this method's numbers
+        (``env``: the run has an env section); they are left out of a run's identity with a notice."""
+        return inert_switches(cls, env)
+
+    # (a method with its own schedule() whose server steps merge only as the classic round's do overrides it with
+    # ``inert_switches(cls, env, classic=True)``: FedAvg)
+
     def evaluate_server(self, server_state: Any, test: ArrayDataset, ctx: ServerContext) -> dict:
         return {}
 
@@ -403,15 +412,37 @@ def upload_merger(algorithm: "Algorithm", step) -> Optional[Callable[[dict], Opt
     """The merge a server step declares (``ServerStep.merge``), or None when it declares none, or when the class
     that defines the merge sits above the one that defines the aggregation it stands for (a subclass changed the
     aggregation and its parent's merge no longer describes it: e.g. SCAFFOLD or VHL under FedAvg)."""
+    return getattr(algorithm, step.merge) if _merge_applies(type(algorithm), step) else None
+
+
+def _merge_applies(cls: type, step) -> bool:
+    """Whether the merge ``step`` declares describes class ``cls``'s aggregation (:func:`upload_merger`)."""
     name = getattr(step, "merge", None)
     if not name:
-        return None
+        return False
     targets = [step.method] + (["aggregate"] if step.method == "classic_aggregate" else [])
 
     def owner(attr):
-        return next((c for c in type(algorithm).__mro__ if attr in vars(c)), None)
+        return next((c for c in cls.__mro__ if attr in vars(c)), None)
 
     m = owner(name)
-    if m is None or m is Algorithm or any(owner(t) is None or not issubclass(m, owner(t)) for t in targets):
-        return None
-    return getattr(algorithm, name)
+    return not (m is None or m is Algorithm or any(owner(t) is None or not issubclass(m, owner(t)) for t in targets))
+
+
+def inert_switches(cls: type, env: bool, classic: Optional[bool] = None) -> tuple[str, ...]:
+    """The ``backend`` switches that cannot change method ``cls``'s numbers (dropped from a run's identity, with a
+    notice: :meth:`raysim.config.ExperimentConfig.inert_backend`). ``vectorize``: a method that is not
+    ``LocalTraining`` and has no group form ``<fn>_group`` always runs the per-client loop. ``partial_aggregate``:
+    with an env section (it decides after a step which uploads arrive; merged uploads cannot be split) or when the
+    method keeps the classic schedule and its merge does not apply (:func:`upload_merger`: SCAFFOLD under FedAvg).
+    ``classic``: the method's schedules merge only where the classic round does (default: when it keeps
+    ``Algorithm.schedule``); a method with its own ``schedule()`` keeps ``partial_aggregate`` unless its
+    ``settings_without_effect`` says so (its steps are known only to an instance: FedAvg's says it)."""
+    out = []
+    groups = any(n.endswith("_group") and callable(getattr(cls, n, None)) for n in dir(cls))
+    if not issubclass(cls, LocalTraining) and not groups:
+        out.append("vectorize")
+    classic = getattr(cls, "schedule", None) is Algorithm.schedule if classic is None else classic
+    if env or (classic and not any(_merge_applies(cls, s) for s in CLASSIC_ROUND if hasattr(s, "merge"))):
+        out.append("partial_aggregate")
+    return tuple(out)

@@ -357,10 +357,23 @@ def test_every_client_drops(tiny, caplog):
 
 
 def test_nobody_available(tiny):
+    """Empty rounds still advance the simulated clock by idle_s; but a sync run in which no client is ever
+    available trained nothing, so it no longer finishes as a result (it did until issue 50: exit 0, a table of the
+    initial model's evaluations): it stops with one SimulationError naming env.participation.availability."""
+    from raysim.engine.callbacks import Callback
+    from raysim.errors import SimulationError
+
+    clock = []
+
+    class Clock(Callback):
+        def on_round_end(self, run, round_idx, evaluated):
+            clock.append(run.env.sim_time)
+
     cfg = tiny(rounds=3, env={"participation": {"availability": {"mode": "bernoulli", "p": 0.0}, "idle_s": 30}})
-    df = env_table(cfg)
-    t = results.env_time(df)
-    assert t["sim_time"].tolist() == [30.0, 60.0, 90.0]
+    with pytest.raises(SimulationError) as e:
+        run_experiment(cfg, write=False, progress=False, callbacks=[Clock()])
+    assert clock == [30.0, 60.0, 90.0]
+    assert "no client ever trained" in str(e.value) and "env.participation.availability" in str(e.value)
 
 
 def test_no_env_section_keeps_todays_behaviour(tiny):

@@ -217,10 +217,13 @@ def test_an_atexit_hook_the_dry_runs_code_registered_writes_nothing(tmp_path):
 # -- 4. only code ships --------------------------------------------------------------------------------------------------
 
 def _ship(tmp_path, entries):
+    import contextlib
+
     from raysim.config import make_config
     from raysim.config.usercode import code_to_ship
 
-    return code_to_ship(make_config(tiny_config(backend={"name": "ray", "code": [str(e) for e in entries]})))
+    with contextlib.chdir(tmp_path):  # listed code lies under the working directory (or is named on the command line)
+        return code_to_ship(make_config(tiny_config(backend={"name": "ray", "code": [str(e) for e in entries]})))
 
 
 def test_backend_code_refuses_hidden_directories_and_key_material(tmp_path):
@@ -262,6 +265,87 @@ def test_backend_code_says_what_ships(tmp_path):
     paths = _ship(tmp_path, [pkg, tmp_path / "helper.py"])
     line = describe_shipped(paths)
     assert f"{pkg} (2 files, 6 bytes)" in line and f"{tmp_path / 'helper.py'} (1 file, 6 bytes)" in line
+
+
+def test_backend_code_outside_the_working_directory_ships_only_when_named_on_the_command_line(tmp_path, monkeypatch,
+                                                                                           capsys):
+    from raysim.config import make_config, usercode
+
+    outside = tmp_path / "elsewhere" / "theirpkg"
+    outside.mkdir(parents=True)
+    (outside / "__init__.py").write_text("")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(usercode, "COMMAND_LINE", set())
+    with pytest.raises(ConfigError, match="outside the working directory") as e:  # named in a config file
+        usercode.code_to_ship(make_config(tiny_config(backend={"name": "ray", "code": [str(outside)]})))
+    assert e.value.field == "backend.code[0]" and "--set" in str(e.value)
+    cfg = tiny_config(rounds=1, backend={"name": "ray", "code": [str(outside)]})
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (work / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["run", "c.yaml", "--dry-run"]) == 2
+    lines = one_line(capsys)
+    assert len(lines) == 1 and "'backend.code[0]'" in lines[0] and "outside the working directory" in lines[0]
+    usercode.allow_from_command_line([f"backend.code=[{outside}]"])  # what the CLI does with its --set
+    assert usercode.listed_code([str(outside)]) == [(str(outside), 1, 0)]
+    (work / "mine.py").write_text("Z = 3\n")
+    assert usercode.listed_code(["mine.py"]) == [(str(work / "mine.py"), 1, 6)]  # under the working directory
+
+
+def test_rays_unpacked_copy_of_the_shipped_code_is_removed_from_a_session_raysim_started(tmp_path):
+    pytest.importorskip("ray")
+    from raysim.backends.ray_preflight import remove_unpacked, shipped_uris
+
+    renv = {"py_modules": ["gcs://_ray_pkg_own1.zip", "gcs://_ray_pkg_user1.zip", "gcs://_ray_pkg_user2.zip"],
+            "working_dir": "gcs://_ray_pkg_wd.zip"}
+    assert shipped_uris(renv, 2, False) == ["gcs://_ray_pkg_user1.zip", "gcs://_ray_pkg_user2.zip"]  # not raysim's
+    assert shipped_uris(renv, 0, True) == ["gcs://_ray_pkg_wd.zip"] and shipped_uris(None, 2, True) == []
+    res = tmp_path / "session_x" / "runtime_resources"
+    for sub, name in (("py_modules_files", "_ray_pkg_own1"), ("py_modules_files", "_ray_pkg_user1"),
+                      ("working_dir_files", "_ray_pkg_wd")):
+        (res / sub / name / ".ssh").mkdir(parents=True)
+        (res / sub / name / ".ssh" / "id_rsa").write_text("secret")
+    (res / "py_modules_files" / "_ray_pkg_user1.zip").write_text("zip")
+    removed = remove_unpacked(str(tmp_path / "session_x"), shipped_uris(renv, 2, True) + ["gcs://../../etc.zip"])
+    assert sorted(os.path.basename(r) for r in removed) == ["_ray_pkg_user1", "_ray_pkg_user1.zip", "_ray_pkg_wd"]
+    assert (res / "py_modules_files" / "_ray_pkg_own1" / ".ssh" / "id_rsa").exists()  # raysim's own: kept
+    assert not (res / "py_modules_files" / "_ray_pkg_user1").exists()
+    assert remove_unpacked(None, ["gcs://_ray_pkg_user1.zip"]) == []  # a session Ray does not name: nothing
+
+
+@pytest.mark.ray
+def test_a_ray_run_leaves_no_unpacked_copy_of_the_users_code(tmp_path):
+    """End to end, in a child process that starts its own local Ray session (the session fixture's is shared, so
+    raysim leaves its copies alone): after the run no package under the session's runtime_resources holds the
+    user's module."""
+    import glob
+    import shutil
+    import tempfile
+
+    work = tmp_path / "w"
+    work.mkdir()
+    (work / "um50ship.py").write_text(LOADER)
+    cfg = tiny_config(rounds=1, data={"dataset": "um50ship:arrays", "num_clients": 2, "partition": "iid",
+                                      "partition_params": {}}, algorithm={"name": "fedavg"},
+                      model={"arch": "mlp", "params": {"hidden": 8}},
+                      backend={"name": "ray", "num_actors": 1, "num_cpus": 0.5})
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (work / "c.yaml").write_text(yaml.safe_dump(cfg))
+    ray_tmp = tempfile.mkdtemp(prefix="r50", dir="/tmp")  # short: Ray's socket paths are length-bound
+    try:
+        env = {**os.environ, "RAY_TMPDIR": ray_tmp, "PYTHONPATH": str(ROOT)}
+        p = subprocess.run([sys.executable, "-m", "raysim", "run", "c.yaml"], cwd=work, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert "backend.code ships" in p.stderr and "um50ship.py" in p.stderr, p.stderr[-2000:]
+        sessions = glob.glob(os.path.join(ray_tmp, "**", "session_2*"), recursive=True)
+        assert sessions, os.listdir(ray_tmp)
+        left = [f for s in sessions for f in glob.glob(os.path.join(s, "runtime_resources", "**", "um50ship.py"),
+                                                        recursive=True)]
+        assert left == []
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 # -- 5. raysim deletes only what it made ---------------------------------------------------------------------------------
@@ -474,6 +558,55 @@ def test_values_that_mean_nothing_are_refused_at_config_time(over, key):
     assert e.value.field == key
 
 
+@pytest.mark.parametrize("algorithm, over, key", [
+    ("scaffold", {"backend": {"name": "sequential", "partial_aggregate": True}}, "partial_aggregate"),  # no merge
+    ("vhl", {"backend": {"name": "sequential", "partial_aggregate": True}}, "partial_aggregate"),
+    ("fedavg", {"backend": {"name": "sequential", "partial_aggregate": True},
+                "env": {"preset": "mobile-heterogeneous"}}, "partial_aggregate"),  # the env decides what arrives
+    ("fedmd", {"backend": {"name": "sequential", "vectorize": True}}, "vectorize"),  # no LocalTraining, no group form
+    ("ifca", {"backend": {"name": "sequential", "vectorize": True}}, "vectorize"),
+])
+def test_a_backend_switch_that_does_nothing_is_left_out_of_the_identity_with_a_notice(algorithm, over, key):
+    from raysim.config import make_config
+    from raysim.engine.prepare import _notice_dropped
+
+    on = make_config(tiny_config(algorithm={"name": algorithm}, **over))
+    plain = make_config(tiny_config(algorithm={"name": algorithm}, **{**over, "backend": {"name": "sequential"}}))
+    assert on.inert_backend() == (key,)
+    assert on.run_id() == plain.run_id() and f"backend.{key}" not in on.identity_dict()
+    notes = []
+    _notice_dropped(on, notes.append)
+    assert len(notes) == 1 and f"backend.{key}: true does nothing for {algorithm}" in notes[0], notes
+    assert on.run_id() in notes[0] and "left out of the run's identity" in notes[0]
+
+
+@pytest.mark.parametrize("algorithm, key", [("fedavg", "partial_aggregate"), ("fedavg", "vectorize"),
+                                            ("scaffold", "vectorize"), ("mafml", "vectorize"),
+                                            ("fedproto", "partial_aggregate")])
+def test_a_backend_switch_that_changes_the_numbers_stays_in_the_identity(algorithm, key):
+    from raysim.config import make_config
+
+    on = make_config(tiny_config(algorithm={"name": algorithm}, backend={"name": "sequential", key: True}))
+    plain = make_config(tiny_config(algorithm={"name": algorithm}))
+    assert on.inert_backend() == () and on.run_id() != plain.run_id()
+    assert f"backend.{key}" in on.identity_dict()
+
+
+def test_a_dry_run_says_that_partial_aggregate_does_nothing_for_scaffold(userdir, capsys):
+    cfg = tiny_config(rounds=1, algorithm={"name": "scaffold"}, backend={"name": "sequential",
+                                                                          "partial_aggregate": True})
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (userdir / "s.yaml").write_text(yaml.safe_dump(cfg))
+    code = main(["run", "s.yaml", "--dry-run"])
+    out = capsys.readouterr()
+    plain = tiny_config(rounds=1, algorithm={"name": "scaffold"})
+    from raysim.config import make_config
+
+    rid = make_config({**plain, "output": cfg["output"]}).run_id()
+    assert code == 0 and f"run id {rid}" in out.out
+    assert "backend.partial_aggregate: true does nothing for scaffold" in out.err, out.err
+
+
 def test_a_missing_objective_metric_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     c = tiny_config(rounds=1, data__val_fraction=0.25)
@@ -572,3 +705,16 @@ def test_an_async_server_that_never_gets_an_update_stops_with_one_line(tiny):
     with pytest.raises(SimulationError, match=r"async: no client update arrived in 30 simulated days .*"
                                               r"env.participation"):
         bounded(lambda: run_experiment(cfg, write=False))
+
+
+@pytest.mark.parametrize("p", [0.0, 1e-12])
+def test_a_sync_run_in_which_no_client_is_ever_available_exits_1_with_one_line(userdir, capsys, p):
+    cfg = tiny_config(rounds=2, env={"participation": {"availability": {"mode": "bernoulli", "p": p}, "idle_s": 30}})
+    cfg["output"] = {"progress": False, "dir": "out"}
+    (userdir / "c.yaml").write_text(yaml.safe_dump(cfg))
+    code = main(["run", "c.yaml"])
+    lines = one_line(capsys)
+    assert code == 1 and len(lines) == 1, lines
+    assert "no client ever trained" in lines[0] and "2 rounds" in lines[0] and "env.participation.availability" in \
+        lines[0]
+    assert not (userdir / "out").exists() or not any((userdir / "out").iterdir())  # no result left behind

@@ -407,6 +407,10 @@ def _main(args) -> int:
     from raysim.io.rundir import RunNotMoved
 
     try:
+        if getattr(args, "overrides", None):  # backend.code given on the command line may lie outside the working
+            from raysim.config import usercode  # directory (a config file's may not)
+
+            usercode.allow_from_command_line(args.overrides)
         if args.command == "list":
             return _cmd_list()
         if args.command == "runs":

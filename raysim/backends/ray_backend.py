@@ -20,7 +20,8 @@ from raysim.backends.ray_balance import CostBalancing
 from raysim.backends.ray_recovery import ActorRecovery
 from raysim.backends.ray_actors import WARM, ClientActor, ServerActor, alive, release_warm_actors, take_warm
 from raysim.backends.ray_preflight import (ADDRESS_FIX, actor_runtime_env, address_error, check_address,
-                                          check_node_numerics, check_node_resources, check_resources, code_runtime_env)
+                                          check_node_numerics, check_node_resources, check_resources, code_runtime_env,
+                                          remove_unpacked, session_dir, shipped_uris)
 from raysim.data.federated import LazyClients
 from raysim.engine.placement import actor_pools, cost_model
 from raysim.engine.runners import ClientReport, server_data
@@ -106,6 +107,7 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         renv = actor_runtime_env(self.spec, b)
         extra = {"runtime_env": renv} if renv else {}
         self.shipped = list(self.spec.code) + ([os.getcwd()] if b.code == "working_dir" else [])
+        self._code_uris = shipped_uris(renv, len(self.spec.code), b.code == "working_dir")  # removed at the end
         Server = ray.remote(ServerActor).options(num_cpus=b.server_num_cpus, num_gpus=b.server_num_gpus,
                                                   max_concurrency=1, scheduling_strategy=here, **extra)
         self._Clients = [ray.remote(ClientActor).options(
@@ -379,5 +381,9 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         if self._state_dir:
             shutil.rmtree(self._state_dir, ignore_errors=True)
         if self._own_session:
+            session = session_dir() if not self.settings.backend.address else None
             ray.shutdown()
             ray_watchdog.stop(self._watchdog)
+            # Ray leaves its unpacked copy of the user's shipped code in the session directory of a local cluster it
+            # started: removed here (a shared or remote session keeps it: other runs may use the same package)
+            remove_unpacked(session, getattr(self, "_code_uris", []))

@@ -111,6 +111,53 @@ def upload_working_dir(env: dict) -> dict:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def shipped_uris(renv: dict | None, n_user: int, working_dir: bool) -> list[str]:
+    """The package URIs of the user's code in an actor runtime_env (:func:`actor_runtime_env`): the last ``n_user``
+    ``py_modules`` (raysim's own come first) and the ``working_dir``."""
+    if not renv:
+        return []
+    mods = list(renv.get("py_modules") or [])
+    uris = mods[len(mods) - n_user:] if n_user else []
+    if working_dir and renv.get("working_dir"):
+        uris.append(renv["working_dir"])
+    return [u for u in uris if isinstance(u, str) and "://" in u]
+
+
+def session_dir() -> str | None:
+    """The driver's Ray session directory (``/tmp/ray/session_...``), or None when Ray does not say."""
+    try:
+        return ray._private.worker._global_node.get_session_dir_path()
+    except Exception:  # a private API: a Ray version without it leaves the copy, as before
+        return None
+
+
+def remove_unpacked(session: str | None, uris: list[str]) -> list[str]:
+    """Remove the unpacked copies (and downloaded archives) of ``uris`` that Ray left in a local session's
+    ``runtime_resources`` (``py_modules_files/_ray_pkg_<hash>``, ``working_dir_files/...``); returns what it removed.
+    Only names of Ray's own package form (``_ray_pkg_*``) directly in those two directories are touched."""
+    from pathlib import Path
+
+    if not session or not uris:
+        return []
+    removed = []
+    for uri in uris:
+        pkg = uri.split("://", 1)[1].rsplit("/", 1)[-1]
+        stem = pkg[:-4] if pkg.endswith(".zip") else pkg
+        if not stem.startswith("_ray_pkg_") or "/" in stem or stem in ("", ".", ".."):
+            continue
+        for sub in ("py_modules_files", "working_dir_files"):
+            base = Path(session) / "runtime_resources" / sub
+            for p in (base / stem, base / pkg):
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                elif p.exists() or p.is_symlink():
+                    p.unlink(missing_ok=True)
+                else:
+                    continue
+                removed.append(str(p))
+    return removed
+
+
 def machine_memory() -> float:
     """Bytes of memory this machine has available (0 when unknown)."""
     try:

@@ -420,15 +420,30 @@ class ExperimentConfig:
             if spec.get("embedding") is None:
                 spec.pop("embedding", None)
         # the executor and the kernel choice change the numbers (the executor within tolerance, kernels in last bits)
-        d["backend"] = {"vectorize": self.backend.vectorize, "numerics": self.backend.numerics}
-        if self.backend.partial_aggregate is True:  # a key added later: absent unless on (earlier identities unchanged)
-            d["backend"]["partial_aggregate"] = True
+        inert = self.inert_backend()  # switches that do nothing for this method and run: not part of what it is
+        d["backend"] = {"vectorize": self.backend.vectorize and "vectorize" not in inert,
+                        "numerics": self.backend.numerics}
+        if self.backend.partial_aggregate is True and "partial_aggregate" not in inert:  # a key added later: absent
+            d["backend"]["partial_aggregate"] = True  # unless on (earlier identities unchanged)
         d.pop("output")
         d.pop("name")
         d.pop("on_actor_failure")  # recovery policies: a retried client reproduces exactly
         d.pop("max_retries")
         d.pop("max_failed_share")  # when to stop, not what a finished run computes
         return d
+
+    def inert_backend(self) -> tuple[str, ...]:
+        """The ``backend`` switches set on (``vectorize``, ``partial_aggregate: true``) that cannot change this run's
+        numbers (the method's ``settings_without_effect``: raysim.algorithm): left out of the identity, and said
+        (``prepare``). Empty when the method cannot be resolved (its error comes from prepare)."""
+        on = [k for k in ("vectorize", "partial_aggregate") if getattr(self.backend, k) is True]
+        if not on:
+            return ()
+        try:
+            inert = algorithm_class(self.algorithm.name).settings_without_effect(self.env is not None)
+        except Exception:
+            return ()
+        return tuple(k for k in on if k in inert)
 
     def identity_dict(self, drop: tuple = ()) -> dict:
         """The science keys whose values differ from their defaults, as {dotted key: value}. Algorithm parameters

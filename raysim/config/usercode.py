@@ -117,9 +117,33 @@ def _package_files(p: Path, key: str, given: str) -> tuple[int, int]:
     return files, size
 
 
+# backend.code paths given on the command line (``--set backend.code=[...]``): they may lie outside the working
+# directory; a config file's may not (issue 50: a shared config naming ``~/.ssh`` or ``/etc`` shipped it)
+COMMAND_LINE: set = set()
+
+
+def allow_from_command_line(overrides) -> None:
+    """Trust the ``backend.code`` paths that the command line's ``--set`` overrides name (the CLI calls it)."""
+    from raysim.config.yamlio import parse_override
+
+    for text in overrides or []:
+        key, value = parse_override(text)
+        if key == "backend.code" and isinstance(value, (list, tuple)):
+            COMMAND_LINE.update(Path(str(c)).expanduser().resolve() for c in value if isinstance(c, str) and c)
+
+
+def _check_inside(p: Path, key: str, given: str) -> None:
+    """A listed path outside the working directory ships only when the command line named it (ConfigError)."""
+    cwd = Path.cwd().resolve()
+    if p != cwd and cwd not in p.parents and p not in COMMAND_LINE:
+        raise ConfigError(key, f"{given} is outside the working directory {cwd}; a config ships only code under it "
+                               f"(give a path outside on the command line: --set 'backend.code=[{given}]')")
+
+
 def listed_code(code: list) -> list[tuple[str, int, int]]:
     """(path, files, bytes) of each ``backend.code`` entry: a ``.py`` module file or a Python package directory, not
-    hidden, holding no key material (ConfigError naming ``backend.code[i]``)."""
+    hidden, holding no key material, under the working directory unless the command line named it (ConfigError
+    naming ``backend.code[i]``)."""
     out = []
     for i, c in enumerate(code):
         key, given = f"backend.code[{i}]", str(c)
@@ -127,6 +151,7 @@ def listed_code(code: list) -> list[tuple[str, int, int]]:
         if p.name.startswith(".") or _secret(p.name):
             raise ConfigError(key, f"{given} is {'key material' if _secret(p.name) else 'a hidden file or directory'};"
                                    f" backend.code ships only Python modules and packages")
+        _check_inside(p, key, given)
         if p.is_file() and p.suffix == ".py":
             out.append((str(p), 1, p.stat().st_size))
         elif p.is_dir():

@@ -226,9 +226,11 @@ def run_loop(run: Run, callbacks: list[Callback]) -> None:
             cb.on_setup_end(run)
     run.payload = backend.initial_payload(run.start_round)
     schedule = run.algorithm.schedule()
+    trained = run.start_round > 0  # a resumed run trained before its checkpoint (a fresh one: in some round below)
     for round_idx in range(run.start_round, cfg.rounds):
         t0 = time.perf_counter()
         selected = sample_clients(cfg, round_idx) if env is None else env.select(round_idx, cfg.clients_per_round)
+        trained = trained or bool(selected)
         step_s = {}
         _run_steps(run, schedule, round_idx, selected, step_s)
         evaluated = (round_idx + 1) % cfg.eval.every == 0 or round_idx == cfg.rounds - 1
@@ -243,6 +245,18 @@ def run_loop(run: Run, callbacks: list[Callback]) -> None:
         if stop:
             run.stopped_early = True
             break
+    if not trained and run.round_idx >= 0:
+        _nobody_trained(run)
+
+
+def _nobody_trained(run: Run) -> None:
+    """A sync run whose environment left every round empty (no client available when a round started) trained
+    nothing: its table is the initial model's, so it stops with one line rather than finish as a result (issue 50)."""
+    n = run.round_idx + 1
+    raise SimulationError(f"no client ever trained: the environment had no client available in any of the {n} "
+                          f"round{'s' if n != 1 else ''} (env.participation.availability), so the table would only "
+                          f"evaluate the initial model; make clients available (availability p, its trace) or run "
+                          f"more rounds")
 
 
 META_NAME = "meta.pt"

@@ -289,6 +289,15 @@ def _notice_once(message: str) -> None:
         rundir.notice(message)
 
 
+_INERT_WHY = {  # why a backend switch does nothing for a run (raysim.algorithm.settings_without_effect)
+    "vectorize": lambda cfg: "it is not a LocalTraining method and has no group form <fn>_group: its clients always "
+                             "train one after another",
+    "partial_aggregate": lambda cfg: "the env section decides after each step which uploads arrive, so uploads are "
+                                     "never merged" if cfg.env is not None else
+                                     "its aggregation declares no merge of uploads that applies",
+}
+
+
 def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _notice_once) -> None:
     """Values the run caps or leaves unused get one line each (never silently)."""
     n = cfg.data.num_clients
@@ -305,6 +314,9 @@ def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _noti
     if rot is not None and len(rot) > n:
         notify(f"note: data.rotations lists {len(rot)} angles but data.num_clients is {n}: the last {len(rot) - n} "
                f"are not used")
+    for key in cfg.inert_backend():
+        notify(f"note: backend.{key}: true does nothing for {cfg.algorithm.name} ({_INERT_WHY[key](cfg)}); it is "
+               f"left out of the run's identity (run id {cfg.run_id()})")
     if cfg.backend.name == "ray" and cfg.backend.num_actors > n:
         notify(f"note: backend.num_actors={cfg.backend.num_actors} exceeds data.num_clients={n}: {n} client actors "
                f"are started (one client each)")
