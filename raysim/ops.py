@@ -31,10 +31,26 @@ def weighted_average_states(states: Sequence[Mapping[str, torch.Tensor]], weight
         if v0.is_floating_point():
             groups.setdefault((v0.dtype, v0.device), []).append(k)
     for (dtype, _), keys in groups.items():
+        if sum(states[0][k].numel() for k in keys) > _STACK_LIMIT:  # a large model: memory-bound, so in place
+            for k in keys:
+                out[k] = _weighted_in_place([s[k] for s in states], w).to(dtype)
+            continue
         flat = _weighted_rows([[s[k] for k in keys] for s in states], w).to(dtype)
         for k, part in zip(keys, flat.split([states[0][k].numel() for k in keys])):
             out[k] = part.view(states[0][k].shape)
     return {k: out[k] for k in states[0]}
+
+
+_STACK_LIMIT = 1 << 20  # floats per state above which the average runs in place (no stacked copies)
+
+
+def _weighted_in_place(tensors: Sequence[torch.Tensor], w: list) -> torch.Tensor:
+    """sum_i w[i] * tensors[i] in float64, summed in order from 0, one tensor at a time in place (the same float64
+    products and sums as the stacked scan; three passes over each tensor instead of copies of the whole stack)."""
+    acc = torch.zeros_like(tensors[0], dtype=torch.float64)
+    for wi, t in zip(w, tensors):
+        acc.add_(t.to(torch.float64, copy=True).mul_(wi))  # a copy even of a float64 state
+    return acc
 
 
 def _weighted_rows(states: Sequence[Sequence[torch.Tensor]], w: list) -> torch.Tensor:
