@@ -201,13 +201,14 @@ def test_population_that_cannot_fit_is_refused_before_any_data_is_built(tmp_path
     estimate and the keys to change, exit 2, nothing written; the estimate itself on a hand example."""
     from raysim.app.cli import main as cli_main
     from raysim.config import make_config
-    from raysim.engine.prepare import POPULATION_BYTES_PER_CLIENT, _check_population_memory, population_bytes
+    from raysim.engine.prepare import (INDEX_BYTES, POPULATION_BYTES_PER_CLIENT, _check_population_memory,
+                                        population_bytes)
     from raysim.errors import ConfigError
     from tests.conftest import tiny_config
 
     cfg = make_config(tiny_config(data__num_clients=1000, data__partition="iid",
                                   data__partition_params={"samples_per_client": 40, "test_per_client": 10}))
-    assert population_bytes(cfg) == 1000 * (8 * 50 + POPULATION_BYTES_PER_CLIENT)
+    assert population_bytes(cfg) == 1000 * (INDEX_BYTES * 50 + POPULATION_BYTES_PER_CLIENT)
     _check_population_memory(cfg, avail=2 * population_bytes(cfg))  # exactly half: fits
     with pytest.raises(ConfigError, match=r"data\.num_clients.*1,000 clients \(samples_per_client 40 x "
                                           r"test_per_client 10\) need about .* GiB .* lower data\.num_clients"):

@@ -718,3 +718,108 @@ def test_a_sync_run_in_which_no_client_is_ever_available_exits_1_with_one_line(u
     assert "no client ever trained" in lines[0] and "2 rounds" in lines[0] and "env.participation.availability" in \
         lines[0]
     assert not (userdir / "out").exists() or not any((userdir / "out").iterdir())  # no result left behind
+
+
+def test_ten_million_nway_kshot_clients_are_refused_in_seconds_before_the_partitioner(monkeypatch, capsys):
+    """FedProto's nway_kshot with 10,000,000 clients on a machine with 16 GiB free: the smallest client holds
+    2 classes x 24 shots + 2 x 15 test samples, so the population's index data alone (held twice until built) needs
+    ~18 GiB; refused with one line naming data.num_clients, exit 2, before any data is loaded (was: 116 s in the
+    partitioner; the fixed estimate alone, 640 B a client, let it through)."""
+    import time
+
+    from raysim.config import make_config
+    from raysim.engine import prepare as prep
+
+    monkeypatch.setattr(prep, "_available_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(prep, "build_federated_data", lambda *a: pytest.fail("data built"))
+    with open(ROOT / "configs" / "fedproto_mnist5k.yaml") as f:
+        c = yaml.safe_load(f)
+    c["data"]["num_clients"] = 10_000_000
+    assert prep.population_indices(make_config(c))[0] == 2 * 24 + 2 * 15
+    c["backend"] = {"name": "sequential"}
+    with pytest.raises(ConfigError, match=r"10,000,000 clients \(ways 4 x shots 25 x stdev 2 x test_shots 15\) "
+                                          r"need about 17\.6 GiB") as e:
+        prep._check_population_memory(make_config(c))
+    assert e.value.field == "data.num_clients"
+    c["data"]["num_clients"] = 1_000_000  # 1.8 GiB: fits
+    prep._check_population_memory(make_config(c))
+    c["data"]["partition_params"] = {"ways": "4"}  # not a number: left to the partitioner's own refusal
+    assert prep.population_indices(make_config(c)) == (0, "")
+    t0 = time.monotonic()
+    code = main(["run", str(ROOT / "configs" / "fedproto_mnist5k.yaml"), "--dry-run", "--set",
+                 "data.num_clients=10000000", "--set", "backend.name=sequential"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "data.num_clients" in lines[0], lines
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_thousand_tiny_actors_are_refused_against_memory_before_data_is_built(userdir, monkeypatch, capsys):
+    """1,000 client actors at 0.001 CPU pass the CPU check (1 CPU in all), but each is a Python process with torch
+    (~250 MB): on a machine with 16 GiB free they are refused with one line naming backend.num_actors, exit 2, before
+    any data is built (was: accepted with state_memory_mb 0, and only after the data was built; 12 actors took 9.2 GB
+    here). Per-architecture pools name their entry."""
+    from raysim.backends import ray_preflight
+    from raysim.config import make_config
+    from raysim.engine import prepare as prep
+    from raysim.engine.settings import backend_settings
+
+    monkeypatch.setattr(ray_preflight, "machine_memory", lambda: 16 * 2**30)
+    monkeypatch.setattr(prep, "build_federated_data", lambda *a: pytest.fail("data built"))
+    c = tiny_config(rounds=1, data={"dataset": "synthetic", "num_clients": 1000, "partition": "iid",
+                                    "partition_params": {}},
+                    backend={"name": "ray", "num_actors": 1000, "num_cpus": 0.001, "state_memory_mb": 0})
+    s = backend_settings(make_config(c))
+    with pytest.raises(ConfigError, match=r"1000 client actors x at least 250 MB .* 244\.1 GiB, more than the "
+                                          r"16\.0 GiB this machine has; use at most 65 actors") as e:
+        ray_preflight.check_resources(s, 1.0, 0.0, "this machine", 16 * 2**30)
+    assert e.value.field == "backend.num_actors"
+    ray_preflight.check_resources(s, 1.0, 0.0, "this machine", 0.0)  # memory unknown: not checked
+    c["backend"]["num_actors"] = 60
+    ray_preflight.check_resources(backend_settings(make_config(c)), 1.0, 0.0, "this machine", 16 * 2**30)
+    pools = dict(c, backend={"name": "ray", "num_actors": 1, "num_cpus": 0.001, "state_memory_mb": 0, "model_resources": [
+        {"arch": c["model"]["arch"], "num_actors": 500, "num_cpus": 0.001}]})
+    with pytest.raises(ConfigError) as e:
+        ray_preflight.check_resources(backend_settings(make_config(pools)), 1.0, 0.0, "x", 16 * 2**30)
+    assert e.value.field == "backend.model_resources[0].num_actors"
+    c["backend"]["num_actors"] = 1000
+    (userdir / "c.yaml").write_text(yaml.safe_dump(c))
+    code = main(["run", "c.yaml", "--dry-run"])
+    lines = one_line(capsys)
+    assert code == 2 and len(lines) == 1 and "backend.num_actors" in lines[0] and "250 MB" in lines[0], lines
+
+
+def test_an_actor_that_dies_beyond_max_retries_stops_the_run_with_one_line(monkeypatch):
+    """A client actor that keeps dying (its node is gone) is retried max_retries times, then the run stops with one
+    line naming max_retries and on_actor_failure (was: its clients silently failed as with skip). Actor death is
+    simulated as Ray reports it (RayActorError from ray.get on the step's report), without a cluster."""
+    import types
+
+    import ray
+
+    from raysim.backends import ray_recovery
+    from raysim.errors import SimulationError
+
+    def dead(ref):
+        raise ray.exceptions.RayActorError()
+
+    monkeypatch.setattr(ray_recovery.ray, "get", dead)
+
+    class Host(ray_recovery.ActorRecovery):
+        def __init__(self, policy, retries):
+            self.settings = types.SimpleNamespace(on_actor_failure=policy, max_retries=retries)
+            self.actors, self.actor_failures, self.replaced = ["a0"], [], 0
+            self._unconfirmed = {0: []}
+
+        def _replace_actor(self, k):
+            self.replaced += 1
+
+    host = Host("retry", 2)
+    with pytest.raises(SimulationError, match=r"client actor 0 died during round 1 \(RayActorError\) and again after "
+                                              r"max_retries=2 retries .*on_actor_failure: skip") as e:
+        host._call_actors([[3, 5]], lambda actor, group: ("res", "rep"), "round 1")
+    assert "\n" not in str(e.value) and host.replaced == 2
+    assert [f["action"] for f in host.actor_failures] == ["retry", "retry", "stop"]
+    skip = Host("skip", 2)  # skip still fails the actor's clients and goes on
+    assert skip._call_actors([[3, 5]], lambda actor, group: ("res", "rep"), "round 1") == {0: (None, None)}
+    with pytest.raises(SimulationError, match="max_retries=0"):
+        Host("retry", 0)._call_actors([[1]], lambda actor, group: ("res", "rep"), "round 1")

@@ -32,12 +32,19 @@ class ActorRecovery:
         ray.get(self.actors[k].ready.remote())
 
     def _on_actor_death(self, k: int, where: str, error: BaseException, attempt: int) -> str:
-        """What to do about client actor k dying during ``where``: 'retry' or 'skip' (or raise for stop)."""
+        """What to do about client actor k dying during ``where``: 'retry' or 'skip' (or raise for stop). A death
+        beyond ``max_retries`` retries is the machine's (a lost node, memory): the run stops with one line (exit 1,
+        checkpoints kept) instead of failing the actor's clients silently."""
         s = self.settings
         policy = s.on_actor_failure
-        action = policy if policy != "retry" or attempt < s.max_retries else "skip"
+        exhausted = policy == "retry" and attempt >= s.max_retries
+        action = "stop" if exhausted else policy
         self.actor_failures.append({"where": where, "actor": k, "attempt": attempt + 1, "action": action,
                                     "error": type(error).__name__})
+        if exhausted:
+            raise SimulationError(f"client actor {k} died during {where} ({type(error).__name__}) and again after "
+                                  f"max_retries={s.max_retries} retries (a lost node or memory?); check the cluster, "
+                                  f"raise max_retries, or set on_actor_failure: skip to fail its clients instead")
         if action == "stop":
             raise SimulationError(f"client actor {k} died during {where} ({type(error).__name__}); "
                                   f"on_actor_failure: stop")

@@ -361,7 +361,7 @@ class ExperimentConfig:
     on_client_failure: str = "skip"  # skip: aggregate the survivors; stop: stop the run at the first failure
     on_nonfinite: str = "stop"  # a NaN/inf loss, metric or upload: stop the run (exit 1) | skip_client: drop that update
     on_actor_failure: str = "retry"  # a client actor died: retry (recreate it, rerun its clients) | skip | stop
-    max_retries: int = 3  # retries of one actor's step before on_actor_failure falls back to skip
+    max_retries: int = 3  # retries of one actor's step; one more death stops the run (exit 1)
     # on_client_failure: skip stops the run (exit 1, checkpoints kept) when more than this share of a step's clients
     # failed in one round (1.0: only when all failed); skipped failures are counted in the table and the metadata
     max_failed_share: float = 0.5

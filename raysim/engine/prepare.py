@@ -53,6 +53,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     _notice_dropped(cfg)
     _check_population_memory(cfg)
     _check_state_dir(cfg)
+    backend = backend_settings(cfg)
+    preflight(backend)  # actor counts, CPUs, GPUs and memory: before any data is built
     fed = build_federated_data(cfg.data, cfg.seed)
     env = make_environment(cfg, fed)  # None without an env section
     check_environment(env)
@@ -66,8 +68,6 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         from raysim.asyncrules import check_async
 
         check_async(cfg, algorithm, env)
-    backend = backend_settings(cfg)
-    preflight(backend)
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
         from raysim.engine.footprint import check_gpu_budgets
 
@@ -227,22 +227,57 @@ def _available_bytes() -> Optional[int]:
 POPULATION_BYTES_PER_CLIENT = 640  # CSR offsets of train/test/val (24 B), the runners' masks, the driver's per-client
 #                                    bookkeeping (sizes, domains, placement, the partitioner's per-client arrays): the
 #                                    peak-RSS slope of a whole run measured ~600 B per client (iid with replace, 150k
-#                                    and 300k clients, sequential backend; issue 35)
+#                                    and 300k clients, sequential backend; issue 35); nway_kshot's per-client Python
+#                                    objects (its class lists, an array header per client and split) measured 389 B
+#                                    per client beyond its indices (tracemalloc, 20k clients; issue 50)
+INDEX_BYTES = 16  # one sample index (int64), held twice until the data is built: the partitioner's per-client arrays
+#                   and the population's CSR copy of them (raysim.data.clients.csr)
 POPULATION_SHARE = 0.5  # of the free memory a population's index data may take (the data pools and models need the rest)
+
+
+def _kshot_floor(p: dict) -> int:
+    """The fewest sample indices an nway_kshot client holds: n_i >= min(max(2, ways - stdev), ways + stdev) classes
+    x k_i >= min(shots - stdev + 1, shots) shots (raysim.data.skew._kshot_draws), plus test_shots of each class."""
+    ways, shots, stdev, test = (p.get(k) for k in ("ways", "shots", "stdev", "test_shots"))
+    n = min(max(2, ways - stdev), ways + stdev)
+    k = shots if stdev == 0 else min(shots - stdev + 1, shots)
+    return max(0, n) * (max(0, k) + max(0, test))
+
+
+def population_indices(cfg: ExperimentConfig) -> tuple[int, str]:
+    """(sample indices every client holds at least, what they come from): partitioners that draw
+    ``samples_per_client`` / ``test_per_client`` per client count those; nway_kshot its smallest client (from
+    ``ways``, ``shots``, ``stdev``, ``test_shots``, with the partitioner's defaults); partitioners that split a pool
+    without a per-client size count none (their index data is bounded by the pool). A lower bound: never more than
+    the partitioner gives, so a population is refused only where even its smallest clients would not fit."""
+    import inspect
+
+    from raysim.data.partition import PARTITIONERS
+
+    given = dict(cfg.data.partition_params or {})
+    fn = PARTITIONERS.get(cfg.data.partition)
+    p = {k: v.default for k, v in inspect.signature(fn).parameters.items()
+         if v.default is not inspect.Parameter.empty} if fn is not None else {}
+    p.update(given)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for k, v in p.items()
+               if k in ("ways", "shots", "stdev", "test_shots")):
+        return 0, ""  # refused with its key when the partitioner checks its parameters
+    if cfg.data.partition == "nway_kshot":
+        return _kshot_floor(p), " x ".join(f"{k} {p[k]}" for k in ("ways", "shots", "stdev", "test_shots"))
+    per, keys = 0, []
+    for key in ("samples_per_client", "test_per_client"):
+        v = given.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            per, keys = per + int(v), keys + [f"{key} {v}"]
+    return per, " x ".join(keys)
 
 
 def population_bytes(cfg: ExperimentConfig) -> int:
     """Estimate of the memory a population's client bookkeeping takes on the driver before any data is built:
-    per-client index arrays (8 bytes per sample index; partitioners that draw ``samples_per_client`` /
-    ``test_per_client`` per client, with replacement across clients) plus a fixed per-client overhead. Partitioners
-    that split a pool give each sample to one client: their index data is bounded by the pool (not counted)."""
-    p = dict(cfg.data.partition_params or {})
-    per = 0
-    for key in ("samples_per_client", "test_per_client"):
-        v = p.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
-            per += int(v)
-    return int(cfg.data.num_clients) * (8 * per + POPULATION_BYTES_PER_CLIENT)
+    per-client index arrays (:func:`population_indices`, ``INDEX_BYTES`` per index) plus a fixed per-client
+    overhead (``POPULATION_BYTES_PER_CLIENT``)."""
+    per, _ = population_indices(cfg)
+    return int(cfg.data.num_clients) * (INDEX_BYTES * per + POPULATION_BYTES_PER_CLIENT)
 
 
 def _check_population_memory(cfg: ExperimentConfig, avail: Optional[int] = None) -> None:
@@ -251,12 +286,11 @@ def _check_population_memory(cfg: ExperimentConfig, avail: Optional[int] = None)
     need = population_bytes(cfg)
     avail = _available_bytes() if avail is None else avail
     if avail is not None and need > POPULATION_SHARE * avail:
-        p = cfg.data.partition_params or {}
-        per = " x ".join(f"{k} {p[k]}" for k in ("samples_per_client", "test_per_client") if k in p)
+        _, per = population_indices(cfg)
         raise ConfigError("data.num_clients", f"{cfg.data.num_clients:,} clients" + (f" ({per})" if per else "")
                           + f" need about {need / 2**30:,.1f} GiB for their index data and bookkeeping alone, more "
                           f"than half of the {avail / 2**30:,.1f} GiB free here; lower data.num_clients"
-                          + (" or data.partition_params.samples_per_client / test_per_client" if per else ""))
+                          + (" or data.partition_params" if per else ""))
 
 
 def _check_model_size(spec, task: Task, path: str) -> None:
