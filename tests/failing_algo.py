@@ -68,14 +68,18 @@ class DyingFedProto(FedProto):
         marker_dir: str = ""
         die_client: int = 1
         die_round: int = 1
+        how: str = "exit"  # exit: the process ends; stop: it stops itself (SIGSTOP: alive but never answers)
 
     def client_update(self, payload, state, data, ctx):
         import os
+        import signal
 
         marker = os.path.join(self.params.marker_dir, "died")
         if ctx.client_id == self.params.die_client and ctx.round_idx == self.params.die_round and \
                 not os.path.exists(marker):
             open(marker, "w").close()
+            if self.params.how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
             os._exit(1)
         return super().client_update(payload, state, data, ctx)
 

@@ -18,11 +18,11 @@ def _test_algorithms(monkeypatch):
 pytestmark = pytest.mark.ray
 
 
-def dying(tiny, marker_dir, **over):
+def dying(tiny, marker_dir, how="exit", **over):
     return tiny(**{"rounds": 4, "clients_per_round": 5, "train": {"local_epochs": 1, "batch_size": 8, "lr": 0.05,
                                                                   "momentum": 0.5, "persist_optimizer": True},
                    "algorithm": {"name": "dying_fedproto", "params": {"marker_dir": str(marker_dir), "die_client": 3,
-                                                                      "die_round": 2}},
+                                                                      "die_round": 2, "how": how}},
                    "backend": {"name": "ray", "num_actors": 2, "num_cpus": 1, "balance": "static"}, **over})
 
 
@@ -38,6 +38,24 @@ def test_killed_actor_is_replaced_and_the_table_is_identical(ray_session, tiny, 
     # (run ids differ only because marker_dir is a parameter)
     pd.testing.assert_frame_equal(without_timing(ref.table.drop(columns="run_id")), without_timing(res.table.drop(columns="run_id")), check_exact=True)
     assert res.metadata["actor_failures"][0]["action"] == "retry"
+
+
+def test_a_stopped_actor_is_taken_for_dead_after_the_step_timeout(ray_session, tiny, tmp_path):
+    """A SIGSTOPped actor (alive, never answering) stalled the run with no message: with backend.step_timeout_s its
+    call is given up, the actor killed and replaced, the step retried: the undisturbed table."""
+    quiet = tmp_path / "undisturbed"
+    quiet.mkdir()
+    (quiet / "died").touch()
+    ref = run_experiment(dying(tiny, quiet, backend={"name": "sequential"}), write=False)
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    res = run_experiment(dying(tiny, stopped, how="stop", backend={
+        "name": "ray", "num_actors": 2, "num_cpus": 1, "balance": "static", "step_timeout_s": 15}), write=False)
+    assert (stopped / "died").exists()  # the actor really stopped itself
+    pd.testing.assert_frame_equal(without_timing(ref.table.drop(columns="run_id")),
+                                  without_timing(res.table.drop(columns="run_id")), check_exact=True)
+    assert res.metadata["actor_failures"][0]["action"] == "retry"
+    assert res.metadata["actor_failures"][0]["error"] == "StepTimeout"
 
 
 def test_skip_policy_fails_the_dead_actors_clients(ray_session, tiny, tmp_path):

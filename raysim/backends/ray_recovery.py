@@ -9,6 +9,10 @@ from raysim.backends.ray_actors import alive
 from raysim.errors import SimulationError
 
 
+class StepTimeout(Exception):
+    """A client actor's call of a step ran past ``backend.step_timeout_s`` (a stopped or hung process)."""
+
+
 class ActorRecovery:
     """Mixed into RayBackend (its ``actors``, ``spec``, ``cost``, ``_group``, ``_group_refs``, ``_new_client_actor``,
     commit bookkeeping, ``_last_client_step``, ``_upload_actor``, ``actor_failures``)."""
@@ -42,11 +46,11 @@ class ActorRecovery:
         self.actor_failures.append({"where": where, "actor": k, "attempt": attempt + 1, "action": action,
                                     "error": type(error).__name__})
         if exhausted:
-            raise SimulationError(f"client actor {k} died during {where} ({type(error).__name__}) and again after "
+            raise SimulationError(f"client actor {k} died during {where} ({_why(error)}) and again after "
                                   f"max_retries={s.max_retries} retries (a lost node or memory?); check the cluster, "
                                   f"raise max_retries, or set on_actor_failure: skip to fail its clients instead")
         if action == "stop":
-            raise SimulationError(f"client actor {k} died during {where} ({type(error).__name__}); "
+            raise SimulationError(f"client actor {k} died during {where} ({_why(error)}); "
                                   f"on_actor_failure: stop")
         self._replace_actor(k)
         return action
@@ -59,15 +63,18 @@ class ActorRecovery:
         if submitted is not None:
             submitted(dict(calls))
         out = {}
+        limit = float(getattr(getattr(self.settings, "backend", None), "step_timeout_s", 0.0) or 0.0)
         for k in sorted(calls):
             attempt = 0
             while True:
                 res_ref, rep_ref = calls[k]
                 try:
-                    out[k] = (res_ref, ray.get(rep_ref))
+                    out[k] = (res_ref, ray.get(rep_ref, timeout=limit) if limit else ray.get(rep_ref))
                     self._unconfirmed[k] = []  # the actor ran its calls in order: every commit before this one too
                     break
-                except ray.exceptions.RayActorError as e:
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                    if isinstance(e, ray.exceptions.GetTimeoutError):  # stopped or hung: taken for dead (killed when
+                        e = StepTimeout(f"its call ran longer than backend.step_timeout_s={limit:g} s")  # replaced)
                     action = self._on_actor_death(k, where, e, attempt)
                     if action == "retry":
                         attempt += 1
@@ -95,3 +102,7 @@ class ActorRecovery:
             del self._upload_actor[old]
             self._upload_actor[up] = k
         return uploads
+
+
+def _why(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}" if isinstance(error, StepTimeout) else type(error).__name__

@@ -196,6 +196,9 @@ class BackendConfig:
     server_num_gpus: float = 0.0
     address: Optional[str] = None  # an existing Ray cluster; None starts a local one
     connect_timeout_s: float = 10.0  # how long backend.address may take to answer before the run stops (one line)
+    step_timeout_s: float = 0.0  # Ray: a client actor whose call of a step runs longer is taken for dead (a stopped
+    #                              or hung process): replaced and retried per on_actor_failure, one line beyond
+    #                              max_retries; 0: no limit
     torch_threads: int = 1  # intra-op threads per worker (1 keeps results bit-identical across backends)
     device: str = "auto"  # auto (cuda if available) | cpu | cuda
     state_memory_mb: float = 1024.0  # client states kept in memory per actor; beyond it the least recently used spill
@@ -238,6 +241,7 @@ class BackendConfig:
         positive(_p(path, "server_num_gpus"), self.server_num_gpus, allow_zero=True)
         positive(_p(path, "torch_threads"), self.torch_threads)
         positive(_p(path, "connect_timeout_s"), self.connect_timeout_s)
+        positive(_p(path, "step_timeout_s"), self.step_timeout_s, allow_zero=True)
         if self.address is not None and not str(self.address).strip():
             raise ConfigError(_p(path, "address"), "is empty; give host:port of a running Ray head (or leave it out "
                                                    "to start a local cluster)")
