@@ -13,8 +13,8 @@ def weighted_average_states(states: Sequence[Mapping[str, torch.Tensor]], weight
     order, bit for bit, in a few operations per call instead of three per tensor and state (a partial aggregate of
     every step of a runner takes this path): the floating tensors of each state are laid side by side in one float64
     row (per dtype and device), the rows of a chunk of states (at most ~32 MB) stacked, multiplied by their
-    normalised weights (the same float64 products) and summed by a sequential scan down the stack (``cumsum``:
-    ((0 + p_0) + p_1) + ..., the loop's order) behind the running sum."""
+    normalised weights (the same float64 products) and added to the running sum in client order (((0 + p_0) + p_1)
+    + ..., the loop's order); above ~1M floats a state, one tensor at a time in place."""
     if not states:
         raise ValueError("nothing to average")
     if torch.is_tensor(weights):  # e.g. sample counts as they arrived (counts: positive by construction, not read)
@@ -55,11 +55,12 @@ def _weighted_in_place(tensors: Sequence[torch.Tensor], w: list) -> torch.Tensor
 
 def _weighted_rows(states: Sequence[Sequence[torch.Tensor]], w: list) -> torch.Tensor:
     """sum_i w[i] * row_i in float64, summed in order from 0, where row_i is state i's tensors flattened side by side
-    (docstring of weighted_average_states)."""
+    (docstring of weighted_average_states): a chunk of rows is stacked and scaled at once, then added to the running
+    sum one row after another (vectorised in-place adds: the loop's order, none of a scan's strided passes)."""
     first = states[0][0]
     numel = sum(t.numel() for t in states[0])
     chunk = max(1, (32 << 20) // max(1, 8 * numel))
-    acc = first.new_zeros((1, numel), dtype=torch.float64)  # where the states are
+    acc = first.new_zeros(numel, dtype=torch.float64)  # where the states are
     ws = first.new_tensor(w, dtype=torch.float64).unsqueeze(1)
     for start in range(0, len(states), chunk):
         part = states[start:start + chunk]
@@ -67,9 +68,10 @@ def _weighted_rows(states: Sequence[Sequence[torch.Tensor]], w: list) -> torch.T
         cols = [torch.stack([s[j] for s in part]).reshape(n, -1) if n > 1 else part[0][j].reshape(1, -1)
                 for j in range(len(part[0]))]
         rows = (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).to(torch.float64)
-        scale = ws if n == len(states) else ws[start:start + n]
-        acc = torch.cat([acc, rows * scale]).cumsum(0)[-1:]
-    return acc[0]
+        rows.mul_(ws if n == len(states) else ws[start:start + n])
+        for row in rows.unbind():
+            acc.add_(row)
+    return acc
 
 
 def class_prototypes(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
