@@ -23,8 +23,12 @@ clusters is a class-prototype matrix E_k (C x d), not a model. Users never downl
   IFCA in the same table gets the same budget (``algorithm.params.init_restarts`` of :mod:`algorithms.ifca`:
   best of N random initialisations by training loss).
 * Step ``update`` (sampled users): download E_{s_i} (C x d and its class mask) and the cluster id; run E local epochs
-  of B episodes (``tasks_per_epoch``) on the local data (n_way classes of the user's, n_support + n_query samples per
-  class, drawn with replacement when a class has fewer); loss L = L_proto. PN-ICFL+ adds lambda * L_g, where L_g is
+  of B tasks (``tasks_per_epoch``) on the local data, one step per task. ``local_update: episodes`` (default): each
+  task a sampled episode (n_way classes of the user's, n_support + n_query samples per class, drawn with replacement
+  when a class has fewer). ``local_update: partition`` (the seed's Algorithm 2, issue 51): all of D split once per
+  local round into B disjoint tasks (:func:`partition_tasks`), so every sample is used once per epoch; the default
+  stays ``episodes`` because every stored seed-001 table ran it and config identities omit defaults (a switch would
+  change what those configs mean without changing their hashes). Loss L = L_proto. PN-ICFL+ adds lambda * L_g, where L_g is
   the same loss with the episode's support prototypes z_c replaced by the cluster prototypes E_{s_i}^c (eq. 16-17;
   classes without a cluster prototype are left out of L_g). Upload theta_i and n_i.
 * Step ``aggregate`` (server M-step, eq. 14-15): E_k^c = sum_{i: s_i = k} n_ic u_i^c / sum n_ic over the round's
@@ -50,7 +54,7 @@ import torch
 
 from algorithms.fedavg import sample_weighted_average
 from algorithms.pnicfl_ops import (body_state, e_step, embed_all, episode_losses, estep_embeddings, kmeans_init, m_step,
-                                   sample_episode, sq_dists, user_embedding)
+                                   partition_tasks, sample_episode, sq_dists, task_losses, user_embedding)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
@@ -79,7 +83,10 @@ class PNICFL(Algorithm):
         init_restarts: int = 0  # k-means restarts on the first round's embeddings (0: the seeded users' own
         #                         embeddings are the E_k, the seed's §4.2 with init: random; an option, e.g. 10
         #                         with init: kmeans++, reported in its own row beside IFCA with the same budget)
-        tasks_per_epoch: int = 2  # B: episodes per local epoch (the seed: B = 2); epochs = train.local_epochs (E)
+        tasks_per_epoch: int = 2  # B: tasks per local epoch (the seed: B = 2); epochs = train.local_epochs (E)
+        local_update: str = "episodes"  # episodes: B sampled n_way episodes per epoch (n_support + n_query per
+        #   class, with replacement) | partition: the seed's Algorithm 2, all of D split into B disjoint tasks once per
+        #   local round, each sample used exactly once per epoch (n_way / n_support / n_query unused)
         n_way: int = 5  # classes per local episode (capped by the user's classes; Snell's / our inferred default)
         n_support: int = 5
         n_query: int = 5
@@ -95,6 +102,7 @@ class PNICFL(Algorithm):
             positive(f"{path}.lam", self.lam, allow_zero=True)
             choice(f"{path}.init", self.init, ["random", "kmeans++"])
             choice(f"{path}.m_step_embeddings", self.m_step_embeddings, ["estep", "updated"])
+            choice(f"{path}.local_update", self.local_update, ["episodes", "partition"])
             for name in ("tasks_per_epoch", "n_way", "n_support", "n_query", "pretrain_way", "pretrain_support",
                          "pretrain_query", "pretrain_lr"):
                 positive(f"{path}.{name}", getattr(self, name))
@@ -250,6 +258,8 @@ class PNICFL(Algorithm):
         opt = make_optimizer(body.parameters(), cfg)
         r = ctx.rng("episodes")
         classes = sorted(torch.unique(data.y_train).tolist())
+        tasks = (partition_tasks(data.y_train, classes, p.tasks_per_epoch, r) if p.local_update == "partition"
+                 else None)  # Algorithm 2, line 1: once per local round, before the E epochs
         set_dropout_generator(model, ctx.generator("dropout", device=ctx.device))
         tot = {"loss": 0.0, "proto": 0.0, "acc": 0.0}
         if p.lam > 0:
@@ -258,9 +268,14 @@ class PNICFL(Algorithm):
         try:
             body.train()
             for _ in range(cfg.local_epochs):
-                for _ in range(p.tasks_per_epoch):
-                    episode = sample_episode(data.y_train, classes, p.n_way, p.n_support, p.n_query, r)
-                    lp, acc, lg = episode_losses(body, data.x_train, episode, cluster, cmask)
+                for j in range(p.tasks_per_epoch):
+                    if tasks is None:
+                        episode = sample_episode(data.y_train, classes, p.n_way, p.n_support, p.n_query, r)
+                        lp, acc, lg = episode_losses(body, data.x_train, episode, cluster, cmask)
+                    else:
+                        lp, acc, lg = task_losses(body, data.x_train, tasks[j], cluster, cmask)
+                        if lp is None:  # a task without a query (a user with fewer samples than 2 B)
+                            continue
                     loss = lp if lg is None else lp + p.lam * lg
                     opt.zero_grad(set_to_none=True)
                     loss.backward()

@@ -1,7 +1,8 @@
 """PN-ICFL's maths as pure functions (the seed 001_ce8e72c830799c1d.txt, §3.2-3.4): squared Euclidean distances
 to prototypes and the prototypical loss, a user's embedding (per-class means and counts), the E-step (each user to the
 nearest cluster centre over the classes both hold) and the M-step (centres from the embeddings the E-step used),
-k-means initialisation with k-means++ restarts, episodes (N-way support/query sampling) and their losses, the body's
+k-means initialisation with k-means++ restarts, episodes (N-way support/query sampling) and their losses, the
+seed's Algorithm 2 partition of all local data into B tasks and their losses, the body's
 state and batched embedding. :mod:`algorithms.pnicfl` builds the method's steps from them."""
 from __future__ import annotations
 
@@ -183,6 +184,57 @@ def episode_losses(body, x: torch.Tensor, episode: Episode, cluster=None, cluste
             zq_g = z[sel, n_s:].reshape(-1, z.shape[-1])
             yq_g = torch.arange(len(have), device=x.device).repeat_interleave(per - n_s)
             lg, _ = proto_loss(zq_g, yq_g, cluster[torch.as_tensor([ep[j] for j in have])].to(z.device))
+    return loss, acc, lg
+
+
+def partition_tasks(y: torch.Tensor, classes: list[int], n_tasks: int, rng: np.random.Generator) -> list[Episode]:
+    """The seed's Algorithm 2, line 1: all of D split into ``n_tasks`` (B) disjoint few-shot tasks, each sample in
+    exactly one. Each class's indices are shuffled and the classes' shuffled lists, one after the other, are dealt to
+    the tasks in turn (sample j of the concatenation to task j mod B), so the tasks differ in size by at most one and
+    each holds about 1/B of every class. Within a task, a class's first ceil(m/2) samples are its support, the rest
+    its queries (a class with one sample in the task is support only: a prototype among the candidates, no query).
+    [INFERRED: the seed states the partition, not how a task is split into support and query.]"""
+    yn = y.cpu().numpy()
+    order = np.concatenate([rng.permutation(np.flatnonzero(yn == c)) for c in classes])
+    task_of = np.arange(len(order)) % n_tasks
+    out = []
+    for t in range(n_tasks):
+        mine = order[task_of == t]
+        ep, sup, qry = [], [], []
+        for c in classes:
+            idx = mine[yn[mine] == c]
+            if len(idx):
+                k = (len(idx) + 1) // 2
+                ep.append(c)
+                sup.append(idx[:k])
+                qry.append(idx[k:])
+        out.append(Episode(ep, sup, qry))
+    return out
+
+
+def task_losses(body, x: torch.Tensor, task: Episode, cluster=None, cluster_mask=None):
+    """:func:`episode_losses` for a task whose classes have unequal support and query sizes (a part of
+    :func:`partition_tasks`): L_proto over the task's queries against its support prototypes (every class of the task
+    a candidate) and (PN-ICFL+) L_g against the cluster prototypes of the task's classes that have one. Returns
+    (L_proto, accuracy, L_g or None); None for all three when the task has no query."""
+    ep, sup, qry = task
+    if sum(len(q) for q in qry) == 0:
+        return None, None, None
+    idx = np.concatenate([np.concatenate([s, q]) for s, q in zip(sup, qry)])
+    z = body(x[torch.as_tensor(idx, device=x.device)])
+    starts = np.cumsum([0] + [len(s) + len(q) for s, q in zip(sup, qry)])
+    protos = torch.stack([z[a:a + len(s)].mean(0) for a, s in zip(starts, sup)])
+    zq_parts = [z[a + len(s):a + len(s) + len(q)] for a, s, q in zip(starts, sup, qry)]
+    zq = torch.cat(zq_parts)
+    yq = torch.cat([torch.full((len(q),), j, dtype=torch.int64) for j, q in enumerate(qry)]).to(x.device)
+    loss, acc = proto_loss(zq, yq, protos)
+    lg = None
+    if cluster is not None:
+        have = [j for j, c in enumerate(ep) if bool(cluster_mask[c])]  # candidates: the task's classes E holds
+        if sum(len(qry[j]) for j in have):
+            zq_g = torch.cat([zq_parts[j] for j in have])
+            yq_g = torch.cat([torch.full((len(qry[j]),), i, dtype=torch.int64) for i, j in enumerate(have)])
+            lg, _ = proto_loss(zq_g, yq_g.to(x.device), cluster[torch.as_tensor([ep[j] for j in have])].to(z.device))
     return loss, acc, lg
 
 

@@ -293,6 +293,30 @@ def test_pnicfl_finds_separable_domains_and_accounts_one_model(tiny):
     assert (rows(t, "pretrain_loss", "server")["round"] == -1).all()
 
 
+def test_pnicfl_partition_local_update_steps_over_all_of_d(tiny, monkeypatch):
+    import algorithms.pnicfl as pn
+
+    seen = []
+    real = pn.task_losses
+
+    def spy(body, x, task, cluster=None, cluster_mask=None):
+        seen.append((len(x), [int(i) for part in (task.support, task.query) for idx in part for i in idx]))
+        return real(body, x, task, cluster, cluster_mask)
+
+    monkeypatch.setattr(pn, "task_losses", spy)
+    res = run_experiment(pn_cfg(tiny, params={"local_update": "partition", "tasks_per_epoch": 3}, rounds=1,
+                                clients_per_round=2, train__local_epochs=2), write=False)
+    assert len(seen) == 2 * 2 * 3  # 2 users x E = 2 epochs x B = 3 tasks, one step each
+    for user in range(2):
+        calls = seen[user * 6:(user + 1) * 6]
+        first, second = calls[:3], calls[3:]
+        assert [c[1] for c in first] == [c[1] for c in second]  # one partition per local round, every epoch
+        assert sorted(i for c in first for i in c[1]) == list(range(calls[0][0]))  # all of D, each sample once
+    assert (rows(res.table, "train_loss")["value"] > 0).all()
+    with pytest.raises(ConfigError, match="local_update"):
+        run_experiment(pn_cfg(tiny, params={"local_update": "all"}), write=False)
+
+
 def test_pnicfl_plus_uses_lg_and_new_users_get_a_cluster(tiny):
     res = run_experiment(pn_cfg(tiny, "pnicfl_plus", {"lam": 0.5, "init": "kmeans++"}, rounds=1,
                                 clients_per_round=3), write=False)

@@ -161,6 +161,71 @@ def test_pnicfl_episode_losses_by_hand():
     assert episode_losses(nn.Identity(), x, (ep, sup, qry), cluster, torch.zeros(8, dtype=torch.bool))[2] is None
 
 
+class _NoShuffle:
+    """A generator stand-in whose permutation keeps the order, so the seed's Algorithm 2 partition is hand-computable."""
+
+    @staticmethod
+    def permutation(a):
+        return np.asarray(a)
+
+
+def test_pnicfl_partition_uses_every_sample_exactly_once_by_hand():
+    from algorithms.pnicfl_ops import partition_tasks
+
+    y = torch.tensor([0, 0, 0, 1, 1, 2, 0])
+    # classes one after the other: 0 -> [0, 1, 2, 6], 1 -> [3, 4], 2 -> [5]; dealt in turn to B = 2 tasks:
+    # [0, 1, 2, 6, 3, 4, 5] -> task 0: 0, 2, 3, 5; task 1: 1, 6, 4. Support: the first ceil(m/2) of each class.
+    t0, t1 = partition_tasks(y, [0, 1, 2], 2, _NoShuffle())
+    assert t0.classes == [0, 1, 2] and t1.classes == [0, 1]
+    assert [s.tolist() for s in t0.support] == [[0], [3], [5]] and [q.tolist() for q in t0.query] == [[2], [], []]
+    assert [s.tolist() for s in t1.support] == [[1], [4]] and [q.tolist() for q in t1.query] == [[6], []]
+    # any generator: every sample of D in exactly one task, as support or query; sizes differ by at most one
+    for seed in range(20):
+        r = np.random.default_rng(seed)
+        yy = torch.as_tensor(r.integers(0, 5, size=int(r.integers(10, 60))))
+        b = int(r.integers(1, 6))
+        tasks = partition_tasks(yy, sorted(torch.unique(yy).tolist()), b, r)
+        used = [int(i) for t in tasks for part in (t.support, t.query) for idx in part for i in idx]
+        assert sorted(used) == list(range(len(yy)))
+        sizes = [sum(len(s) + len(q) for s, q in zip(t.support, t.query)) for t in tasks]
+        assert len(tasks) == b and max(sizes) - min(sizes) <= 1
+        for t in tasks:
+            for c, s, q in zip(t.classes, t.support, t.query):
+                assert (yy[torch.as_tensor(np.concatenate([s, q]))] == c).all() and len(s) >= len(q)
+
+
+def test_pnicfl_task_losses_by_hand():
+    from algorithms.pnicfl_ops import episode_losses, task_losses
+
+    x = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 1.0],    # label 3: support rows 0, 1; query row 2
+                      [0.0, 4.0], [0.0, 2.0], [1.0, 0.5],    # label 7: support rows 3, 4; query row 5
+                      [5.0, 5.0]])                           # label 9: support row 6 only
+    ep, sup, qry = [3, 7], [np.array([0, 1]), np.array([3, 4])], [np.array([2]), np.array([5])]
+    # equal sizes: the episode form's value
+    same = task_losses(nn.Identity(), x, (ep, sup, qry))
+    ref = episode_losses(nn.Identity(), x, (ep, sup, qry))
+    assert float(same[0]) == pytest.approx(float(ref[0]), rel=1e-6) and float(same[1]) == float(ref[1])
+    # a support-only class is one more candidate: prototypes (1, 0), (0, 3), (5, 5); query (1, 1): d = (1, 5, 32);
+    # query (1, .5): d = (0.25, 7.25, 36.25)
+    l0 = 1 + math.log(math.exp(-1) + math.exp(-5) + math.exp(-32))
+    l1 = 7.25 + math.log(math.exp(-0.25) + math.exp(-7.25) + math.exp(-36.25))
+    task = ([3, 7, 9], sup + [np.array([6])], qry + [np.array([], dtype=np.int64)])
+    loss, acc, lg = task_losses(nn.Identity(), x, task)
+    assert float(loss) == pytest.approx((l0 + l1) / 2, rel=1e-6) and float(acc) == 0.5 and lg is None
+    # PN-ICFL+: E^3 = (0, 0), E^7 = (0, 2), E^9 = (4, 4) (all candidates); query (1, 1): d = (2, 2, 18),
+    # query (1, .5): d = (1.25, 3.25, 21.25)
+    cluster = torch.zeros(10, 2)
+    cluster[7], cluster[9] = torch.tensor([0.0, 2.0]), torch.tensor([4.0, 4.0])
+    mask = torch.zeros(10, dtype=torch.bool)
+    mask[[3, 7, 9]] = True
+    g0 = 2 + math.log(2 * math.exp(-2) + math.exp(-18))
+    g1 = 3.25 + math.log(math.exp(-1.25) + math.exp(-3.25) + math.exp(-21.25))
+    assert float(task_losses(nn.Identity(), x, task, cluster, mask)[2]) == pytest.approx((g0 + g1) / 2, rel=1e-6)
+    # a task without a query: no step
+    empty = ([9], [np.array([6])], [np.array([], dtype=np.int64)])
+    assert task_losses(nn.Identity(), x, empty) == (None, None, None)
+
+
 def test_pnicfl_lg_leaves_out_classes_without_a_cluster_prototype():
     from algorithms.pnicfl_ops import episode_losses
 
