@@ -725,8 +725,6 @@ def test_ten_million_nway_kshot_clients_are_refused_in_seconds_before_the_partit
     2 classes x 24 shots + 2 x 15 test samples, so the population's index data alone (held twice until built) needs
     ~18 GiB; refused with one line naming data.num_clients, exit 2, before any data is loaded (was: 116 s in the
     partitioner; the fixed estimate alone, 640 B a client, let it through)."""
-    import time
-
     from raysim.config import make_config
     from raysim.engine import prepare as prep
 
@@ -745,12 +743,10 @@ def test_ten_million_nway_kshot_clients_are_refused_in_seconds_before_the_partit
     prep._check_population_memory(make_config(c))
     c["data"]["partition_params"] = {"ways": "4"}  # not a number: left to the partitioner's own refusal
     assert prep.population_indices(make_config(c)) == (0, "")
-    t0 = time.monotonic()
     code = main(["run", str(ROOT / "configs" / "fedproto_mnist5k.yaml"), "--dry-run", "--set",
                  "data.num_clients=10000000", "--set", "backend.name=sequential"])
-    lines = one_line(capsys)
+    lines = one_line(capsys)  # refused before any data is built (building it is stubbed to fail above)
     assert code == 2 and len(lines) == 1 and "data.num_clients" in lines[0], lines
-    assert time.monotonic() - t0 < 30
 
 
 def test_a_thousand_tiny_actors_are_refused_against_memory_before_data_is_built(userdir, monkeypatch, capsys):
