@@ -334,11 +334,7 @@ for _cls in (Loop, Vectorized, GroupForm):
 
 
 def executor_chain(settings) -> tuple[Executor, ...]:
-    """The executors a runner with ``settings`` (``RunnerSettings``; a bool for ``vectorize`` alone) tries, in
-    registration order: the enabled ones, the per-client loop always last."""
-    if isinstance(settings, bool):
-        from types import SimpleNamespace
-
-        settings = SimpleNamespace(vectorize=settings)
+    """The executors a runner with ``settings`` (``RunnerSettings``) tries, in registration order: the enabled ones,
+    the per-client loop always last."""
     chain = tuple(cls() for cls in _REGISTRY if cls.enabled(settings))
     return chain if chain and isinstance(chain[-1], Loop) else chain + (Loop(),)
