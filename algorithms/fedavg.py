@@ -38,7 +38,7 @@ from algorithms.mutual_ops import domain_metrics, random_batch
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate, inert_switches
 from raysim.errors import ConfigError
-from raysim.messages import Message, payload_sizes, state_message
+from raysim.messages import Message, payload_sizes, rows_of, stacked_rows, state_message
 from raysim.ops import rebase_trees, weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import (accuracy, clone_state, forward_all, make_optimizer,
@@ -52,6 +52,11 @@ def sample_counts(uploads, ids) -> list[int]:
 
 def sample_count_tensor(uploads, ids) -> torch.Tensor:
     """n_i of each upload's ``num_samples`` message as one int64 tensor, in ``ids`` order (nothing read)."""
+    stacked = stacked_rows([uploads[i]["num_samples"].tensors for i in ids])
+    if stacked is not None:  # a vectorised group's counts, stacked: no per-upload work
+        rows, n = stacked[1], stacked[0]["n"]
+        n = n.reshape(n.shape[0], -1)[:, 0]
+        return n if rows == list(range(n.shape[0])) else n[torch.as_tensor(rows)]
     counts = [uploads[i]["num_samples"]["n"].reshape(-1)[:1] for i in ids]
     return torch.cat(counts) if len(counts) > 1 else counts[0]
 
@@ -228,10 +233,11 @@ class FedAvg(LocalTraining):
         return fedpu.make_view(data, self.task.num_classes, self.task.seed, self.params)
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        model.load_state_dict(payload["model"].tensors)
         view = self.pu_view(data)
-        # unlabelled samples carry UNLABELLED, not their label
-        return LocalStart(y=None if view is None else view.y_obs, aux={"view": view, "global": payload["model"].tensors})
+        # unlabelled samples carry UNLABELLED, not their label; the global weights are the start (loaded by the
+        # executor: LocalStart.weights)
+        return LocalStart(y=None if view is None else view.y_obs, aux={"view": view, "global": payload["model"].tensors},
+                          weights=payload["model"].tensors)
 
     def objective(self, start: LocalStart):
         view = start.aux["view"]
@@ -244,6 +250,15 @@ class FedAvg(LocalTraining):
         upload = {"model": state_message("weights", model.state_dict(keep_vars=True)),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
         return state, upload
+
+    def client_final_group(self, group):
+        """client_final for a vectorised group: every upload holds its row of the trained stacks (the group's uploads
+        stay stacked until the partial aggregate reduces them), the sample counts one stacked tensor."""
+        if type(self).client_final is not FedAvg.client_final:
+            return None  # a subclass sends something else
+        counts = torch.tensor([[d.num_train] for d in group.datas], dtype=torch.int64)
+        return [(state, {"model": Message("weights", w), "num_samples": Message("num_samples", n)})
+                for state, w, n in zip(group.states, rows_of(group.state_stacks()), rows_of({"n": counts}))]
 
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)

@@ -21,9 +21,10 @@ from algorithms import fedpu
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
-from raysim.messages import Message
-from raysim.ops import (aggregate_prototypes, class_prototypes, known_class_prototypes, moved_like, nearest_prototype,
-                        prototype_regulariser)
+from raysim.grouped import grouped_embeddings
+from raysim.messages import Message, rows_of
+from raysim.ops import (aggregate_prototypes, class_prototypes, group_class_prototypes, known_class_prototypes,
+                        moved_like, nearest_prototype, prototype_regulariser)
 from raysim.training import accuracy, clone_state, epoch_count, forward_all
 
 
@@ -172,7 +173,6 @@ class FedProto(LocalTraining):
         return loss_fn
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        model.load_state_dict(state["model"])
         protos, mask, known = self.unpack_shared(payload, model.embed_dim, data.y_train.device)
         pu = fedpu.make_view(data, self.task.num_classes, self.task.seed, self.params)
         aux = {"protos": protos, "mask": mask, "known": known, "pu": pu, "collect": None}
@@ -181,8 +181,9 @@ class FedProto(LocalTraining):
             # for all epochs: momentum carries on into the collecting epoch)
             cfg = self.task.train
             aux["collect"] = {"epoch": epoch_count(cfg, data.num_train, cfg.local_epochs) - 1, "z": [], "y": []}
-        # unlabelled samples carry UNLABELLED, not their label
-        return LocalStart(y=None if pu is None else pu.y_obs, aux=aux)
+        # unlabelled samples carry UNLABELLED, not their label; the client's own weights are the start (loaded by
+        # the executor: LocalStart.weights)
+        return LocalStart(y=None if pu is None else pu.y_obs, aux=aux, weights=state["model"])
 
     def objective(self, start: LocalStart):
         a = start.aux
@@ -219,6 +220,24 @@ class FedProto(LocalTraining):
         # the upload stays on the device until it leaves the runner (the server's rule reads it on the host)
         upload = {"protos": Message("prototypes", {"protos": local, "classes": classes, "counts": counts})}
         return {"model": clone_state(model)}, upload
+
+    def client_final_group(self, group):
+        """client_final for a vectorised group with data of one shape and a model with a grouped form: the new
+        states are rows of the trained stacks, the prototypes come from one grouped forward of every client's
+        training data and one index_add over all clients' classes (:func:`raysim.ops.group_class_prototypes`)."""
+        if type(self).client_final is not FedProto.client_final or any(
+                s.aux["collect"] is not None or s.aux["pu"] is not None for s in group.starts):
+            return None
+        xs, ys = [d.x_train for d in group.datas], [d.y_train for d in group.datas]
+        if len({(tuple(x.shape), x.device) for x in xs}) != 1 or len({tuple(y.shape) for y in ys}) != 1:
+            return None
+        out = grouped_embeddings(group.model, group.trained, torch.stack(xs))
+        if out is None:
+            return None
+        protos = group_class_prototypes(out[1], torch.stack(ys), [d.classes for d in group.datas],
+                                        self.task.num_classes)
+        return [({"model": w}, {"protos": Message("prototypes", {"protos": p, "classes": c, "counts": n})})
+                for w, (c, p, n) in zip(rows_of(group.state_stacks()), protos)]
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = self.live_model(ctx)

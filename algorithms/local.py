@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 from algorithms.mutual_ops import domain_metrics
 from raysim.algorithm import Context, LocalStart, LocalTraining
+from raysim.messages import rows_of
 from raysim.training import clone_state
 
 
@@ -32,8 +33,7 @@ class Local(LocalTraining):
         return {"model": clone_state(self.task.build_model(ctx.client_id))}
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        model.load_state_dict(state["model"])
-        return LocalStart()
+        return LocalStart(weights=state["model"])  # loaded by the executor (stacked for a vectorised group)
 
     def objective(self, start: LocalStart):
         return ce_loss
@@ -43,6 +43,12 @@ class Local(LocalTraining):
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
         return {"model": clone_state(model)}, {}
+
+    def client_final_group(self, group):
+        """A vectorised group's new states: each its row of the trained stacks (no copy per client)."""
+        if type(self).client_final is not Local.client_final:
+            return None
+        return [({"model": w}, {}) for w in rows_of(group.state_stacks())]
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

@@ -51,7 +51,7 @@ class Agg(Local):
         x = torch.cat([data.x_train, px[others]])
         y = torch.cat([data.y_train, py[others]])
         model = self.live_model(ctx)
-        start = self.client_init(model, payload, state, data, ctx)
+        start = self.begin(model, payload, state, data, ctx)
         cfg = self.task.train
         opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
         metrics, opt_state = local_sgd(model, self.objective(start), x, y, TrainOptions(

@@ -184,6 +184,36 @@ class LocalStart:
     x: Any = None  # None: data.x_train; else the inputs to train on (SlaugFL: the client's own data plus its one-off
     # synthetic augmentation, kept in the client's state and never sent anywhere)
     aux: dict = field(default_factory=dict)
+    # the weights the client starts from (name -> tensor: a state dict, or the parameters at least), loaded into the
+    # live model by whoever runs the step (:meth:`LocalTraining.begin`; the vectorised executor stacks a group's in
+    # one operation per parameter instead of loading each). None: client_init loaded the live model itself
+    weights: Any = None
+
+
+@dataclass(frozen=True)
+class TrainedGroup:
+    """Clients of one architecture that the vectorised executor trained together, as ``client_final_group`` sees
+    them: ``trained`` maps each parameter name to [K, ...] (client k's trained weights are row k); ``model`` is the
+    live module of their architecture (its own weights are not theirs); the rest are per client, in row order."""
+
+    model: Any
+    trained: dict
+    starts: list
+    payloads: list
+    states: list
+    datas: list
+    ctxs: list
+
+    def state_stacks(self) -> dict:
+        """The group's trained state dicts as stacks (name -> [K, ...], the live model's state-dict order): the
+        trained parameters, and each buffer copied once and repeated as a view (no layer of a vectorised model
+        updates its buffers)."""
+        k = next(iter(self.trained.values())).shape[0]
+        out = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            out[name] = self.trained[name] if name in self.trained else t.detach().clone().unsqueeze(0).expand(
+                k, *t.shape)
+        return out
 
 
 class Algorithm:
@@ -363,7 +393,11 @@ class LocalTraining(Algorithm):
     * ``objective(start) -> loss_fn(model, xb, yb, epoch) -> (loss, parts)``: the local objective, a pure function
       of the model's parameters, buffers and dropout generator, the batch, the local epoch (0-based) and the
       payload-derived ``start.aux``;
-    * ``client_final(model, start, payload, state, data, ctx) -> (new_state, upload)``.
+    * ``client_final(model, start, payload, state, data, ctx) -> (new_state, upload)``;
+    * optionally ``client_final_group(group) -> [(new_state, upload)]``, the batch form of ``client_final`` for a
+      group the vectorised executor trained together (:class:`TrainedGroup`): states and uploads may hold rows of the
+      stacks (:class:`raysim.messages.Rows`), so a group's uploads stay stacked until they are reduced. None (the
+      default): ``client_final`` per client.
 
     The per-client loop (:func:`raysim.training.local_sgd`) runs the steps with explicit generators (batch order
     ``"batches"``, dropout masks ``"dropout"``); with ``train.persist_optimizer`` the optimiser state (momentum) is
@@ -383,6 +417,18 @@ class LocalTraining(Algorithm):
     def client_final(self, model, start: LocalStart, payload, state, data, ctx: Context) -> tuple[Any, Payload]:
         raise TypeError(f"{type(self).__name__} does not define client_final")
 
+    def client_final_group(self, group: TrainedGroup) -> Optional[list]:
+        """The batch form of ``client_final`` (class docstring); None: ``client_final`` runs per client."""
+        return None
+
+    def begin(self, model, payload, state, data, ctx: Context) -> LocalStart:
+        """``client_init``, then the start's declared weights (``LocalStart.weights``) loaded into the live model:
+        what the per-client loop runs before the local steps."""
+        start = self.client_init(model, payload, state, data, ctx)
+        if start.weights is not None:
+            model.load_state_dict(start.weights)
+        return start
+
     def vectorizable(self, start: LocalStart) -> bool:
         """Opt-in to the vectorised executor (``backend.vectorize``): True promises that ``objective(start)`` depends
         only on what every client of the step shares (the broadcast payload), so that one loss function serves a
@@ -394,7 +440,7 @@ class LocalTraining(Algorithm):
         from raysim.training import TrainOptions, local_sgd
 
         model = self.live_model(ctx)
-        start = self.client_init(model, payload, state, data, ctx)
+        start = self.begin(model, payload, state, data, ctx)
         cfg = self.task.train
         opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
         y = data.y_train if start.y is None else start.y

@@ -190,6 +190,25 @@ def grouped_forward(model: nn.Module, params: dict, x: torch.Tensor, return_embe
     return _run(model, a, params, "", masks).stacked()
 
 
+def grouped_embeddings(model: nn.Module, params: dict, x: torch.Tensor, chunk: int = 4096) -> Optional[tuple]:
+    """(logits, embeddings), each [K, n, ...], of K clients' ``x`` [K, n, ...] under their ``params`` {name: [K, ...]}
+    in eval mode and without autograd (what :func:`raysim.training.forward_all` gives one client), in chunks of about
+    ``chunk`` samples; None where the model has no grouped form."""
+    if not isinstance(model, SplitModel) or not supported(model):
+        return None
+    k, n = int(x.shape[0]), int(x.shape[1])
+    step = max(1, chunk // max(1, k))
+    model.eval()
+    try:
+        with torch.no_grad():
+            outs = [grouped_forward(model, params, x[:, s:s + step], True, iter(())) for s in range(0, n, step)]
+    except Ineligible:
+        return None
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat([o[0] for o in outs], dim=1), torch.cat([o[1] for o in outs], dim=1)
+
+
 def stacked_grads(total: torch.Tensor, leaves: dict) -> dict:
     """{name: [K, ...]} gradients of ``total`` (the sum of the K clients' losses) with respect to the stacked
     ``leaves``: client k's loss depends only on slice k, so slice k of each gradient is client k's own gradient (zeros

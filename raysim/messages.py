@@ -7,9 +7,71 @@ exactly what crosses the (simulated) wire. A :data:`Payload` is a dict of named 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Iterator, Mapping, Optional, Sequence
 
 import torch
+
+
+class Rows(Mapping):
+    """Row ``row`` of a group's stacked tensors (``stacks``: name -> [K, ...]) as a mapping name -> tensor: what the
+    vectorised executor's uploads and states hold, so that a group's uploads stay stacked until they are reduced (a
+    partial aggregate of rows of one stack is one reduction: :func:`stacked_rows`, :func:`raysim.ops.
+    weighted_average_states`). Reading an entry gives a view of its row; nothing is copied. Pickled (a transport, a
+    spilled or checkpointed state) or deep-copied as a plain dict of its own rows' copies, never the whole stack.
+    The stacks must not change after the rows are handed out (the executor's trained parameters do not)."""
+
+    __slots__ = ("stacks", "row")
+
+    def __init__(self, stacks: Mapping[str, torch.Tensor], row: int):
+        self.stacks, self.row = stacks, int(row)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.stacks[name][self.row]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.stacks)
+
+    def __len__(self) -> int:
+        return len(self.stacks)
+
+    def __contains__(self, name) -> bool:
+        return name in self.stacks
+
+    def entries(self) -> Iterator[tuple[int, int, bool]]:
+        """(numel, element size, is floating) of each entry, from the stacks (no view made)."""
+        for t in self.stacks.values():
+            yield t.numel() // max(1, t.shape[0]), t.element_size(), t.is_floating_point()
+
+    def __reduce__(self):
+        return dict, ({k: v[self.row].clone() for k, v in self.stacks.items()},)
+
+    def __repr__(self) -> str:
+        return f"Rows(row {self.row} of {len(self.stacks)} stacks)"
+
+
+def rows_of(stacks: Mapping[str, torch.Tensor]) -> list[Rows]:
+    """Every row of ``stacks`` (name -> [K, ...]) as a :class:`Rows` mapping, in row order."""
+    k = next(iter(stacks.values())).shape[0] if stacks else 0
+    return [Rows(stacks, j) for j in range(k)]
+
+
+def stacked_rows(mappings: Sequence[Mapping]) -> Optional[tuple[Mapping[str, torch.Tensor], list[int]]]:
+    """(the stacks, the row of each mapping) when every mapping is a :class:`Rows` of one and the same stacks, else
+    None: the caller then reduces the rows of the stacks in one operation instead of one per mapping."""
+    if not mappings or not all(isinstance(m, Rows) for m in mappings):
+        return None
+    stacks = mappings[0].stacks
+    if any(m.stacks is not stacks for m in mappings):
+        return None
+    return stacks, [m.row for m in mappings]
+
+
+def _entries(tensors: Mapping) -> Iterator[tuple[int, int, bool]]:
+    if isinstance(tensors, Rows):
+        yield from tensors.entries()
+        return
+    for t in tensors.values():
+        yield t.numel(), t.element_size(), t.is_floating_point()
 
 
 @dataclass(frozen=True)
@@ -19,17 +81,21 @@ class Message:
     meta: Mapping[str, object] = field(default_factory=dict)  # small scalars (ints, strings), not accounted
 
     def __post_init__(self):
-        for name, t in self.tensors.items():
+        if isinstance(self.tensors, Rows):  # rows of stacked tensors: the stacks are checked, no row is read
+            items = self.tensors.stacks.items()
+        else:
+            items = self.tensors.items()
+        for name, t in items:
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"message {self.kind!r}: entry {name!r} is {type(t).__name__}, expected a torch.Tensor")
 
     @property
     def num_floats(self) -> int:
-        return sum(t.numel() for t in self.tensors.values() if t.is_floating_point())
+        return sum(n for n, _, fp in _entries(self.tensors) if fp)
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return sum(n * size for n, size, _ in _entries(self.tensors))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -57,6 +123,8 @@ def tensor_bytes(obj) -> int:
         return obj.numel() * obj.element_size()
     if isinstance(obj, Message):
         return obj.num_bytes
+    if isinstance(obj, Rows):
+        return sum(n * size for n, size, _ in obj.entries())
     if isinstance(obj, Mapping):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
@@ -83,7 +151,8 @@ def payload_to(payload, device):
 
     def moved(obj):
         if isinstance(obj, Message):
-            return obj if all(t.device == device for t in obj.tensors.values()) else obj.to(device)
+            ts = obj.tensors.stacks if isinstance(obj.tensors, Rows) else obj.tensors
+            return obj if all(t.device == device for t in ts.values()) else obj.to(device)
         if isinstance(obj, Mapping):
             new = {k: moved(v) for k, v in obj.items()}
             return obj if all(new[k] is obj[k] for k in obj) else new

@@ -5,6 +5,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from raysim.messages import stacked_rows
+
 
 def weighted_average_states(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict:
     """sum_i w_i * state_i / sum_i w_i for floating tensors; integer buffers are taken from the first state.
@@ -25,6 +27,9 @@ def weighted_average_states(states: Sequence[Mapping[str, torch.Tensor]], weight
             raise ValueError("weights must sum to a positive number")
         w = torch.as_tensor(values, dtype=torch.float64)
     w = (w / w.sum()).tolist()  # the normalised weights (a host tensor's values: no device read)
+    stacked = stacked_rows(states)
+    if stacked is not None:  # rows of one group's stacks (the vectorised executor's uploads): no per-state work
+        return _weighted_stacks(*stacked, w)
     out = {k: v0.clone() for k, v0 in states[0].items() if not v0.is_floating_point()}
     groups: dict = {}
     for k, v0 in states[0].items():
@@ -74,6 +79,47 @@ def _weighted_rows(states: Sequence[Sequence[torch.Tensor]], w: list) -> torch.T
     return acc
 
 
+def _weighted_stacks(stacks: Mapping[str, torch.Tensor], rows: list, w: list) -> dict:
+    """weighted_average_states over rows ``rows`` of ``stacks`` (name -> [K, ...]): the same float64 products, summed
+    in the same order from 0 (a sequential scan down the rows: ((0 + p_0) + p_1) + ..., what the loop's in-place
+    adds compute, bit for bit), in a few operations per dtype whatever the number of rows."""
+    first = next(iter(stacks.values()))
+    k = len(rows)
+    take = None if rows == list(range(first.shape[0])) else torch.as_tensor(rows, device=first.device)
+    out = {n: s[rows[0]].clone() for n, s in stacks.items() if not s.is_floating_point()}
+    groups: dict = {}
+    for n, s in stacks.items():
+        if s.is_floating_point():
+            groups.setdefault((s.dtype, s.device), []).append(n)
+    for (dtype, _), names in groups.items():
+        parts = [stacks[n].reshape(stacks[n].shape[0], -1) for n in names]
+        if take is not None:
+            parts = [p.index_select(0, take) for p in parts]
+        sizes = [p.shape[1] for p in parts]
+        if sum(sizes) > _STACK_LIMIT:  # a large model: one tensor at a time (bounded extra memory)
+            for n, p in zip(names, parts):
+                out[n] = _scan_rows(p, w).to(dtype).view(stacks[n].shape[1:])
+            continue
+        flat = _scan_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], w).to(dtype)
+        for n, part in zip(names, flat.split(sizes)):
+            out[n] = part.view(stacks[n].shape[1:])
+    assert k == len(w)
+    return {n: out[n] for n in stacks}
+
+
+def _scan_rows(rows: torch.Tensor, w: list) -> torch.Tensor:
+    """sum_i w[i] * rows[i] in float64 summed in order from 0 (docstring of _weighted_stacks): chunks of rows scaled
+    at once, each chunk scanned down its rows after the running sum (at most ~32 MB of float64 at a time)."""
+    k, numel = rows.shape
+    chunk = max(1, (32 << 20) // max(1, 8 * numel))
+    ws = torch.tensor(w, dtype=torch.float64).to(rows.device).unsqueeze(1)
+    acc = rows.new_zeros((1, numel), dtype=torch.float64)
+    for start in range(0, k, chunk):
+        part = rows[start:start + chunk].to(torch.float64, copy=True).mul_(ws[start:start + chunk])
+        acc = torch.cat([acc, part]).cumsum(0)[-1:]
+    return acc[0]
+
+
 def class_prototypes(z: torch.Tensor, y: torch.Tensor, num_classes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-class mean embeddings. Returns (classes present, their prototypes |present| x d, counts)."""
     counts = torch.bincount(y, minlength=num_classes)
@@ -99,6 +145,24 @@ def known_class_prototypes(z: torch.Tensor, y: torch.Tensor, classes: Sequence[i
     return present, (sums / counts.unsqueeze(1).to(z.dtype))[present], counts[present]
 
 
+def group_class_prototypes(z: torch.Tensor, y: torch.Tensor, classes: Sequence[Sequence[int]],
+                           num_classes: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """:func:`known_class_prototypes` of K clients at once: ``z`` [K, n, d], ``y`` [K, n], ``classes`` each client's
+    sorted classes present (known on the host). Per client (classes, prototypes, counts), views of three tensors: the
+    sums of client k's rows in the same order as its own (one index_add over K x C rows), in a few operations for the
+    whole group."""
+    k, n, d = z.shape
+    key = (y + num_classes * torch.arange(k, device=y.device).unsqueeze(1)).reshape(-1)
+    sums = torch.zeros(k * num_classes, d, dtype=z.dtype, device=z.device).index_add_(0, key, z.reshape(-1, d))
+    counts = torch.zeros(k * num_classes, dtype=torch.int64, device=z.device).index_add_(0, key, torch.ones_like(key))
+    flat = [c for i, cs in enumerate(classes) for c in (num_classes * i + int(x) for x in cs)]
+    rows = torch.as_tensor(flat, dtype=torch.int64).to(z.device)
+    present = torch.as_tensor([int(x) for cs in classes for x in cs], dtype=torch.int64).to(z.device)
+    means = (sums / counts.unsqueeze(1).to(z.dtype))[rows]
+    sizes = [len(cs) for cs in classes]
+    return list(zip(present.split(sizes), means.split(sizes), counts[rows].split(sizes)))
+
+
 def aggregate_prototypes(uploads: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], num_classes: int, dim: int,
                          mode: str = "weighted") -> tuple[torch.Tensor, torch.Tensor]:
     """Global prototypes from (classes, prototypes, counts) uploads.
@@ -108,11 +172,16 @@ def aggregate_prototypes(uploads: Sequence[tuple[torch.Tensor, torch.Tensor, tor
     dev = uploads[0][1].device if uploads else torch.device("cpu")  # where the uploads are (nothing read back)
     num = torch.zeros(num_classes, dim, dtype=torch.float64, device=dev)
     den = torch.zeros(num_classes, dtype=torch.float64, device=dev)
-    for classes, protos, counts in uploads:
-        w = (counts.to(dev, torch.float64) if mode == "weighted" else
-             torch.ones(len(classes), dtype=torch.float64, device=dev))
+    # a CPU index_add_ adds the rows in index order, so all uploads in one call (concatenated in order) give the
+    # per-upload sums bit for bit; elsewhere (CUDA: atomics, or a sorted deterministic order) one call per upload
+    parts = [uploads] if dev.type == "cpu" and len(uploads) > 1 else [[u] for u in uploads]
+    for part in parts:
+        classes = torch.cat([u[0] for u in part]) if len(part) > 1 else part[0][0]
+        protos = torch.cat([u[1].detach() for u in part]) if len(part) > 1 else part[0][1].detach()
+        w = (torch.cat([u[2] for u in part]).to(dev, torch.float64) if len(part) > 1 else part[0][2].to(dev, torch.float64)
+             ) if mode == "weighted" else torch.ones(len(classes), dtype=torch.float64, device=dev)
         c = classes.to(dev)
-        num.index_add_(0, c, protos.detach().to(dev, torch.float64) * w.unsqueeze(1))
+        num.index_add_(0, c, protos.to(dev, torch.float64) * w.unsqueeze(1))
         den.index_add_(0, c, w)
     mask = den > 0
     out = torch.where(mask.unsqueeze(1), num / den.clamp_min(1e-300).unsqueeze(1), 0.0).to(torch.float32)

@@ -58,6 +58,30 @@ def test_vectorised_equals_loop_within_tolerance(algo):
     assert loop[loop.metric == "train_loss"].shape[0] > 0
 
 
+@pytest.mark.parametrize("algo", ["fedavg", "local", "fedproto", "fedtgp"])
+def test_batch_native_final_equals_loop_within_tolerance(algo, monkeypatch):
+    """Clients of one data size: the group's final step runs in its batch form (``client_final_group``: uploads and
+    states as rows of the trained stacks, FedProto's prototypes from one grouped forward), checked by a spy, and
+    the table is the loop's within the stated tolerance."""
+    from algorithms import fedavg, fedproto, local
+
+    data = {"dataset": "mnist5k", "num_clients": 5, "partition": "iid",
+            "partition_params": {"samples_per_client": 12, "test_per_client": 6}}
+    owner = {"fedavg": fedavg.FedAvg, "local": local.Local, "fedproto": fedproto.FedProto,
+             "fedtgp": fedproto.FedProto}[algo]
+    batch_form, calls = owner.client_final_group, []
+
+    def spy(self, group):
+        out = batch_form(self, group)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(owner, "client_final_group", spy)
+    vec = table(cfg(algo, data=data))
+    assert calls and all(calls), calls
+    close(table(cfg(algo, vectorize=False, data=data)), vec)
+
+
 def test_dropout_on_masks_are_the_loops():
     # cnn_mnist's head dropout and Dropout2d at 0.5: each client's masks are drawn from its own generator in the
     # loop's order, so even with dropout the numbers agree within tolerance, and a vectorised run is deterministic

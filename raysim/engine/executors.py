@@ -26,9 +26,9 @@ from typing import Optional
 import torch
 
 from raysim import rng as rngmod
-from raysim.algorithm import ClientUpdate, LocalTraining
+from raysim.algorithm import ClientUpdate, LocalTraining, TrainedGroup
 from raysim.engine.reports import ClientReport, step_purpose, step_token
-from raysim.engine.vectorized import Member, check_model, vmap_local_sgd
+from raysim.engine.vectorized import Member, check_model, train_group
 from raysim.errors import DamagedFileError
 from raysim.messages import payload_sizes
 from raysim.steps import ClientStep
@@ -256,8 +256,11 @@ class Vectorized(Executor):
         start = alg.client_init(model, down, state, data, ctx)
         if alg.vectorizable(start):
             check_model(model)
-            with torch.no_grad():  # the client's starting weights (the live model is reloaded for the next client)
-                params = {n: p.clone() for n, p in model.named_parameters()}
+            if start.weights is not None:  # declared, not loaded: the group stacks them in one op per parameter
+                params = start.weights
+            else:
+                with torch.no_grad():  # the client's starting weights (the live model is reloaded for the next one)
+                    params = {n: p.clone() for n, p in model.named_parameters()}
             opt_state = (state or {}).get("opt") if run.train.persist_optimizer else None
             g.pending[cid] = _Pending(ctx, down, state, data, start, params, opt_state)
             g.groups.setdefault(id(model), (model, []))[1].append(cid)
@@ -275,18 +278,38 @@ class Vectorized(Executor):
             members = [Member(it.params, it.data.x_train if it.start.x is None else it.start.x,
                               it.data.y_train if it.start.y is None else it.start.y, it.ctx.generator("batches"),
                               it.ctx.generator("dropout", device=it.ctx.device), it.opt_state) for it in items]
-            trained, metrics, opt_states = vmap_local_sgd(model, alg.objective(items[0].start), members, cfg)
+            trained, metrics, opt_states = train_group(model, alg.objective(items[0].start), members, cfg)
         except Exception as e:  # the batched computation failed: every client in it failed with the error
             for c in cids:
                 run.fail(c, e)
             return
         share = (time.perf_counter() - t0) / len(cids)
+        finals = None
+        if not any(it.start.weights is None for it in items):  # else the live model holds the last client's start
+            try:
+                finals = alg.client_final_group(TrainedGroup(
+                    model, trained, [it.start for it in items], [it.down for it in items], [it.state for it in items],
+                    [it.data for it in items], [it.ctx for it in items]))
+            except Exception as e:  # the batch form failed: client_final runs per client (each fails on its own)
+                warnings.warn(f"{type(alg).__name__}.client_final_group failed ({type(e).__name__}: {e}); its "
+                              f"clients run client_final one by one", RuntimeWarning, stacklevel=2)
+                finals = None
+        if finals is not None:
+            for j, (c, (new_state, upload)) in enumerate(zip(cids, finals)):
+                try:
+                    if cfg.persist_optimizer:
+                        new_state = {**(new_state or {}), "opt": opt_states[j]}
+                    run.finish(c, ClientUpdate(new_state, upload, metrics[j]))
+                except Exception as e:
+                    run.fail(c, e)
+                run.report(c).seconds += share
+            return
         for j, (c, it) in enumerate(zip(cids, items)):
             t1 = time.perf_counter()
             try:
                 with torch.no_grad():
                     for n, p in model.named_parameters():
-                        p.copy_(trained[j][n])
+                        p.copy_(trained[n][j])
                 new_state, upload = alg.client_final(model, it.start, it.down, it.state, it.data, it.ctx)
                 if cfg.persist_optimizer:
                     new_state = {**(new_state or {}), "opt": opt_states[j]}

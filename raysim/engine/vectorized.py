@@ -47,8 +47,9 @@ from raysim import grouped as _grouped
 from raysim.errors import ConfigError
 from raysim.grouped import StackedOptimizer
 from raysim.layers import _MASKS
+from raysim.messages import stacked_rows
 from raysim.models import dropout_masks_of, replay_masks
-from raysim.training import accumulate_metric, minibatches
+from raysim.training import accumulate_metric
 
 
 def check_model(model: nn.Module, arch: str = "") -> None:
@@ -114,7 +115,27 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], c
     ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained parameters,
     ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client. ``grouped``: use
     grouped execution (:mod:`raysim.grouped`) where the model and the objective allow it, else ``vmap`` throughout."""
+    stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped).run()
+    return [{n: t[i] for n, t in stacks.items()} for i in range(len(members))], metrics, opt
+
+
+def train_group(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
+                grouped: bool = True) -> tuple[dict, list[dict], list[dict]]:
+    """:func:`vmap_local_sgd` with the trained parameters as stacks (name -> [K, ...], in the model's parameter
+    order; client i's are row i): what the vectorised executor hands to a method's ``client_final_group``."""
     return _GroupTraining(model, loss_fn, members, cfg, grouped).run()
+
+
+def _stack(params: list, name: str, like: torch.Tensor, rows_of_one) -> torch.Tensor:
+    """The clients' starting values of parameter ``name`` as one new [K, ...] tensor on ``like``'s device and dtype
+    (``rows_of_one``: (stacks, rows) when every client's start is a row of one earlier stack, taken in one op)."""
+    if rows_of_one is not None:
+        stacks, rows = rows_of_one
+        base = stacks[name]
+        t = base.clone() if rows == list(range(base.shape[0])) else base[torch.as_tensor(rows, device=base.device)]
+    else:
+        t = torch.stack([_const(p[name]).to(like.device) for p in params])
+    return t.to(device=like.device, dtype=like.dtype)
 
 
 class _GroupTraining:
@@ -124,22 +145,33 @@ class _GroupTraining:
         params = [m.params for m in members]
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head): no step
         self.names = [n for n in params[0] if n in trainable]
-        self.stacked = {n: torch.stack([_const(p[n]) for p in params]) for n in self.names}  # stack: a new tensor
-        self.frozen = {n: torch.stack([_const(p[n]) for p in params]) for n in params[0] if n not in trainable}
+        live = dict(model.named_parameters())
+        self.order = [n for n in live if n in params[0]]
+        # each a new tensor (the optimiser updates it in place)
+        one = stacked_rows(params)
+        self.stacked = {n: _stack(params, n, live[n], one) for n in self.names}
+        self.frozen = {n: _stack(params, n, live[n], one) for n in self.order if n not in trainable}
         self.buffers = {n: b for n, b in model.named_buffers()}
         self.opt = StackedOptimizer(cfg, self.stacked, [m.opt_state for m in members], cfg.lr)
         # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm
         # per epoch)
-        self.plans = [[(e, idx) for e in range(cfg.local_epochs)
-                       for idx in minibatches(int(m.y.shape[0]), cfg.batch_size, m.batches)] for m in members]
+        sizes, bs = [int(m.y.shape[0]) for m in members], cfg.batch_size
+        # (epoch, first, end) of each client's batches; their indices are slices of the client's permutation of the
+        # epoch, drawn from its own generator exactly as the loop draws them (one randperm per epoch, in epoch order)
+        self.plans = [[(e, lo, min(lo + bs, n)) for e in range(cfg.local_epochs) for lo in range(0, n, bs)]
+                      for n in sizes]
+        self.perms = [[None] * cfg.local_epochs for _ in members]
+        for e in range(cfg.local_epochs):
+            for i, m in enumerate(members):
+                self.perms[i][e] = torch.randperm(sizes[i], generator=m.batches)
         # clients with data of one shape (the usual case): their data stacked once, each step's batches gathered for
         # all of them in one indexing op; each step's losses kept as one vector (per-client sums at the end)
         self.uniform = self.k > 1 and len({(tuple(m.x.shape), tuple(m.y.shape), m.x.device) for m in members}) == 1
         if self.uniform:
             self.xs, self.ys = torch.stack([m.x for m in members]), torch.stack([m.y for m in members])
             self.ar = torch.arange(self.k, device=self.xs.device).unsqueeze(1)
-            self.idx = [torch.stack([p[s][1] for p in self.plans]).to(self.xs.device)
-                        for s in range(len(self.plans[0]))]
+            every = [torch.stack([p[e] for p in self.perms]) for e in range(cfg.local_epochs)]  # [K, n] an epoch
+            self.idx = [every[e][:, lo:hi].to(self.xs.device) for e, lo, hi in self.plans[0]]
         self.step_values: list = []  # uniform groups: per step, (loss vector, {part: vector}) of every client
         self.probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws
         self.calls: dict[tuple, Optional[list]] = {}  # (batch size, epoch) -> the objective's model calls (None: vmap)
@@ -147,6 +179,11 @@ class _GroupTraining:
         self.grad_fn = torch.func.vmap(torch.func.grad(self._one, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
         self.totals: list[dict] = [{} for _ in range(self.k)]
         self.counts = [0] * self.k
+
+    def _idx(self, i: int, s: int) -> torch.Tensor:
+        """Client ``i``'s batch indices at its step ``s``."""
+        e, lo, hi = self.plans[i][s]
+        return self.perms[i][e][lo:hi]
 
     def probe(self, b: int, epoch: int, i: int) -> list:
         """The dropout masks (shape, dtype, p) one forward of batch size ``b`` draws, and the objective's model
@@ -157,7 +194,7 @@ class _GroupTraining:
 
         fm = _FunctionalModel(self.model, {**{n: self.stacked[n][i] for n in self.names},
                                            **{n: t[i] for n, t in self.frozen.items()}}, self.buffers)
-        first = self.plans[i][0][1][:b]
+        first = self._idx(i, 0)[:b]
         x0, y0 = self.members[i].x[first], self.members[i].y[first]
         with torch.no_grad():  # the clients' own streams are untouched
             set_dropout_generator(self.model, torch.Generator(device=x0.device))
@@ -203,8 +240,8 @@ class _GroupTraining:
         by_size: dict[tuple, list[int]] = {}
         for i in range(self.k):
             if s < len(self.plans[i]):
-                e, idx = self.plans[i][s]
-                by_size.setdefault((int(idx.numel()), e), []).append(i)
+                e, lo, hi = self.plans[i][s]
+                by_size.setdefault((hi - lo, e), []).append(i)
         for (b, e), group in by_size.items():
             self._group_step(s, b, e, group)
 
@@ -215,8 +252,8 @@ class _GroupTraining:
         if self.uniform and whole:  # every client's batch of this step in one gather
             xb, yb = self.xs[self.ar, self.idx[s]], self.ys[self.ar, self.idx[s]]
         else:
-            xb = torch.stack([m.x[self.plans[i][s][1].to(m.x.device)] for i, m in zip(group, ms)])
-            yb = torch.stack([m.y[self.plans[i][s][1].to(m.y.device)] for i, m in zip(group, ms)])
+            xb = torch.stack([m.x[self._idx(i, s).to(m.x.device)] for i, m in zip(group, ms)])
+            yb = torch.stack([m.y[self._idx(i, s).to(m.y.device)] for i, m in zip(group, ms)])
         masks = [torch.stack([torch.empty(shape, device=xb.device, dtype=dt).bernoulli_(1.0 - p, generator=m.dropout)
                               for m in ms]) for shape, dt, p in spec]
         rows = torch.as_tensor(group, device=xb.device)  # indexes the stacked tensors and optimiser state
@@ -250,6 +287,8 @@ class _GroupTraining:
             raise ValueError("an objective's parts changed between steps")
         table = torch.stack([torch.stack([loss] + [parts[k] for k in keys[1:]]) for loss, parts in self.step_values])
         sums = table.to(torch.float64).cumsum(0)[-1]  # [metrics, K]
+        if not any(self.totals) and not any(self.counts):  # the usual case, every step whole: the means at once
+            self.means = (keys, sums / len(self.step_values), len(self.step_values))
         for m, key in enumerate(keys):
             for i, v in enumerate(sums[m].unbind()):
                 self.totals[i][key] = self.totals[i][key] + v if key in self.totals[i] else v
@@ -257,16 +296,23 @@ class _GroupTraining:
             self.counts[i] += len(self.step_values)
         self.step_values = []
 
+    def _metrics(self) -> list[dict]:
+        """Each client's ``train_*`` means (0-dim tensors: the runner reads them once per step)."""
+        means = getattr(self, "means", None)
+        if means is not None and all(c == means[2] for c in self.counts):  # the means of one flush: no op a client
+            keys, table, _ = means
+            cols = [row.unbind() for row in table.unbind()]
+            return [{f"train_{key}": cols[m][i] for m, key in enumerate(keys)} for i in range(self.k)]
+        return [{f"train_{key}": v / max(self.counts[i], 1) for key, v in self.totals[i].items()}
+                for i in range(self.k)]
+
     def run(self) -> tuple[list[dict], list[dict], list[dict]]:
         self.model.train()
         for s in range(max((len(p) for p in self.plans), default=0)):
             self.step(s)
         self._flush_steps()
-        # each client's trained parameters as views of the stacks (nothing writes to them after the last step)
-        trained = [{**{n: self.stacked[n][i] for n in self.names},
-                    **{n: t[i] for n, t in self.frozen.items()}} for i in range(self.k)]
-        metrics = [{f"train_{key}": v / max(self.counts[i], 1) for key, v in self.totals[i].items()}
-                   for i in range(self.k)]  # 0-dim tensors (or floats): the runner reads them once per step
+        # the trained parameters, stacked (nothing writes to them after the last step), in the model's order
+        stacks = {n: self.stacked[n] if n in self.stacked else self.frozen[n] for n in self.order}
         opt = ([self.opt.state_of(i, self.names) for i in range(self.k)] if self.cfg.persist_optimizer
                else [{} for _ in range(self.k)])
-        return trained, metrics, opt
+        return stacks, self._metrics(), opt

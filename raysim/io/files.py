@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from raysim.messages import Rows
+
 from raysim.io.resume_points import damaged_hint
 
 
@@ -65,7 +67,7 @@ def _encode(obj, bufs: list, pos: list):
         return {"f": repr(obj)}
     if isinstance(obj, str):
         return {"s": obj}
-    if type(obj) is dict:
+    if type(obj) is dict or isinstance(obj, Rows):  # Rows: a client's row of a vectorised group's stacks
         items = []
         for k, v in obj.items():
             if type(k) not in (str, int):
