@@ -72,20 +72,21 @@ def train_generator(gen: PrototypeGenerator, feats: torch.Tensor, labels: torch.
     opt = make_optimizer(gen.parameters(), OptimizerSpec("sgd", sgd.lr))
     all_classes = torch.arange(gen.embedding.num_embeddings, device=feats.device)
     gen.train()
-    history = []
+    history = []  # per epoch, the mean loss as a float64 0-dim tensor on the device: read once at the end
+    zero = torch.zeros((), dtype=torch.float64, device=feats.device)
     for _ in range(epochs):
         perm = torch.randperm(len(labels), generator=rng).to(feats.device)
-        total, steps = 0.0, 0
+        total, steps = zero, 0
         for s in range(0, len(labels), batch_size):
             idx = perm[s:s + batch_size]
             opt.zero_grad(set_to_none=True)
             loss = tgp_contrastive_loss(feats[idx], labels[idx], gen(all_classes), delta)
             loss.backward()
             opt.step()
-            total += float(loss.detach())
+            total = total + loss.detach().to(torch.float64)  # the float64 sum the host's float() sum made
             steps += 1
         history.append(total / max(steps, 1))
-    return history
+    return [float(v) for v in torch.stack(history).tolist()] if history else []
 
 
 class FedTGP(FedProto):

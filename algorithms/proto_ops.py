@@ -55,7 +55,9 @@ def tgp_contrastive_loss(feats: torch.Tensor, labels: torch.Tensor, global_proto
 
     with phi the Euclidean distance; i.e. cross-entropy on the logits -(distance + delta * onehot(y))."""
     dist = pairwise_distances(feats, global_protos)
-    logits = -(dist + delta * F.one_hot(labels, global_protos.shape[0]).to(dist.dtype))
+    # the one-hot of y as a comparison (F.one_hot checks the labels' range: host reads at every server step)
+    onehot = (labels.unsqueeze(1) == torch.arange(global_protos.shape[0], device=labels.device)).to(dist.dtype)
+    logits = -(dist + delta * onehot)
     return F.cross_entropy(logits, labels)
 
 
