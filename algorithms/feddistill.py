@@ -18,7 +18,7 @@ from algorithms.proto_ops import class_mean_logits, distill_loss
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive
 from raysim.messages import Message
-from raysim.training import TrainOptions, accuracy, clone_state, forward_all, train_epochs
+from raysim.training import clone_state, device_accuracy, forward_all, train_epochs, TrainOptions
 
 
 class FedDistill(Algorithm):
@@ -108,4 +108,4 @@ class FedDistill(Algorithm):
         model = ctx.model()
         model.load_state_dict(state["model"])
         logits, _ = forward_all(model, data.x_test)
-        return {"test_acc": accuracy(logits.argmax(1), data.y_test)}
+        return {"test_acc": device_accuracy(logits.argmax(1), data.y_test)}

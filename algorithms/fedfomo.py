@@ -31,7 +31,7 @@ from raysim.config import positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
-from raysim.training import TrainOptions, accuracy, clone_state, forward_all, train_epochs
+from raysim.training import clone_state, device_accuracy, forward_all, train_epochs, TrainOptions
 
 
 def fomo_weights(old_loss: float, peer_losses: list[float], distances: list[float]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,4 +139,4 @@ class FedFomo(Algorithm):
         model = ctx.model()
         model.load_state_dict(state["model"])
         logits, _ = forward_all(model, data.x_test)
-        return {"test_acc": accuracy(logits.argmax(1), data.y_test)}
+        return {"test_acc": device_accuracy(logits.argmax(1), data.y_test)}

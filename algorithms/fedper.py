@@ -24,7 +24,7 @@ from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
-from raysim.training import accuracy, clone_state, forward_all
+from raysim.training import clone_state, device_accuracy, forward_all
 
 
 class SharedPartAverage(LocalTraining):
@@ -99,7 +99,7 @@ class SharedPartAverage(LocalTraining):
         model = ctx.model()
         self.load(model, payload, state)
         logits, _ = forward_all(model, data.x_test)
-        return {"test_acc": accuracy(logits.argmax(1), data.y_test)}
+        return {"test_acc": device_accuracy(logits.argmax(1), data.y_test)}
 
 
 def conv_keys(model: nn.Module) -> list[str]:

@@ -25,7 +25,7 @@ from raysim.grouped import grouped_embeddings
 from raysim.messages import Message, rows_of
 from raysim.ops import (aggregate_prototypes, class_prototypes, group_class_prototypes, known_class_prototypes,
                         moved_like, nearest_prototype, prototype_regulariser)
-from raysim.training import accuracy, clone_state, epoch_count, forward_all
+from raysim.training import clone_state, device_accuracy, epoch_count, forward_all
 
 
 class FedProto(LocalTraining):
@@ -243,7 +243,7 @@ class FedProto(LocalTraining):
         model = self.live_model(ctx)
         model.load_state_dict(state["model"])
         logits, z = forward_all(model, data.x_test)
-        out = {"test_acc": accuracy(logits.argmax(1), data.y_test)}
+        out = {"test_acc": device_accuracy(logits.argmax(1), data.y_test)}
         protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, z.device)
         cand = mask.clone()
         if self.params.restrict_local_classes:
@@ -251,5 +251,5 @@ class FedProto(LocalTraining):
             local[torch.as_tensor(data.classes, device=mask.device)] = True
             cand &= local
         if bool(cand.any()):
-            out["test_acc_proto"] = accuracy(nearest_prototype(z, protos, cand), data.y_test)
+            out["test_acc_proto"] = device_accuracy(nearest_prototype(z, protos, cand), data.y_test)
         return out

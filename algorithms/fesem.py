@@ -38,7 +38,7 @@ from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.ops import weighted_average_states
-from raysim.training import TrainOptions, accuracy, clone_state, forward_all, train_epochs
+from raysim.training import clone_state, device_accuracy, forward_all, train_epochs, TrainOptions
 
 
 def fesem_step(local_states: list, centres: list) -> tuple[list, torch.Tensor]:
@@ -162,7 +162,7 @@ class FeSEM(Algorithm):
         model = ctx.model()
         model.load_state_dict(payload["model"].tensors)
         logits, _ = forward_all(model, data.x_test)
-        out = {"test_acc": accuracy(logits.argmax(1), data.y_test)}
+        out = {"test_acc": device_accuracy(logits.argmax(1), data.y_test)}
         k = int(payload["cluster"]["k"][0])
         if k >= 0:  # a client the warm start has not assigned yet reports no cluster
             out["cluster"] = float(k)

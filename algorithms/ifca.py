@@ -53,8 +53,8 @@ from raysim.messages import Message, state_message
 from raysim.models import set_dropout_generator
 from raysim.ops import weighted_average_states
 from raysim.steps import ALL, ClientStep, ServerStep
-from raysim.training import (OptimizerSpec, TrainOptions, accuracy, clone_state, forward_all, make_optimizer,
-                             train_epochs)
+from raysim.training import (clone_state, device_accuracy, forward_all, make_optimizer, OptimizerSpec, train_epochs,
+                            TrainOptions)
 
 
 @torch.no_grad()
@@ -244,4 +244,4 @@ class IFCA(Algorithm):
         k = choose_cluster(model_losses(model, states, x, y))
         model.load_state_dict(states[k])
         logits, _ = forward_all(model, data.x_test)
-        return {"test_acc": accuracy(logits.argmax(1), data.y_test), "cluster": float(k)}
+        return {"test_acc": device_accuracy(logits.argmax(1), data.y_test), "cluster": float(k)}

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from raysim import rng as rngmod
-from raysim.training import OptimizerSpec, accuracy, forward_all, make_optimizer
+from raysim.training import device_accuracy, forward_all, make_optimizer, OptimizerSpec
 
 
 def project_conflicting(g_pub: torch.Tensor, g_loc: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -58,7 +58,7 @@ def random_batch(n: int, batch_size: int, generator: torch.Generator) -> torch.T
 def _acc(pred: torch.Tensor, y: torch.Tensor, mask: Optional[torch.Tensor] = None):
     if mask is not None:
         pred, y = pred[mask], y[mask]
-    return accuracy(pred, y)
+    return device_accuracy(pred, y)
 
 
 def domain_metrics(model, data) -> dict:

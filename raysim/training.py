@@ -310,6 +310,16 @@ def forward_all(model: nn.Module, x: torch.Tensor, batch_size: int = 2048) -> tu
     return torch.cat(logits), torch.cat(zs)
 
 
+def device_accuracy(pred: torch.Tensor, y: torch.Tensor) -> tuple:
+    """:func:`accuracy` without reading the device: (the accuracy as a 0-dim float64 tensor, the number of samples),
+    the same value bit for bit once read. For a client's evaluation metrics, which its runner reads in one host read
+    per step (not one per client and metric)."""
+    n = int(y.shape[0])
+    if not n:
+        return float("nan"), 0.0
+    return (pred == y).sum().to(torch.float64) / n, float(n)
+
+
 def accuracy(pred: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(accuracy, number of samples) — the number is the weight of the value in the result table."""
     n = int(y.shape[0])
