@@ -246,9 +246,15 @@ def _cmd_run(args) -> int:
         else:
             rundir.check_run_dir(args.out, "--out")
     if args.dry_run:
+        notes: list = []  # the config's notices (a switched method's parameters), on stderr and in the dry run
+
+        def notify(message: str) -> None:
+            notes.append(message)
+            _say(f"note: {message}")
+
         with dryrun.active():  # a dry run writes nothing, whoever's code runs (the user's modules load here)
-            cfg = load_config(args.config, overrides)
-        return _cmd_dry_run(cfg, args)
+            cfg = load_config(args.config, overrides, notify=notify)
+        return _cmd_dry_run(cfg, args, notes)
     cfg = load_config(args.config, overrides)
     if args.seeds:
         return _cmd_run_seeds(cfg, args)
@@ -283,7 +289,7 @@ def _say_failures(summary) -> None:
 DRY_RUN_CLIENTS = 50  # a dry run lists this many clients at most (issue 50: 1M clients printed 1M lines)
 
 
-def _cmd_dry_run(cfg, args) -> int:
+def _cmd_dry_run(cfg, args, notes=()) -> int:
     import numpy as np
     import yaml
 
@@ -304,6 +310,8 @@ def _cmd_dry_run(cfg, args) -> int:
 
     print(f"# resolved config (run id {cfg.run_id()})")
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    for note in notes:  # e.g. a switched method's kept parameters beside its defaults
+        print(f"# note: {note}")
     s = prep.fed_data.summary()
     tr, te = np.array(s["train_sizes"]), np.array(s["test_sizes"])
     ncls = np.array([len(c) for c in s["classes"]])
