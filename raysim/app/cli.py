@@ -123,7 +123,7 @@ def _cmd_reproduce(args) -> int:
         e = exps[name]
         if not args.report_only:
             rp.execute(plans[name], jobs=args.jobs)
-        path = write_table(e, plans[name], args.out, numbers, report=not args.no_report)
+        path = write_table(e, plans[name], args.out, numbers, report=not args.no_report, overrides=overrides)
         print(path.read_text())
         print(f"table: {path}")
     return 0

@@ -19,7 +19,8 @@ import pandas as pd
 from raysim.app import verdicts
 from raysim.errors import ConfigError
 
-from raysim.app.reproduce import Experiment, Planned, diverged_reason, paper_value, source_entry
+from raysim.app.reproduce import (Experiment, Planned, diverged_reason, paper_value, protocol_overrides,
+                                  source_entry)
 
 
 FINAL = "@final"  # a per-run record's column: the metric at the last evaluated round, shown beside the verdict's value
@@ -290,8 +291,37 @@ def provenance_markdown(per_run: pd.DataFrame) -> str:
     return f"Provenance of the {len(per_run)} run(s) (each run's record: the table's JSON, `runs`): " + "; ".join(parts) + ".\n"
 
 
+DIRECTION_ONLY = "direction only"
+
+
+def scale_text(exp: Experiment, overrides=()) -> str:
+    """The table's scale line: what differs from the seed's size, and every override the runs were made with."""
+    text = exp.scaled or "the seed’s full size"
+    if overrides:
+        text += "; with overrides in every run: " + ", ".join(f"--set {o}" for o in overrides)
+    return text
+
+
+def seed_compared(exp: Experiment, overrides=()) -> bool:
+    """Whether the seed's numbers are compared value for value (the diff column): only where dataset, model and
+    protocol are the seed's (:attr:`Experiment.matches_seed`) and no override changes what the runs compute."""
+    return exp.matches_seed and not protocol_overrides(overrides)
+
+
+def _direction_note(exp: Experiment, overrides) -> str:
+    why = []
+    if not exp.matches_seed:
+        why.append("this experiment's dataset, model or protocol is not the seed's (the scale line)")
+    changed = protocol_overrides(overrides)
+    if changed:
+        why.append(f"the overrides change the protocol ({', '.join(changed)})")
+    return (f"The seed's numbers are shown for the direction only: {' and '.join(why)}, so a difference from them "
+            f"measures the setting, not the method; compare the ordering of the methods (the claims), not the "
+            f"values (diff: '{DIRECTION_ONLY}').\n")
+
+
 def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], numbers: dict,
-                   per_run: pd.DataFrame | None = None) -> str:
+                   per_run: pd.DataFrame | None = None, overrides=()) -> str:
     metrics = [exp.metric, *exp.extra_metrics]
     entry = source_entry(exp, numbers)
     unit = " (%)" if exp.percent else ""
@@ -299,10 +329,15 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
            if exp.select == "last" else
            f"the round with the best {exp.select} ({'per client' if exp.select_per == 'client' else 'mean over clients'})")
     seeds = sorted(set(int(x) for x in exp.seeds))
-    lines = [f"## {exp.name}: {exp.title}\n",
+    overrides = list(overrides or ())
+    compared = seed_compared(exp, overrides)
+    head_note = f" — with overrides: {', '.join(overrides)} (not the manifest's setting)" if overrides else ""
+    lines = [f"## {exp.name}: {exp.title}{head_note}\n",
              f"Seed: {entry.get('source', exp.source)}. Values{unit}: mean ± sample std over seeds "
              f"{', '.join(str(s) for s in seeds)} (n = {len(seeds)}; a verdict needs {exp.min_seeds}) of the mean over "
-             f"clients, at {sel}. Scale: {exp.scaled or 'the seed’s full size'}.\n"]
+             f"clients, at {sel}. Scale: {scale_text(exp, overrides)}.\n"]
+    if not compared:
+        lines.append(_direction_note(exp, overrides))
     if exp.description:
         lines.append(exp.description.strip() + "\n")
     head = ["method", "seeds"]
@@ -315,8 +350,9 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
         cells = [str(r["label"]), str(int(r["seeds"]))]
         for m in metrics:
             mean, std, paper = r[f"{m}_mean"], r[f"{m}_std"], r[f"{m}_paper"]
-            cells += [_fmt(mean, std), _fmt(paper, math.nan),
-                      (f"{mean - paper:+.2f}" if np.isfinite(mean) and np.isfinite(paper) else "–")]
+            diff = (f"{mean - paper:+.2f}" if compared else DIRECTION_ONLY) if np.isfinite(paper) and np.isfinite(mean) \
+                else "–"
+            cells += [_fmt(mean, std), _fmt(paper, math.nan), diff]
         fin = r.get(f"{exp.metric}_final_mean", math.nan)
         cells += [_fmt(fin, math.nan) if exp.select == "last" else "–",
                   f"{r['floats']:,.0f}" if np.isfinite(r["floats"]) else "–",
@@ -336,7 +372,7 @@ def _records(per_run: pd.DataFrame) -> list[dict]:
 
 
 def write_table(exp: Experiment, planned: list[Planned], out: str | Path, numbers: dict, report: bool = True,
-                log: Callable = print) -> Path:
+                log: Callable = print, overrides=()) -> Path:
     """``<out>/<experiment>/reproduction.md`` (+ ``.json``: the table, the claims with their paired differences and
     verdicts, and one record per run with its provenance) and, with ``report``, raysim report's summary and plots
     under ``<out>/<experiment>/report/``."""
@@ -345,7 +381,8 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
     table, claims = summarise(exp, per_run, numbers)
     d = Path(out) / exp.name
     d.mkdir(parents=True, exist_ok=True)
-    md = table_markdown(exp, table, claims, numbers, per_run)
+    overrides = list(overrides or ())
+    md = table_markdown(exp, table, claims, numbers, per_run, overrides)
     diverged = [(p, diverged_reason(p.target, p.cfg)) for p in planned if not (p.target / "results.parquet").exists()]
     diverged = [(p, m) for p, m in diverged if m is not None]
     gone = {id(p) for p, _ in diverged}
@@ -358,7 +395,10 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
         md += f"\nNot finished (left out of the table): {', '.join(missing)}.\n"
     (d / "reproduction.md").write_text(md)
     (d / "reproduction.json").write_text(json.dumps({"experiment": exp.name, "source": exp.source,
-                                                     "scaled": exp.scaled, "seeds": list(exp.seeds),
+                                                     "scaled": scale_text(exp, overrides),
+                                                     "overrides": overrides, "with_overrides": bool(overrides),
+                                                     "seed_compared": seed_compared(exp, overrides),
+                                                     "seeds": list(exp.seeds),
                                                      "min_seeds": exp.min_seeds, "table": table.to_dict("records"),
                                                      "claims": claims, "runs": _records(per_run)},
                                                     indent=1, default=_json_default))
@@ -418,8 +458,10 @@ def render_records(exp: Experiment, record: dict, numbers: dict) -> tuple[str, d
     seeds = tuple(sorted({int(s) for s in per_run["seed"]})) if len(per_run) else exp.seeds
     exp = replace(exp, seeds=seeds)
     table, claims = summarise(exp, per_run, numbers)
-    md = table_markdown(exp, table, claims, numbers, per_run)
-    new = dict(record, seeds=list(seeds), min_seeds=exp.min_seeds,
+    overrides = [str(o) for o in record.get("overrides") or []]
+    md = table_markdown(exp, table, claims, numbers, per_run, overrides)
+    new = dict(record, seeds=list(seeds), min_seeds=exp.min_seeds, scaled=scale_text(exp, overrides),
+               overrides=overrides, with_overrides=bool(overrides), seed_compared=seed_compared(exp, overrides),
                table=json.loads(json.dumps(table.to_dict("records"), default=_json_default)),
                claims=json.loads(json.dumps(claims, default=_json_default)))
     return md, new
