@@ -12,7 +12,7 @@ from tests.test_verdicts import PER_RUN, _experiment, _per_run
 def _md(exp, numbers, overrides=()):
     per_run = _per_run(PER_RUN)
     table, claims = summarise(exp, per_run, numbers)
-    return table_markdown(exp, table, claims, numbers, per_run, overrides)
+    return table_markdown(rp.replace(exp, cli_overrides=tuple(overrides)), table, claims, numbers, per_run)
 
 
 def test_at_the_seed_s_setting_the_diff_is_the_difference(tmp_path):

@@ -123,7 +123,8 @@ def _cmd_reproduce(args) -> int:
         e = exps[name]
         if not args.report_only:
             rp.execute(plans[name], jobs=args.jobs)
-        path = write_table(e, plans[name], args.out, numbers, report=not args.no_report, overrides=overrides)
+        e = rp.replace(e, cli_overrides=tuple(overrides))  # recorded in the table's header, scale line and JSON
+        path = write_table(e, plans[name], args.out, numbers, report=not args.no_report)
         print(path.read_text())
         print(f"table: {path}")
     return 0
@@ -196,6 +197,15 @@ def param_docs(params_cls) -> dict[str, str]:
     return docs
 
 
+def _list_measures(name: str) -> None:
+    """Which model each of a method's metrics evaluates (issue 52), at its default parameters."""
+    from raysim.app.measures import describe
+
+    line = describe(name)
+    if line:
+        print(f"    measures: {line}")
+
+
 def _cmd_list() -> int:
     import dataclasses
 
@@ -204,7 +214,8 @@ def _cmd_list() -> int:
     from raysim.models import ARCHS, arch_params
     from raysim.config.registry import ALGORITHMS, algorithm_class
 
-    print("algorithms (hyperparameter = default: meaning; set with --set algorithm.params.NAME=VALUE):")
+    print("algorithms (hyperparameter = default: meaning; set with --set algorithm.params.NAME=VALUE; 'measures': "
+          "which model a metric evaluates, at the defaults; val_* is test_*'s model on the validation split):")
     for name in sorted(ALGORITHMS):
         cls = algorithm_class(name)
         fields = dataclasses.fields(cls.Params)
@@ -214,6 +225,7 @@ def _cmd_list() -> int:
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             print(f"      {f.name} = {default!r}: {docs.get(f.name) or PARAM_HELP.get(f.name, '')}".rstrip(": "))
+        _list_measures(name)
     print("datasets:")
     for name in LOADERS:
         print(f"  {name}")

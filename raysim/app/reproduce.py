@@ -85,6 +85,7 @@ class Experiment:
     min_seeds: int = 3  # paired seeds a claim needs for a verdict (5 where the seed paper ran 5); fewer: n too small
     window: int = 5  # select 'last': a run's verdict value is the mean of its last `window` evaluated rounds (issue 51)
     seed_setting: Optional[bool] = None  # the runs use the seed's dataset, model and protocol (default: scaled is "")
+    cli_overrides: tuple = ()  # the overrides this reproduction was made with (raysim reproduce --set, --backend)
 
     @property
     def matches_seed(self) -> bool:

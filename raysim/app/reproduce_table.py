@@ -1,7 +1,7 @@
 """The table of a seed experiment (``raysim reproduce``'s last step): each run's value (the last evaluation, or the
 checkpoint a validation metric selects, per run or per client), mean +- sample std over seeds beside the seed's
 number and the difference, traffic and wall time from each run's own records, each claim's verdict from the paired
-per-seed differences (mean +- 95 % Student-t interval: held / tie / reversed, or n too small; :mod:`raysim.app.verdicts`),
+per-seed differences (mean +- 95 % Student-t interval: held / tie / reversed, or n too small; :mod:`raysim.verdicts`),
 and each run's provenance (seed, config hash, code version, numerics mode, CPU), written as ``reproduction.md`` /
 ``.json`` with raysim report's summary and plots under it. :func:`render_records` writes the same table again from a
 stored ``reproduction.json`` (its per-run records), without the run directories."""
@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from raysim.app import verdicts
+from raysim import verdicts
 from raysim.errors import ConfigError
 
 from raysim.app.reproduce import (Experiment, Planned, diverged_reason, paper_value, protocol_overrides,
@@ -67,7 +67,7 @@ def run_value(df: pd.DataFrame, metric: str, select: str = "last", select_per: s
 
 def run_curve(df: pd.DataFrame, metric: str) -> dict[int, float]:
     """One run's ``metric`` at every evaluated round (round -> the mean over clients, or the server value): what the
-    window of the last evaluated rounds averages (:func:`raysim.app.verdicts.window_mean`)."""
+    window of the last evaluated rounds averages (:func:`raysim.verdicts.window_mean`)."""
     scope, name = _client_or_server(df, metric)
     rows = df[(df["scope"] == scope) & (df["metric"] == name)]
     return {int(r): float(v) for r, v in rows.groupby("round")["value"].mean().sort_index().items()}
@@ -211,7 +211,7 @@ def value_rule(exp: Experiment, per_run: pd.DataFrame) -> str:
 
 def summarise(exp: Experiment, per_run: pd.DataFrame, numbers: dict) -> tuple[pd.DataFrame, list[dict]]:
     """Per run label: mean and sample std over seeds of each metric, the seed's number and the difference; and per
-    claim its verdict from the paired per-seed differences (:func:`raysim.app.verdicts.judge`: n, mean, the 95 % interval,
+    claim its verdict from the paired per-seed differences (:func:`raysim.verdicts.judge`: n, mean, the 95 % interval,
     held / tie / reversed, or n too small below ``exp.min_seeds``) beside the seed's own difference."""
     metrics = [exp.metric, *exp.extra_metrics]
     out = []
@@ -321,7 +321,7 @@ def _direction_note(exp: Experiment, overrides) -> str:
 
 
 def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], numbers: dict,
-                   per_run: pd.DataFrame | None = None, overrides=()) -> str:
+                   per_run: pd.DataFrame | None = None) -> str:
     metrics = [exp.metric, *exp.extra_metrics]
     entry = source_entry(exp, numbers)
     unit = " (%)" if exp.percent else ""
@@ -329,7 +329,7 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
            if exp.select == "last" else
            f"the round with the best {exp.select} ({'per client' if exp.select_per == 'client' else 'mean over clients'})")
     seeds = sorted(set(int(x) for x in exp.seeds))
-    overrides = list(overrides or ())
+    overrides = list(exp.cli_overrides)
     compared = seed_compared(exp, overrides)
     head_note = f" — with overrides: {', '.join(overrides)} (not the manifest's setting)" if overrides else ""
     lines = [f"## {exp.name}: {exp.title}{head_note}\n",
@@ -372,7 +372,7 @@ def _records(per_run: pd.DataFrame) -> list[dict]:
 
 
 def write_table(exp: Experiment, planned: list[Planned], out: str | Path, numbers: dict, report: bool = True,
-                log: Callable = print, overrides=()) -> Path:
+                log: Callable = print) -> Path:
     """``<out>/<experiment>/reproduction.md`` (+ ``.json``: the table, the claims with their paired differences and
     verdicts, and one record per run with its provenance) and, with ``report``, raysim report's summary and plots
     under ``<out>/<experiment>/report/``."""
@@ -381,8 +381,8 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
     table, claims = summarise(exp, per_run, numbers)
     d = Path(out) / exp.name
     d.mkdir(parents=True, exist_ok=True)
-    overrides = list(overrides or ())
-    md = table_markdown(exp, table, claims, numbers, per_run, overrides)
+    overrides = list(exp.cli_overrides)  # raysim reproduce --set / --backend: in the header, scale line and JSON
+    md = table_markdown(exp, table, claims, numbers, per_run)
     diverged = [(p, diverged_reason(p.target, p.cfg)) for p in planned if not (p.target / "results.parquet").exists()]
     diverged = [(p, m) for p, m in diverged if m is not None]
     gone = {id(p) for p, _ in diverged}
@@ -457,9 +457,10 @@ def render_records(exp: Experiment, record: dict, numbers: dict) -> tuple[str, d
         per_run = with_window(per_run[per_run["label"].isin([r.label for r in exp.runs])].copy(), exp)
     seeds = tuple(sorted({int(s) for s in per_run["seed"]})) if len(per_run) else exp.seeds
     exp = replace(exp, seeds=seeds)
-    table, claims = summarise(exp, per_run, numbers)
     overrides = [str(o) for o in record.get("overrides") or []]
-    md = table_markdown(exp, table, claims, numbers, per_run, overrides)
+    exp = replace(exp, cli_overrides=tuple(overrides))
+    table, claims = summarise(exp, per_run, numbers)
+    md = table_markdown(exp, table, claims, numbers, per_run)
     new = dict(record, seeds=list(seeds), min_seeds=exp.min_seeds, scaled=scale_text(exp, overrides),
                overrides=overrides, with_overrides=bool(overrides), seed_compared=seed_compared(exp, overrides),
                table=json.loads(json.dumps(table.to_dict("records"), default=_json_default)),
