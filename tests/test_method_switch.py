@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from raysim.config import ConfigError, load_config, make_config
+from raysim.config import make_config
+from raysim.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 FEDPROTO = {"name": "p", "algorithm": {"name": "fedproto", "params": {"lam": 1.0, "proto_agg": "mean"}}}

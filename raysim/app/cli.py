@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="run once per seed (e.g. 1,2,3 or 1-5); --out is then a parent directory of seed<N>/ runs")
     _add_tune_report(sub)
     _add_reproduce(sub)
+    from raysim.app import compare  # issue 52: paired differences of one's own runs
+
+    compare.add_parser(sub)
     sub.add_parser("list", help="list algorithms (hyperparameters: default, meaning), datasets, partitioners, models")
     runs = sub.add_parser("runs", help="list past runs under a directory (finished, unfinished, running)")
     runs.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default: ./runs)")
@@ -63,6 +66,8 @@ def _add_tune_report(sub) -> None:
     rep.add_argument("--target", type=float, default=None, help="target accuracy for rounds-to-target")
     rep.add_argument("--time-metric", default=None, help="total/server metric holding a round's simulated time")
     rep.add_argument("--no-plots", action="store_true")
+    rep.add_argument("--mixed-metrics", action="store_true", help="compare a metric that evaluates different models "
+                                                                 "across the methods (raysim list: 'measures') knowingly")
     rep.add_argument("--tuned-on", action="append", default=None, metavar="DIR",
                      help="a raysim tune output directory (repeatable): warn when a compared run uses a seed its "
                           "trials ran on")
@@ -160,7 +165,8 @@ def _cmd_report(args) -> int:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
         files = build_report(args.runs, args.out, ReportOptions(metrics, args.target, args.time_metric,
                                                                 plots=not args.no_plots, per_client=args.per_client,
-                                                                tuned_on=args.tuned_on))
+                                                                tuned_on=args.tuned_on,
+                                                                mixed_metrics=args.mixed_metrics))
     except (KeyError, FileNotFoundError) as e:
         print(f"raysim report: {printable(e.args[0] if e.args else e)}", file=sys.stderr)
         return 2
@@ -441,6 +447,10 @@ def _main(args) -> int:
             return _cmd_report(args)
         if args.command == "reproduce":
             return _cmd_reproduce(args)
+        if args.command == "compare":
+            from raysim.app.compare import command
+
+            return command(args)
         return _cmd_run(args)
     except (ConfigError, DataError) as e:
         cause = getattr(e, "cause", None)  # raised in a Ray actor: the original error, without Ray's traceback

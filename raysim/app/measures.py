@@ -51,18 +51,17 @@ def kinds(configs: dict, metric: str) -> dict:
 
 
 def mixed(configs: dict, metric: str) -> Optional[str]:
-    """None when every method compared declares one kind for ``metric`` (undeclared ones are not judged); else the
-    phrase naming each method's kind."""
+    """None when every setting compared declares one kind for ``metric`` (undeclared ones are not judged); else the
+    phrase naming each kind and its settings (``the global model: fedavg; the client's own model: fedproto``)."""
     from raysim.algorithm import MEASURES
 
-    got = kinds(configs, metric)
-    by_method = {}
-    for name, kind in got.values():
+    by_kind: dict = {}
+    for setting, (_, kind) in kinds(configs, metric).items():
         if kind is not None:
-            by_method[name] = kind
-    if len(set(by_method.values())) <= 1:
+            by_kind.setdefault(kind, []).append(str(setting))
+    if len(by_kind) <= 1:
         return None
-    return "; ".join(f"{name}: {MEASURES.get(kind, kind)}" for name, kind in sorted(by_method.items()))
+    return "; ".join(f"{MEASURES.get(k, k)}: {', '.join(ss)}" for k, ss in by_kind.items())
 
 
 def check(configs: dict, metrics, allow: bool, argument: str = "--metric") -> list[str]:
@@ -74,11 +73,11 @@ def check(configs: dict, metrics, allow: bool, argument: str = "--metric") -> li
         if what is None:
             continue
         if not allow:
-            raise ConfigError(argument, f"{metric} evaluates different models across these methods ({what}); "
+            raise ConfigError(argument, f"{metric} evaluates different models across these settings ({what}); "
                                         f"compare a metric of one kind (raysim list says which model each method's "
                                         f"metrics evaluate, e.g. global_test_acc for the global model), or pass "
                                         f"{MIXED_FLAG} to compare them knowingly")
-        notes.append(f"{metric} evaluates different models across these methods ({what}); compared as asked "
+        notes.append(f"{metric} evaluates different models across these settings ({what}); compared as asked "
                      f"({MIXED_FLAG})")
     return notes
 
