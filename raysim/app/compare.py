@@ -64,15 +64,18 @@ def command(args) -> int:
 
 
 def parse_labels(texts) -> list[tuple[str, Path]]:
-    """``NAME=DIR`` -> (NAME, DIR); a malformed text or a DIR that does not exist is one ConfigError (``--label``)."""
+    """``NAME=DIR`` -> (NAME, DIR); NAME may hold '=' (``lam=1=runs/a``: the first split whose DIR exists). A
+    malformed text or a DIR that does not exist is one ConfigError (``--label``)."""
     out = []
     for text in texts:
-        name, sep, where = str(text).partition("=")
-        if not sep or not name.strip() or not where.strip():
+        text = str(text)
+        cuts = [i for i, ch in enumerate(text) if ch == "="]
+        if not cuts or not text[:cuts[0]].strip() or not text[cuts[-1] + 1:].strip():
             raise ConfigError("--label", f"{text!r} is not NAME=DIR")
-        if not Path(where).exists():
-            raise ConfigError("--label", f"{text}: {where} does not exist")
-        out.append((name.strip(), Path(where)))
+        found = next((i for i in cuts if text[:i].strip() and Path(text[i + 1:]).exists()), None)
+        if found is None:
+            raise ConfigError("--label", f"{text}: {text[cuts[-1] + 1:]} does not exist")
+        out.append((text[:found].strip(), Path(text[found + 1:])))
     return out
 
 
