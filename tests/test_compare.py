@@ -204,3 +204,33 @@ def test_raysim_list_says_what_each_metric_measures(capsys):
            "client's own classes" in blocks["fedproto"]
     assert "test_acc_proto = nearest global prototype, among all classes" in blocks["fedtgp"]
     assert "val_* is test_*'s model on the validation split" in out
+
+
+README_NAMES = {"FedAvg": ["fedavg"], "FedProx": ["fedprox"], "SCAFFOLD": ["scaffold"], "MOON": ["moon"],
+                "FedGen": ["fedgen"], "FedAvg-UH (FedAvg's iteration mode with `eval_model: local`: the node's own)":
+                ["fedavg_uh"], "SlaugFL": ["slaugfl"], "VHL": ["vhl"], "Local": ["local"], "FedPer": ["fedper"],
+                "LG-FedAvg": ["lgfedavg"], "FedGen-Ht": ["fedgen_ht"], "FedProto(-UH)": ["fedproto", "fedproto_uh"],
+                "FedTGP": ["fedtgp"], "FedDistill": ["feddistill"], "FedFomo": ["fedfomo"], "FML": ["fml"],
+                "FedKD": ["fedkd"], "FedMD": ["fedmd"], "MAFML": ["mafml"], "IND": ["ind"], "AGG": ["agg"],
+                "FeSEM": ["fesem"], "IFCA": ["ifca"], "PN-ICFL(+)": ["pnicfl", "pnicfl_plus"]}
+
+
+def test_the_readme_s_metric_table_is_what_the_methods_declare():
+    """README, result table: the test_acc row names every shipped method under the model its measures() declares."""
+    import re
+    from pathlib import Path
+
+    from raysim.algorithm import MEASURES
+    from raysim.config.registry import ALGORITHMS, algorithm_class
+
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    row = next(ln for ln in text.splitlines() if ln.startswith("| `test_acc` |"))
+    listed = {}
+    for kind_text, names in re.findall(r"\*\*([^*]+)\*\*: ([^;|]+)", row):
+        kind = next(k for k, v in MEASURES.items() if v == kind_text)
+        for display in [n.strip() for n in re.split(r", (?![^(]*\))", names.strip())]:
+            for name in README_NAMES[display]:
+                listed[name] = kind
+    shipped = sorted(n for n, t in ALGORITHMS.items() if t.startswith("algorithms."))
+    assert sorted(listed) == shipped
+    assert {n: algorithm_class(n).measures()["test_acc"] for n in shipped} == listed
