@@ -94,7 +94,10 @@ def load(paths, options: CompareOptions):
     if not every:
         raise ConfigError("RUNS", "name the runs to compare (run directories or their parents), or --label NAME=DIR")
     try:
-        df, index = load_runs(every)
+        from raysim.io.tables import result_files
+
+        files = list(dict.fromkeys(f.resolve() for f in result_files(every)))  # a run named twice is read once
+        df, index = load_runs(files)
     except FileNotFoundError as e:
         raise ConfigError("RUNS", str(e.args[0] if e.args else e)) from None
     setting = index["group"].map(setting_labels(index))

@@ -197,8 +197,8 @@ def switch_method(before: dict, after: dict, explicit: set = frozenset(), notify
     reset = algo.pop(RESET_PARAMS, False)
     if not isinstance(reset, bool):
         raise ConfigError(f"algorithm.{RESET_PARAMS}", f"must be true or false, got {reset!r}")
-    old = (_algorithm_section(before) or {}).get("name")
-    new = algo.get("name")
+    old = (_algorithm_section(before) or {}).get("name") or "the default method"
+    new = algo.get("name") or "the default method"
     if new == old:
         if reset:
             (notify or _stderr_notice)(f"algorithm.{RESET_PARAMS}=true does nothing: algorithm.name is unchanged "
