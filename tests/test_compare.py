@@ -123,7 +123,7 @@ def test_labels_name_the_settings(runs, tmp_path, capsys):
                           "fedproto; the global model: fedavg)"),
     ("dataset", "RUNS", "runs of different datasets"),
     ("label", "--label", "no finished run under"),
-    ("metric", "--metric", "has no metric 'test_acc_proto'"),
+    ("metric", "--metric", "has no client or server metric 'test_acc_proto'"),
     ("one", "RUNS", "one setting only"),
     ("baseline", "--baseline", "'nope' is not a setting here"),
 ])

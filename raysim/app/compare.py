@@ -122,9 +122,10 @@ def check(df, index, configs: dict, options: CompareOptions) -> list[str]:
         raise ConfigError("RUNS", "runs of different datasets (" + "; ".join(f"{s}: {d}" for s, d in data.items())
                           + "): a paired comparison needs one dataset")
     for rid, g in df.groupby("run_id"):
-        if not (g["metric"] == options.metric).any():
+        if not (g["scope"].isin(["client", "server"]) & (g["metric"] == options.metric)).any():
             path = index.loc[index["run_id"] == rid, "path"].iloc[0]
-            raise ConfigError("--metric", f"run {rid} ({path}) has no metric {options.metric!r}; its client metrics: "
+            raise ConfigError("--metric", f"run {rid} ({path}) has no client or server metric {options.metric!r}; "
+                                          f"its client metrics: "
                                           f"{', '.join(sorted(set(g.loc[g['scope'] == 'client', 'metric'])))}")
     order = list(dict.fromkeys(index["setting"]))
     if len(order) < 2:
