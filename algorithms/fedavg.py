@@ -94,6 +94,14 @@ class FedAvg(LocalTraining):
         return {"weights", "num_samples"}
 
     name = "fedavg"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        # iteration mode (sync_every or bandwidth_ratio) with eval_model: local tests each node's own weights
+        iterations = bool(cls._param(params, "sync_every") or cls._param(params, "bandwidth_ratio"))
+        own = iterations and cls._param(params, "eval_model") == "local"
+        kind = "personalised" if own else "global"
+        return {**dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), kind), "global_test_acc": "global"}
     asynchronous = True  # server.mode: async (FedBuff / FedAsync on the global model; FedProx inherits it)
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
 

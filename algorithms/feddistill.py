@@ -28,6 +28,10 @@ class FedDistill(Algorithm):
         return {"class_logits"}
 
     name = "feddistill"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return {"test_acc": "personalised"}
     paper = ("Jeong et al., Communication-Efficient On-Device Machine Learning: Federated Distillation and "
              "Augmentation under Non-IID Private Data, arXiv:1811.11479, 2018 (HtFLlib's FD)")
 

@@ -58,6 +58,10 @@ def val_loss(model, state, x, y) -> float:
 class FedFomo(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "fedfomo"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return {"test_acc": "personalised"}
     paper = "Zhang et al., Personalized Federated Learning with First Order Model Optimization, ICLR 2021"
 
     def declared_uploads(self):

@@ -74,6 +74,10 @@ def decompress(msg: Message, like: dict) -> dict:
 
 class FedKD(Algorithm):
     name = "fedkd"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), "personalised")
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = ("Wu et al., Communication-efficient federated learning via knowledge distillation, Nature "
              "Communications 2022 (HtFLlib's FedKD)")

@@ -34,6 +34,10 @@ from raysim.training import clone_state, make_optimizer, minibatches, optimizer_
 class FedMD(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "fedmd"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), "personalised")
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = "Li & Wang, FedMD: Heterogenous Federated Learning via Model Distillation, arXiv:1910.03581, 2019"
 

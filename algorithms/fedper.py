@@ -31,6 +31,10 @@ class SharedPartAverage(LocalTraining):
     """Shared by FedPer and LG-FedAvg: one part of the model (``shared`` = "body" or "head") is averaged on the
     server with sample-count weights; the other part stays on the client."""
 
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return {"test_acc": "personalised"}
+
     def declared_uploads(self):
         return {f"{self.shared}_weights", "num_samples"}
 

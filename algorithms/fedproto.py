@@ -33,6 +33,11 @@ class FedProto(LocalTraining):
         return {"prototypes"}
 
     name = "fedproto"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        own = bool(cls._param(params, "restrict_local_classes"))
+        return {"test_acc": "personalised", "test_acc_proto": "prototype_own" if own else "prototype_all"}
     asynchronous = True  # server.mode: async (staleness-weighted prototypes: async_mix)
     headline = ("test_acc", "test_acc_proto")  # own classifier, nearest global prototype
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"

@@ -75,6 +75,10 @@ class FeSEM(Algorithm):
         return {"weights"}
 
     name = "fesem"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return {"test_acc": "cluster"}
     reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = "Xie et al., Multi-Center Federated Learning: Clients Clustering for Better Personalization, WWW Journal 2023"
 

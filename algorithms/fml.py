@@ -40,6 +40,10 @@ def shared_model(task, ctx):
 class FML(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "fml"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), "personalised")
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = "Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020 (HtFLlib's FML)"
 

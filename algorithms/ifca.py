@@ -95,6 +95,10 @@ def cluster_average(states: list, choices: list[int], centres: list) -> list:
 class IFCA(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "ifca"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return {"test_acc": "cluster"}
     reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = "Ghosh et al., An Efficient Framework for Clustered Federated Learning, NeurIPS 2020"
 

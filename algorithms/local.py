@@ -23,6 +23,10 @@ class Local(LocalTraining):
         return set()
 
     name = "local"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), "personalised")
     paper = "Baseline: each client trains alone on its own data."
 
     @dataclass(frozen=True)

@@ -106,6 +106,10 @@ GLOBAL = ClientStep("global", fn="step_global", clients=ALL)
 class MAFML(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "mafml"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), "personalised")
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = ("Zhou et al., Model-agnostic federated mutual learning (MAFML), 2023 — seed 003, Algorithm 1, "
              "eq. (1)-(7)")

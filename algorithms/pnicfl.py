@@ -68,6 +68,10 @@ from raysim.training import OptimizerSpec, accuracy, make_optimizer
 
 class PNICFL(Algorithm):
     name = "pnicfl"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return {"test_acc": "cluster_prototype", "test_acc_local": "local_prototype"}
     reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = ("PN-ICFL: prototypical-network-based iterative clustered federated learning (seed 001); Snell et al., "
              "Prototypical Networks for Few-shot Learning, NeurIPS 2017")

@@ -72,6 +72,11 @@ from raysim.training import TrainOptions, accuracy, clone_state, forward_all, ma
 
 class SlaugFL(LocalTraining):
     name = "slaugfl"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return {"test_acc": "global", "test_acc_c": "global_real_classes", "global_test_acc": "global",
+                "global_test_acc_c": "global_real_classes"}
     paper = ("Liu et al., SlaugFL: Efficient Edge Federated Learning with Selective GAN-based Data Augmentation, "
              "IEEE TMC 2024")
 

@@ -56,6 +56,11 @@ def supcon(z: torch.Tensor, y: torch.Tensor, temperature: float, anchors: int = 
 
 class VHL(LocalTraining):
     name = "vhl"
+
+    @classmethod
+    def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
+        return {"test_acc": "global", "test_acc_c": "global_real_classes", "global_test_acc": "global",
+                "global_test_acc_c": "global_real_classes"}
     paper = ("Tang et al., Virtual Homogeneity Learning: Defending against Data Heterogeneity in Federated Learning, "
              "ICML 2022")
 

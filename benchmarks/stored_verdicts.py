@@ -113,6 +113,9 @@ def main(argv=None) -> int:
         old_md = md_path.read_text()
         if js.exists():
             record = attach_curves(js, json.loads(js.read_text()))
+            rounds = re.fullmatch(r".+_r(\d+)", md_path.stem) if md_path.stem != name else None
+            if rounds and "overrides" not in record:  # <experiment>_r<N>: the experiment run for N rounds (issue 52)
+                record["overrides"] = [f"rounds={rounds.group(1)}"]
             md, new = render_records(exp, record, numbers)
             new_js = json.dumps(new, indent=1) + "\n"
             if js.read_text() != new_js:

@@ -216,6 +216,32 @@ class TrainedGroup:
         return out
 
 
+# What an accuracy metric measures (issue 52): which model predicts, and over which classes. A method declares the
+# kind of each metric it reports (:meth:`Algorithm.measures`); ``val_<x>`` is ``test_<x>``'s model on the validation
+# split. ``raysim list`` prints them, and ``raysim report`` / ``compare`` refuse to compare one metric name across
+# methods whose kinds differ unless told to (FedAvg's test_acc is the global model, FedProto's the client's own).
+MEASURES = {
+    "global": "the global model",
+    "global_real_classes": "the global model, argmax over the real classes only",
+    "personalised": "the client's own model",
+    "cluster": "its cluster's model",
+    "prototype_own": "nearest global prototype, among the client's own classes",
+    "prototype_all": "nearest global prototype, among all classes",
+    "cluster_prototype": "nearest prototype of its cluster",
+    "local_prototype": "nearest of its own class prototypes",
+}
+
+
+def metric_kind(measures: dict, metric: str) -> Optional[str]:
+    """The kind (a key of :data:`MEASURES`) of ``metric`` in a method's declaration; ``val_<x>`` takes ``test_<x>``'s
+    (the same model on the validation split); None where the method does not declare it."""
+    if metric in measures:
+        return measures[metric]
+    if metric.startswith("val_"):
+        return measures.get("test_" + metric[len("val_"):])
+    return None
+
+
 class Algorithm:
     """Base class. Subclasses set ``name``, ``Params`` (a frozen dataclass of hyperparameters) and implement the
     hooks. The defaults describe a method that communicates nothing."""
@@ -240,6 +266,20 @@ class Algorithm:
     # server step is not one aggregate of uploads (multi-exchange schedules, setup phases, control variates) keep
     # False and refuse async with one line naming server.mode
     asynchronous: ClassVar[bool] = False
+
+    @classmethod
+    def measures(cls, params: Optional[dict] = None) -> dict:
+        """metric -> the kind of model it evaluates (a key of :data:`MEASURES`), for ``params`` (the config's
+        ``algorithm.params``; the defaults where None): what ``raysim list`` prints and what ``raysim report`` /
+        ``compare`` check before they put one metric of two methods side by side. Empty: undeclared."""
+        return {}
+
+    @classmethod
+    def _param(cls, params: Optional[dict], name: str):
+        """``name`` from a config's ``algorithm.params``, else the method's default."""
+        if params and name in params:
+            return params[name]
+        return {f.name: f.default for f in dataclasses.fields(cls.Params)}.get(name)
 
     def declared_server_data(self) -> tuple:
         """The server-held data sets this instance's server steps read: the class's ``server_data``, plus what a named

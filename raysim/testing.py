@@ -47,7 +47,7 @@ import pandas as pd
 from raysim.config import ExperimentConfig, make_config, set_dotted, to_dict
 from raysim.errors import ConfigError
 
-__all__ = ["DeviceGuard", "Upload", "check_algorithm", "check_determinism", "check_device_residence", "check_empty_round", "check_message_accounting",
+__all__ = ["DeviceGuard", "Upload", "check_algorithm", "check_determinism", "check_measures", "check_device_residence", "check_empty_round", "check_message_accounting",
            "check_resume", "check_runs", "check_sequential_equals_ray", "check_spill", "assert_same_table"]
 
 ConfigLike = Union[ExperimentConfig, dict]
@@ -279,6 +279,32 @@ def check_empty_round(cfg: ConfigLike) -> None:
         raise AssertionError(f"{name}: evaluation after a round without uploads failed: {failed[:3]}")
 
 
+def is_accuracy(metric: str) -> bool:
+    """The metrics whose model :meth:`raysim.algorithm.Algorithm.measures` must name: test accuracies (``test_acc*``,
+    ``test_bwt``, ``test_fwt``) and the server's ``global_test_acc*``."""
+    return metric.startswith(("test_acc", "global_test_acc")) or metric in ("test_bwt", "test_fwt")
+
+
+def check_measures(cfg: ConfigLike, table: pd.DataFrame) -> None:
+    """Every accuracy metric the run's table holds (client or server scope) is declared by the method's
+    :meth:`~raysim.algorithm.Algorithm.measures` (which model it evaluates: ``raysim list``, and the refusal of
+    ``raysim report`` / ``compare`` to compare metrics of different kinds), with a kind of
+    :data:`raysim.algorithm.MEASURES`."""
+    from raysim.algorithm import MEASURES
+    from raysim.config.registry import algorithm_class
+
+    cfg = _config(cfg)
+    declared = algorithm_class(cfg.algorithm.name).measures(dict(cfg.algorithm.params))
+    bad = sorted(k for k in declared.values() if k not in MEASURES)
+    if bad:
+        raise AssertionError(f"{cfg.algorithm.name}: measures() names unknown kinds {bad}; use {sorted(MEASURES)}")
+    have = set(table.loc[table["scope"].isin(["client", "server"]), "metric"])
+    missing = sorted(m for m in have if is_accuracy(m) and m not in declared)
+    if missing:
+        raise AssertionError(f"{cfg.algorithm.name} reports {missing} but measures() does not say which model they "
+                             f"evaluate")
+
+
 def check_algorithm(cfg: ConfigLike, workdir: Union[str, Path, None] = None) -> pd.DataFrame:
     """Every sequential check: :func:`check_determinism` (its table is the reference of the others),
     :func:`check_spill`, :func:`check_resume`, :func:`check_message_accounting`, :func:`check_empty_round`. Returns
@@ -287,6 +313,7 @@ def check_algorithm(cfg: ConfigLike, workdir: Union[str, Path, None] = None) -> 
     if cfg.backend.name != "sequential":
         cfg = _variant(cfg, backend__name="sequential")
     reference = check_determinism(cfg)
+    check_measures(cfg, reference)
     check_spill(cfg, reference, state_dir=None if workdir is None else Path(workdir) / "states")
     check_resume(cfg, reference, workdir=workdir)
     check_message_accounting(cfg)

@@ -27,6 +27,7 @@ def cfg_for(tiny, name, **over):
 def test_algorithm_conformance(tiny, name, tmp_path):
     cfg = cfg_for(tiny, name)
     table = testing.check_determinism(cfg)
+    testing.check_measures(cfg, table)  # every accuracy metric says which model it evaluates (issue 52)
     _SEQUENTIAL[name] = table
     testing.check_spill(cfg, table, state_dir=tmp_path / "states")
     testing.check_resume(cfg, table, workdir=tmp_path)

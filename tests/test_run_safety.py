@@ -305,8 +305,12 @@ def test_report_labels_several_metrics_per_client_and_missing_metric(tiny, tmp_p
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--metric", "test_acc_proto"]) == 2
     err = capsys.readouterr().err
     assert "run tiny-s7-" in err and "has no client metric 'test_acc_proto'" in err and str(tmp_path / "runs" / "a") in err
+    # FedAvg's test_acc is the global model, FedProto's the client's own (issue 52): compared only knowingly
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--metric", "test_acc,train_loss",
-                 "--per-client"]) == 0
+                 "--per-client"]) == 2
+    assert "--mixed-metrics" in capsys.readouterr().err and not (tmp_path / "rep" / "summary.md").exists()
+    assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep"), "--metric", "test_acc,train_loss",
+                 "--per-client", "--mixed-metrics"]) == 0
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| fedavg |" in md and "| fedproto |" in md and "## train_loss" in md
     for name in ("acc_vs_round.png", "train_loss_vs_bytes.png", "clients_test_acc.png"):

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from raysim.config import choice, from_dict, load_yaml_mapping, make_config, positive, set_dotted, to_dict
+from raysim.config.yamlio import switch_method
 from raysim.errors import ConfigError
 
 PRUNERS = ("none", "median", "percentile", "successive_halving")
@@ -285,11 +286,26 @@ def resolve_objective(space: SearchSpace, cfg, log=print) -> SearchSpace:
     return dataclasses.replace(space, objective=dataclasses.replace(space.objective, metric=metric))
 
 
+_NOTICES: set = set()
+
+
+def _notice_once(message: str) -> None:
+    """A sweep's notice once per process, not once per trial."""
+    if message not in _NOTICES:
+        _NOTICES.add(message)
+        from raysim.config.yamlio import _stderr_notice
+
+        _stderr_notice(message)
+
+
 def apply_params(base: dict, params: dict, seed: Optional[int] = None):
     """The experiment config of one trial: ``base`` (a config dict) with the trial's values set by dotted key."""
     data = base
     for k, v in params.items():
         data = set_dotted(data, k, v)
+    # a space that samples algorithm.name: the method's parameters reconciled as --set does (raysim.config.yamlio)
+    data = switch_method(base, data, {k.split(".", 2)[2] for k in params if k.startswith("algorithm.params.")},
+                         _notice_once)
     if seed is not None:
         data = set_dotted(data, "seed", int(seed))
     return make_config(data)
@@ -315,7 +331,7 @@ def check_against_config(space: SearchSpace, base: dict) -> None:
                 raise ConfigError(f"space.params.{key}", f"range must be finite, got {v}")
             try:
                 c = apply_params(base, {key: v})
-                from_dict(algo.Params, dict(c.algorithm.params), "algorithm.params")
+                from_dict(algorithm_class(c.algorithm.name).Params, dict(c.algorithm.params), "algorithm.params")
             except ConfigError as e:
                 raise ConfigError(f"space.params.{key}", f"value {v!r} is not a valid config value: {e}") from None
 

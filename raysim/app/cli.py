@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                      help="run once per seed (e.g. 1,2,3 or 1-5); --out is then a parent directory of seed<N>/ runs")
     _add_tune_report(sub)
     _add_reproduce(sub)
+    from raysim.app import compare  # issue 52: paired differences of one's own runs
+
+    compare.add_parser(sub)
     sub.add_parser("list", help="list algorithms (hyperparameters: default, meaning), datasets, partitioners, models")
     runs = sub.add_parser("runs", help="list past runs under a directory (finished, unfinished, running)")
     runs.add_argument("dir", nargs="?", default="runs", help="directory holding run directories (default: ./runs)")
@@ -63,6 +66,8 @@ def _add_tune_report(sub) -> None:
     rep.add_argument("--target", type=float, default=None, help="target accuracy for rounds-to-target")
     rep.add_argument("--time-metric", default=None, help="total/server metric holding a round's simulated time")
     rep.add_argument("--no-plots", action="store_true")
+    rep.add_argument("--mixed-metrics", action="store_true", help="compare a metric that evaluates different models "
+                                                                 "across the methods (raysim list: 'measures') knowingly")
     rep.add_argument("--tuned-on", action="append", default=None, metavar="DIR",
                      help="a raysim tune output directory (repeatable): warn when a compared run uses a seed its "
                           "trials ran on")
@@ -123,6 +128,7 @@ def _cmd_reproduce(args) -> int:
         e = exps[name]
         if not args.report_only:
             rp.execute(plans[name], jobs=args.jobs)
+        e = rp.replace(e, cli_overrides=tuple(overrides))  # recorded in the table's header, scale line and JSON
         path = write_table(e, plans[name], args.out, numbers, report=not args.no_report)
         print(path.read_text())
         print(f"table: {path}")
@@ -159,7 +165,8 @@ def _cmd_report(args) -> int:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
         files = build_report(args.runs, args.out, ReportOptions(metrics, args.target, args.time_metric,
                                                                 plots=not args.no_plots, per_client=args.per_client,
-                                                                tuned_on=args.tuned_on))
+                                                                tuned_on=args.tuned_on,
+                                                                mixed_metrics=args.mixed_metrics))
     except (KeyError, FileNotFoundError) as e:
         print(f"raysim report: {printable(e.args[0] if e.args else e)}", file=sys.stderr)
         return 2
@@ -196,6 +203,15 @@ def param_docs(params_cls) -> dict[str, str]:
     return docs
 
 
+def _list_measures(name: str) -> None:
+    """Which model each of a method's metrics evaluates (issue 52), at its default parameters."""
+    from raysim.app.measures import describe
+
+    line = describe(name)
+    if line:
+        print(f"    measures: {line}")
+
+
 def _cmd_list() -> int:
     import dataclasses
 
@@ -204,7 +220,8 @@ def _cmd_list() -> int:
     from raysim.models import ARCHS, arch_params
     from raysim.config.registry import ALGORITHMS, algorithm_class
 
-    print("algorithms (hyperparameter = default: meaning; set with --set algorithm.params.NAME=VALUE):")
+    print("algorithms (hyperparameter = default: meaning; set with --set algorithm.params.NAME=VALUE; 'measures': "
+          "which model a metric evaluates, at the defaults; val_* is test_*'s model on the validation split):")
     for name in sorted(ALGORITHMS):
         cls = algorithm_class(name)
         fields = dataclasses.fields(cls.Params)
@@ -214,6 +231,7 @@ def _cmd_list() -> int:
             default = f.default if f.default is not dataclasses.MISSING else (
                 f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
             print(f"      {f.name} = {default!r}: {docs.get(f.name) or PARAM_HELP.get(f.name, '')}".rstrip(": "))
+        _list_measures(name)
     print("datasets:")
     for name in LOADERS:
         print(f"  {name}")
@@ -246,9 +264,15 @@ def _cmd_run(args) -> int:
         else:
             rundir.check_run_dir(args.out, "--out")
     if args.dry_run:
+        notes: list = []  # the config's notices (a switched method's parameters), on stderr and in the dry run
+
+        def notify(message: str) -> None:
+            notes.append(message)
+            _say(f"note: {message}")
+
         with dryrun.active():  # a dry run writes nothing, whoever's code runs (the user's modules load here)
-            cfg = load_config(args.config, overrides)
-        return _cmd_dry_run(cfg, args)
+            cfg = load_config(args.config, overrides, notify=notify)
+        return _cmd_dry_run(cfg, args, notes)
     cfg = load_config(args.config, overrides)
     if args.seeds:
         return _cmd_run_seeds(cfg, args)
@@ -283,7 +307,7 @@ def _say_failures(summary) -> None:
 DRY_RUN_CLIENTS = 50  # a dry run lists this many clients at most (issue 50: 1M clients printed 1M lines)
 
 
-def _cmd_dry_run(cfg, args) -> int:
+def _cmd_dry_run(cfg, args, notes=()) -> int:
     import numpy as np
     import yaml
 
@@ -304,6 +328,8 @@ def _cmd_dry_run(cfg, args) -> int:
 
     print(f"# resolved config (run id {cfg.run_id()})")
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False).rstrip())
+    for note in notes:  # e.g. a switched method's kept parameters beside its defaults
+        print(f"# note: {note}")
     s = prep.fed_data.summary()
     tr, te = np.array(s["train_sizes"]), np.array(s["test_sizes"])
     ncls = np.array([len(c) for c in s["classes"]])
@@ -421,6 +447,10 @@ def _main(args) -> int:
             return _cmd_report(args)
         if args.command == "reproduce":
             return _cmd_reproduce(args)
+        if args.command == "compare":
+            from raysim.app.compare import command
+
+            return command(args)
         return _cmd_run(args)
     except (ConfigError, DataError) as e:
         cause = getattr(e, "cause", None)  # raised in a Ray actor: the original error, without Ray's traceback

@@ -266,14 +266,16 @@ def tuning_seeds(directory) -> set[int]:
 @dataclass(frozen=True)
 class ReportOptions:
     """What ``raysim report`` shows: the metrics (default: the runs' accuracy), the target for rounds-to-target,
-    the simulated-time metric (default: found in the runs), whether to draw plots and per-client plots, and the
-    tuning studies whose seeds the report warns about (``--tuned-on``)."""
+    the simulated-time metric (default: found in the runs), whether to draw plots and per-client plots, the
+    tuning studies whose seeds the report warns about (``--tuned-on``), and whether a metric that evaluates different
+    models across the methods is compared knowingly (``--mixed-metrics``; else refused, one line)."""
     metrics: Optional[list] = None
     target: Optional[float] = None
     time_metric: Optional[str] = None
     plots: bool = True
     per_client: bool = False
     tuned_on: Optional[list] = None
+    mixed_metrics: bool = False  # compare a metric that evaluates different models across methods (issue 52)
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,10 @@ def build_report(paths, out_dir: str | Path, options: ReportOptions = ReportOpti
     ``out_dir``; returns {name: path}. A metric that a run lacks is an error naming the run."""
     df, index, metrics, notes = _read_runs(paths, options.metrics)
     labels = setting_labels(index)
+    from raysim.app.measures import check, run_configs
+
+    # one metric name, one kind of model across the methods (FedAvg's test_acc is global, FedProto's personal)
+    notes = notes + check(run_configs(index, labels), metrics, options.mixed_metrics)
     index = index.assign(setting=index["group"].map(labels))
     runs = _Runs(df, index, labels, find_time_metric(df, options.time_metric))
     tm, target = runs.time_metric, options.target

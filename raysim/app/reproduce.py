@@ -27,7 +27,7 @@ CONFIGS_ROOT = Path(__file__).resolve().parents[2] / "configs"
 NUMBERS_FILE = "seed_numbers.yaml"
 MANIFEST = "experiments.yaml"
 _KEYS = {"title", "source", "seeds", "min_seeds", "metric", "extra_metrics", "select", "select_per", "percent", "scaled", "set",
-         "runs", "claims", "extends", "description", "window"}
+         "runs", "claims", "extends", "description", "window", "seed_setting"}
 _RUN_KEYS = {"label", "config", "set", "paper", "metric"}
 _CLAIM_KEYS = {"text", "better", "worse", "metric", "lower_is_better"}
 
@@ -84,6 +84,14 @@ class Experiment:
     description: str = ""
     min_seeds: int = 3  # paired seeds a claim needs for a verdict (5 where the seed paper ran 5); fewer: n too small
     window: int = 5  # select 'last': a run's verdict value is the mean of its last `window` evaluated rounds (issue 51)
+    seed_setting: Optional[bool] = None  # the runs use the seed's dataset, model and protocol (default: scaled is "")
+    cli_overrides: tuple = ()  # the overrides this reproduction was made with (raysim reproduce --set, --backend)
+
+    @property
+    def matches_seed(self) -> bool:
+        """Whether the seed's numbers are comparable value for value (the table's diff column): the manifest says the
+        runs use the seed's dataset, model and protocol (``seed_setting``; by default, when nothing is ``scaled``)."""
+        return (not self.scaled) if self.seed_setting is None else bool(self.seed_setting)
 
     def run(self, label: str) -> RunSpec:
         for r in self.runs:
@@ -218,13 +226,29 @@ def _build(name: str, path: Path, body: dict) -> Experiment:
         raise ConfigError(f"{where}.min_seeds", f"{min_seeds!r}: the seeds a verdict needs, an integer >= 3 (5 where "
                                                 f"the seed paper ran 5)")
     select, select_per, window = _selection(body, where)
+    seed_setting = body.get("seed_setting")
+    if seed_setting is not None and not isinstance(seed_setting, bool):
+        raise ConfigError(f"{where}.seed_setting", f"{seed_setting!r}: true when the runs use the seed's dataset, "
+                                                   f"model and protocol (its numbers are then compared value for "
+                                                   f"value), else false")
     return Experiment(name=name, folder=folder, title=str(body["title"]), source=str(body["source"]), seeds=seeds,
                       metric=str(body["metric"]), runs=tuple(runs),
                       extra_metrics=tuple(_as_list(body.get("extra_metrics"), f"{where}.extra_metrics")),
                       select=select, select_per=select_per, percent=bool(body.get("percent", True)),
                       scaled=str(body.get("scaled") or ""), overrides=_overrides(body.get("set"), f"{where}.set"),
                       claims=tuple(claims), description=str(body.get("description") or ""), min_seeds=min_seeds,
-                      window=window)
+                      window=window, seed_setting=seed_setting)
+
+
+# overrides that change where or how a run is computed, not what it computes: a reproduction with only these keeps
+# the seed's protocol (they are still recorded)
+NEUTRAL_OVERRIDES = ("backend.", "output.", "data.root=")
+
+
+def protocol_overrides(overrides) -> list[str]:
+    """The overrides (``KEY=VALUE``) that change what the runs compute: all but ``backend.*``, ``output.*`` and
+    ``data.root`` (where the files are)."""
+    return [o for o in overrides or () if not str(o).strip().startswith(NEUTRAL_OVERRIDES)]
 
 
 def load_numbers(root: str | Path = CONFIGS_ROOT) -> dict:

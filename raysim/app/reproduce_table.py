@@ -1,7 +1,7 @@
 """The table of a seed experiment (``raysim reproduce``'s last step): each run's value (the last evaluation, or the
 checkpoint a validation metric selects, per run or per client), mean +- sample std over seeds beside the seed's
 number and the difference, traffic and wall time from each run's own records, each claim's verdict from the paired
-per-seed differences (mean +- 95 % Student-t interval: held / tie / reversed, or n too small; :mod:`raysim.app.verdicts`),
+per-seed differences (mean +- 95 % Student-t interval: held / tie / reversed, or n too small; :mod:`raysim.verdicts`),
 and each run's provenance (seed, config hash, code version, numerics mode, CPU), written as ``reproduction.md`` /
 ``.json`` with raysim report's summary and plots under it. :func:`render_records` writes the same table again from a
 stored ``reproduction.json`` (its per-run records), without the run directories."""
@@ -16,10 +16,11 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from raysim.app import verdicts
+from raysim import verdicts
 from raysim.errors import ConfigError
 
-from raysim.app.reproduce import Experiment, Planned, diverged_reason, paper_value, source_entry
+from raysim.app.reproduce import (Experiment, Planned, diverged_reason, paper_value, protocol_overrides,
+                                  source_entry)
 
 
 FINAL = "@final"  # a per-run record's column: the metric at the last evaluated round, shown beside the verdict's value
@@ -66,7 +67,7 @@ def run_value(df: pd.DataFrame, metric: str, select: str = "last", select_per: s
 
 def run_curve(df: pd.DataFrame, metric: str) -> dict[int, float]:
     """One run's ``metric`` at every evaluated round (round -> the mean over clients, or the server value): what the
-    window of the last evaluated rounds averages (:func:`raysim.app.verdicts.window_mean`)."""
+    window of the last evaluated rounds averages (:func:`raysim.verdicts.window_mean`)."""
     scope, name = _client_or_server(df, metric)
     rows = df[(df["scope"] == scope) & (df["metric"] == name)]
     return {int(r): float(v) for r, v in rows.groupby("round")["value"].mean().sort_index().items()}
@@ -210,7 +211,7 @@ def value_rule(exp: Experiment, per_run: pd.DataFrame) -> str:
 
 def summarise(exp: Experiment, per_run: pd.DataFrame, numbers: dict) -> tuple[pd.DataFrame, list[dict]]:
     """Per run label: mean and sample std over seeds of each metric, the seed's number and the difference; and per
-    claim its verdict from the paired per-seed differences (:func:`raysim.app.verdicts.judge`: n, mean, the 95 % interval,
+    claim its verdict from the paired per-seed differences (:func:`raysim.verdicts.judge`: n, mean, the 95 % interval,
     held / tie / reversed, or n too small below ``exp.min_seeds``) beside the seed's own difference."""
     metrics = [exp.metric, *exp.extra_metrics]
     out = []
@@ -290,6 +291,35 @@ def provenance_markdown(per_run: pd.DataFrame) -> str:
     return f"Provenance of the {len(per_run)} run(s) (each run's record: the table's JSON, `runs`): " + "; ".join(parts) + ".\n"
 
 
+DIRECTION_ONLY = "direction only"
+
+
+def scale_text(exp: Experiment, overrides=()) -> str:
+    """The table's scale line: what differs from the seed's size, and every override the runs were made with."""
+    text = exp.scaled or "the seed’s full size"
+    if overrides:
+        text += "; with overrides in every run: " + ", ".join(f"--set {o}" for o in overrides)
+    return text
+
+
+def seed_compared(exp: Experiment, overrides=()) -> bool:
+    """Whether the seed's numbers are compared value for value (the diff column): only where dataset, model and
+    protocol are the seed's (:attr:`Experiment.matches_seed`) and no override changes what the runs compute."""
+    return exp.matches_seed and not protocol_overrides(overrides)
+
+
+def _direction_note(exp: Experiment, overrides) -> str:
+    why = []
+    if not exp.matches_seed:
+        why.append("this experiment's dataset, model or protocol is not the seed's (the scale line)")
+    changed = protocol_overrides(overrides)
+    if changed:
+        why.append(f"the overrides change the protocol ({', '.join(changed)})")
+    return (f"The seed's numbers are shown for the direction only: {' and '.join(why)}, so a difference from them "
+            f"measures the setting, not the method; compare the ordering of the methods (the claims), not the "
+            f"values (diff: '{DIRECTION_ONLY}').\n")
+
+
 def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], numbers: dict,
                    per_run: pd.DataFrame | None = None) -> str:
     metrics = [exp.metric, *exp.extra_metrics]
@@ -299,10 +329,15 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
            if exp.select == "last" else
            f"the round with the best {exp.select} ({'per client' if exp.select_per == 'client' else 'mean over clients'})")
     seeds = sorted(set(int(x) for x in exp.seeds))
-    lines = [f"## {exp.name}: {exp.title}\n",
+    overrides = list(exp.cli_overrides)
+    compared = seed_compared(exp, overrides)
+    head_note = f" — with overrides: {', '.join(overrides)} (not the manifest's setting)" if overrides else ""
+    lines = [f"## {exp.name}: {exp.title}{head_note}\n",
              f"Seed: {entry.get('source', exp.source)}. Values{unit}: mean ± sample std over seeds "
              f"{', '.join(str(s) for s in seeds)} (n = {len(seeds)}; a verdict needs {exp.min_seeds}) of the mean over "
-             f"clients, at {sel}. Scale: {exp.scaled or 'the seed’s full size'}.\n"]
+             f"clients, at {sel}. Scale: {scale_text(exp, overrides)}.\n"]
+    if not compared:
+        lines.append(_direction_note(exp, overrides))
     if exp.description:
         lines.append(exp.description.strip() + "\n")
     head = ["method", "seeds"]
@@ -315,8 +350,9 @@ def table_markdown(exp: Experiment, table: pd.DataFrame, claims: list[dict], num
         cells = [str(r["label"]), str(int(r["seeds"]))]
         for m in metrics:
             mean, std, paper = r[f"{m}_mean"], r[f"{m}_std"], r[f"{m}_paper"]
-            cells += [_fmt(mean, std), _fmt(paper, math.nan),
-                      (f"{mean - paper:+.2f}" if np.isfinite(mean) and np.isfinite(paper) else "–")]
+            diff = (f"{mean - paper:+.2f}" if compared else DIRECTION_ONLY) if np.isfinite(paper) and np.isfinite(mean) \
+                else "–"
+            cells += [_fmt(mean, std), _fmt(paper, math.nan), diff]
         fin = r.get(f"{exp.metric}_final_mean", math.nan)
         cells += [_fmt(fin, math.nan) if exp.select == "last" else "–",
                   f"{r['floats']:,.0f}" if np.isfinite(r["floats"]) else "–",
@@ -345,6 +381,7 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
     table, claims = summarise(exp, per_run, numbers)
     d = Path(out) / exp.name
     d.mkdir(parents=True, exist_ok=True)
+    overrides = list(exp.cli_overrides)  # raysim reproduce --set / --backend: in the header, scale line and JSON
     md = table_markdown(exp, table, claims, numbers, per_run)
     diverged = [(p, diverged_reason(p.target, p.cfg)) for p in planned if not (p.target / "results.parquet").exists()]
     diverged = [(p, m) for p, m in diverged if m is not None]
@@ -358,7 +395,10 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
         md += f"\nNot finished (left out of the table): {', '.join(missing)}.\n"
     (d / "reproduction.md").write_text(md)
     (d / "reproduction.json").write_text(json.dumps({"experiment": exp.name, "source": exp.source,
-                                                     "scaled": exp.scaled, "seeds": list(exp.seeds),
+                                                     "scaled": scale_text(exp, overrides),
+                                                     "overrides": overrides, "with_overrides": bool(overrides),
+                                                     "seed_compared": seed_compared(exp, overrides),
+                                                     "seeds": list(exp.seeds),
                                                      "min_seeds": exp.min_seeds, "table": table.to_dict("records"),
                                                      "claims": claims, "runs": _records(per_run)},
                                                     indent=1, default=_json_default))
@@ -367,7 +407,9 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
 
         client_metrics = [m for m in (exp.metric, *exp.extra_metrics) if not m.startswith("server:")]
         try:
-            build_report(list(per_run["path"]), d / "report", ReportOptions(metrics=client_metrics or None), log=log)
+            # the seed's own protocol puts each method's metric side by side: said in the summary, not refused
+            build_report(list(per_run["path"]), d / "report", ReportOptions(metrics=client_metrics or None,
+                                                                            mixed_metrics=True), log=log)
         except (ConfigError, KeyError) as e:  # a metric only some runs have: the table above still stands
             log(f"note: raysim report skipped ({e})")
     return d / "reproduction.md"
@@ -417,9 +459,12 @@ def render_records(exp: Experiment, record: dict, numbers: dict) -> tuple[str, d
         per_run = with_window(per_run[per_run["label"].isin([r.label for r in exp.runs])].copy(), exp)
     seeds = tuple(sorted({int(s) for s in per_run["seed"]})) if len(per_run) else exp.seeds
     exp = replace(exp, seeds=seeds)
+    overrides = [str(o) for o in record.get("overrides") or []]
+    exp = replace(exp, cli_overrides=tuple(overrides))
     table, claims = summarise(exp, per_run, numbers)
     md = table_markdown(exp, table, claims, numbers, per_run)
-    new = dict(record, seeds=list(seeds), min_seeds=exp.min_seeds,
+    new = dict(record, seeds=list(seeds), min_seeds=exp.min_seeds, scaled=scale_text(exp, overrides),
+               overrides=overrides, with_overrides=bool(overrides), seed_compared=seed_compared(exp, overrides),
                table=json.loads(json.dumps(table.to_dict("records"), default=_json_default)),
                claims=json.loads(json.dumps(claims, default=_json_default)))
     return md, new

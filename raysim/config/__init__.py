@@ -512,8 +512,10 @@ def make_config(data: dict | None = None, overrides: list[str] | None = None, no
     return from_dict(ExperimentConfig, d)
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
-    return make_config(load_config_dict(path), overrides)
+def load_config(path: str | Path, overrides: list[str] | None = None, notify=None) -> ExperimentConfig:
+    """The config in the YAML file ``path`` with ``overrides``; ``notify(message)`` receives the notices (a switched
+    method's parameters; default: one line each on stderr)."""
+    return make_config(load_config_dict(path), overrides, notify)
 
 
 # the public names of the configuration layer (the sections here; dict <-> dataclass in raysim.config.fields; YAML and

@@ -154,34 +154,102 @@ def set_dotted(data: dict, key: str, value) -> dict:
     return data
 
 
+RESET_PARAMS = "reset_params"  # algorithm.reset_params: true -> a switched method starts from its own defaults
+
+
 def apply_overrides(data: dict, overrides: list[str] | None, notify=None) -> dict:
     """``data`` with every ``dotted.key=value`` override applied. When an override changes ``algorithm.name``, the
-    ``algorithm.params`` that the new method does not have are dropped and ``notify`` (default: one line on stderr)
-    says which: the file's parameters were written for the file's method."""
+    method's parameters are reconciled (:func:`switch_method`): the file's parameters were written for the file's
+    method, so the new method keeps only those it shares, and ``notify`` (default: one line on stderr) names each kept
+    value beside the new method's default; ``--set algorithm.reset_params=true`` takes the new method's defaults."""
     data = json.loads(json.dumps(data or {}))
-    before = (data.get("algorithm") or {}).get("name") if isinstance(data.get("algorithm"), dict) else None
+    before = copy.deepcopy(data)
     for text in overrides or []:
         data = set_dotted(data, *parse_override(text))
-    algo = data.get("algorithm")
-    if isinstance(algo, dict) and algo.get("name") != before and isinstance(algo.get("params"), dict):
-        explicit = {k.split(".", 2)[2] for k, _ in map(parse_override, overrides or [])
-                    if k.startswith("algorithm.params.") and k.count(".") >= 2}
-        algo["params"] = _drop_foreign_params(before, algo.get("name"), algo["params"], explicit, notify)
-    return data
+    return switch_method(before, data, explicit_params(overrides), notify)
 
 
-def _drop_foreign_params(old: str, new: str, params: dict, explicit: set, notify) -> dict:
+def explicit_params(overrides) -> set:
+    """The ``algorithm.params`` names the overrides set one by one (``algorithm.params.NAME=...``) or as a whole
+    mapping (``algorithm.params={...}``): the user's own choices for the new method, never 'carried over'."""
+    out: set = set()
+    for k, v in map(parse_override, overrides or []):
+        if k.startswith("algorithm.params.") and k.count(".") >= 2:
+            out.add(k.split(".", 2)[2])
+        elif k == "algorithm.params" and isinstance(v, dict):
+            out |= set(v)
+    return out
+
+
+def _algorithm_section(data) -> dict | None:
+    return data.get("algorithm") if isinstance(data, dict) and isinstance(data.get("algorithm"), dict) else None
+
+
+def switch_method(before: dict, after: dict, explicit: set = frozenset(), notify=None) -> dict:
+    """``after`` (a config dict made from ``before`` by overrides or a sweep's values) with its method's parameters
+    reconciled when ``algorithm.name`` changed: parameters the new method lacks are dropped, shared ones are kept and
+    the notice names each beside the new method's default (``kept lam=1.0; fedtgp's default is 10.0``);
+    ``algorithm.reset_params: true`` keeps only ``explicit`` (the parameters the user set for the new method) so the
+    rest take the new method's defaults. ``reset_params`` is a directive, never part of the config it returns."""
+    algo = _algorithm_section(after)
+    if algo is None:
+        return after
+    reset = algo.pop(RESET_PARAMS, False)
+    if not isinstance(reset, bool):
+        raise ConfigError(f"algorithm.{RESET_PARAMS}", f"must be true or false, got {reset!r}")
+    old = (_algorithm_section(before) or {}).get("name") or "the default method"
+    new = algo.get("name") or "the default method"
+    if new == old:
+        if reset:
+            (notify or _stderr_notice)(f"algorithm.{RESET_PARAMS}=true does nothing: algorithm.name is unchanged "
+                                       f"({new})")
+        return after
+    if isinstance(algo.get("params"), dict):
+        algo["params"] = _switch_params(old, new, algo["params"], set(explicit), notify, reset)
+    return after
+
+
+def _show(v) -> str:
+    """A parameter value as the user writes it in YAML (true, 1.0, fedavg, [1, 2])."""
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def _switch_params(old: str, new: str, params: dict, explicit: set, notify, reset: bool) -> dict:
     try:
-        allowed = {f.name for f in dataclasses.fields(algorithm_class(new).Params)}
+        fields = {f.name: f for f in dataclasses.fields(algorithm_class(new).Params)}
     except Exception:  # an unknown name is reported, naming algorithm.name, when the config is built
         return params
-    dropped = [k for k in params if k not in allowed and k not in explicit]
-    if dropped:
-        kept = [k for k in params if k not in dropped]
-        (notify or _stderr_notice)(
-            f"algorithm.name changed from {old} to {new}: dropped algorithm.params {', '.join(dropped)} "
-            f"({new} has no such parameters){'; kept ' + ', '.join(kept) if kept else ''}")
+    carried = [k for k in params if k not in explicit]
+    if reset:
+        if carried:
+            (notify or _stderr_notice)(
+                f"algorithm.name changed from {old} to {new}: algorithm.{RESET_PARAMS}=true, so {new} runs with its "
+                f"own defaults; not carried over: {', '.join(f'{k}={_show(params[k])}' for k in carried)}")
+        return {k: v for k, v in params.items() if k in explicit}
+    dropped = [k for k in carried if k not in fields]
+    kept = [k for k in carried if k in fields]
+    if dropped or kept:
+        parts = []
+        if dropped:
+            parts.append(f"dropped algorithm.params {', '.join(dropped)} ({new} has no such parameters)")
+        for k in kept:
+            d = _default(fields[k])
+            same = d is not dataclasses.MISSING and _show(d) == _show(params[k])
+            parts.append(f"kept {k}={_show(params[k])}; " + (f"{new}'s default too" if same else
+                                                            f"{new}'s default is {_show(d)}"
+                                                            if d is not dataclasses.MISSING else f"{new} has no default"))
+        if any("default is" in p for p in parts):
+            parts.append(f"--set algorithm.{RESET_PARAMS}=true takes {new}'s defaults instead")
+        (notify or _stderr_notice)(f"algorithm.name changed from {old} to {new}: " + "; ".join(parts))
     return {k: v for k, v in params.items() if k not in dropped}
+
+
+def _default(f):
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
 
 
 def _stderr_notice(message: str) -> None:

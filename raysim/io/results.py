@@ -297,10 +297,114 @@ def select_by_validation(df: pd.DataFrame, val: str = "val_acc_all",
     return pd.DataFrame(out)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# paired comparison of settings run over the same seeds (``raysim compare``; the verdicts of raysim.verdicts, the
+# code of ``raysim reproduce``'s claims)
+
+
+def run_curves(df: pd.DataFrame, metric: str = "test_acc") -> dict:
+    """run_id -> {round: value}: the mean over clients of a client metric at each evaluated round, or a server-scope
+    metric (``global_test_acc``) where no client rows carry it."""
+    d = df[(df["scope"] == "client") & (df["metric"] == metric)]
+    if d.empty:
+        d = df[(df["scope"] == "server") & (df["metric"] == metric)]
+    if d.empty:
+        raise MetricError(f"no client or server metric {metric!r} in this table; client metrics here: "
+                          f"{', '.join(client_metrics(df)) or 'none'}")
+    per = d.groupby(["run_id", "round"])["value"].mean()
+    return {rid: {int(r): float(v) for r, v in g.droplevel(0).items()} for rid, g in per.groupby(level=0)}
+
+
+def _settings(groups: pd.DataFrame) -> tuple[list, dict]:
+    """(the settings in order of first appearance, setting -> {seed: run_id}); a setting with two runs of one seed
+    is refused (its pairing would be ambiguous)."""
+    from raysim.errors import ConfigError
+
+    col = "setting" if "setting" in groups.columns else "group"
+    order, runs = [], {}
+    for _, row in groups.iterrows():
+        name, seed = row[col], int(row["seed"])
+        if name not in runs:
+            order.append(name)
+            runs[name] = {}
+        if seed in runs[name]:
+            raise ConfigError("runs", f"setting {name!r} has two runs of seed {seed} ({runs[name][seed]}, "
+                                      f"{row['run_id']}); give one run per seed and setting")
+        runs[name][seed] = row["run_id"]
+    return order, runs
+
+
+def unpaired_seeds(groups: pd.DataFrame, baseline=None) -> list[str]:
+    """One phrase per setting whose seeds differ from the baseline's: which seeds either side lacks."""
+    order, runs = _settings(groups)
+    base = order[0] if baseline is None else baseline
+    out = []
+    for name in order:
+        if name == base:
+            continue
+        only, missing = sorted(set(runs[name]) - set(runs[base])), sorted(set(runs[base]) - set(runs[name]))
+        if only or missing:
+            out.append(f"{name}: " + "; ".join(
+                x for x in (f"seed(s) {', '.join(map(str, only))} without a {base} run" if only else "",
+                            f"no run of seed(s) {', '.join(map(str, missing))}" if missing else "") if x))
+    return out
+
+
+def paired(df: pd.DataFrame, metric: str = "test_acc", groups=None, *, baseline=None, last: int = 1,
+           lower_is_better: bool = False) -> pd.DataFrame:
+    """Each setting against a baseline over the seeds both ran: per seed, the difference of the runs' values
+    (setting - baseline; baseline - setting where lower is better), and over the seeds the mean, its 95 % Student-t
+    interval, the paired t-test's p and the verdict of ``raysim reproduce`` (:func:`raysim.verdicts.judge`): ``held``
+    (the setting is better: the interval lies above 0), ``tie`` (it contains 0), ``reversed`` (below 0), ``n too
+    small`` (fewer than 3 pairs). A run's value is its final evaluated round (``last=1``) or the mean of its last
+    ``last`` evaluated rounds (:func:`raysim.verdicts.window_mean`).
+
+    ``groups``: the run index (:func:`run_index`: run_id, seed, group, and optionally ``setting``, a label; default
+    one setting per run name); ``baseline``: a setting (default the first). One row per other setting: setting,
+    baseline, metric, rounds, n, mean, sd, half, lo, hi, p, verdict, setting_mean, baseline_mean, seeds (the paired
+    ones), unpaired (seeds either side lacks), diffs (JSON: seed -> difference)."""
+    from raysim import verdicts
+
+    if groups is None:
+        raise TypeError("paired needs the run index (raysim.results.run_index(paths)): it says each run's seed")
+    if int(last) < 1:
+        raise ValueError(f"last must be >= 1 (the final round), got {last}")
+    order, runs = _settings(groups)
+    base = order[0] if baseline is None else baseline
+    if base not in runs:
+        raise KeyError(f"baseline {base!r} is not a setting here; settings: {', '.join(map(str, order))}")
+    curves = run_curves(df, metric)
+    value = {rid: verdicts.window_mean(c, int(last))[0] for rid, c in curves.items()}
+    by_seed = {name: {s: value.get(rid, np.nan) for s, rid in seeds.items()} for name, seeds in runs.items()}
+    rows = []
+    for name in order:
+        if name == base:
+            continue
+        res = verdicts.judge(by_seed[name], by_seed[base], lower_is_better)
+        pairs = sorted(res["diffs"])
+        rows.append({"setting": name, "baseline": base, "metric": metric,
+                     "rounds": "final" if int(last) == 1 else f"last {int(last)}",
+                     **{k: res[k] for k in ("n", "mean", "sd", "half", "lo", "hi", "p", "verdict")},
+                     "setting_mean": float(np.mean([by_seed[name][s] for s in pairs])) if pairs else np.nan,
+                     "baseline_mean": float(np.mean([by_seed[base][s] for s in pairs])) if pairs else np.nan,
+                     "seeds": ",".join(map(str, pairs)),
+                     "unpaired": "; ".join(unpaired_seeds(groups[groups[_col(groups)].isin([name, base])], base)),
+                     "diffs": json.dumps({str(k): v for k, v in res["diffs"].items()})})
+    return pd.DataFrame(rows, columns=PAIRED_COLUMNS)
+
+
+PAIRED_COLUMNS = ["setting", "baseline", "metric", "rounds", "n", "mean", "sd", "half", "lo", "hi", "p", "verdict",
+                  "setting_mean", "baseline_mean", "seeds", "unpaired", "diffs"]
+
+
+def _col(groups: pd.DataFrame) -> str:
+    return "setting" if "setting" in groups.columns else "group"
+
+
 # the table format and its verified reads live in raysim.io.tables; importable from here (raysim.results) as before
 __all__ = ["COLUMNS", "DIGEST_KEY", "META_KEY", "RESULTS_FILE", "ROUND_TIME", "RUN_INFO", "STEP_TIME", "MetricError",
            "ResultTable", "accuracy_vs_sim_time", "best", "check_table", "client_metric", "client_metrics",
            "communication", "cumulative", "env_time", "file_sha256", "final", "is_timing", "load", "load_metadata",
-           "markdown_table", "per_round", "read_run_info", "read_table", "read_table_metadata", "rounds_to_target",
+           "markdown_table", "paired", "per_round", "run_curves", "unpaired_seeds", "read_run_info", "read_table", "read_table_metadata", "rounds_to_target",
            "run_index", "seed_curves", "seed_summary", "select_by_validation", "sim_time_to_target", "time_to_target",
            "timing", "without_timing", "write_parquet"]
