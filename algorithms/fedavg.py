@@ -41,7 +41,7 @@ from raysim.errors import ConfigError
 from raysim.messages import Message, payload_sizes, rows_of, stacked_rows, state_message
 from raysim.ops import rebase_trees, weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
-from raysim.training import (accuracy, clone_state, forward_all, make_optimizer,
+from raysim.training import (accuracy, clone_state, forward_all, group_accuracies, make_optimizer,
                              optimizer_state)
 
 
@@ -288,6 +288,20 @@ class FedAvg(LocalTraining):
             model.load_state_dict(payload["model"].tensors)
         # test_acc on the client's test split; with data.local_split also the seed-003 metrics bwt / fwt / acc_all
         return domain_metrics(model, data)
+
+    def evaluate_group(self, payloads, states, datas, ctxs):
+        """evaluate_client for clients that test one global model (classic rounds, no cross-domain tests): one
+        forward of their test sets concatenated, each client's accuracy from its own segment
+        (:func:`raysim.training.group_accuracies`). None: evaluate_client per client."""
+        if self.iteration_mode or type(self).evaluate_client is not FedAvg.evaluate_client:
+            return None
+        first = payloads[0]["model"].tensors
+        if any(p["model"].tensors is not first for p in payloads) or any(d.cross_test is not None for d in datas):
+            return None
+        model = self.live_model(ctxs[0])
+        model.load_state_dict(first)
+        accs = group_accuracies(model, [d.x_test for d in datas], [d.y_test for d in datas])
+        return [{"test_acc": a} for a in accs]
 
     def global_model(self, ctx: Context):
         """The runner's live module of the global model (the server's evaluation)."""

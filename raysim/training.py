@@ -320,6 +320,20 @@ def device_accuracy(pred: torch.Tensor, y: torch.Tensor) -> tuple:
     return (pred == y).sum().to(torch.float64) / n, float(n)
 
 
+def group_accuracies(model: nn.Module, xs: list, ys: list) -> list[tuple]:
+    """:func:`device_accuracy` of one ``model`` on each of several clients' data sets (``xs``, ``ys``), from one
+    forward of them concatenated (:func:`forward_all`) and one segment sum: per client (accuracy as a 0-dim float64
+    tensor, or NaN for an empty set; the number of samples). The predictions are the per-client forwards' up to the
+    batch composition of the kernels (last bits of the logits)."""
+    sizes = [int(y.shape[0]) for y in ys]
+    y = torch.cat(ys)
+    pred = forward_all(model, torch.cat(xs))[0].argmax(1)
+    seg = torch.repeat_interleave(torch.arange(len(ys), device=y.device), torch.tensor(sizes, device=y.device))
+    correct = torch.zeros(len(ys), dtype=torch.float64, device=y.device).index_add_(0, seg, (pred == y).to(torch.float64))
+    accs = (correct / torch.tensor(sizes, dtype=torch.float64).clamp_min(1).to(y.device)).unbind()
+    return [(a, float(n)) if n else (float("nan"), 0.0) for a, n in zip(accs, sizes)]
+
+
 def accuracy(pred: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     """(accuracy, number of samples) — the number is the weight of the value in the result table."""
     n = int(y.shape[0])

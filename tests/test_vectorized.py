@@ -82,6 +82,31 @@ def test_batch_native_final_equals_loop_within_tolerance(algo, monkeypatch):
     close(table(cfg(algo, vectorize=False, data=data)), vec)
 
 
+def test_batched_evaluation_equals_the_loops(monkeypatch):
+    """FedAvg's evaluation in its group form (one forward of every client's test set, and of their validation
+    splits, under the global model) gives the loop's accuracies: checked by a spy, on a run with validation
+    splits."""
+    from algorithms import fedavg
+
+    batch_form, calls = fedavg.FedAvg.evaluate_group, []
+
+    def spy(self, payloads, states, datas, ctxs):
+        out = batch_form(self, payloads, states, datas, ctxs)
+        calls.append(len(datas) if out is not None else 0)
+        return out
+
+    monkeypatch.setattr(fedavg.FedAvg, "evaluate_group", spy)
+    data = {"dataset": "mnist5k", "num_clients": 5, "partition": "dirichlet", "val_fraction": 0.3,
+            "partition_params": {"alpha": 0.5, "samples_per_client": 18, "min_samples": 5, "test_ratio": 0.3}}
+    vec = table(cfg("fedavg", data=data))
+    assert calls and all(c >= 2 for c in calls), calls
+    loop = table(cfg("fedavg", vectorize=False, data=data))
+    assert {"test_acc", "val_acc"} <= set(vec.metric)
+    close(loop, vec)
+    accs = lambda t: t[t.metric.isin(["test_acc", "val_acc"])].reset_index(drop=True)  # noqa: E731
+    pd.testing.assert_frame_equal(accs(loop), accs(vec))  # the same predictions here: equal accuracies
+
+
 def test_dropout_on_masks_are_the_loops():
     # cnn_mnist's head dropout and Dropout2d at 0.5: each client's masks are drawn from its own generator in the
     # loop's order, so even with dropout the numbers agree within tolerance, and a vectorised run is deterministic

@@ -319,6 +319,60 @@ class Vectorized(Executor):
             run.report(c).seconds += share + time.perf_counter() - t1
 
 
+class GroupEvaluation(Executor):
+    """``backend.vectorize``: an evaluation step of a method with a group form of ``evaluate_client``
+    (``evaluate_group(payloads, states, datas, ctxs) -> [metrics] | None``, e.g. FedAvg's: one forward of every
+    client's test set under the global model) for the step's clients with test data, and the same on their
+    validation splits; None or an error passes the step on to the per-client loop (warned once)."""
+
+    name = "group_evaluation"
+
+    def __init__(self):
+        self._warned: set = set()
+
+    @classmethod
+    def enabled(cls, settings) -> bool:
+        return bool(settings.vectorize)
+
+    def accepts(self, run: StepRun) -> bool:
+        return (run.evaluate and run.step.method == "evaluate_client"
+                and getattr(run.algorithm, "evaluate_group", None) is not None)
+
+    def run(self, run: StepRun) -> bool:
+        t0 = time.perf_counter()
+        ids = [c for c in run.client_ids if run.has_test_data(c)]
+        if len(ids) < 2:
+            return False
+        try:
+            ctxs, downs = map(list, zip(*[run.download(c) for c in ids]))
+            states, datas = [run.state(c) for c in ids], [run.data(c) for c in ids]
+            metrics = run.algorithm.evaluate_group(downs, states, datas, ctxs)
+            if metrics is None:
+                return False
+            val = [j for j, d in enumerate(datas) if d.has_val]
+            vm = run.algorithm.evaluate_group([downs[j] for j in val], [states[j] for j in val],
+                                              [datas[j].validation_view() for j in val], [ctxs[j] for j in val]) \
+                if val else []
+            if vm is None:
+                return False
+        except DamagedFileError:
+            raise
+        except Exception as e:
+            name = f"{type(run.algorithm).__name__}.evaluate_group"
+            if name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(f"{name} failed ({type(e).__name__}: {e}); its clients are evaluated one by one",
+                              RuntimeWarning, stacklevel=2)
+            return False
+        share = (time.perf_counter() - t0) / len(ids)
+        for cid, m in zip(ids, metrics):
+            run.report(cid).metrics = dict(m)
+            run.report(cid).seconds = share
+        for j, m in zip(val, vm):  # the same evaluation on the validation split: test_* -> val_*
+            run.report(ids[j]).metrics.update({"val_" + k[5:]: v for k, v in m.items() if k.startswith("test_")})
+        return True
+
+
 class Loop(Executor):
     """One client after another, each inside its own failure guard (training and evaluation steps)."""
 
@@ -352,7 +406,7 @@ class Loop(Executor):
 
 # the built-in chain: the vectorised executor (client_update of LocalTraining methods) and group forms (a method's
 # <fn>_group), both enabled by backend.vectorize, ahead of the per-client loop
-for _cls in (Loop, Vectorized, GroupForm):
+for _cls in (Loop, Vectorized, GroupForm, GroupEvaluation):
     register_executor(_cls)
 
 
