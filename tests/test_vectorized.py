@@ -375,3 +375,17 @@ def test_a_model_with_nothing_to_train_runs():
     trained, metrics, _ = vmap_local_sgd(model, _ce, Member.zip([start] * 2, [torch.rand(6, 1, 28, 28)] * 2,
                                                                 [torch.randint(0, 10, (6,))] * 2, gens, gens), tc)
     assert all(torch.equal(trained[0][n], start[n]) for n in start) and metrics[0]["train_loss"] > 0
+
+
+def test_portable_vectorised_cpu_run_says_what_the_default_costs(capsys, monkeypatch):
+    """Issue 48 item 4: the fast path in the reproducible default on a CPU costs ~2.5x native; the run says so once,
+    with the switch; a native or per-client run says nothing."""
+    from raysim.engine import prepare as prep
+
+    monkeypatch.setattr(prep, "_NOTICED", set())
+    prepare(cfg("fedavg", backend={"device": "cpu"}))
+    prepare(cfg("fedavg", backend={"device": "cpu"}))
+    err = capsys.readouterr().err
+    assert err.count("backend.vectorize on a CPU in portable numerics") == 1 and "backend.numerics=native" in err
+    prepare(cfg("fedavg", vectorize=False, backend={"device": "cpu"}))
+    assert "portable numerics" not in capsys.readouterr().err

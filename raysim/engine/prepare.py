@@ -68,6 +68,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         from raysim.asyncrules import check_async
 
         check_async(cfg, algorithm, env)
+    if cfg.backend.vectorize is True and cfg.backend.numerics == "portable" and _runs_on_cpu(cfg):
+        _notice_once(PORTABLE_VECTORIZE_NOTE)
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
         from raysim.engine.footprint import check_gpu_budgets
 
@@ -315,6 +317,22 @@ def _check_model_size(spec, task: Task, path: str) -> None:
 
 
 _NOTICED: set = set()
+
+
+# issue 48 item 4, measured (benchmarks/numerics_cost.py; ARCHITECTURE.md "Determinism"): a user who turns on the
+# fast path learns what the reproducible default costs it, and the switch that trades it away
+PORTABLE_VECTORIZE_NOTE = (
+    "note: backend.vectorize on a CPU in portable numerics: its grouped convolutions run MKL's cross-vendor (SSE2) "
+    "kernels without oneDNN, about 2.3-2.7x the native time measured (the per-client loop is not slower); "
+    "--set backend.numerics=native runs the fastest kernels of this CPU, and the table then depends on the CPU")
+
+
+def _runs_on_cpu(cfg: ExperimentConfig) -> bool:
+    if cfg.backend.device == "cpu":
+        return True
+    import torch
+
+    return cfg.backend.device == "auto" and not torch.cuda.is_available()
 
 
 def _notice_once(message: str) -> None:
