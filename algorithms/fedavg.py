@@ -38,7 +38,7 @@ from algorithms.mutual_ops import domain_metrics, random_batch
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate, inert_switches
 from raysim.errors import ConfigError
-from raysim.messages import Message, payload_sizes, rows_of, stacked_rows, state_message
+from raysim.messages import Message, payload_sizes, rows_of, stacked_segments, state_message
 from raysim.ops import rebase_trees, weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import (accuracy, clone_state, forward_all, group_accuracies, make_optimizer,
@@ -52,11 +52,13 @@ def sample_counts(uploads, ids) -> list[int]:
 
 def sample_count_tensor(uploads, ids) -> torch.Tensor:
     """n_i of each upload's ``num_samples`` message as one int64 tensor, in ``ids`` order (nothing read)."""
-    stacked = stacked_rows([uploads[i]["num_samples"].tensors for i in ids])
-    if stacked is not None:  # a vectorised group's counts, stacked: no per-upload work
-        rows, n = stacked[1], stacked[0]["n"]
-        n = n.reshape(n.shape[0], -1)[:, 0]
-        return n if rows == list(range(n.shape[0])) else n[torch.as_tensor(rows)]
+    segments = stacked_segments([uploads[i]["num_samples"].tensors for i in ids])
+    if segments is not None and len(segments) <= max(1, len(ids) // 4):  # vectorised groups' counts, stacked
+        parts = []
+        for stacks, rows in segments:
+            n = stacks["n"].reshape(stacks["n"].shape[0], -1)[:, 0]
+            parts.append(n if rows == list(range(n.shape[0])) else n[torch.as_tensor(rows)])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
     counts = [uploads[i]["num_samples"]["n"].reshape(-1)[:1] for i in ids]
     return torch.cat(counts) if len(counts) > 1 else counts[0]
 

@@ -66,6 +66,20 @@ def stacked_rows(mappings: Sequence[Mapping]) -> Optional[tuple[Mapping[str, tor
     return stacks, [m.row for m in mappings]
 
 
+def stacked_segments(mappings: Sequence[Mapping]) -> Optional[list[tuple[Mapping[str, torch.Tensor], list[int]]]]:
+    """When every mapping is a :class:`Rows`: [(stacks, rows)] for each run of consecutive mappings that are rows of
+    the same stacks (a group trained in chunks gives one run per chunk), in order; else None."""
+    if not mappings or not all(isinstance(m, Rows) for m in mappings):
+        return None
+    out: list = []
+    for m in mappings:
+        if out and out[-1][0] is m.stacks:
+            out[-1][1].append(m.row)
+        else:
+            out.append((m.stacks, [m.row]))
+    return out
+
+
 def _entries(tensors: Mapping) -> Iterator[tuple[int, int, bool]]:
     if isinstance(tensors, Rows):
         yield from tensors.entries()

@@ -5,7 +5,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from raysim.messages import stacked_rows
+from raysim.messages import stacked_segments
 
 
 def weighted_average_states(states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]) -> dict:
@@ -27,9 +27,9 @@ def weighted_average_states(states: Sequence[Mapping[str, torch.Tensor]], weight
             raise ValueError("weights must sum to a positive number")
         w = torch.as_tensor(values, dtype=torch.float64)
     w = (w / w.sum()).tolist()  # the normalised weights (a host tensor's values: no device read)
-    stacked = stacked_rows(states)
-    if stacked is not None:  # rows of one group's stacks (the vectorised executor's uploads): no per-state work
-        return _weighted_stacks(*stacked, w)
+    segments = stacked_segments(states)
+    if segments is not None and len(segments) <= max(1, len(states) // 4):  # rows of a few groups' stacks (the
+        return _weighted_stacks(segments, w)  # vectorised executor's uploads): no per-state work
     out = {k: v0.clone() for k, v0 in states[0].items() if not v0.is_floating_point()}
     groups: dict = {}
     for k, v0 in states[0].items():
@@ -79,41 +79,44 @@ def _weighted_rows(states: Sequence[Sequence[torch.Tensor]], w: list) -> torch.T
     return acc
 
 
-def _weighted_stacks(stacks: Mapping[str, torch.Tensor], rows: list, w: list) -> dict:
-    """weighted_average_states over rows ``rows`` of ``stacks`` (name -> [K, ...]): the same float64 products, summed
-    in the same order from 0 (a sequential scan down the rows: ((0 + p_0) + p_1) + ..., what the loop's in-place
-    adds compute, bit for bit), in a few operations per dtype whatever the number of rows."""
-    first = next(iter(stacks.values()))
-    k = len(rows)
-    take = None if rows == list(range(first.shape[0])) else torch.as_tensor(rows, device=first.device)
-    out = {n: s[rows[0]].clone() for n, s in stacks.items() if not s.is_floating_point()}
+def _weighted_stacks(segments: list, w: list) -> dict:
+    """weighted_average_states over rows of stacks (name -> [K, ...]), given as [(stacks, rows)] in the states'
+    order: the same float64 products, summed in the same order from 0 (a sequential scan down the rows, carried from
+    one segment to the next: ((0 + p_0) + p_1) + ..., what the loop's in-place adds compute, bit for bit), in a few
+    operations per dtype and segment whatever the number of rows."""
+    stacks0, rows0 = segments[0]
+    out = {n: s[rows0[0]].clone() for n, s in stacks0.items() if not s.is_floating_point()}
     groups: dict = {}
-    for n, s in stacks.items():
+    for n, s in stacks0.items():
         if s.is_floating_point():
             groups.setdefault((s.dtype, s.device), []).append(n)
     for (dtype, _), names in groups.items():
-        parts = [stacks[n].reshape(stacks[n].shape[0], -1) for n in names]
-        if take is not None:
-            parts = [p.index_select(0, take) for p in parts]
-        sizes = [p.shape[1] for p in parts]
-        if sum(sizes) > _STACK_LIMIT:  # a large model: one tensor at a time (bounded extra memory)
-            for n, p in zip(names, parts):
-                out[n] = _scan_rows(p, w).to(dtype).view(stacks[n].shape[1:])
-            continue
-        flat = _scan_rows(torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], w).to(dtype)
-        for n, part in zip(names, flat.split(sizes)):
-            out[n] = part.view(stacks[n].shape[1:])
-    assert k == len(w)
-    return {n: out[n] for n in stacks}
+        sizes = [stacks0[n][0].numel() for n in names]
+        per_name = sum(sizes) > _STACK_LIMIT  # a large model: one tensor at a time (bounded extra memory)
+        for part_names in ([[n] for n in names] if per_name else [names]):
+            acc, at = None, 0
+            for stacks, rows in segments:
+                parts = [stacks[n].reshape(stacks[n].shape[0], -1) for n in part_names]
+                if rows != list(range(stacks[part_names[0]].shape[0])):
+                    take = torch.as_tensor(rows, device=parts[0].device)
+                    parts = [p.index_select(0, take) for p in parts]
+                flat = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+                acc = _scan_rows(flat, w[at:at + len(rows)], acc)
+                at += len(rows)
+            flat = acc.to(dtype)
+            for n, piece in zip(part_names, flat.split([stacks0[n][0].numel() for n in part_names])):
+                out[n] = piece.view(stacks0[n].shape[1:])
+    return {n: out[n] for n in stacks0}
 
 
-def _scan_rows(rows: torch.Tensor, w: list) -> torch.Tensor:
-    """sum_i w[i] * rows[i] in float64 summed in order from 0 (docstring of _weighted_stacks): chunks of rows scaled
-    at once, each chunk scanned down its rows after the running sum (at most ~32 MB of float64 at a time)."""
+def _scan_rows(rows: torch.Tensor, w: list, acc=None) -> torch.Tensor:
+    """acc + sum_i w[i] * rows[i] in float64 summed in order from ``acc`` (0 when None; docstring of
+    _weighted_stacks): chunks of rows scaled at once, each chunk scanned down its rows after the running sum (at most
+    ~32 MB of float64 at a time)."""
     k, numel = rows.shape
     chunk = max(1, (32 << 20) // max(1, 8 * numel))
     ws = torch.tensor(w, dtype=torch.float64).to(rows.device).unsqueeze(1)
-    acc = rows.new_zeros((1, numel), dtype=torch.float64)
+    acc = rows.new_zeros((1, numel), dtype=torch.float64) if acc is None else acc.reshape(1, numel)
     for start in range(0, k, chunk):
         part = rows[start:start + chunk].to(torch.float64, copy=True).mul_(ws[start:start + chunk])
         acc = torch.cat([acc, part]).cumsum(0)[-1:]

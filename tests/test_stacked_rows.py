@@ -61,3 +61,15 @@ def test_rows_sizes_and_what_leaves_a_process():
     assert all(torch.equal(got["model"][k], st[k][2]) for k in st) and len(buf.getvalue()) < 400
     assert stacked_rows(rows_of(st)[1:4]) == (st, [1, 2, 3])
     assert stacked_rows([r, dict(r.items())]) is None and stacked_rows([r, Rows(dict(st), 1)]) is None
+
+
+def test_rows_of_several_groups_reduce_bit_for_bit():
+    """A group trained in chunks (backend.max_group) uploads rows of one stack per chunk: the scan carries its sum
+    from chunk to chunk, in the states' order, bit for bit the per-state result."""
+    a, b = _stacks(3, torch.float32), _stacks(4, torch.float32)
+    b = {k: v.flip(0).contiguous() for k, v in b.items()}
+    rows = rows_of(a) + rows_of(b)
+    plain = [{k: v.clone() for k, v in r.items()} for r in rows]
+    w = [3, 1, 4, 1, 5, 9, 2]
+    x, y = ops.weighted_average_states(rows, w), ops.weighted_average_states(plain, w)
+    assert all(_same(x[k], y[k]) for k in x)

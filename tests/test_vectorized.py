@@ -389,3 +389,26 @@ def test_portable_vectorised_cpu_run_says_what_the_default_costs(capsys, monkeyp
     assert err.count("backend.vectorize on a CPU in portable numerics") == 1 and "backend.numerics=native" in err
     prepare(cfg("fedavg", vectorize=False, backend={"device": "cpu"}))
     assert "portable numerics" not in capsys.readouterr().err
+
+
+def test_a_group_trained_in_chunks_gives_the_same_table(monkeypatch):
+    """backend.max_group: a step's group trains in chunks of at most that many clients (what a GPU runner's memory
+    allows by the footprint estimate, else), in order; on a CPU the numbers are the unchunked run's exactly (each
+    client's computation is its own). A bad value names the key."""
+    from raysim.engine import executors
+
+    sizes, original = [], executors.Vectorized._train
+
+    def spy(run, g, model, cids):
+        sizes.append(len(cids))
+        return original(run, g, model, cids)
+
+    monkeypatch.setattr(executors.Vectorized, "_train", staticmethod(spy))
+    whole = table(cfg("fedavg"))
+    assert set(sizes) == {5}
+    sizes.clear()
+    chunked = table(cfg("fedavg", backend={"max_group": 2}))
+    assert sizes and max(sizes) == 2 and sum(sizes) == 10  # 5 clients, 2 rounds
+    pd.testing.assert_frame_equal(whole, chunked)
+    with pytest.raises(ConfigError, match="backend.max_group"):
+        cfg("fedavg", backend={"max_group": -1})

@@ -214,6 +214,8 @@ class BackendConfig:
     #                             native: torch's fastest kernels for each CPU (raysim/numerics.py); part of the identity
     vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
     #                          the numbers within a stated tolerance, so it is part of the run's identity
+    max_group: int = 0  # vectorised executor: at most this many clients trained as one batched group (0: as many as
+    #                     the step has, on a GPU as many as the runner's free memory holds by the footprint estimate)
     partial_aggregate: Any = "auto"  # each client runner merges its clients' uploads into one (a partial aggregate)
     #   when the method's server step declares a merge: one message per actor instead of one per client. auto: only
     #   with one client runner (sequential, Ray with one actor), where the merged upload is exactly what the server
@@ -240,6 +242,8 @@ class BackendConfig:
         positive(_p(path, "server_num_cpus"), self.server_num_cpus, allow_zero=True)
         positive(_p(path, "server_num_gpus"), self.server_num_gpus, allow_zero=True)
         positive(_p(path, "torch_threads"), self.torch_threads)
+        if isinstance(self.max_group, bool) or not isinstance(self.max_group, int) or self.max_group < 0:
+            raise ConfigError(_p(path, "max_group"), f"must be an integer >= 0 (0: no limit), got {self.max_group!r}")
         positive(_p(path, "connect_timeout_s"), self.connect_timeout_s)
         positive(_p(path, "step_timeout_s"), self.step_timeout_s, allow_zero=True)
         if self.address is not None and not str(self.address).strip():
@@ -427,6 +431,8 @@ class ExperimentConfig:
         inert = self.inert_backend()  # switches that do nothing for this method and run: not part of what it is
         d["backend"] = {"vectorize": self.backend.vectorize and "vectorize" not in inert,
                         "numerics": self.backend.numerics}
+        if self.backend.max_group and d["backend"]["vectorize"]:  # a key added later: absent unless set
+            d["backend"]["max_group"] = self.backend.max_group
         if self.backend.partial_aggregate is True and "partial_aggregate" not in inert:  # a key added later: absent
             d["backend"]["partial_aggregate"] = True  # unless on (earlier identities unchanged)
         d.pop("output")

@@ -46,6 +46,7 @@ class StepRun:
         self.algorithm = runner.algorithm
         self.train = runner.spec.task.train
         self.evaluate = step.mode == "evaluate"
+        self.max_group = int(getattr(runner.spec.runner, "max_group", 0) or 0)
         self.token = step_token(round_idx, step, iteration)
         self.uploads: dict = {}
         self._reports: dict[int, ClientReport] = {}
@@ -228,6 +229,9 @@ class Vectorized(Executor):
         return (not run.evaluate and run.step.method == "client_update"
                 and isinstance(run.algorithm, LocalTraining))
 
+    def __init__(self):
+        self._footprints: dict = {}  # id(live model) -> one client's training footprint in bytes (GPU runners)
+
     def run(self, run: StepRun) -> bool:
         g = _Groups()
         for cid in run.client_ids:
@@ -240,9 +244,33 @@ class Vectorized(Executor):
             run.report(cid).seconds += time.perf_counter() - t0
         for model, cids in g.groups.values():
             cids = [c for c in cids if c in g.pending]
-            if cids:
-                self._train(run, g, model, cids)
+            size = self._limit(run, model) or len(cids)
+            for lo in range(0, len(cids), size):  # a group larger than the limit trains in chunks, in order
+                self._train(run, g, model, cids[lo:lo + size])
         return True
+
+    def _limit(self, run: StepRun, model) -> int:
+        """The most clients one batched group may hold: ``backend.max_group``; else, on a GPU, as many as the
+        device's free share holds by the footprint estimate (raysim.engine.footprint: weights, gradients, optimiser
+        state, one batch's activations, per client; 20 % kept free); 0: no limit (a CPU)."""
+        if run.max_group:
+            return run.max_group
+        p = next(model.parameters(), None)
+        if p is None or p.device.type != "cuda":
+            return 0
+        fp = self._footprints.get(id(model))
+        if fp is None:
+            import copy
+
+            from raysim.engine.footprint import training_footprint
+
+            cpu_model = copy.deepcopy(model).cpu()
+            fp = self._footprints[id(model)] = max(1, training_footprint(
+                cpu_model, tuple(run.algorithm.task.input_shape), run.train).total)
+        fraction = torch.cuda.get_per_process_memory_fraction(p.device)
+        cap = fraction * torch.cuda.get_device_properties(p.device).total_memory
+        free = min(cap - torch.cuda.memory_allocated(p.device), torch.cuda.mem_get_info(p.device)[0])
+        return max(1, int(0.8 * free) // fp)
 
     @staticmethod
     def _start(run: StepRun, g: _Groups, cid: int) -> None:

@@ -22,6 +22,7 @@ class RunnerSettings:
     vectorize: bool  # backend.vectorize: the vectorised executor and group forms before the per-client loop
     decoded_cache_mb: float  # decoded client data kept between steps
     state_memory_mb: float  # client states in memory before the store spills to disk
+    max_group: int = 0  # backend.max_group: clients per batched group of the vectorised executor (0: no fixed limit)
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class BackendSettings:
 def runner_settings(cfg: ExperimentConfig) -> RunnerSettings:
     b = cfg.backend
     return RunnerSettings(cfg.seed, b.device, b.numerics, b.torch_threads, bool(b.vectorize), b.decoded_cache_mb,
-                          b.state_memory_mb)
+                          b.state_memory_mb, int(b.max_group))
 
 
 def backend_settings(cfg: ExperimentConfig) -> BackendSettings:
