@@ -23,7 +23,7 @@ from algorithms.proto_ops import select_prefix
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
-from raysim.messages import Message, state_message
+from raysim.messages import Layered, Message, rows_of, state_message
 from raysim.training import clone_state, device_accuracy, forward_all
 
 
@@ -72,8 +72,9 @@ class SharedPartAverage(LocalTraining):
                                   strict=False)
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        self.load(model, payload, state)
-        return LocalStart()
+        # the client's own state under the broadcast shared part (loaded by the executor: LocalStart.weights)
+        shared = payload["shared"].tensors if "shared" in payload else {}
+        return LocalStart(weights=Layered(shared, state["model"]) if shared else state["model"])
 
     def objective(self, start: LocalStart):
         return ce_loss
@@ -86,6 +87,17 @@ class SharedPartAverage(LocalTraining):
         upload = {"shared": state_message(f"{self.shared}_weights", self.select_shared(new_state, model)),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
         return {"model": new_state}, upload
+
+    def client_final_group(self, group):
+        """client_final for a vectorised group: each client's new state and shared upload are its rows of the trained
+        stacks (no copy per client), the sample counts one stacked tensor."""
+        if type(self).client_final is not SharedPartAverage.client_final:
+            return None
+        full = group.state_stacks()
+        shared = self.select_shared(full, group.model)
+        counts = torch.tensor([[d.num_train] for d in group.datas], dtype=torch.int64)
+        return [({"model": w}, {"shared": Message(f"{self.shared}_weights", s), "num_samples": Message("num_samples", n)})
+                for w, s, n in zip(rows_of(full), rows_of(shared), rows_of({"n": counts}))]
 
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)

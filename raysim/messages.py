@@ -49,6 +49,40 @@ class Rows(Mapping):
         return f"Rows(row {self.row} of {len(self.stacks)} stacks)"
 
 
+class Layered(Mapping):
+    """``top``'s entries over ``base``'s (a client's own state under the parts a broadcast replaces: FedPer's start),
+    without copying either; :func:`row_source` sees through it to rows of a stack."""
+
+    __slots__ = ("top", "base")
+
+    def __init__(self, top: Mapping, base: Mapping):
+        self.top, self.base = top, base
+
+    def __getitem__(self, name: str):
+        return self.top[name] if name in self.top else self.base[name]
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.base
+        yield from (k for k in self.top if k not in self.base)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, name) -> bool:
+        return name in self.top or name in self.base
+
+    def __reduce__(self):
+        return dict, ({k: self[k] for k in self},)
+
+
+def row_source(mapping: Mapping, name: str):
+    """(stacks, row) when ``mapping[name]`` is row ``row`` of ``stacks[name]`` (a :class:`Rows`, possibly under a
+    :class:`Layered` top that does not hold ``name``), else None."""
+    while isinstance(mapping, Layered):
+        mapping = mapping.top if name in mapping.top else mapping.base
+    return (mapping.stacks, mapping.row) if isinstance(mapping, Rows) else None
+
+
 def rows_of(stacks: Mapping[str, torch.Tensor]) -> list[Rows]:
     """Every row of ``stacks`` (name -> [K, ...]) as a :class:`Rows` mapping, in row order."""
     k = next(iter(stacks.values())).shape[0] if stacks else 0

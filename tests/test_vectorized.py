@@ -58,17 +58,18 @@ def test_vectorised_equals_loop_within_tolerance(algo):
     assert loop[loop.metric == "train_loss"].shape[0] > 0
 
 
-@pytest.mark.parametrize("algo", ["fedavg", "local", "fedproto", "fedtgp"])
+@pytest.mark.parametrize("algo", ["fedavg", "local", "fedproto", "fedtgp", "fedper", "lgfedavg"])
 def test_batch_native_final_equals_loop_within_tolerance(algo, monkeypatch):
     """Clients of one data size: the group's final step runs in its batch form (``client_final_group``: uploads and
     states as rows of the trained stacks, FedProto's prototypes from one grouped forward), checked by a spy, and
     the table is the loop's within the stated tolerance."""
-    from algorithms import fedavg, fedproto, local
+    from algorithms import fedavg, fedper, fedproto, local
 
     data = {"dataset": "mnist5k", "num_clients": 5, "partition": "iid",
             "partition_params": {"samples_per_client": 12, "test_per_client": 6}}
     owner = {"fedavg": fedavg.FedAvg, "local": local.Local, "fedproto": fedproto.FedProto,
-             "fedtgp": fedproto.FedProto}[algo]
+             "fedtgp": fedproto.FedProto, "fedper": fedper.SharedPartAverage,
+             "lgfedavg": fedper.SharedPartAverage}[algo]
     batch_form, calls = owner.client_final_group, []
 
     def spy(self, group):

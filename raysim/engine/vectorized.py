@@ -47,7 +47,7 @@ from raysim import grouped as _grouped
 from raysim.errors import ConfigError
 from raysim.grouped import StackedOptimizer
 from raysim.layers import _MASKS
-from raysim.messages import stacked_rows
+from raysim.messages import row_source
 from raysim.models import dropout_masks_of, replay_masks
 from raysim.training import accumulate_metric
 
@@ -126,12 +126,13 @@ def train_group(model: nn.Module, loss_fn: Callable, members: list[Member], cfg:
     return _GroupTraining(model, loss_fn, members, cfg, grouped).run()
 
 
-def _stack(params: list, name: str, like: torch.Tensor, rows_of_one) -> torch.Tensor:
-    """The clients' starting values of parameter ``name`` as one new [K, ...] tensor on ``like``'s device and dtype
-    (``rows_of_one``: (stacks, rows) when every client's start is a row of one earlier stack, taken in one op)."""
-    if rows_of_one is not None:
-        stacks, rows = rows_of_one
-        base = stacks[name]
+def _stack(params: list, name: str, like: torch.Tensor) -> torch.Tensor:
+    """The clients' starting values of parameter ``name`` as one new [K, ...] tensor on ``like``'s device and dtype:
+    rows of one earlier stack (a group's states from its last round: :class:`raysim.messages.Rows`) taken in one op,
+    anything else stacked in one op."""
+    src = [row_source(p, name) for p in params]
+    if all(s is not None for s in src) and all(s[0] is src[0][0] for s in src):
+        base, rows = src[0][0][name], [s[1] for s in src]
         t = base.clone() if rows == list(range(base.shape[0])) else base[torch.as_tensor(rows, device=base.device)]
     else:
         t = torch.stack([_const(p[name]).to(like.device) for p in params])
@@ -148,9 +149,8 @@ class _GroupTraining:
         live = dict(model.named_parameters())
         self.order = [n for n in live if n in params[0]]
         # each a new tensor (the optimiser updates it in place)
-        one = stacked_rows(params)
-        self.stacked = {n: _stack(params, n, live[n], one) for n in self.names}
-        self.frozen = {n: _stack(params, n, live[n], one) for n in self.order if n not in trainable}
+        self.stacked = {n: _stack(params, n, live[n]) for n in self.names}
+        self.frozen = {n: _stack(params, n, live[n]) for n in self.order if n not in trainable}
         self.buffers = {n: b for n, b in model.named_buffers()}
         self.opt = StackedOptimizer(cfg, self.stacked, [m.opt_state for m in members], cfg.lr)
         # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm
