@@ -29,7 +29,7 @@ from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.io.resume_points import damaged_hint
 from raysim.io.tables import Row
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
-from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, ProgressBar, RunDirectory
+from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, RunDirectory, progress_callback
 from raysim.engine.prepare import Prepared, prepare, resume_hash, versions
 from raysim.engine.record import SETUP_ROUND, Run, RunResult, RoundLog, failure_summary
 
@@ -326,6 +326,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         rundir.check_free(target, where)
     if prepared is not None and prepared.cfg != cfg:
         raise ValueError("run_experiment: prepared= was prepared from another config")
+    from raysim.engine.tracking import trackers as make_trackers
+
+    tracking = make_trackers(cfg)  # output.tensorboard / output.mlflow checked before anything is claimed or loaded
     numerics.enter(cfg.backend.numerics)  # the driver loads and splits the data: with the run's kernels, before it
     prep = prepare(cfg) if prepared is None else prepared
     resume_meta = ck_dir = None
@@ -337,7 +340,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         write = True
     elif write:
         rd = rundir.RunDir.claim(target, where)
-    cbs, started = _callbacks(cfg, prep, rd, progress, callbacks)
+    cbs, started = _callbacks(cfg, prep, rd, progress, callbacks, tracking)
     backend = make_backend(prep.spec, prep.fed_data, prep.backend)
     run = Run(prep, backend, run_id)
     try:
@@ -358,8 +361,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         backend.shutdown()
 
 
-def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress: Optional[bool],
-               callbacks: Optional[list]) -> tuple[list, list]:
+def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress, callbacks: Optional[list],
+               trackers: tuple = ()) -> tuple[list, list]:
     """The run's callbacks in order, and the list of those started so far (the run directory's from the start: the
     claimed directory is cleaned up on any error)."""
     cbs: list[Callback] = []
@@ -370,9 +373,10 @@ def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress: Optional[boo
         (rd.work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         started.append(RunDirectory(rd))
         cbs += [started[0], Checkpointer(cfg.output.checkpoint_every, cfg.output.keep_checkpoints)]
-    if cfg.output.progress if progress is None else progress:
-        cbs.append(ProgressBar(prep.algorithm.headline))
-    return cbs + list(callbacks or []), started
+    shown = progress_callback(cfg.output.progress if progress is None else progress, prep.algorithm.headline)
+    if shown is not None:
+        cbs.append(shown)
+    return cbs + list(trackers) + list(callbacks or []), started
 
 
 def _drive(run: Run, cbs: list, started: list) -> RunResult:
