@@ -112,5 +112,5 @@ def test_progress_lines_when_not_a_terminal():
     text = log.getvalue()
     lines = text.splitlines()
     assert "\r" not in text and len(lines) == 3  # the start, rounds 2 and 4 (the evaluated ones)
-    assert lines[1].startswith("tiny round 2/4: acc 0.") and "acc_proto 0." in lines[1]
-    assert lines[2].startswith("tiny round 4/4: ")
+    assert lines[1].startswith("tiny s7 round 2/4: acc 0.") and "acc_proto 0." in lines[1]
+    assert lines[2].startswith("tiny s7 round 4/4: ")

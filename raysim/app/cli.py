@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from raysim.errors import ConfigError, DataError, printable
 
@@ -88,6 +89,10 @@ def _add_reproduce(sub) -> None:
                                                              "(the table names every code version)")
     rp.add_argument("--no-report", action="store_true", help="no raysim report summary/plots beside the table")
     rp.add_argument("--configs", default=None, metavar="DIR", help="configs root (default: the checkout's configs/)")
+    rp.add_argument("--sort", choices=["name", "cost"], default="name",
+                    help="--list order: by name, or by estimated time (cheapest first)")
+    rp.add_argument("--smoke", action="store_true",
+                    help="a smoke test: one seed, 2 rounds, into <--out>-smoke; the table says 'not a verdict'")
 
 
 def _cmd_reproduce(args) -> int:
@@ -101,16 +106,22 @@ def _cmd_reproduce(args) -> int:
     if args.list or not args.experiments:
         if not args.list:
             raise ConfigError("experiment", "name one or more experiments (raysim reproduce --list shows them)")
-        for name, e in sorted(exps.items()):
-            print(f"{name:<34} {e.source:<22} {len(e.runs)} runs, seeds {','.join(map(str, e.seeds))}"
-                  f"{'; scaled: ' + e.scaled if e.scaled else ''}")
-            print(f"  {e.title} ({e.folder.name}/)")
+        from raysim.app.reproduce_cost import list_lines
+
+        results_root = Path(root).resolve().parent / "benchmarks" / "results"
+        print("\n".join(list_lines(exps, args.out, results_root, args.sort)))
         return 0
     for name in args.experiments:
         if name not in exps:
             raise ConfigError("experiment", f"{name!r} is not allowed; choose one of: {', '.join(sorted(exps))}")
     overrides = list(args.overrides) + ([f"backend.name={args.backend}"] if args.backend else [])
     seeds = parse_seeds(args.seeds) if args.seeds else None
+    if args.smoke:  # its own directory: a smoke run never stands in for (or clashes with) a real one
+        from raysim.app.reproduce_cost import SMOKE_ROUNDS
+
+        overrides.append(f"rounds={SMOKE_ROUNDS}")
+        seeds = (seeds or [exps[args.experiments[0]].seeds[0]])[:1]
+        args.out = args.out.rstrip("/") + "-smoke"
     plans = {}
     for name in args.experiments:  # everything is checked before the first run starts
         e = exps[name]
@@ -124,6 +135,10 @@ def _cmd_reproduce(args) -> int:
         if not args.report_only:
             rp.execute(plans[name], jobs=args.jobs)
         path = write_table(e, plans[name], args.out, numbers, report=not args.no_report)
+        if args.smoke:
+            from raysim.app.reproduce_cost import label_smoke
+
+            label_smoke(path)
         print(path.read_text())
         print(f"table: {path}")
     return 0

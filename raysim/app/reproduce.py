@@ -384,9 +384,18 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
     log(f"{len(planned)} run(s): {len(planned) - len(todo) - gone} finished and reused, "
         + (f"{gone} diverged before, " if gone else "") + f"{len(todo)} to run" + (f", {jobs} at a time" if jobs > 1 else ""))
 
+    from raysim.app.reproduce_cost import duration as _duration
+
+    spent: list[float] = []  # wall seconds of the runs done so far: the estimate of what is left
+
     def finish(p: Planned, outcome: tuple) -> None:
         kind, message, seconds = outcome
         name = f"{p.run.label} seed {p.seed}"
+        if kind == "done":
+            spent.append(seconds)
+            left = sum(q.status not in ("reuse", "diverged") for q in todo) - 1
+            eta = f"; about {_duration(sum(spent) / len(spent) * left / jobs)} left ({left} run(s))" if left > 0 else ""
+            log(f"    {name}: done in {_duration(seconds)}{eta}")
         if kind == "diverged":
             p.status = "diverged"
             log(f"    {name}: {message}")
@@ -397,8 +406,6 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
             log(f"    {name}: finished meanwhile by another process; reused")
         else:
             p.status = "reuse"
-            if jobs > 1:
-                log(f"    {name}: done in {seconds:.0f} s")
 
     if jobs == 1:
         for k, p in enumerate(todo, 1):
@@ -417,7 +424,7 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
     try:
         for k, p in enumerate(todo, 1):
             log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target} (queued)")
-            futures[pool.submit(run_one, p.cfg, p.target, False)] = p
+            futures[pool.submit(run_one, p.cfg, p.target, "lines" if progress is not False else False)] = p
         for f in as_completed(futures):
             finish(futures[f], f.result())  # a crash (not a divergence) raises here
     except BaseException:

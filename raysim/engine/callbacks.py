@@ -183,8 +183,8 @@ class ProgressBar(Callback):
 
 
 class ProgressLines(Callback):
-    """The progress bar's non-terminal form: one line per evaluated round on stderr (``name [backend] round r/R:
-    acc 0.4123 ...``, r = rounds completed), chosen when stderr is not a terminal (a log file, a pipe, a batch job),
+    """The progress bar's non-terminal form: one line per evaluated round on stderr (``name s<seed> round r/R:
+    acc 0.4123, ..., <wall s>``, r = rounds completed), chosen when stderr is not a terminal (a log file, a pipe, a batch job),
     so that a log holds lines, not tqdm's ``\\r`` frames."""
 
     def __init__(self, headline: tuple = ("test_acc",), stream=None):
@@ -201,7 +201,8 @@ class ProgressLines(Callback):
 
         self.t0 = time.perf_counter()
         what = f"resumed after round {run.start_round}" if run.start_round else "started"
-        self._say(f"{run.cfg.name} [{run.cfg.algorithm.name}, {run.cfg.backend.name}] {what}: {run.cfg.rounds} rounds")
+        self._say(f"{run.cfg.name} s{run.cfg.seed} [{run.cfg.algorithm.name}, {run.cfg.backend.name}] {what}: "
+                  f"{run.cfg.rounds} rounds")
 
     def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
         import time
@@ -216,7 +217,7 @@ class ProgressLines(Callback):
         if run.env is not None:
             parts.append(f"sim {run.env.sim_time:.0f}s")
         parts.append(f"{time.perf_counter() - self.t0:.1f}s")
-        self._say(f"{run.cfg.name} round {round_idx + 1}/{run.cfg.rounds}: {', '.join(parts)}")
+        self._say(f"{run.cfg.name} s{run.cfg.seed} round {round_idx + 1}/{run.cfg.rounds}: {', '.join(parts)}")
         return None
 
 
