@@ -64,6 +64,9 @@ def _add_tune_report(sub) -> None:
     rep.add_argument("--target", type=float, default=None, help="target accuracy for rounds-to-target")
     rep.add_argument("--time-metric", default=None, help="total/server metric holding a round's simulated time")
     rep.add_argument("--no-plots", action="store_true")
+    rep.add_argument("--label", action="append", default=[], metavar="NAME=DIR",
+                     help="name the setting of the runs under DIR (repeatable; default: the config's label:, else "
+                          "the algorithm and the keys that differ)")
     rep.add_argument("--tuned-on", action="append", default=None, metavar="DIR",
                      help="a raysim tune output directory (repeatable): warn when a compared run uses a seed its "
                           "trials ran on")
@@ -170,11 +173,17 @@ def _cmd_report(args) -> int:
     from raysim.io.rundir import check_writable
 
     check_writable(args.out, "--out")  # a report directory that cannot be created fails before anything is read
+    given = {}
+    for text in args.label:
+        name, sep, directory = text.partition("=")
+        if not sep or not name.strip() or not directory.strip():
+            raise ConfigError("--label", f"{text!r} is not NAME=DIR (e.g. --label 'FedProto tuned=runs/fp')")
+        given[name.strip()] = directory.strip()
     try:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
         files = build_report(args.runs, args.out, ReportOptions(metrics, args.target, args.time_metric,
                                                                 plots=not args.no_plots, per_client=args.per_client,
-                                                                tuned_on=args.tuned_on))
+                                                                tuned_on=args.tuned_on, labels=given or None))
     except (KeyError, FileNotFoundError) as e:
         print(f"raysim report: {printable(e.args[0] if e.args else e)}", file=sys.stderr)
         return 2
