@@ -42,9 +42,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_tune_report(sub) -> None:
     tune = sub.add_parser("tune", help="an Optuna study over config keys (persistent, resumable, prunable)")
-    tune.add_argument("config", help="YAML config file (the base of every trial)")
-    tune.add_argument("--space", required=True, help="search-space YAML (params, objective, pruner, sampler)")
-    tune.add_argument("--trials", type=int, required=True, help="finished trials the study should hold")
+    tune.add_argument("config", nargs="?", help="YAML config file (the base of every trial)")
+    tune.add_argument("--space", help="search-space YAML (params, objective, pruner, sampler)")
+    tune.add_argument("--trials", type=int, help="finished trials the study should hold")
+    tune.add_argument("--show", default=None, metavar="DIR|STORAGE",
+                      help="look at a study instead of running one: best trial, trials sorted by value, parameter "
+                           "importances (a tune output directory or a --storage URL; --study-name when it holds "
+                           "several)")
     tune.add_argument("--storage", default=None,
                       help="sqlite:///study.db or journal:study.log (default: journal file in the output directory)")
     tune.add_argument("--study-name", default=None, help="default: <config name>-tune")
@@ -154,6 +158,15 @@ def _cmd_tune(args) -> int:
     from tuning import study
     from tuning.space import load_space
 
+    if args.show is not None:
+        from tuning.show import show
+
+        print(printable(show(args.show, args.study_name), keep_newlines=True))
+        return 0
+    for name, value in (("config", args.config), ("--space", args.space), ("--trials", args.trials)):
+        if value is None:
+            raise ConfigError(name, "is required to run a study (raysim tune CONFIG --space SPACE --trials N; or "
+                                    "--show DIR to look at one)")
     space = load_space(args.space)
 
     first = dict(parse_override(text) for text in args.first)
@@ -165,6 +178,9 @@ def _cmd_tune(args) -> int:
     if res.best_value is not None:
         print(f"best value {res.best_value:.4f} with {res.best_params}; config: {res.files['best']}")
     print(f"trials table: {res.files['trials']}")
+    for warning in res.warnings:
+        _say(f"WARNING: {warning}")
+    print(f"look at it: raysim tune --show {printable(res.out_dir)}")
     return 0
 
 
