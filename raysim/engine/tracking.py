@@ -188,10 +188,10 @@ def check_mlflow(uri: str):
     """An MLflow client for ``uri`` that has answered (a ConfigError naming output.mlflow otherwise): a file store's
     directory must be writable, a server must answer within a few seconds."""
     field = "output.mlflow"
-    try:
-        import mlflow  # noqa: F401
-    except ImportError:
-        raise ConfigError(field, "needs MLflow: pip install mlflow-skinny (or raysim[tracking])") from None
+    import importlib.util
+
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError(field, "needs MLflow: pip install mlflow-skinny (or raysim[tracking])")
     if not isinstance(uri, str) or not uri.strip():
         raise ConfigError(field, f"must be a tracking URI (file:///path/mlruns, http://host:5000), got {uri!r}")
     if uri.startswith("file:") or "://" not in uri:
@@ -226,10 +226,10 @@ def check_mlflow(uri: str):
 
 def check_tensorboard(log_dir) -> None:
     field = "output.tensorboard"
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        raise ConfigError(field, "needs TensorBoard: pip install tensorboard (or raysim[tracking])") from None
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(field, "needs TensorBoard: pip install tensorboard (or raysim[tracking])")
     if not isinstance(log_dir, str) or not log_dir.strip():
         raise ConfigError(field, f"must be a directory for the event files, got {log_dir!r}")
     from raysim.io.rundir import check_writable
