@@ -2,7 +2,7 @@
 
 :func:`show` prints a study as it stands in its storage: the objective, the best trial (value, parameters, run
 directory), every trial sorted by value (best first; failed and pruned ones last) and Optuna's parameter importances
-(``optuna.importance.get_param_importances``: fANOVA over the finished trials).
+(``optuna.importance.get_param_importances`` with Optuna's default evaluator, over the finished trials).
 
 :func:`validation_warnings`: a validation objective ranks trials only when it can tell them apart. A client's
 ``val_acc`` moves in steps of 1/n for n validation samples, so with a few dozen samples per client nearby settings
@@ -133,11 +133,17 @@ def show(target: str, study_name: Optional[str] = None, top: int = 20) -> str:
         shown = order[cols].rename(columns=lambda c: c.removeprefix("params_")).head(top)
         lines.append(f"\ntrials by value (best first{'; first ' + str(top) if len(df) > top else ''}):\n")
         lines.append(markdown_table(shown).rstrip())
-    lines.append("\nparameter importances (optuna, fANOVA over the finished trials):")
+    lines.append("\nparameter importances (optuna.importance.get_param_importances, its default evaluator, over the "
+                 "finished trials):")
+    import warnings
+
     try:
-        imp = optuna.importance.get_param_importances(study)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            imp = optuna.importance.get_param_importances(study)
         lines += [f"  {k:<40} {v:.3f}" for k, v in imp.items()] or ["  none (no tuned parameter varied)"]
-    except Exception as e:  # fewer than two finished trials, one value everywhere ...
+        lines += [f"  note: {str(w.message).splitlines()[0]}" for w in said]  # e.g. too few trials to tell
+    except Exception as e:  # no finished trial, one value everywhere ...
         lines.append(f"  not available: {(str(e).splitlines() or [type(e).__name__])[0]}")
     base = study.user_attrs.get("base_config") or {}
     frac = float((base.get("data") or {}).get("val_fraction") or 0.0)
