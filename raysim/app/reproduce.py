@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
+from raysim.app.reproduce_cost import TimeLeft
 from raysim.config import load_config, load_yaml_mapping
 from raysim.errors import ConfigError
 
@@ -384,18 +385,11 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
     log(f"{len(planned)} run(s): {len(planned) - len(todo) - gone} finished and reused, "
         + (f"{gone} diverged before, " if gone else "") + f"{len(todo)} to run" + (f", {jobs} at a time" if jobs > 1 else ""))
 
-    from raysim.app.reproduce_cost import duration as _duration
-
-    spent: list[float] = []  # wall seconds of the runs done so far: the estimate of what is left
+    left = TimeLeft(todo, jobs)  # each finished run's time and the estimate of what is left
 
     def finish(p: Planned, outcome: tuple) -> None:
         kind, message, seconds = outcome
         name = f"{p.run.label} seed {p.seed}"
-        if kind == "done":
-            spent.append(seconds)
-            left = sum(q.status not in ("reuse", "diverged") for q in todo) - 1
-            eta = f"; about {_duration(sum(spent) / len(spent) * left / jobs)} left ({left} run(s))" if left > 0 else ""
-            log(f"    {name}: done in {_duration(seconds)}{eta}")
         if kind == "diverged":
             p.status = "diverged"
             log(f"    {name}: {message}")
@@ -404,7 +398,8 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
         elif kind == "reused":
             p.status = "reuse"
             log(f"    {name}: finished meanwhile by another process; reused")
-        else:
+        else:  # done
+            log(f"    {name}: done in {left.done(seconds)}")
             p.status = "reuse"
 
     if jobs == 1:

@@ -82,6 +82,20 @@ def duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+class TimeLeft:
+    """``raysim reproduce``'s progress: each finished run's wall time and, from their mean, the time the runs still
+    to do will take (``jobs`` at a time)."""
+
+    def __init__(self, todo: list, jobs: int = 1):
+        self.todo, self.jobs, self.spent = todo, max(1, jobs), []
+
+    def done(self, seconds: float) -> str:
+        self.spent.append(seconds)
+        left = sum(q.status not in ("reuse", "diverged") for q in self.todo) - 1  # the run just done still counts
+        eta = sum(self.spent) / len(self.spent) * left / self.jobs
+        return f"{duration(seconds)}" + (f"; about {duration(eta)} left ({left} run(s))" if left > 0 else "")
+
+
 def list_lines(exps: dict, out: Optional[str | Path], results_root: Path, sort: str = "name") -> list[str]:
     """``raysim reproduce --list``: one line per experiment (name, source, runs x seeds, estimated time), sorted by
     name or by estimated cost (cheapest first; those without an estimate last), and one line under it."""
