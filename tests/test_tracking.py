@@ -41,6 +41,7 @@ def test_tensorboard_events_hold_every_rounds_metrics_the_config_and_the_table(t
     assert "config/text_summary" in texts and "final/text_summary" in texts
     config_text = acc.Tensors("config/text_summary")[0].tensor_proto.string_val[0].decode()
     assert "algorithm.params.lam: 1.0" in config_text and "data.num_clients: 6" in config_text
+    assert "_hparams_/experiment" in acc.PluginTagToContent("hparams")  # the config in TensorBoard's HParams tab
     import pandas as pd
 
     table = pd.read_parquet(run_dir / "results.parquet")

@@ -1,7 +1,9 @@
 """Tidy, long-format result tables (one Parquet file per run) and helpers to analyse them with pandas.
 
 Columns: run_id, round, client_id (-1 for server/summary rows), scope (client | server | mean | std | total),
-metric, value, weight. Config, seed, versions and data-scaling notes live in the Parquet file metadata under the key
+metric, value, weight. ``round`` is the 0-based round index (round 0 is the first round, its rows measured after it);
+every count of rounds the helpers return (``rounds``, ``rounds_run``, ``rounds_to_best``, ``rounds_to_target``) is
+rounds completed, ``round + 1``, as in ``raysim report``, its plots and the progress lines. Config, seed, versions and data-scaling notes live in the Parquet file metadata under the key
 ``raysim``.
 
 Timing rows (scope ``total``, client -1): ``round_s``, the driver's wall time of each round (its steps and its
