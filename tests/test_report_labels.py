@@ -39,13 +39,16 @@ ENV = {"preset": "mobile-heterogeneous", "participation": {"dropout": 0.2}}
 
 
 def test_labels_name_only_keys_that_act_on_the_run():
-    sync = full()  # sync rounds: server.* (buffer_size, ...) act on nothing
+    sync = full(clients_per_round=4)  # sync rounds: server.* (buffer_size, ...) act on nothing
     fedbuff = full(server={"mode": "async", "buffer_size": 3, "concurrency": 6}, env={"preset": "uniform"})
     fedbuff5 = full(server={"mode": "async", "buffer_size": 5, "concurrency": 6}, env={"preset": "uniform"})
     labels = auto_labels({"s": sync, "b3": fedbuff, "b5": fedbuff5})
-    assert labels["s"] == "fedproto (env.preset=none, server.mode=sync)"
+    assert labels["s"] == "fedproto (env.preset=none, server.mode=sync)"  # clients_per_round: only sync runs have it
     assert labels["b3"] == "fedproto (env.preset=uniform, server.buffer_size=3, server.mode=async)"
     assert "alpha" not in labels["b5"] and "server_lr" not in labels["b5"]  # FedAsync's key, FedBuff's unchanged
+    two_sync = auto_labels({"s4": sync, "all": full(), "b3": fedbuff})
+    assert two_sync["s4"].startswith("fedproto (clients_per_round=4, ") and "clients_per_round=all" in two_sync["all"]
+    assert "clients_per_round" not in two_sync["b3"]
 
 
 def test_labels_show_preset_values_as_the_presets_method_defaults_and_4_digit_floats():

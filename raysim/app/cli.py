@@ -80,7 +80,8 @@ def _add_reproduce(sub) -> None:
     rp = sub.add_parser("reproduce", help="a seed paper's experiment: every method over several seeds, and a table "
                                           "of our numbers beside the seed's (configs/<seed>/experiments.yaml)")
     rp.add_argument("experiments", nargs="*", metavar="EXPERIMENT", help="experiment name(s); see --list")
-    rp.add_argument("--list", action="store_true", help="list the experiments (seed, source, runs, scale)")
+    rp.add_argument("--list", action="store_true", help="list the experiments (source, runs x seeds, scale) with "
+                                                        "an estimated time from stored wall times (--sort cost)")
     rp.add_argument("--seeds", default=None, metavar="S1,S2,...", help="seeds (default: the experiment's, >= 3)")
     rp.add_argument("--out", default="runs/reproduce", help="parent of <experiment>/<run>/seed<N>/ (default: "
                                                             "runs/reproduce); finished runs there are reused")

@@ -2,7 +2,8 @@
 algorithm and the config keys whose *meaning* differs between the settings compared.
 
 A key counts only where it acts on the run: ``server.*`` only on ``server.mode: async`` runs (and each rule's own
-keys: ``buffer_size``/``server_lr`` for FedBuff, ``alpha`` for FedAsync), ``train.local_epochs`` only without
+keys: ``buffer_size``/``server_lr`` for FedBuff, ``alpha`` for FedAsync), ``clients_per_round`` only on sync runs
+(``all`` when unset), ``train.local_epochs`` only without
 ``train.local_steps``, ``model.arch``/``model.params`` only without ``model.per_client``, ``model.assign`` only with
 it, ``model.tiers`` only with ``assign: tier``; a method's parameters only among runs of that method (compared with
 the method's defaults filled in). An environment preset is expanded, so a key one setting sets and another takes from
@@ -103,10 +104,12 @@ def meaningful(cfg: dict) -> dict:
     drop = set()
     if server.get("mode", "sync") == "sync":  # server.mode itself stays: sync against async is a difference
         drop |= {k for k in out if k.startswith("server.") and k != "server.mode"}
-    elif server.get("rule") == "fedasync":
-        drop |= {"server.buffer_size", "server.server_lr"}
+        if out.get("clients_per_round", Shown(None)).value is None:
+            out["clients_per_round"] = Shown("all")
+    elif server.get("rule") == "fedasync":  # async: the clients in flight are server.concurrency
+        drop |= {"server.buffer_size", "server.server_lr", "clients_per_round"}
     else:
-        drop |= {"server.alpha"}
+        drop |= {"server.alpha", "clients_per_round"}
     train, model = cfg.get("train") or {}, cfg.get("model") or {}
     if train.get("local_steps") is not None:
         drop.add("train.local_epochs")
@@ -152,4 +155,4 @@ def auto_labels(cfgs: dict) -> dict:
 def _relevance_key(k: str) -> bool:
     """Keys that exist only where they act (mode-dependent): compared only among the runs where they act, so a key
     absent for irrelevance is never shown as a difference."""
-    return k.startswith(("server.", "train.local_epochs", "model.", "env.")) and k != "env.preset"
+    return k.startswith(("server.", "train.local_epochs", "model.", "env.", "clients_per_round")) and k != "env.preset"
