@@ -42,24 +42,35 @@ def _records(path: Path, name: str) -> Optional[tuple[list, str]]:
     return (runs, str(path)) if runs else None
 
 
-def stored_runs(name: str, out: Optional[str | Path], results_root: Path) -> Optional[tuple[list, str]]:
-    """The stored per-run records of experiment ``name`` with a wall time, and the file they come from."""
+def stored_index(results_root: Path) -> dict[str, tuple[list, str]]:
+    """experiment -> (its stored per-run records with a wall time, the file) over ``results_root``, each file read
+    once; a file named after its experiment wins over another record of it."""
+    out: dict = {}
+    if not results_root.is_dir():
+        return out
+    for f in sorted(results_root.rglob("*.json")):
+        try:
+            name = json.loads(f.read_text()).get("experiment")
+        except (OSError, ValueError, AttributeError):
+            continue
+        got = _records(f, name) if isinstance(name, str) else None
+        if got and (name not in out or f.stem == name):
+            out[name] = got
+    return out
+
+
+def stored_runs(name: str, out: Optional[str | Path], index: dict) -> Optional[tuple[list, str]]:
+    """The stored per-run records of experiment ``name`` with a wall time, and the file they come from: this
+    machine's earlier reproduction under ``out`` first, else the stored index."""
     if out is not None:
         mine = _records(Path(out) / name / "reproduction.json", name)
         if mine:
             return mine
-    if not results_root.is_dir():
-        return None
-    files = sorted(results_root.rglob(f"{name}.json")) + sorted(results_root.rglob("*.json"))
-    for f in dict.fromkeys(files):  # the file named after the experiment first
-        got = _records(f, name)
-        if got:
-            return got
-    return None
+    return index.get(name)
 
 
-def estimate(exp, out: Optional[str | Path], results_root: Path) -> Optional[Cost]:
-    got = stored_runs(exp.name, out, results_root)
+def estimate(exp, out: Optional[str | Path], index: dict) -> Optional[Cost]:
+    got = stored_runs(exp.name, out, index)
     if got is None:
         return None
     runs, source = got
@@ -99,7 +110,8 @@ class TimeLeft:
 def list_lines(exps: dict, out: Optional[str | Path], results_root: Path, sort: str = "name") -> list[str]:
     """``raysim reproduce --list``: one line per experiment (name, source, runs x seeds, estimated time), sorted by
     name or by estimated cost (cheapest first; those without an estimate last), and one line under it."""
-    rows = [(name, e, estimate(e, out, results_root)) for name, e in exps.items()]
+    index = stored_index(results_root)
+    rows = [(name, e, estimate(e, out, index)) for name, e in exps.items()]
     if sort == "cost":
         rows.sort(key=lambda t: (t[2] is None, t[2].seconds if t[2] else 0.0, t[0]))
     else:
