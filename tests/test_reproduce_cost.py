@@ -35,8 +35,7 @@ def test_list_estimates_time_from_stored_wall_times_and_sorts_by_cost(tmp_path, 
 def test_smoke_is_one_seed_two_rounds_in_its_own_directory_and_not_a_verdict(tmp_path, capsys):
     root = _write_root(tmp_path, rounds=4)
     out = tmp_path / "out"
-    assert main(["reproduce", "toy_table", "--smoke", "--configs", str(root), "--out", str(out), "--no-report",
-                 "--set", "output.progress=lines"]) == 0
+    assert main(["reproduce", "toy_table", "--smoke", "--configs", str(root), "--out", str(out), "--no-report"]) == 0
     text = capsys.readouterr()
     smoke = tmp_path / "out-smoke" / "toy_table"
     assert not out.exists() and sorted(p.name for p in (smoke / "local").iterdir()) == ["seed1"]
@@ -46,6 +45,7 @@ def test_smoke_is_one_seed_two_rounds_in_its_own_directory_and_not_a_verdict(tmp
     assert "not a verdict" in data["smoke"] and all("smoke" in c["verdict"] for c in data["claims"])
     cfg = (smoke / "local" / "seed1" / "config.yaml").read_text()
     assert f"rounds: {SMOKE_ROUNDS}" in cfg
-    # per-run progress: each run's rounds (lines: the test's stderr is no terminal) and the time left
+    # per-run progress, whatever the configs' output.progress (false in the toy configs): each run's rounds (lines:
+    # the test's stderr is no terminal) and the time left
     assert "toy_local s1 round 2/2: " in text.err and "toy_fedproto s1 round 2/2: " in text.err
     assert "Local seed 1: done in " in text.out and "left (1 run(s))" in text.out

@@ -405,7 +405,7 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
     if jobs == 1:
         for k, p in enumerate(todo, 1):
             log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target}" + (" (resumed)" if p.status == "resume" else ""))
-            finish(p, run_one(p.cfg, p.target, progress))
+            finish(p, run_one(p.cfg, p.target, "auto" if progress is None else progress))  # whatever the configs say
         return
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
