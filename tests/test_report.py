@@ -88,12 +88,16 @@ def test_best_is_not_last_when_accuracy_drops():
 
 def test_report_writes_markdown_parquet_and_plots(tmp_path):
     dirs = write_fixture(tmp_path)
-    files = build_report([tmp_path], tmp_path / "rep", ReportOptions(target=0.55), log=lambda *a: None)
+    files = build_report([tmp_path], tmp_path / "rep", ReportOptions(target=0.55, per_client=True),
+                         log=lambda *a: None)
     md = files["summary.md"].read_text()
     assert "| fedproto (lam=1.0) | 2 | 1,2 | 0.9000 ± 0.0707 | 0.9000 ± 0.0707 | 3.0 ± 0.0 | 3 | 2.0 ± 1.4 (2/2 reached) |" in md
     assert "| fedproto (lam=0.5) | 1 | 1 |" in md and "± std over seeds" in md
     assert "0.3000 | 0.3000 |" in md and "(0/1 reached)" in md
-    for name in ("test_acc_vs_round.png", "test_acc_vs_bytes.png", "test_acc_vs_time.png"):  # sim_time is found automatically
+    pngs = sorted(n for n in files if n.endswith(".png"))  # one pattern: <metric>_<what>.png (issue 52)
+    assert pngs == ["test_acc_per_client.png", "test_acc_vs_bytes.png", "test_acc_vs_round.png",
+                    "test_acc_vs_time.png"]  # sim_time is found automatically
+    for name in pngs:
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = pd.read_parquet(files["summary.parquet"])
     assert sorted(summary["final_mean"].round(6)) == [0.3, 0.9]

@@ -3,13 +3,10 @@ label:, legends outside the axes, one file-name pattern, rounds counted as round
 form."""
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from raysim.app.cli import main
 from raysim.app.labels import auto_labels
-from raysim.app.report import ReportOptions, build_report
 from raysim.config import make_config, to_dict
 from raysim.io import results
 from raysim.io.results import ResultTable, write_parquet
@@ -87,17 +84,6 @@ def test_label_option_and_config_label_name_settings(tmp_path, capsys):
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep3"), "--label",
                  f"x={tmp_path / 'runs'}"]) == 2
     assert "2 settings" in capsys.readouterr().err
-
-
-def test_plots_legends_outside_the_axes_and_one_name_pattern(tmp_path):
-    write_run(tmp_path / "runs", "a", 1, full(name="a"))
-    long = full(name="b", train={"lr": 0.1, "momentum": 0.9, "weight_decay": 0.001, "batch_size": 16},
-                data__val_fraction=0.1)
-    write_run(tmp_path / "runs", "b", 1, long)
-    files = build_report([tmp_path / "runs"], tmp_path / "rep", ReportOptions(per_client=True), log=lambda *a: None)
-    pngs = sorted(n for n in files if n.endswith(".png"))
-    assert pngs == ["test_acc_per_client.png", "test_acc_vs_bytes.png", "test_acc_vs_round.png"]
-    assert all(re.fullmatch(r"[a-z_]+_(vs_round|vs_bytes|vs_time|per_client)\.png", n) for n in pngs)
 
 
 @pytest.mark.parametrize("labels", [["fedproto (lam=1.0) (n=2)", "fedavg (n=2)"],
