@@ -1,6 +1,6 @@
 """Readable reports (issue 52): setting names from keys that differ in meaning, --label NAME=DIR and the config's
-label:, legends outside the axes, one file-name pattern, rounds counted as rounds completed, results.final's scalar
-form."""
+label:, legends outside the axes (the plots' one file-name pattern: tests/test_report.py), rounds counted as rounds
+completed, results.final's scalar form."""
 from __future__ import annotations
 
 import pytest
