@@ -9,8 +9,8 @@ it, ``model.tiers`` only with ``assign: tier``; a method's parameters only among
 the method's defaults filled in). An environment preset is expanded, so a key one setting sets and another takes from
 the preset shows the preset's value, marked ``(preset)``; a key that one run's free-form mapping lacks
 (``partition_params``, ``dataset_params``, ``model.params``) shows ``default``. Floats print with 4 significant
-digits. Where, where not and how fast a run computes (``backend``, ``output``, ``name``, ``seed``, recovery policies)
-never names a setting."""
+digits. Where and how fast a run computes (``backend`` but its identity keys ``vectorize``, ``numerics``,
+``partial_aggregate``; ``output``, ``name``, ``seed``, recovery policies) never names a setting."""
 from __future__ import annotations
 
 import dataclasses
@@ -89,10 +89,14 @@ def _method_params(algo: Optional[str], params) -> dict:
 
 def meaningful(cfg: dict) -> dict:
     """{dotted key: Shown} of the keys that act on this run (see the module docstring)."""
+    backend = (cfg or {}).get("backend") or {}
     cfg = {k: v for k, v in (cfg or {}).items() if k not in NEVER}
     algo = (cfg.get("algorithm") or {}).get("name")
     env, alg = cfg.pop("env", None), cfg.pop("algorithm", None) or {}
     out = _flat(cfg)
+    for k in ("vectorize", "numerics", "partial_aggregate"):  # where not, but how exactly: part of the identity
+        if k in backend:
+            out[f"backend.{k}"] = Shown(backend[k])
     out["algorithm.name"] = Shown(algo)
     out.update(_flat(_method_params(algo, alg.get("params")), "algorithm.params."))
     out.update(_env(env))
