@@ -308,12 +308,15 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
     return ck.parent.parent, ck, meta
 
 
-def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: Optional[bool] = None,
+def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: bool | str | None = None,
                    write: bool = True, resume: Optional[str | Path] = None, callbacks: Optional[list[Callback]] = None,
                    prepared: Optional[Prepared] = None) -> RunResult:
     """Run one experiment. ``callbacks`` are :class:`Callback` objects (loggers, custom stopping rules; a plain
     ``fn(round_idx, table) -> stop?`` after every evaluated round is ``EvalCallback(fn)``). ``prepared``: the
     result of ``prepare(cfg)`` when the caller already has it (``sweep.run_seeds`` checks every seed first).
+    ``progress``: None takes ``output.progress``; True or ``"auto"`` a bar on a terminal and one line per evaluated
+    round otherwise; ``"bar"``, ``"lines"``; False none. ``output.tensorboard`` / ``output.mlflow`` add the trackers
+    (:mod:`raysim.engine.tracking`), checked before anything is claimed.
 
     With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
     ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
