@@ -441,7 +441,7 @@ def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
         run_experiment(cfg, out_dir=tmp_path / name, progress=False)
     out = build_report([tmp_path / "sync", tmp_path / "async"], tmp_path / "report", ReportOptions(target=0.0),
                        log=lambda *a: None)
-    assert (tmp_path / "report" / "acc_vs_time.png").stat().st_size > 0
+    assert (tmp_path / "report" / "test_acc_vs_time.png").stat().st_size > 0
     text = (tmp_path / "report" / "summary.md").read_text()
     assert "server.mode=async" in text and "server.mode=sync" in text and "sim_round_s to 0" in text
     assert out

@@ -260,17 +260,19 @@ def test_cluster_agreement_only_with_domains_and_a_clustered_method(tiny, monkey
 def test_progress_bar_shows_the_methods_headline_metrics(tiny, monkeypatch):
     shown = []
 
-    class Spy(loop.ProgressBar):
+    from raysim.engine import callbacks
+
+    class Spy(callbacks.ProgressBar):
         def on_round_end(self, run, round_idx, evaluated):
             out = super().on_round_end(run, round_idx, evaluated)
             shown.append(str(self.bar.postfix))
             return out
 
-    monkeypatch.setattr(loop, "ProgressBar", Spy)
-    run_experiment(tiny(rounds=1), write=False, progress=True)  # fedproto
+    monkeypatch.setattr(callbacks, "ProgressBar", Spy)
+    run_experiment(tiny(rounds=1), write=False, progress="bar")  # fedproto
     assert "acc_proto=" in str(shown[-1]) and "acc=" in str(shown[-1])
     shown.clear()
-    run_experiment(tiny(rounds=1, algorithm={"name": "fedavg", "params": {}}), write=False, progress=True)
+    run_experiment(tiny(rounds=1, algorithm={"name": "fedavg", "params": {}}), write=False, progress="bar")
     assert "acc=" in str(shown[-1]) and "acc_proto" not in str(shown[-1])
     assert algorithm_class("mafml").headline == ("test_acc", "test_acc_all")
     assert algorithm_class("fedtgp").headline == ("test_acc", "test_acc_proto")

@@ -44,12 +44,20 @@ def test_heterogeneous_models_identical_on_ray(ray_session, tiny):
     pd.testing.assert_frame_equal(seq, r, check_exact=True)
 
 
-def test_failures_identical_on_ray(ray_session, tiny):
+def test_failures_identical_on_ray(ray_session, tiny, tmp_path):
+    """Also the Ray test of the trackers (tests/test_tracking.py): they are driver callbacks, so TensorBoard gets
+    the same scalars from either backend."""
     params = {"algorithm": {"name": "failing_fedavg", "params": {"fail_clients": [1, 4]}}}
-    seq = run_experiment(tiny(**params), write=False)
-    r = run_experiment(tiny(**params, backend={"name": "ray", "num_actors": 2}), write=False)
+    seq = run_experiment(tiny(**params, output={"progress": False, "tensorboard": str(tmp_path / "seq")}), write=False)
+    r = run_experiment(tiny(**params, backend={"name": "ray", "num_actors": 2},
+                            output={"progress": False, "tensorboard": str(tmp_path / "ray")}), write=False)
     pd.testing.assert_frame_equal(without_timing(seq.table), without_timing(r.table), check_exact=True)
     assert [(f["round"], f["client_id"]) for f in r.metadata["failures"]] == [(1, 1), (1, 4), (2, 1), (2, 4)]
+    from tests.test_tracking import scalars
+
+    a, b = scalars(tmp_path / "seq" / seq.run_id), scalars(tmp_path / "ray" / r.run_id)
+    for tag in ("test_acc", "total/up_bytes"):
+        assert [(e.step, e.value) for e in a.Scalars(tag)] == [(e.step, e.value) for e in b.Scalars(tag)] != []
 
 
 def test_warm_actors_are_reused_only_when_their_resources_match(ray_session, tiny):

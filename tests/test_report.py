@@ -60,7 +60,7 @@ def test_seed_summary_matches_hand_computation(tmp_path):
     sd = math.sqrt(((0.85 - 0.9) ** 2 + (0.95 - 0.9) ** 2) / 1)  # sample std of 0.85, 0.95
     assert a["runs"] == 2 and a["final_mean"] == pytest.approx(0.9) and a["final_std"] == pytest.approx(sd)
     # round columns count rounds completed (index + 1), as rounds_to_target and the plots' x
-    assert a["best_mean"] == pytest.approx(0.9) and a["best_round_mean"] == 3 and a["last_round_mean"] == 3
+    assert a["best_mean"] == pytest.approx(0.9) and a["rounds_to_best_mean"] == 3 and a["rounds_run_mean"] == 3
     # target 0.55: a/s1 reaches it at round 0 (1 round, 1 time unit), a/s2 at round 2 (3 rounds, 3 time units)
     assert a["rounds_to_target_mean"] == pytest.approx(2.0) and a["rounds_to_target_std"] == pytest.approx(math.sqrt(2))
     assert a["sim_time_to_target_mean"] == pytest.approx(2.0) and a["reached"] == 2
@@ -88,12 +88,16 @@ def test_best_is_not_last_when_accuracy_drops():
 
 def test_report_writes_markdown_parquet_and_plots(tmp_path):
     dirs = write_fixture(tmp_path)
-    files = build_report([tmp_path], tmp_path / "rep", ReportOptions(target=0.55), log=lambda *a: None)
+    files = build_report([tmp_path], tmp_path / "rep", ReportOptions(target=0.55, per_client=True),
+                         log=lambda *a: None)
     md = files["summary.md"].read_text()
     assert "| fedproto (lam=1.0) | 2 | 1,2 | 0.9000 ± 0.0707 | 0.9000 ± 0.0707 | 3.0 ± 0.0 | 3 | 2.0 ± 1.4 (2/2 reached) |" in md
     assert "| fedproto (lam=0.5) | 1 | 1 |" in md and "± std over seeds" in md
     assert "0.3000 | 0.3000 |" in md and "(0/1 reached)" in md
-    for name in ("acc_vs_round.png", "acc_vs_bytes.png", "acc_vs_time.png"):  # sim_time is found automatically
+    pngs = sorted(n for n in files if n.endswith(".png"))  # one pattern: <metric>_<what>.png (issue 52)
+    assert pngs == ["test_acc_per_client.png", "test_acc_vs_bytes.png", "test_acc_vs_round.png",
+                    "test_acc_vs_time.png"]  # sim_time is found automatically
+    for name in pngs:
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = pd.read_parquet(files["summary.parquet"])
     assert sorted(summary["final_mean"].round(6)) == [0.3, 0.9]

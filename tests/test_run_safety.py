@@ -313,7 +313,7 @@ def test_report_labels_several_metrics_per_client_and_missing_metric(tiny, tmp_p
                  "--per-client", "--mixed-metrics"]) == 0
     md = (tmp_path / "rep" / "summary.md").read_text()
     assert "| fedavg |" in md and "| fedproto |" in md and "## train_loss" in md
-    for name in ("acc_vs_round.png", "train_loss_vs_bytes.png", "clients_test_acc.png"):
+    for name in ("test_acc_vs_round.png", "train_loss_vs_bytes.png", "test_acc_per_client.png"):
         assert (tmp_path / "rep" / name).read_bytes()[:4] == b"\x89PNG"
 
 

@@ -23,6 +23,7 @@ class TuneResult:
     ran: int  # trials run by this call
     wall_s: float
     files: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)  # the validation split cannot rank the trials (tuning/show.py)
 
 
 def trial_outcome(t) -> Optional[str]:

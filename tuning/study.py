@@ -328,6 +328,10 @@ def tune(config: str | Path | dict, space: SearchSpace | dict, n_trials: int, st
         raise
     res = export(study, out_dir, base, space)
     res.ran, res.wall_s = ran, time.perf_counter() - t_start
+    from tuning.show import validation_warnings
+
+    res.trials.attrs["direction"] = space.objective.direction
+    res.warnings = validation_warnings(res.trials, space.objective.metric, float(cfg.data.val_fraction))
     return res
 
 

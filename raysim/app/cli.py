@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from pathlib import Path
 
 from raysim.errors import ConfigError, DataError, printable
 
@@ -44,9 +45,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_tune_report(sub) -> None:
     tune = sub.add_parser("tune", help="an Optuna study over config keys (persistent, resumable, prunable)")
-    tune.add_argument("config", help="YAML config file (the base of every trial)")
-    tune.add_argument("--space", required=True, help="search-space YAML (params, objective, pruner, sampler)")
-    tune.add_argument("--trials", type=int, required=True, help="finished trials the study should hold")
+    tune.add_argument("config", nargs="?", help="YAML config file (the base of every trial)")
+    tune.add_argument("--space", help="search-space YAML (params, objective, pruner, sampler)")
+    tune.add_argument("--trials", type=int, help="finished trials the study should hold")
+    tune.add_argument("--show", default=None, metavar="DIR|STORAGE",
+                      help="look at a study instead of running one: best trial, trials sorted by value, parameter "
+                           "importances (a tune output directory or a --storage URL; --study-name when it holds "
+                           "several)")
     tune.add_argument("--storage", default=None,
                       help="sqlite:///study.db or journal:study.log (default: journal file in the output directory)")
     tune.add_argument("--study-name", default=None, help="default: <config name>-tune")
@@ -68,6 +73,9 @@ def _add_tune_report(sub) -> None:
     rep.add_argument("--no-plots", action="store_true")
     rep.add_argument("--mixed-metrics", action="store_true", help="compare a metric that evaluates different models "
                                                                  "across the methods (raysim list: 'measures') knowingly")
+    rep.add_argument("--label", action="append", default=[], metavar="NAME=DIR",
+                     help="name the setting of the runs under DIR (repeatable; default: the config's label:, else "
+                          "the algorithm and the keys that differ)")
     rep.add_argument("--tuned-on", action="append", default=None, metavar="DIR",
                      help="a raysim tune output directory (repeatable): warn when a compared run uses a seed its "
                           "trials ran on")
@@ -77,7 +85,8 @@ def _add_reproduce(sub) -> None:
     rp = sub.add_parser("reproduce", help="a seed paper's experiment: every method over several seeds, and a table "
                                           "of our numbers beside the seed's (configs/<seed>/experiments.yaml)")
     rp.add_argument("experiments", nargs="*", metavar="EXPERIMENT", help="experiment name(s); see --list")
-    rp.add_argument("--list", action="store_true", help="list the experiments (seed, source, runs, scale)")
+    rp.add_argument("--list", action="store_true", help="list the experiments (source, runs x seeds, scale) with "
+                                                        "an estimated time from stored wall times (--sort cost)")
     rp.add_argument("--seeds", default=None, metavar="S1,S2,...", help="seeds (default: the experiment's, >= 3)")
     rp.add_argument("--out", default="runs/reproduce", help="parent of <experiment>/<run>/seed<N>/ (default: "
                                                             "runs/reproduce); finished runs there are reused")
@@ -93,6 +102,10 @@ def _add_reproduce(sub) -> None:
                                                              "(the table names every code version)")
     rp.add_argument("--no-report", action="store_true", help="no raysim report summary/plots beside the table")
     rp.add_argument("--configs", default=None, metavar="DIR", help="configs root (default: the checkout's configs/)")
+    rp.add_argument("--sort", choices=["name", "cost"], default="name",
+                    help="--list order: by name, or by estimated time (cheapest first)")
+    rp.add_argument("--smoke", action="store_true",
+                    help="a smoke test: one seed, 2 rounds, into <--out>-smoke; the table says 'not a verdict'")
 
 
 def _cmd_reproduce(args) -> int:
@@ -106,16 +119,22 @@ def _cmd_reproduce(args) -> int:
     if args.list or not args.experiments:
         if not args.list:
             raise ConfigError("experiment", "name one or more experiments (raysim reproduce --list shows them)")
-        for name, e in sorted(exps.items()):
-            print(f"{name:<34} {e.source:<22} {len(e.runs)} runs, seeds {','.join(map(str, e.seeds))}"
-                  f"{'; scaled: ' + e.scaled if e.scaled else ''}")
-            print(f"  {e.title} ({e.folder.name}/)")
+        from raysim.app.reproduce_cost import list_lines
+
+        results_root = Path(root).resolve().parent / "benchmarks" / "results"
+        print("\n".join(list_lines(exps, args.out, results_root, args.sort)))
         return 0
     for name in args.experiments:
         if name not in exps:
             raise ConfigError("experiment", f"{name!r} is not allowed; choose one of: {', '.join(sorted(exps))}")
     overrides = list(args.overrides) + ([f"backend.name={args.backend}"] if args.backend else [])
     seeds = parse_seeds(args.seeds) if args.seeds else None
+    if args.smoke:  # its own directory: a smoke run never stands in for (or clashes with) a real one
+        from raysim.app.reproduce_cost import SMOKE_ROUNDS
+
+        overrides.append(f"rounds={SMOKE_ROUNDS}")
+        seeds = (seeds or [exps[args.experiments[0]].seeds[0]])[:1]
+        args.out = args.out.rstrip("/") + "-smoke"
     plans = {}
     for name in args.experiments:  # everything is checked before the first run starts
         e = exps[name]
@@ -130,6 +149,10 @@ def _cmd_reproduce(args) -> int:
             rp.execute(plans[name], jobs=args.jobs)
         e = rp.replace(e, cli_overrides=tuple(overrides))  # recorded in the table's header, scale line and JSON
         path = write_table(e, plans[name], args.out, numbers, report=not args.no_report)
+        if args.smoke:
+            from raysim.app.reproduce_cost import label_smoke
+
+            label_smoke(path)
         print(path.read_text())
         print(f"table: {path}")
     return 0
@@ -142,6 +165,15 @@ def _cmd_tune(args) -> int:
     from tuning import study
     from tuning.space import load_space
 
+    if args.show is not None:
+        from tuning.show import show
+
+        print(printable(show(args.show, args.study_name), keep_newlines=True))
+        return 0
+    for name, value in (("config", args.config), ("--space", args.space), ("--trials", args.trials)):
+        if value is None:
+            raise ConfigError(name, "is required to run a study (raysim tune CONFIG --space SPACE --trials N; or "
+                                    "--show DIR to look at one)")
     space = load_space(args.space)
 
     first = dict(parse_override(text) for text in args.first)
@@ -153,6 +185,9 @@ def _cmd_tune(args) -> int:
     if res.best_value is not None:
         print(f"best value {res.best_value:.4f} with {res.best_params}; config: {res.files['best']}")
     print(f"trials table: {res.files['trials']}")
+    for warning in res.warnings:
+        _say(f"WARNING: {warning}")
+    print(f"look at it: raysim tune --show {printable(res.out_dir)}")
     return 0
 
 
@@ -161,11 +196,17 @@ def _cmd_report(args) -> int:
     from raysim.io.rundir import check_writable
 
     check_writable(args.out, "--out")  # a report directory that cannot be created fails before anything is read
+    given = {}
+    for text in args.label:
+        name, sep, directory = text.partition("=")
+        if not sep or not name.strip() or not directory.strip():
+            raise ConfigError("--label", f"{text!r} is not NAME=DIR (e.g. --label 'FedProto tuned=runs/fp')")
+        given[name.strip()] = directory.strip()
     try:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
         files = build_report(args.runs, args.out, ReportOptions(metrics, args.target, args.time_metric,
                                                                 plots=not args.no_plots, per_client=args.per_client,
-                                                                tuned_on=args.tuned_on,
+                                                                tuned_on=args.tuned_on, labels=given or None,
                                                                 mixed_metrics=args.mixed_metrics))
     except (KeyError, FileNotFoundError) as e:
         print(f"raysim report: {printable(e.args[0] if e.args else e)}", file=sys.stderr)

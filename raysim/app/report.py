@@ -72,43 +72,55 @@ def _pm(mean, std, digits=4) -> str:
     return f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in (d or {}).items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):  # an empty section adds no key
-            out.update(_flat(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def setting_labels(index: pd.DataFrame) -> dict:
-    """group -> label: the algorithm, plus the config keys whose values differ between the groups compared
-    (``algorithm.params.`` shortened away), e.g. ``fedproto (lam=0.5)``."""
-    cfgs = {}
+    """group -> label: the run's own name (``--label`` / the config's ``label:``, in the index's ``label`` column)
+    where it has one, else the algorithm and the config keys whose meaning differs between the groups compared
+    (:mod:`raysim.app.labels`), e.g. ``fedproto (lam=0.5)``."""
+    from raysim.app.labels import auto_labels
+
+    cfgs, named = {}, {}
     for _, row in index.drop_duplicates("group").iterrows():
-        cfg = dict(results.load_metadata(row["path"]).get("config") or {})
-        for k in ("seed", "name", "backend", "output"):
-            cfg.pop(k, None)
-        cfgs[row["group"]] = _flat(cfg)
-    keys = sorted({k for c in cfgs.values() for k in c})
-
-    def differs(k: str, algo: str) -> bool:  # a method's parameters are compared among runs of that method only
-        peers = [c for c in cfgs.values() if not k.startswith("algorithm.params.") or c.get("algorithm.name") == algo]
-        return len({repr(c.get(k)) for c in peers}) > 1
-
-    labels = {}
-    for g, c in cfgs.items():
-        algo = c.get("algorithm.name")
-        parts = [f"{k.replace('algorithm.params.', '')}={c.get(k)}" for k in keys
-                 if k != "algorithm.name" and differs(k, algo)]
-        labels[g] = f"{c.get('algorithm.name', '?')}" + (f" ({', '.join(parts)})" if parts else "")
+        cfgs[row["group"]] = dict(results.load_metadata(row["path"]).get("config") or {})
+        given = row["label"] if "label" in index.columns else None
+        if isinstance(given, str) and given:
+            named[row["group"]] = given
+    labels = {**auto_labels(cfgs), **named}
     counts = pd.Series(list(labels.values())).value_counts()
     for g in labels:  # settings that differ in nothing but the name keep the name apart
         if counts[labels[g]] > 1:
             labels[g] = f"{labels[g]} [{g}]"
     return labels
+
+
+def apply_labels(index: pd.DataFrame, given: Optional[dict]) -> pd.DataFrame:
+    """The index with a ``label`` column: ``given`` ({name: directory}, ``--label NAME=DIR``) names every run under
+    the directory, else a run's config ``label:``. A labelled directory holding no run of this report, or runs of
+    several settings, is a ConfigError naming ``--label``; runs of one setting under two names become two
+    settings."""
+    from raysim.errors import ConfigError
+
+    index = index.copy()
+    labels = []
+    for _, row in index.iterrows():
+        cfg_label = (results.load_metadata(row["path"]).get("config") or {}).get("label")
+        labels.append(cfg_label if isinstance(cfg_label, str) and cfg_label else None)
+    index["label"] = labels
+    for name, directory in (given or {}).items():
+        root = Path(directory).absolute()
+        if not root.exists():
+            raise ConfigError("--label", f"{name}={directory}: no such directory")
+        hit = index["path"].map(lambda p: Path(p).absolute() == root or root in Path(p).absolute().parents)
+        if not hit.any():
+            raise ConfigError("--label", f"{name}={directory}: no run of this report is there (give it among the "
+                                         f"report's runs too)")
+        groups = sorted(index.loc[hit, "group"].unique())
+        if len(groups) > 1:
+            raise ConfigError("--label", f"{name}={directory}: it holds runs of {len(groups)} settings (configs that "
+                                         f"differ in more than the seed); label each setting's directory")
+        index.loc[hit, "label"] = name
+    relabelled = index["label"].notna()
+    index.loc[relabelled, "group"] = index.loc[relabelled, "group"] + "|" + index.loc[relabelled, "label"]
+    return index
 
 
 def check_metrics(df: pd.DataFrame, index: pd.DataFrame, metrics: Optional[list[str]]) -> tuple[list[str], list[str]]:
@@ -144,8 +156,8 @@ def summary_markdown(summary: pd.DataFrame, index: pd.DataFrame, metric: str, ta
                "seeds": ",".join(str(x) for x in seeds),
                f"final {metric}": _pm(s["final_mean"], s["final_std"]),
                f"best {metric}": _pm(s["best_mean"], s["best_std"]),
-               "best round": _pm(s["best_round_mean"], s["best_round_std"], 1),
-               "last round": f"{s['last_round_mean']:g}"}
+               "rounds to best": _pm(s["rounds_to_best_mean"], s["rounds_to_best_std"], 1),
+               "rounds run": f"{s['rounds_run_mean']:g}"}
         if target is not None:
             row[f"rounds to {target:g}"] = f"{_pm(s['rounds_to_target_mean'], s['rounds_to_target_std'], 1)} " \
                                            f"({int(s['reached'])}/{int(s['runs'])} reached)"
@@ -203,24 +215,30 @@ def plot_curves(curves: pd.DataFrame, path: Path, axes: PlotAxes, labels: Option
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(axes.title, fontsize=10)
     ax.grid(alpha=0.3)
-    _legend(ax, "mean over seeds; band: ± std over seeds")
     fig.tight_layout()
+    _legend(fig, ax, "mean over seeds;\nband: ± std over seeds")
     fig.savefig(path, bbox_inches="tight")  # the whole legend, also when it sits below the axes
     plt.close(fig)
 
 
-def _legend(ax, title: str) -> None:
-    """Inside the axes when the labels are short; below them, each label wrapped, when they are long (settings
-    that differ in several keys), so that no label runs off the figure."""
+def _legend(fig, ax, title: str) -> None:
+    """Always outside the axes, never over them or their labels: to the right of the axes' whole box (tick labels
+    and axis label included) when the labels are short, below it, each label wrapped, when they are long (settings
+    that differ in several keys). ``savefig(bbox_inches="tight")`` keeps it in the image."""
     import textwrap
 
     handles, labels = ax.get_legend_handles_labels()
-    if max((len(t) for t in labels), default=0) <= 45:
-        ax.legend(fontsize=7, loc="best", title=title, title_fontsize=7)
+    if not handles:
+        return
+    fig.canvas.draw()  # the axes' full extent (tick labels, axis labels) in axes coordinates
+    box = ax.get_tightbbox(fig.canvas.get_renderer()).transformed(ax.transAxes.inverted())
+    if max(len(t) for t in labels) <= 45:
+        ax.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(box.x1 + 0.02, 1.0), title=title,
+                  title_fontsize=7, frameon=False, borderaxespad=0.0)
         return
     wrapped = ["\n".join(textwrap.wrap(t, 90, subsequent_indent="  ")) for t in labels]
-    ax.legend(handles, wrapped, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, -0.2), title=title,
-              title_fontsize=7, frameon=False)
+    ax.legend(handles, wrapped, fontsize=7, loc="upper left", bbox_to_anchor=(0.0, box.y0 - 0.03), title=title,
+              title_fontsize=7, frameon=False, borderaxespad=0.0)
 
 
 def plot_client_curves(df: pd.DataFrame, index: pd.DataFrame, metric: str, path: Path, labels: dict) -> None:
@@ -242,9 +260,9 @@ def plot_client_curves(df: pd.DataFrame, index: pd.DataFrame, metric: str, path:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"client {metric} (mean over seeds)")
-    axes[0][0].legend(fontsize=7)
+    fig.suptitle("thin lines: one client each; black: the mean over clients", fontsize=8)  # no legend over the data
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -276,6 +294,7 @@ class ReportOptions:
     per_client: bool = False
     tuned_on: Optional[list] = None
     mixed_metrics: bool = False  # compare a metric that evaluates different models across methods (issue 52)
+    labels: Optional[dict] = None  # {name: directory}: the setting of the runs under each directory (--label)
 
 
 @dataclass(frozen=True)
@@ -292,6 +311,7 @@ def build_report(paths, out_dir: str | Path, options: ReportOptions = ReportOpti
     """Write summary.md, summary.parquet (one row per setting and metric), runs.parquet and the PNG plots into
     ``out_dir``; returns {name: path}. A metric that a run lacks is an error naming the run."""
     df, index, metrics, notes = _read_runs(paths, options.metrics)
+    index = apply_labels(index, options.labels)
     labels = setting_labels(index)
     from raysim.app.measures import check, run_configs
 
@@ -307,10 +327,11 @@ def build_report(paths, out_dir: str | Path, options: ReportOptions = ReportOpti
     out_dir.mkdir(parents=True, exist_ok=True)
     files: dict = {}
     md = [f"# raysim report\n\n{len(index)} run(s) in {index['group'].nunique()} setting(s) (runs whose configs "
-          f"differ only in the seed form one setting; a setting is named by its algorithm and the config keys that "
-          f"differ between the settings). Values: mean ± sample std over seeds of the mean over clients. Rounds "
-          f"count rounds completed (round r = after r rounds), in the table and on the plots' x axis. Plot bands: ± std "
-          f"over seeds.\n"]
+          f"differ only in the seed form one setting; a setting is named by its label (--label, the config's "
+          f"label:) or by its algorithm and the config keys whose meaning differs between the settings). Values: "
+          f"mean ± sample std over seeds of the mean over clients. Rounds are counted as rounds completed (the "
+          f"result table's 0-based round index + 1) in this summary, its columns and the plots' x axis. Plot bands: "
+          f"± std over seeds.\n"]
     md += [f"\nNote: {n}.\n" for n in notes]
     if options.tuned_on:
         md += _tuned_on_warning(index, tuned_seeds, options.tuned_on, log)
@@ -324,10 +345,10 @@ def build_report(paths, out_dir: str | Path, options: ReportOptions = ReportOpti
         md.append("\nNo simulated time in these runs (no total/server metric named "
                   f"{' / '.join(SIM_TIME_CANDIDATES)}): accuracy vs simulated time is not plotted.\n")
     if options.plots:
-        for i, metric in enumerate(metrics):
-            md += _metric_plots(runs, metric, "acc" if i == 0 else metric, out_dir, files)
+        for metric in metrics:
+            md += _metric_plots(runs, metric, metric, out_dir, files)
             if options.per_client:
-                name = f"clients_{metric}.png"
+                name = f"{metric}_per_client.png"
                 plot_client_curves(df, index, metric, out_dir / name, labels)
                 files[name] = out_dir / name
                 md.append(f"\n![{metric} per client]({name})\n")
@@ -372,8 +393,10 @@ def _tuned_on_warning(index: pd.DataFrame, tuned_seeds: set, tuned_on: list, log
 
 
 def _metric_plots(runs: _Runs, metric: str, stem: str, out_dir: Path, files: dict) -> list[str]:
-    """``metric`` against rounds, bytes and (when the runs have it) simulated time, as ``{stem}_vs_*.png`` in
-    ``out_dir`` (recorded in ``files``); returns summary.md's image lines."""
+    """``metric`` against rounds, bytes and (when the runs have it) simulated time, as ``{metric}_vs_round.png``,
+    ``{metric}_vs_bytes.png``, ``{metric}_vs_time.png`` in ``out_dir`` (recorded in ``files``; every plot of a
+    report is named ``<metric>_<what>.png``, per-client panels ``<metric>_per_client.png``); returns summary.md's
+    image lines."""
     axes = [("round", "rounds completed", f"{stem}_vs_round.png", "linear"),
             ("bytes", "bytes communicated (up + down, all clients; log scale)", f"{stem}_vs_bytes.png", "log")]
     if runs.time_metric is not None:

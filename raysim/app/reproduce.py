@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
+from raysim.app.reproduce_cost import TimeLeft
 from raysim.config import load_config, load_yaml_mapping
 from raysim.errors import ConfigError
 
@@ -408,6 +409,8 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
     log(f"{len(planned)} run(s): {len(planned) - len(todo) - gone} finished and reused, "
         + (f"{gone} diverged before, " if gone else "") + f"{len(todo)} to run" + (f", {jobs} at a time" if jobs > 1 else ""))
 
+    left = TimeLeft(todo, jobs)  # each finished run's time and the estimate of what is left
+
     def finish(p: Planned, outcome: tuple) -> None:
         kind, message, seconds = outcome
         name = f"{p.run.label} seed {p.seed}"
@@ -419,15 +422,14 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
         elif kind == "reused":
             p.status = "reuse"
             log(f"    {name}: finished meanwhile by another process; reused")
-        else:
+        else:  # done
+            log(f"    {name}: done in {left.done(seconds)}")
             p.status = "reuse"
-            if jobs > 1:
-                log(f"    {name}: done in {seconds:.0f} s")
 
     if jobs == 1:
         for k, p in enumerate(todo, 1):
             log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target}" + (" (resumed)" if p.status == "resume" else ""))
-            finish(p, run_one(p.cfg, p.target, progress))
+            finish(p, run_one(p.cfg, p.target, "auto" if progress is None else progress))  # whatever the configs say
         return
     from concurrent.futures import ProcessPoolExecutor, as_completed
 
@@ -441,7 +443,7 @@ def execute(planned: list[Planned], progress: Optional[bool] = None, log: Callab
     try:
         for k, p in enumerate(todo, 1):
             log(f"[{k}/{len(todo)}] {p.run.label} seed {p.seed} -> {p.target} (queued)")
-            futures[pool.submit(run_one, p.cfg, p.target, False)] = p
+            futures[pool.submit(run_one, p.cfg, p.target, "lines" if progress is not False else False)] = p
         for f in as_completed(futures):
             finish(futures[f], f.result())  # a crash (not a divergence) raises here
     except BaseException:

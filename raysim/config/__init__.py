@@ -304,11 +304,22 @@ class OutputConfig:
     dir: str = "runs"
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2  # the newest N round checkpoints stay (older ones are removed); 0: every one stays
-    progress: bool = True
+    progress: Any = True  # true (auto): a tqdm bar when stderr is a terminal, else one line per evaluated round (a
+    #                       log file gets no \r frames) | bar | lines | false (none)
+    tensorboard: Optional[str] = None  # a directory: TensorBoard event files per run (raysim/engine/tracking.py)
+    mlflow: Optional[str] = None  # an MLflow tracking URI (file:///path/mlruns, http://host:5000): one MLflow run each
 
     def check(self, path: str) -> None:
         positive(_p(path, "checkpoint_every"), self.checkpoint_every, allow_zero=True)
         positive(_p(path, "keep_checkpoints"), self.keep_checkpoints, allow_zero=True)
+        if not (isinstance(self.progress, bool) or self.progress in ("auto", "bar", "lines")):
+            raise ConfigError(_p(path, "progress"), f"{self.progress!r} is not allowed; choose one of: auto, bar, "
+                                                    f"lines, true, false")
+        for key in ("tensorboard", "mlflow"):
+            v = getattr(self, key)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise ConfigError(_p(path, key), f"must be a {'directory' if key == 'tensorboard' else 'tracking URI'}"
+                                                 f" (text), got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -363,6 +374,7 @@ class ServerConfig:
 @dataclass(frozen=True)
 class ExperimentConfig:
     name: str = "experiment"
+    label: Optional[str] = None  # how reports name this run's setting (raysim report; --label NAME=DIR wins)
     seed: int = 1234
     rounds: int = 100
     clients_per_round: Optional[int] = None  # None: every client every round
@@ -437,6 +449,7 @@ class ExperimentConfig:
             d["backend"]["partial_aggregate"] = True  # unless on (earlier identities unchanged)
         d.pop("output")
         d.pop("name")
+        d.pop("label")  # a display name
         d.pop("on_actor_failure")  # recovery policies: a retried client reproduces exactly
         d.pop("max_retries")
         d.pop("max_failed_share")  # when to stop, not what a finished run computes

@@ -7,7 +7,9 @@
     on_run_end(run, result)                after the last round (called in reverse order of registration)
     on_run_error(run, exc)                 when the run failed (reverse order)
 
-Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`,
+Built in: :class:`RunDirectory` (writes the run directory atomically), :class:`Checkpointer`, :class:`ProgressBar`
+(on a terminal) or :class:`ProgressLines` (otherwise: one line per evaluated round), the trackers of
+:mod:`raysim.engine.tracking` (``output.tensorboard``, ``output.mlflow``),
 :class:`EvalCallback` (``callback(round_idx, table) -> stop`` on evaluated rounds; tuning uses it),
 :class:`ClusterAgreement` (ARI of a clustered method's ``cluster`` reports against the ground-truth domains, registered
 when the data has domains and the method reports clusters)."""
@@ -178,6 +180,56 @@ class ProgressBar(Callback):
 
     def on_run_error(self, run, exc):
         self._close()
+
+
+class ProgressLines(Callback):
+    """The progress bar's non-terminal form: one line per evaluated round on stderr (``name s<seed> round r/R:
+    acc 0.4123, ..., <wall s>``, r = rounds completed), chosen when stderr is not a terminal (a log file, a pipe, a batch job),
+    so that a log holds lines, not tqdm's ``\\r`` frames."""
+
+    def __init__(self, headline: tuple = ("test_acc",), stream=None):
+        self.headline = tuple(headline)
+        self.stream = stream
+        self.t0 = 0.0
+
+    def _say(self, text: str) -> None:
+        stream = self.stream or sys.stderr
+        print(text, file=stream, flush=True)
+
+    def on_run_start(self, run: Run) -> None:
+        import time
+
+        self.t0 = time.perf_counter()
+        what = f"resumed after round {run.start_round}" if run.start_round else "started"
+        self._say(f"{run.cfg.name} s{run.cfg.seed} [{run.cfg.algorithm.name}, {run.cfg.backend.name}] {what}: "
+                  f"{run.cfg.rounds} rounds")
+
+    def on_round_end(self, run: Run, round_idx: int, evaluated: bool):
+        import time
+
+        if not evaluated:
+            return None
+        parts = []
+        for m in self.headline:
+            v = run.table.latest(m)
+            if v is not None:
+                parts.append(f"{m.removeprefix('test_')} {v:.4f}")
+        if run.env is not None:
+            parts.append(f"sim {run.env.sim_time:.0f}s")
+        parts.append(f"{time.perf_counter() - self.t0:.1f}s")
+        self._say(f"{run.cfg.name} s{run.cfg.seed} round {round_idx + 1}/{run.cfg.rounds}: {', '.join(parts)}")
+        return None
+
+
+def progress_callback(mode, headline: tuple, stream=None) -> Optional[Callback]:
+    """The progress display for ``output.progress`` (or ``run_experiment(progress=)``): True/``auto`` -> a bar
+    when stderr is a terminal, else lines; ``bar``; ``lines``; False -> none."""
+    if mode is False or mode is None:
+        return None
+    if mode in (True, "auto"):
+        stream = stream or sys.stderr
+        mode = "bar" if getattr(stream, "isatty", lambda: False)() else "lines"
+    return ProgressBar(headline) if mode == "bar" else ProgressLines(headline, stream)
 
 
 class ClusterAgreement(Callback):

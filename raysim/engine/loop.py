@@ -29,7 +29,7 @@ from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.io.resume_points import damaged_hint
 from raysim.io.tables import Row
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
-from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, ProgressBar, RunDirectory
+from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, RunDirectory, progress_callback
 from raysim.engine.prepare import Prepared, prepare, resume_hash, versions
 from raysim.engine.record import SETUP_ROUND, Run, RunResult, RoundLog, failure_summary
 
@@ -308,12 +308,15 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
     return ck.parent.parent, ck, meta
 
 
-def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: Optional[bool] = None,
+def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: bool | str | None = None,
                    write: bool = True, resume: Optional[str | Path] = None, callbacks: Optional[list[Callback]] = None,
                    prepared: Optional[Prepared] = None) -> RunResult:
     """Run one experiment. ``callbacks`` are :class:`Callback` objects (loggers, custom stopping rules; a plain
     ``fn(round_idx, table) -> stop?`` after every evaluated round is ``EvalCallback(fn)``). ``prepared``: the
     result of ``prepare(cfg)`` when the caller already has it (``sweep.run_seeds`` checks every seed first).
+    ``progress``: None takes ``output.progress``; True or ``"auto"`` a bar on a terminal and one line per evaluated
+    round otherwise; ``"bar"``, ``"lines"``; False none. ``output.tensorboard`` / ``output.mlflow`` add the trackers
+    (:mod:`raysim.engine.tracking`), checked before anything is claimed.
 
     With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
     ``resume=`` that directory continues from its latest checkpoint and gives the same table as an uninterrupted run.
@@ -326,6 +329,9 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         rundir.check_free(target, where)
     if prepared is not None and prepared.cfg != cfg:
         raise ValueError("run_experiment: prepared= was prepared from another config")
+    from raysim.engine.tracking import trackers as make_trackers
+
+    tracking = make_trackers(cfg)  # output.tensorboard / output.mlflow checked before anything is claimed or loaded
     numerics.enter(cfg.backend.numerics)  # the driver loads and splits the data: with the run's kernels, before it
     prep = prepare(cfg) if prepared is None else prepared
     resume_meta = ck_dir = None
@@ -337,7 +343,7 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         write = True
     elif write:
         rd = rundir.RunDir.claim(target, where)
-    cbs, started = _callbacks(cfg, prep, rd, progress, callbacks)
+    cbs, started = _callbacks(cfg, prep, rd, progress, callbacks, tracking)
     backend = make_backend(prep.spec, prep.fed_data, prep.backend)
     run = Run(prep, backend, run_id)
     try:
@@ -358,8 +364,8 @@ def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, 
         backend.shutdown()
 
 
-def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress: Optional[bool],
-               callbacks: Optional[list]) -> tuple[list, list]:
+def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress, callbacks: Optional[list],
+               trackers: tuple = ()) -> tuple[list, list]:
     """The run's callbacks in order, and the list of those started so far (the run directory's from the start: the
     claimed directory is cleaned up on any error)."""
     cbs: list[Callback] = []
@@ -370,9 +376,10 @@ def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress: Optional[boo
         (rd.work / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         started.append(RunDirectory(rd))
         cbs += [started[0], Checkpointer(cfg.output.checkpoint_every, cfg.output.keep_checkpoints)]
-    if cfg.output.progress if progress is None else progress:
-        cbs.append(ProgressBar(prep.algorithm.headline))
-    return cbs + list(callbacks or []), started
+    shown = progress_callback(cfg.output.progress if progress is None else progress, prep.algorithm.headline)
+    if shown is not None:
+        cbs.append(shown)
+    return cbs + list(trackers) + list(callbacks or []), started
 
 
 def _drive(run: Run, cbs: list, started: list) -> RunResult:

@@ -1,7 +1,9 @@
 """Tidy, long-format result tables (one Parquet file per run) and helpers to analyse them with pandas.
 
 Columns: run_id, round, client_id (-1 for server/summary rows), scope (client | server | mean | std | total),
-metric, value, weight. Config, seed, versions and data-scaling notes live in the Parquet file metadata under the key
+metric, value, weight. ``round`` is the 0-based round index (round 0 is the first round, its rows measured after it);
+every count of rounds the helpers return (``rounds``, ``rounds_run``, ``rounds_to_best``, ``rounds_to_target``) is
+rounds completed, ``round + 1``, as in ``raysim report``, its plots and the progress lines. Config, seed, versions and data-scaling notes live in the Parquet file metadata under the key
 ``raysim``.
 
 Timing rows (scope ``total``, client -1): ``round_s``, the driver's wall time of each round (its steps and its
@@ -48,23 +50,46 @@ def client_metric(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
 
 
 def per_round(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
-    """Per run and evaluated round: mean, sample std (ddof = 1) and count over clients of ``metric``.
+    """Per run and evaluated round: mean, sample std (ddof = 1) and count over clients of ``metric`` (columns run_id,
+    round, rounds, mean, std, count: ``round`` the table's 0-based index, ``rounds`` the rounds completed, round + 1).
     Raises :class:`MetricError` when the table has no client-scope ``metric``."""
     d = _need_metric(df, metric)
-    return d.groupby(["run_id", "round"])["value"].agg(["mean", "std", "count"]).reset_index()
+    out = d.groupby(["run_id", "round"])["value"].agg(["mean", "std", "count"]).reset_index()
+    out.insert(2, "rounds", out["round"] + 1)
+    return out
 
 
-def final(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
+def _one_run(pr: pd.DataFrame, run_id, what: str) -> pd.DataFrame:
+    runs = list(pr["run_id"].unique())
+    if run_id is not None:
+        if run_id not in runs:
+            raise KeyError(f"{what}: no run {run_id!r} in this table; its runs: {', '.join(map(str, runs))}")
+        return pr[pr["run_id"] == run_id]
+    if len(runs) != 1:
+        raise ValueError(f"{what}(..., scalar=True) needs one run; this table holds {len(runs)} "
+                         f"({', '.join(map(str, runs[:5]))}{' ...' if len(runs) > 5 else ''}): pass run_id=")
+    return pr
+
+
+def final(df: pd.DataFrame, metric: str = "test_acc", *, scalar: bool = False, run_id=None):
     """Per run: mean and sample std over clients of ``metric`` at the last evaluated round (columns run_id, round,
-    mean, std, count; ``round`` is the table's 0-based round index)."""
+    rounds, mean, std, count; ``round`` is the table's 0-based round index, ``rounds`` the rounds completed).
+    ``scalar=True``: that mean as a float, for a table of one run (or the run ``run_id``)."""
     pr = per_round(df, metric)
-    return pr.loc[pr.groupby("run_id")["round"].idxmax()].reset_index(drop=True)
+    if run_id is not None or scalar:
+        pr = _one_run(pr, run_id, "final")
+    out = pr.loc[pr.groupby("run_id")["round"].idxmax()].reset_index(drop=True)
+    return float(out["mean"].iloc[0]) if scalar else out
 
 
-def best(df: pd.DataFrame, metric: str = "test_acc") -> pd.DataFrame:
-    """Per run: the evaluated round with the highest mean over clients of ``metric`` (columns as :func:`final`)."""
+def best(df: pd.DataFrame, metric: str = "test_acc", *, scalar: bool = False, run_id=None):
+    """Per run: the evaluated round with the highest mean over clients of ``metric`` (columns as :func:`final`;
+    ``scalar=True``: that mean as a float, for one run)."""
     pr = per_round(df, metric)
-    return pr.loc[pr.groupby("run_id")["mean"].idxmax()].reset_index(drop=True)
+    if run_id is not None or scalar:
+        pr = _one_run(pr, run_id, "best")
+    out = pr.loc[pr.groupby("run_id")["mean"].idxmax()].reset_index(drop=True)
+    return float(out["mean"].iloc[0]) if scalar else out
 
 
 def communication(df: pd.DataFrame) -> pd.DataFrame:
@@ -213,16 +238,15 @@ def _groups_frame(df: pd.DataFrame, groups) -> pd.DataFrame:
 def seed_summary(df: pd.DataFrame, metric: str = "test_acc", groups=None, target: float | None = None,
                  time: str | None = None) -> pd.DataFrame:
     """Mean ± std over the runs (seeds) of each group. Per run: final = mean over clients of ``metric`` at the last
-    evaluated round, best = the highest such mean, rounds_to_target = when the mean first reaches ``target`` (and
-    the ``time`` axis there), communication totals over the whole run. Every round column (last_round, best_round,
-    rounds_to_target) counts rounds completed (the table's round index + 1), as the x axis of :func:`seed_curves`.
+    evaluated round, best = the highest such mean, rounds_run / rounds_to_best / rounds_to_target = rounds
+    completed at the last evaluated round, at the best, and when the mean first reaches ``target`` (the table's
+    round index + 1, as the x axis of :func:`seed_curves`), the ``time`` axis there, communication totals over the
+    whole run.
     The std is the sample std over runs (ddof = 1; NaN for a single run). ``groups``: run_id -> group (a mapping or
     the frame of :func:`run_index`); default one group per run."""
     g = _groups_frame(df, groups)
-    fin = final(df, metric)[["run_id", "round", "mean"]].rename(columns={"round": "last_round", "mean": "final"})
-    bst = best(df, metric)[["run_id", "round", "mean"]].rename(columns={"round": "best_round", "mean": "best"})
-    fin["last_round"] += 1
-    bst["best_round"] += 1
+    fin = final(df, metric)[["run_id", "rounds", "mean"]].rename(columns={"rounds": "rounds_run", "mean": "final"})
+    bst = best(df, metric)[["run_id", "rounds", "mean"]].rename(columns={"rounds": "rounds_to_best", "mean": "best"})
     runs = g.merge(fin, on="run_id").merge(bst, on="run_id")
     com = communication(df)
     for m in COMM_BYTES:
