@@ -21,7 +21,7 @@ from algorithms import fedpu
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
-from raysim.grouped import grouped_embeddings
+from raysim.grouped import grouped_embeddings, stack_weights
 from raysim.messages import Message, rows_of
 from raysim.ops import (aggregate_prototypes, class_prototypes, group_class_prototypes, known_class_prototypes,
                         moved_like, nearest_prototype, prototype_regulariser)
@@ -243,6 +243,43 @@ class FedProto(LocalTraining):
                                         self.task.num_classes)
         return [({"model": w}, {"protos": Message("prototypes", {"protos": p, "classes": c, "counts": n})})
                 for w, (c, p, n) in zip(rows_of(group.state_stacks()), protos)]
+
+    def evaluate_group(self, payloads, states, datas, ctxs):
+        """evaluate_client for clients of one architecture with a grouped form, test sets of one shape and one
+        broadcast: one grouped forward of every client's test set under its own weights
+        (:func:`raysim.grouped.grouped_embeddings`), the prototype classifier over each client's candidate classes
+        as one batched distance (the per-client arithmetic, element for element); one host read for the group (which
+        clients have a candidate class). None: evaluate_client per client."""
+        if type(self).evaluate_client is not FedProto.evaluate_client:
+            return None
+        model = self.live_model(ctxs[0])
+        msg = payloads[0].get("global_protos")
+        if any(self.live_model(c) is not model for c in ctxs[1:]) or any(p.get("global_protos") is not msg
+                                                                         for p in payloads[1:]):
+            return None
+        xs, ys = [d.x_test for d in datas], [d.y_test for d in datas]
+        if len({(tuple(x.shape), x.device) for x in xs}) != 1 or not ys[0].numel():
+            return None
+        out = grouped_embeddings(model, stack_weights(model, [s["model"] for s in states]), torch.stack(xs))
+        if out is None:
+            return None
+        logits, z = out
+        y = torch.stack(ys)
+        n = int(y.shape[1])
+        acc = ((logits.argmax(2) == y).sum(1).to(torch.float64) / n).unbind()
+        protos, mask = self.unpack(payloads[0], self.task.num_classes, model.embed_dim, z.device)
+        cand = mask.unsqueeze(0).expand(len(datas), -1).clone()
+        if self.params.restrict_local_classes:
+            local = torch.zeros_like(cand)
+            flat = [i * cand.shape[1] + int(c) for i, d in enumerate(datas) for c in d.classes]
+            local.view(-1)[torch.as_tensor(flat, dtype=torch.int64).to(cand.device)] = True
+            cand &= local
+        d2 = ((z.unsqueeze(2) - protos.unsqueeze(0).unsqueeze(0)) ** 2).mean(dim=3)  # [K, n, C]: nearest_prototype's
+        pred = d2.masked_fill(~cand.unsqueeze(1), float("inf")).argmin(dim=2)
+        proto_acc = ((pred == y).sum(1).to(torch.float64) / n).unbind()
+        has = cand.any(1).tolist()  # one read for the group (the loop reads it per client)
+        return [{"test_acc": (a, float(n)), **({"test_acc_proto": (p, float(n))} if h else {})}
+                for a, p, h in zip(acc, proto_acc, has)]
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = self.live_model(ctx)

@@ -190,6 +190,24 @@ def grouped_forward(model: nn.Module, params: dict, x: torch.Tensor, return_embe
     return _run(model, a, params, "", masks).stacked()
 
 
+def stack_weights(model: nn.Module, weights: list) -> dict:
+    """The parameters of K clients' weights (state dicts, or :class:`raysim.messages.Rows` of a group's stacks) as
+    {name: [K, ...]} on ``model``'s devices and dtypes, in ``model``'s parameter order: rows of one stack taken in one
+    op, anything else stacked in one op per parameter."""
+    from raysim.messages import row_source
+
+    out = {}
+    for name, like in model.named_parameters():
+        src = [row_source(w, name) for w in weights]
+        if all(s is not None for s in src) and all(s[0] is src[0][0] for s in src):
+            base, rows = src[0][0][name], [s[1] for s in src]
+            t = base if rows == list(range(base.shape[0])) else base[torch.as_tensor(rows, device=base.device)]
+        else:
+            t = torch.stack([w[name].detach().to(like.device) for w in weights])
+        out[name] = t.to(device=like.device, dtype=like.dtype)
+    return out
+
+
 def grouped_embeddings(model: nn.Module, params: dict, x: torch.Tensor, chunk: int = 4096) -> Optional[tuple]:
     """(logits, embeddings), each [K, n, ...], of K clients' ``x`` [K, n, ...] under their ``params`` {name: [K, ...]}
     in eval mode and without autograd (what :func:`raysim.training.forward_all` gives one client), in chunks of about
