@@ -21,7 +21,7 @@ from algorithms import fedpu
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
-from raysim.grouped import grouped_embeddings, stack_weights
+from raysim.runner.grouped import grouped_embeddings, stack_weights
 from raysim.messages import Message, rows_of
 from raysim.ops import (aggregate_prototypes, class_prototypes, group_class_prototypes, known_class_prototypes,
                         moved_like, nearest_prototype, prototype_regulariser)
@@ -247,7 +247,7 @@ class FedProto(LocalTraining):
     def evaluate_group(self, payloads, states, datas, ctxs):
         """evaluate_client for clients of one architecture with a grouped form, test sets of one shape and one
         broadcast: one grouped forward of every client's test set under its own weights
-        (:func:`raysim.grouped.grouped_embeddings`), the prototype classifier over each client's candidate classes
+        (:func:`raysim.runner.grouped.grouped_embeddings`), the prototype classifier over each client's candidate classes
         as one batched distance (the per-client arithmetic, element for element); one host read for the group (which
         clients have a candidate class). None: evaluate_client per client."""
         if type(self).evaluate_client is not FedProto.evaluate_client:

@@ -1,5 +1,5 @@
 """MAFML's group forms (``backend.vectorize: true``): one MAFML iteration's two client steps for every node a runner
-hosts at once, the nodes' models as one grouped network (:mod:`raysim.grouped`: grouped channels-last convolutions,
+hosts at once, the nodes' models as one grouped network (:mod:`raysim.runner.grouped`: grouped channels-last convolutions,
 batched linear layers, Adam over the stacked parameters). The same maths as :meth:`MAFML.local` and
 :meth:`MAFML.step_global`, the same generator draws per node, the same states, uploads and metrics; sums ordered
 differently, so the numbers agree within the vectorised executor's stated tolerance, not bit for bit.
@@ -16,14 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.mutual_ops import project_conflicting, public_shares, random_batch, weighted_kl
-from raysim import grouped
+import raysim.runner.grouped as grouped
 from raysim.algorithm import ClientUpdate
 from raysim.layers import Dropout
 from raysim.messages import Message
 
 
 class _Group:
-    """The nodes' models stacked: parameters {name: [K, ...]} and their Adam (:class:`raysim.grouped.StackedOptimizer`),
+    """The nodes' models stacked: parameters {name: [K, ...]} and their Adam (:class:`raysim.runner.grouped.StackedOptimizer`),
     built from the nodes' states (which stay the source of truth)."""
 
     def __init__(self, model, names, states, cfg, lr, device):

@@ -15,7 +15,7 @@ import tempfile
 from raysim.config import ArchSpec, load_config
 from raysim.engine.loop import run_experiment
 from raysim.models import build_model
-from raysim.engine.store import state_nbytes
+from raysim.runner.store import state_nbytes
 from raysim.training import clone_state
 
 

@@ -16,7 +16,7 @@ import time
 
 from envs import Environment, parse_env
 from raysim.config import load_config
-from raysim.engine.runners import ClientReport
+from raysim.runner.runners import ClientReport
 from raysim.engine.loop import run_experiment
 
 

@@ -2,7 +2,7 @@
 
   (1) max-pooling one [4, 1000, 24, 24] activation channels-first vs channels-last (the kernel vmap's layout hits);
   (2) one local step of K cnn_mnist clients (batch 4, dropout on): vmap(grad) as the executor ran it before, and
-      grouped execution (raysim.grouped.grouped_forward + autograd of the summed losses), same gradients;
+      grouped execution (raysim.runner.grouped.grouped_forward + autograd of the summed losses), same gradients;
   (3) MAFML's unit of work, 4 LeNets at batch 32, forward + backward: one after another vs one grouped network.
 
     PYTHONPATH=$PWD python benchmarks/grouped_step.py [--threads 2] [--clients 100]
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raysim import models  # noqa: E402
-from raysim.grouped import grouped_forward  # noqa: E402
+from raysim.runner.grouped import grouped_forward  # noqa: E402
 from raysim.layers import replay_masks  # noqa: E402
 
 

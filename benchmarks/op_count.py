@@ -88,7 +88,7 @@ def raysim_client_counts(method: str, cohort: int = 10, clients: int = 10, vecto
 
     from raysim import register_dataset
     from raysim.config import make_config
-    from raysim.engine import runners
+    from raysim.runner import runners
     from raysim.engine.loop import run_experiment
 
     register_dataset("cifar_twin", "benchmarks.gpu:cifar_twin")
@@ -109,7 +109,7 @@ def raysim_client_counts(method: str, cohort: int = 10, clients: int = 10, vecto
             run_experiment(make_config(c), write=False, progress=False)
         return whole.ops.copy(), steps.ops.copy()
 
-    from raysim.engine.reports import HOST_READS
+    from raysim.runner.reports import HOST_READS
 
     runners.ClientRunner.run_client_step = counted_step
     try:
@@ -127,9 +127,19 @@ def raysim_client_counts(method: str, cohort: int = 10, clients: int = 10, vecto
     return {"client steps": per(s2, s1, n), "round": per(w2, w1, n), "batched reads": batched}
 
 
+_TWIN_COUNTS: dict = {}  # the twin's counts depend only on their arguments: counted once per process
+
+
 def twin_client_counts(objective: str, cohort: int = 10, clients: int = 10, vectorized: bool = False,
                        rounds: tuple = (2, 4)) -> dict:
     """Ops per trained client of the plain twin (benchmarks/twin.py) on the same workload, differenced the same way."""
+    key = (objective, cohort, clients, vectorized, tuple(rounds))
+    if key not in _TWIN_COUNTS:
+        _TWIN_COUNTS[key] = _twin_client_counts(*key)
+    return collections.Counter(_TWIN_COUNTS[key])
+
+
+def _twin_client_counts(objective: str, cohort: int, clients: int, vectorized: bool, rounds: tuple) -> dict:
     import gpu
     import twin
 

@@ -14,7 +14,7 @@ from algorithms.pnicfl_ops import cluster_distances, e_step, embed_all, kmeans_i
 from raysim.algorithm import ServerContext
 from raysim.config import load_config
 from raysim.engine.prepare import prepare
-from raysim.engine.runners import ModelCache
+from raysim.runner.runners import ModelCache
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import torch
 import algorithms.fedgen as fedgen
 from raysim.config import load_config
 from raysim.engine.loop import run_experiment
-from raysim.engine.safety import NonFiniteError
+from raysim.runner.safety import NonFiniteError
 
 CONFIG = "configs/seed002_fedtgp/fedgen_fmnist_zoo.yaml"
 

@@ -26,7 +26,7 @@ class Dropout(nn.Module):
         if self.p == 1.0:
             return x * 0.0
         shape = (x.shape[0], x.shape[1]) + (1,) * (x.dim() - 2) if self.channelwise else x.shape
-        if _MASKS.replay is not None:  # vectorised executor: this client's mask, drawn beforehand (raysim.engine.vectorized)
+        if _MASKS.replay is not None:  # vectorised executor: this client's mask, drawn beforehand (raysim.runner.vectorized)
             mask = next(_MASKS.replay)
         else:
             if _MASKS.record is not None:  # shape probe: which masks one forward draws, in call order

@@ -189,7 +189,7 @@ class Upload:
 @contextmanager
 def _server_spy(seen: list):
     """Records every upload handed to the (in-process) server runner; undone on exit."""
-    from raysim.engine.runners import ServerRunner
+    from raysim.runner.runners import ServerRunner
 
     real = ServerRunner.run_server_step
 
@@ -253,7 +253,7 @@ def check_empty_round(cfg: ConfigLike) -> None:
     """The initial server and client states pickle; an aggregation step in which nobody uploads (everyone dropped)
     returns a picklable payload (or none), and the clients then evaluate on it without error."""
     from raysim.engine.prepare import prepare
-    from raysim.engine.runners import ClientRunner, ServerRunner, server_data
+    from raysim.runner.runners import ClientRunner, ServerRunner, server_data
     from raysim.steps import CLASSIC_ROUND, EVALUATION
 
     cfg = _config(cfg)

@@ -103,7 +103,7 @@ def test_fedbuff_applies_deltas_against_dispatch_versions_by_hand(fedavg_prep):
     """Nguyen et al. 2022: x <- x + eta_g * (weighted mean of y_i - x_{v_i}), each delta against the version the
     client was dispatched with, through the server runner's per-version states (kept while referenced)."""
     from raysim.engine.async_loop import AsyncServerStep
-    from raysim.engine.runners import ServerRunner
+    from raysim.runner.runners import ServerRunner
     from raysim.messages import Message, state_message
 
     runner = ServerRunner(fedavg_prep.spec)
@@ -163,7 +163,7 @@ def test_async_rebase_by_hand(alg):
 def test_fedbuff_keeps_one_state_per_version_in_flight(monkeypatch):
     """The server holds one state per older dispatch version still referenced by a client in flight (not one per
     client) and FedBuff's stale uploads get their version's state as the base."""
-    from raysim.engine import runners
+    from raysim.runner import runners
 
     seen = []
     orig = runners.ServerRunner.run_server_step

@@ -56,7 +56,7 @@ def test_the_per_client_loop_reads_nothing_back_to_the_host():
 
 
 def _syncs_of_vectorised(epochs: int, n: int = 8) -> list:
-    from raysim.engine.vectorized import Member, vmap_local_sgd
+    from raysim.runner.vectorized import Member, vmap_local_sgd
 
     torch.manual_seed(0)
     model = cnn_mnist((1, 28, 28), 10)

@@ -15,7 +15,7 @@ from envs.network import transfer_s
 from envs.participation import availability_prob
 from envs.config import AvailabilityConfig, parse_dist
 from raysim.io import results
-from raysim.engine.runners import ClientReport
+from raysim.runner.runners import ClientReport
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
 from raysim.errors import ConfigError

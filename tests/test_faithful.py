@@ -7,7 +7,7 @@ import torch
 
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
-from raysim.engine.runners import make_algorithm
+from raysim.runner.runners import make_algorithm
 from raysim.errors import ConfigError
 
 MNIST = {"data": {"dataset": "mnist5k", "num_clients": 4, "partition": "iid",

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from raysim.app.cli import main
-from raysim.engine.faults import MachineFault, classify
+from raysim.runner.faults import MachineFault, classify
 from raysim.engine.loop import run_experiment
 from raysim.errors import ConfigError, SimulationError
 from tests.conftest import register_for_test, tiny_config
@@ -73,7 +73,7 @@ def test_the_clients_own_failures_stay_the_clients(make):
 
 
 def test_an_oserror_raised_inside_the_store_is_the_machines(tmp_path):
-    from raysim.engine.store import StateStore
+    from raysim.runner.store import StateStore
 
     (tmp_path / "st").write_text("a file where the store wants its directory")
     s = StateStore(0, tmp_path / "st" / "clients")
@@ -103,7 +103,7 @@ def test_a_full_disk_under_the_store_stops_the_run_instead_of_skipping_clients(t
     """Before issue 50, 5 of 6 clients 'failed' every round and the run ended 0 with accuracy 0.19. Now round 1's
     first spill that meets the full disk stops the run: one MachineFault naming the store and backend.state_dir, the
     checkpoints of round 0 kept to resume."""
-    import raysim.engine.store as store
+    import raysim.runner.store as store
     from raysim.config import make_config
 
     real, calls = store.atomic_save, [0]
@@ -123,7 +123,7 @@ def test_a_full_disk_under_the_store_stops_the_run_instead_of_skipping_clients(t
 
 
 def test_cli_disk_full_is_one_line_with_the_quoted_resume_command(tmp_path, monkeypatch, capsys):
-    import raysim.engine.store as store
+    import raysim.runner.store as store
 
     real, calls = store.atomic_save, [0]
 

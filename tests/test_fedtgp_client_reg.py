@@ -9,7 +9,7 @@ import torch
 from algorithms.proto_ops import prototype_distance_regulariser
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
-from raysim.engine.runners import make_algorithm
+from raysim.runner.runners import make_algorithm
 from raysim.errors import ConfigError
 from raysim.ops import prototype_regulariser
 

@@ -8,7 +8,7 @@ import torch
 
 import raysim.rng as rngmod
 from raysim.algorithm import ServerContext
-from raysim.engine.runners import make_algorithm
+from raysim.runner.runners import make_algorithm
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
 

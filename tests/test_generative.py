@@ -50,7 +50,7 @@ def test_scaffold_one_full_batch_step_gives_the_local_gradient():
     the correction has the right sign and K_eff is right."""
     from algorithms.scaffold import Scaffold
     from raysim.engine.prepare import prepare
-    from raysim.engine.runners import ClientRunner, ServerRunner
+    from raysim.runner.runners import ClientRunner, ServerRunner
     from raysim.messages import state_message
 
     cfg = make_config(tiny_config(algorithm={"name": "scaffold", "params": {}},
@@ -299,7 +299,7 @@ def test_slaugfl_never_reads_the_test_set_before_the_final_evaluation(monkeypatc
     import raysim.engine.prepare as driver
     from raysim.engine.loop import run_experiment
     from raysim.io import results
-    from raysim.engine.runners import ServerRunner
+    from raysim.runner.runners import ServerRunner
 
     test_reads, val_reads, phase = [], [], []
     build = driver.build_federated_data
@@ -391,7 +391,7 @@ def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
 def test_slaugfl_pf_prototypes_come_from_synthetic_data_only():
     from raysim.engine.prepare import prepare
     from raysim.ops import class_prototypes
-    from raysim.engine.runners import ClientRunner, ServerRunner, server_data
+    from raysim.runner.runners import ClientRunner, ServerRunner, server_data
     from raysim.steps import flatten
 
     cfg = make_config(tiny_config(algorithm={"name": "slaugfl", "params": SLAUG}, data__server_val=100))
@@ -556,7 +556,7 @@ def test_supcon_by_hand():
 
 def test_vhl_generator_once_and_the_same_virtual_data_everywhere():
     from raysim.engine.prepare import prepare
-    from raysim.engine.runners import ClientRunner, ServerRunner
+    from raysim.runner.runners import ClientRunner, ServerRunner
     from raysim.steps import flatten
 
     t = run("vhl", {"virtual_per_class": 3})

@@ -157,7 +157,7 @@ def test_declared_server_data_missing_is_one_config_error_before_any_data_loads(
 def test_an_instance_adds_only_the_test_set_and_only_by_a_named_option(tiny):
     """Issue 34: SlaugFL's ``selection: test`` (the seed's protocol) hands the server the test set through
     ``declared_server_data``; the default does not; any other addition by an instance is refused."""
-    from raysim.engine.runners import server_data
+    from raysim.runner.runners import server_data
 
     with pytest.raises(TypeError, match="server_secret"):
         prepare(tiny(algorithm={"name": "instance_adds_secret", "params": {}}, data__server_val=20))
@@ -171,7 +171,7 @@ def test_an_instance_adds_only_the_test_set_and_only_by_a_named_option(tiny):
 
 
 def test_only_declared_server_data_reaches_the_server(tiny):
-    from raysim.engine.runners import ServerRunner, server_data
+    from raysim.runner.runners import ServerRunner, server_data
 
     prep = prepare(tiny(algorithm={"name": "needs_server_val", "params": {}}, data__server_val=20))
     held = server_data(prep.spec, prep.fed_data)
@@ -207,7 +207,7 @@ def test_vmap_groups_clients_at_different_epochs_apart():
     """Clients of 8 and 12 samples (batch 4): at step 2 both have a batch of 4, one in epoch 1, the other in epoch 0;
     an epoch-dependent loss gives each the loop's weights."""
     from raysim.config import TrainConfig
-    from raysim.engine.vectorized import Member, vmap_local_sgd
+    from raysim.runner.vectorized import Member, vmap_local_sgd
     from raysim.training import TrainOptions, local_sgd
 
     torch.manual_seed(0)

@@ -30,7 +30,7 @@ def test_stream_names_of_the_classic_and_other_steps():
 
 
 def test_context_streams_and_runner_streams_use_the_one_rule():
-    from raysim.engine import runners
+    from raysim.runner import runners
 
     ctx = Context(0, 1, 5, "cpu", task=None, step="digest", iteration=2)
     assert ctx._purpose("batches") == rngmod.stream_name("batches", "digest", 2)

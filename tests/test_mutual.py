@@ -482,7 +482,7 @@ def test_select_by_validation_picks_the_best_validation_round():
 # -- FML and FedKD -----------------------------------------------------------------------------------------------
 
 def test_fml_meme_is_the_equal_weight_mean_and_private_model_stays_local(tiny):
-    from raysim.engine.runners import ClientRunner, ServerRunner
+    from raysim.runner.runners import ClientRunner, ServerRunner
 
     cfg = mutual_cfg(tiny, "fml", {})
     prep = prepare(cfg)
@@ -546,7 +546,7 @@ def test_fedmd_protocol_and_accounting(tiny):
 
 
 def test_fedmd_consensus_is_the_mean_of_the_nodes_logits(tiny):
-    from raysim.engine.runners import ClientRunner, ServerRunner
+    from raysim.runner.runners import ClientRunner, ServerRunner
 
     prep = prepare(mutual_cfg(tiny, "fedmd", dict(FEDMD)))
     alg = prep.algorithm

@@ -52,11 +52,11 @@ def test_ops_per_trained_client_within_5_percent_of_the_plain_loop(method):
 
 
 def test_an_executor_is_added_without_touching_the_runner(monkeypatch):
-    """Executors are an open interface (raysim/engine/executors.py): a class with enabled / accepts / run, registered
+    """Executors are an open interface (raysim/runner/executors.py): a class with enabled / accepts / run, registered
     ahead of the per-client loop, runs the steps it accepts through StepRun's public surface and bookkeeping only;
     the table is the loop's."""
     from raysim.config import make_config
-    from raysim.engine import executors
+    from raysim.runner import executors
     from raysim.engine.loop import run_experiment
     from raysim.io.results import without_timing
     from tests.conftest import tiny_config

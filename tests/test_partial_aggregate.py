@@ -10,7 +10,7 @@ import torch
 from raysim.algorithm import upload_merger
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
-from raysim.engine.runners import make_algorithm
+from raysim.runner.runners import make_algorithm
 from raysim.io.results import without_timing
 from raysim.messages import Message, tensor_bytes
 from raysim.steps import CLASSIC_ROUND

@@ -5,7 +5,7 @@ import pytest
 from raysim.config import make_config
 from raysim.engine.loop import eval_clients, run_experiment
 from raysim.engine.prepare import prepare
-from raysim.engine.runners import ClientRunner
+from raysim.runner.runners import ClientRunner
 from raysim.errors import ConfigError
 from raysim.steps import EVALUATION
 

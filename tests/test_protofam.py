@@ -15,7 +15,7 @@ from raysim.data.federated import ClientData
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import ZOO_28, build_model, client_archs, num_parameters
-from raysim.engine.runners import make_algorithm
+from raysim.runner.runners import make_algorithm
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
@@ -382,7 +382,7 @@ def test_tiny_run_is_finite_and_deterministic(tiny, name):
 def test_uploads_of_one_runner_are_not_aliased(tiny, name):
     """Weights uploaded by clients of one runner must be copies, not views of the live module that the next client
     is loaded into (regression: state_message did not copy on CPU, so FedAvg averaged the last client only)."""
-    from raysim.engine.runners import ClientRunner, ServerRunner
+    from raysim.runner.runners import ClientRunner, ServerRunner
 
     from tests.conftest import method_overrides
 

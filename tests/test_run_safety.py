@@ -18,7 +18,7 @@ import yaml
 from raysim.io import results
 from raysim.io import rundir
 from raysim.io import runs
-from raysim.engine import safety
+from raysim.runner import safety
 from raysim.app.cli import main
 from raysim.config import load_config, make_config
 from raysim.errors import ConfigError
@@ -374,7 +374,7 @@ def test_divergence_error_survives_pickling():
     unpickle before: its constructor takes the event, not the message)."""
     import pickle
 
-    from raysim.engine.safety import NonFinite, NonFiniteError
+    from raysim.runner.safety import NonFinite, NonFiniteError
 
     e = pickle.loads(pickle.dumps(NonFiniteError(NonFinite(3, 1, "update", "train_loss=nan"))))
     assert isinstance(e, NonFiniteError) and e.event.round_idx == 3

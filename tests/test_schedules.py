@@ -11,7 +11,7 @@ from raysim.engine.loop import run_experiment
 from raysim.io.results import without_timing
 from raysim.io.checkpoints import load_checkpoint
 from raysim.steps import ClientStep, Repeat, ServerStep, flatten
-from raysim.engine.store import StateStore
+from raysim.runner.store import StateStore
 from tests.conftest import register_for_test
 
 
@@ -147,7 +147,7 @@ def test_store_spills_lru_and_commits_only_when_told(tmp_path):
 
 def test_cnn_mnist_state_bytes(tiny):
     """FedProto's client state for cnn_mnist: its weights, float32 (21,840 parameters -> 87,360 bytes)."""
-    from raysim.engine.store import state_nbytes
+    from raysim.runner.store import state_nbytes
     from raysim.training import clone_state
 
     from raysim.models import build_model
@@ -277,7 +277,7 @@ def test_checkpoint_from_two_actors_resumes_on_one_runner(ray_session, tiny, tmp
 
 
 def test_new_state_is_committed_only_when_the_driver_says_so(tiny):
-    from raysim.engine.runners import ClientRunner, ServerRunner
+    from raysim.runner.runners import ClientRunner, ServerRunner
     from raysim.steps import CLASSIC_ROUND
 
     prep = prepare(tiny(algorithm={"name": "local", "params": {}}))

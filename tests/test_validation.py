@@ -151,7 +151,7 @@ def test_decoded_cache_admits_while_there_is_room_and_hits_on_cyclic_visits():
     order, so least-recently-used eviction would never hit once the population exceeds the budget); a cached copy is
     exactly the decoded data; 0 disables the cache."""
     from raysim.engine.prepare import prepare
-    from raysim.engine.runners import ClientRunner, _data_nbytes
+    from raysim.runner.runners import ClientRunner, _data_nbytes
     from tests.conftest import tiny_config
 
     prep = prepare(make_config(tiny_config(data__dataset="mnist5k", data__partition="iid",

@@ -13,7 +13,7 @@ from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
 from raysim.errors import ConfigError
 from raysim.io.results import without_timing
-from raysim.grouped import StackedOptimizer as _Optimizer
+from raysim.runner.grouped import StackedOptimizer as _Optimizer
 from raysim.config import TrainConfig
 
 KEYS = ["round", "client_id", "scope", "metric"]
@@ -207,8 +207,8 @@ def test_ray_two_actors_equals_sequential(ray_session):
 
 def _train_group(arch, loss_fn, grouped, params=None, k=3, n=(10, 10, 7), calls=None):
     from raysim import models as zoo
-    from raysim import grouped as gmod
-    from raysim.engine.vectorized import Member, vmap_local_sgd
+    from raysim.runner import grouped as gmod
+    from raysim.runner.vectorized import Member, vmap_local_sgd
 
     torch.manual_seed(0)
     model = getattr(zoo, arch)((1, 28, 28), 10, **(params or {}))
@@ -298,7 +298,7 @@ def test_objectives_outside_the_grouped_form_run_with_vmap(loss):
 
 def test_grouped_form_covers_the_standard_zoo_only():
     from raysim import models as zoo
-    from raysim.grouped import supported
+    from raysim.runner.grouped import supported
 
     for arch in ("cnn_mnist", "lenet", "mlp", "cnn_small", "cnn4", "fedavg_cnn", "protonet"):
         assert supported(getattr(zoo, arch)((1, 28, 28), 10)), arch
@@ -354,7 +354,7 @@ def test_no_grad_calls_and_in_place_batches_keep_the_loops_numbers():
 
 
 def test_models_the_grouped_form_would_misread_are_refused():
-    from raysim.grouped import supported
+    from raysim.runner.grouped import supported
     from torch import nn
 
     act = nn.ReLU()
@@ -389,7 +389,7 @@ def zoo_split(body):
 
 def test_a_model_with_nothing_to_train_runs():
     from raysim import models as zoo
-    from raysim.engine.vectorized import Member, vmap_local_sgd
+    from raysim.runner.vectorized import Member, vmap_local_sgd
 
     model = zoo.mlp((1, 28, 28), 10)
     for p in model.parameters():
@@ -420,7 +420,7 @@ def test_a_group_trained_in_chunks_gives_the_same_table(monkeypatch):
     """backend.max_group: a step's group trains in chunks of at most that many clients (what a GPU runner's memory
     allows by the footprint estimate, else), in order; on a CPU the numbers are the unchunked run's exactly (each
     client's computation is its own). A bad value names the key."""
-    from raysim.engine import executors
+    from raysim.runner import executors
 
     sizes, original = [], executors.Vectorized._train
 

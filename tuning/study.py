@@ -122,7 +122,7 @@ def execute_trial(trial, base: dict, space: SearchSpace, run_dir: str | Path) ->
     from raysim.errors import SimulationError
     from raysim.engine.callbacks import EvalCallback
     from raysim.engine.loop import run_experiment
-    from raysim.engine.safety import NonFiniteError
+    from raysim.runner.safety import NonFiniteError
 
     t0 = time.perf_counter()
     params = space.suggest(trial)  # the values the driver already drew (stored in the trial)

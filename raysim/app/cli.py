@@ -512,7 +512,7 @@ def _main(args) -> int:
             _say(note)
         return 1
     except Exception as e:
-        from raysim.engine.faults import MachineFault, classify
+        from raysim.runner.faults import MachineFault, classify
         from raysim.errors import SimulationError
 
         fault = None if isinstance(e, MachineFault) else classify(e)  # a disk-full chain (torch.save), an OOM
@@ -521,7 +521,7 @@ def _main(args) -> int:
             _say("; ".join([text.splitlines()[0] if text else type(e).__name__] + _notes(e, args)))
             return 1
         if isinstance(e, SimulationError):
-            from raysim.engine.safety import NonFiniteError
+            from raysim.runner.safety import NonFiniteError
 
             _say(str(e) if isinstance(e, NonFiniteError) else f"simulation failed: {e}")
             for note in _notes(e, args):

@@ -492,7 +492,7 @@ def run_one(cfg, target: Path, progress: Optional[bool]) -> tuple[str, str, floa
 
     from raysim.io import rundir
     from raysim.engine.loop import run_experiment
-    from raysim.engine.safety import NonFiniteError
+    from raysim.runner.safety import NonFiniteError
 
     t0 = time.perf_counter()
     target = Path(target)

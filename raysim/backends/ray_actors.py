@@ -1,5 +1,5 @@
-"""The Ray actors that host the runners (:class:`~raysim.engine.runners.ClientRunner`,
-:class:`~raysim.engine.runners.ServerRunner`) and the pool of warm actors kept between the runs of one Ray session."""
+"""The Ray actors that host the runners (:class:`~raysim.runner.runners.ClientRunner`,
+:class:`~raysim.runner.runners.ServerRunner`) and the pool of warm actors kept between the runs of one Ray session."""
 from __future__ import annotations
 
 import ray
@@ -7,8 +7,8 @@ import ray
 from raysim import numerics
 from raysim.backends import ray_serialization
 from raysim.data.federated import ClientSet, LazyClients
-from raysim.engine.reports import StepReports
-from raysim.engine.runners import ClientRunner, ServerRunner
+from raysim.runner.reports import StepReports
+from raysim.runner.runners import ClientRunner, ServerRunner
 from raysim.messages import payload_to, tensor_bytes
 
 
@@ -64,7 +64,7 @@ class ClientActor(ClientRunner):
             clients = ClientSet(source, clients)
         elif len(clients) and isinstance(clients[0], int):  # client ids: build their data here, from the config
             from raysim.data.federated import build_federated_data
-            from raysim.engine.runners import enter_run
+            from raysim.runner.runners import enter_run
 
             enter_run(spec)  # the user's registered loaders, the driver's working directory
 

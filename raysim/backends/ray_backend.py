@@ -24,7 +24,7 @@ from raysim.backends.ray_preflight import (ADDRESS_FIX, actor_runtime_env, addre
                                           remove_unpacked, session_dir, shipped_uris)
 from raysim.data.federated import LazyClients
 from raysim.engine.placement import actor_pools, cost_model
-from raysim.engine.runners import ClientReport, server_data
+from raysim.runner.runners import ClientReport, server_data
 from raysim.errors import SimulationError
 from raysim.messages import tensor_bytes
 

@@ -6,7 +6,7 @@ import os
 import shutil
 
 from raysim.backends.base import NO_FOLLOW, Backend, run_state_dir
-from raysim.engine.runners import ClientRunner, ServerRunner, server_data
+from raysim.runner.runners import ClientRunner, ServerRunner, server_data
 
 
 class SequentialBackend(Backend):

@@ -43,9 +43,9 @@ from typing import Callable, Optional
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm
 from raysim.asyncrules import mixing_weight, staleness_weight
-from raysim.engine import safety
+from raysim.runner import safety
 from raysim.engine.record import RoundLog, Run
-from raysim.engine.reports import ClientReport, step_token
+from raysim.runner.reports import ClientReport, step_token
 from raysim.errors import DamagedFileError, SimulationError
 from raysim.steps import ClientStep, ServerStep, flatten
 from raysim.io.resume_points import damaged_hint

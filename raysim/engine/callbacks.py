@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 
 from raysim.io import rundir
-from raysim.engine import safety
+from raysim.runner import safety
 from raysim.config import to_dict
 from raysim.io.tables import RESULTS_FILE, ResultTable, write_parquet
 from raysim.io.checkpoints import find_checkpoint, prune_checkpoints, write_checkpoint

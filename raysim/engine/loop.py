@@ -20,11 +20,11 @@ from raysim import numerics
 from raysim.algorithm import upload_merger
 from raysim import rng as rngmod
 from raysim.io import rundir
-from raysim.engine import safety
+from raysim.runner import safety
 from raysim.engine.backend import Follow, make_backend
 from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
-from raysim.engine.reports import step_token
+from raysim.runner.reports import step_token
 from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.io.resume_points import damaged_hint
 from raysim.io.tables import Row

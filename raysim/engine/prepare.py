@@ -1,6 +1,6 @@
 """Validation and preparation, once, on the driver, before anything runs: algorithm and model parameters, the
 population's memory, the data (loading and partitioning), the algorithm against the task, the resources the backend
-needs. The typed Params travel to the runners in the :class:`~raysim.engine.runners.RunSpec`, which never parse or
+needs. The typed Params travel to the runners in the :class:`~raysim.runner.runners.RunSpec`, which never parse or
 validate again."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from raysim.models import client_archs
 from raysim.config.registry import algorithm_class, algorithm_target, make_environment
 from raysim.engine.environment import check_environment
 from raysim.engine.settings import BackendSettings, backend_settings, runner_settings
-from raysim.engine.runners import RunSpec
+from raysim.runner.runners import RunSpec
 from raysim.steps import check_schedule
 
 
@@ -71,7 +71,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
     if cfg.backend.vectorize is True and cfg.backend.numerics == "portable" and _runs_on_cpu(cfg):
         _notice_once(PORTABLE_VECTORIZE_NOTE)
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
-        from raysim.engine.footprint import check_gpu_budgets
+        from raysim.runner.footprint import check_gpu_budgets
 
         check_gpu_budgets(cfg, task)
     if env is not None:
@@ -136,7 +136,7 @@ def _build_models_once(cfg: ExperimentConfig, algo_cls, task: Task) -> dict:
             raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
                                                    "executor runs whole epochs); use local_epochs")
         if cfg.backend.vectorize:
-            from raysim.engine.vectorized import check_model
+            from raysim.runner.vectorized import check_model
 
             check_model(built, spec.arch)
     return models

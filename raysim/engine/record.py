@@ -14,7 +14,7 @@ import pandas as pd
 from raysim import rng as rngmod
 from raysim.io.tables import ROUND_TIME, STEP_TIME, ResultTable
 from raysim.io.results import final as results_final
-from raysim.engine.runners import ClientReport
+from raysim.runner.runners import ClientReport
 from raysim.engine.prepare import Prepared, resume_hash
 
 

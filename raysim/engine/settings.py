@@ -1,6 +1,6 @@
 """The typed settings each layer reads, built once from the config when a run is prepared (:func:`runner_settings`,
 :func:`backend_settings`): the config itself stays on the driver. A runner (client or server, in any process) gets
-:class:`RunnerSettings` in its :class:`~raysim.engine.runners.RunSpec`; a backend gets :class:`BackendSettings`
+:class:`RunnerSettings` in its :class:`~raysim.runner.runners.RunSpec`; a backend gets :class:`BackendSettings`
 beside the spec; the environment gets its own section when it is made (``envs``); the data section travels only to
 the client actors that build their clients' data themselves (``RunSpec.data``)."""
 from __future__ import annotations
@@ -8,21 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raysim.config import BackendConfig, ExperimentConfig
-
-
-@dataclass(frozen=True)
-class RunnerSettings:
-    """What a client or server runner reads: the seed of every random stream, where and how it computes, and the
-    memory its caches and state store may hold."""
-
-    seed: int
-    device: str  # backend.device: auto | cpu | cuda[:i]
-    numerics: str  # backend.numerics: portable | native
-    torch_threads: int
-    vectorize: bool  # backend.vectorize: the vectorised executor and group forms before the per-client loop
-    decoded_cache_mb: float  # decoded client data kept between steps
-    state_memory_mb: float  # client states in memory before the store spills to disk
-    max_group: int = 0  # backend.max_group: clients per batched group of the vectorised executor (0: no fixed limit)
+from raysim.runner.settings import RunnerSettings  # noqa: F401 (re-exported: built here)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a client step reports back (:class:`ClientReport`), and the names of a step's executions: the token its staged
 states carry and the purpose of its per-client random streams. Shared by the client runner and its batched step
-executors (:mod:`raysim.engine.executors`)."""
+executors (:mod:`raysim.runner.executors`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -42,7 +42,7 @@ class ClientReport:
     traceback: str = ""
     seconds: float = 0.0  # wall time (diagnostic only; never in the result table)
     iteration: int = 0
-    nonfinite: str = ""  # what was NaN/inf in the update (raysim.engine.safety); the update was discarded
+    nonfinite: str = ""  # what was NaN/inf in the update (raysim.runner.safety); the update was discarded
 
 
 class StepReports(list):

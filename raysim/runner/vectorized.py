@@ -26,10 +26,10 @@ Exactness rules (what makes the table equal to the loop's within the stated tole
 * **BatchNorm** — refused: a batch-norm layer updates its running statistics in place during training, which a
   vmapped forward cannot do per client (``check_model`` raises a ConfigError naming ``backend.vectorize``).
 
-* **grouped execution** — for a model built from standard layers (:func:`raysim.grouped.supported`) whose
+* **grouped execution** — for a model built from standard layers (:func:`raysim.runner.grouped.supported`) whose
   objective calls it only on the step's batch (seen by the shape probe), the group's forward runs as one grouped
   computation in channels-last layout and the per-client gradients come from autograd over the stacked parameters
-  (:mod:`raysim.grouped`; ~2x faster than ``vmap`` on CPUs); any other model or objective uses ``vmap``.
+  (:mod:`raysim.runner.grouped`; ~2x faster than ``vmap`` on CPUs); any other model or objective uses ``vmap``.
 
 Floating-point sums inside batched kernels are ordered differently from per-client kernels, so the numbers differ
 from the loop's in the last bits (the equality policy's "stated tolerance": metrics within 1e-4).
@@ -43,9 +43,9 @@ import torch
 import torch.nn as nn
 
 from raysim.config import TrainConfig
-from raysim import grouped as _grouped
+from raysim.runner import grouped as _grouped
 from raysim.errors import ConfigError
-from raysim.grouped import StackedOptimizer
+from raysim.runner.grouped import StackedOptimizer
 from raysim.layers import _MASKS
 from raysim.messages import row_source
 from raysim.models import dropout_masks_of, replay_masks
@@ -114,7 +114,7 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], c
     """Train K clients of one architecture together (``cfg.local_epochs`` epochs at ``cfg.lr``);
     ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained parameters,
     ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client. ``grouped``: use
-    grouped execution (:mod:`raysim.grouped`) where the model and the objective allow it, else ``vmap`` throughout."""
+    grouped execution (:mod:`raysim.runner.grouped`) where the model and the objective allow it, else ``vmap`` throughout."""
     stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped).run()
     return [{n: t[i] for n, t in stacks.items()} for i in range(len(members))], metrics, opt
 
@@ -219,7 +219,7 @@ class _GroupTraining:
 
     def _grouped_grad(self, p, fz, batch, masks, epoch, seen):
         """The model's forward for the group at once, the objective per client under vmap on its outputs,
-        per-client gradients by autograd of the summed losses (raysim.grouped)."""
+        per-client gradients by autograd of the summed losses (raysim.runner.grouped)."""
         xb, yb = batch
         leaves = {n: t.detach().requires_grad_(True) for n, t in p.items()}
         every, it = {**leaves, **fz}, iter(masks)

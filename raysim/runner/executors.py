@@ -5,7 +5,7 @@ first executor that ``accepts`` it and runs it (``run`` returns False to pass it
 
 * :class:`GroupForm` — a method's group form of the step (``<fn>_group(payloads, states, datas, ctxs)``, MAFML's);
 * :class:`Vectorized` — local training of ``LocalTraining`` methods batched per architecture
-  (:mod:`raysim.engine.vectorized`: the grouped network of :mod:`raysim.grouped` where the model has one, else
+  (:mod:`raysim.runner.vectorized`: the grouped network of :mod:`raysim.runner.grouped` where the model has one, else
   ``torch.func.vmap``);
 * :class:`Loop` — one client after another (always last: it takes every step).
 
@@ -27,8 +27,8 @@ import torch
 
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, LocalTraining, TrainedGroup
-from raysim.engine.reports import ClientReport, step_purpose, step_token
-from raysim.engine.vectorized import Member, check_model, train_group
+from raysim.runner.reports import ClientReport, step_purpose, step_token
+from raysim.runner.vectorized import Member, check_model, train_group
 from raysim.errors import DamagedFileError
 from raysim.messages import payload_sizes
 from raysim.steps import ClientStep
@@ -216,7 +216,7 @@ class _Groups:
 class Vectorized(Executor):
     """``backend.vectorize``: the local training step (``client_update``) of a ``LocalTraining`` method:
     ``client_init`` per client, the local training of every client whose method opts in (``vectorizable``) batched
-    per architecture (:mod:`raysim.engine.vectorized`), ``client_final`` per client; every client keeps its own
+    per architecture (:mod:`raysim.runner.vectorized`), ``client_final`` per client; every client keeps its own
     failure guard. Clients that do not opt in run the per-client loop."""
 
     name = "vectorized"
@@ -251,7 +251,7 @@ class Vectorized(Executor):
 
     def _limit(self, run: StepRun, model) -> int:
         """The most clients one batched group may hold: ``backend.max_group``; else, on a GPU, as many as the
-        device's free share holds by the footprint estimate (raysim.engine.footprint: weights, gradients, optimiser
+        device's free share holds by the footprint estimate (raysim.runner.footprint: weights, gradients, optimiser
         state, one batch's activations, per client; 20 % kept free); 0: no limit (a CPU)."""
         if run.max_group:
             return run.max_group
@@ -262,7 +262,7 @@ class Vectorized(Executor):
         if fp is None:
             import copy
 
-            from raysim.engine.footprint import training_footprint
+            from raysim.runner.footprint import training_footprint
 
             cpu_model = copy.deepcopy(model).cpu()
             fp = self._footprints[id(model)] = max(1, training_footprint(

@@ -3,12 +3,12 @@ backend calls them in-process; the Ray backend wraps the very same classes as ac
 identical code.
 
 A :class:`ClientRunner` hosts a fixed group of virtual clients: their data (compact, on CPU; moved to the device per
-step) and a :class:`~raysim.engine.store.StateStore` of their states (created lazily, spilled to disk beyond
+step) and a :class:`~raysim.runner.store.StateStore` of their states (created lazily, spilled to disk beyond
 ``backend.state_memory_mb``). ``run_client_step`` runs one step of the schedule for some of its clients, one after
 another, each inside a failure guard; new states stay *pending* until the driver calls ``commit`` (the step's reports
-have reached it); with ``backend.vectorize`` a step may run batched instead (:mod:`raysim.engine.executors`: a
+have reached it); with ``backend.vectorize`` a step may run batched instead (:mod:`raysim.runner.executors`: a
 method's group form, or the vectorised executor). A :class:`ServerRunner` holds the server state and the server-held data the
-method declared, and runs server steps. What a client step reports, and the step's names: :mod:`raysim.engine.reports`.
+method declared, and runs server steps. What a client step reports, and the step's names: :mod:`raysim.runner.reports`.
 """
 from __future__ import annotations
 
@@ -25,15 +25,15 @@ from raysim.config import registry
 from raysim import rng as rngmod
 from raysim.algorithm import Context, ModelCache, ServerContext, ServerUpdate, Task, upload_merger
 from raysim.config import DataConfig
-from raysim.engine.settings import RunnerSettings
+from raysim.runner.settings import RunnerSettings
 from raysim.data.federated import ClientData, ClientSet, LazyClients
-from raysim.engine import faults, safety
-from raysim.engine.executors import StepRun, executor_chain
-from raysim.engine.reports import ClientReport, host_values, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
+from raysim.runner import faults, safety
+from raysim.runner.executors import StepRun, executor_chain
+from raysim.runner.reports import ClientReport, host_values, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
 from raysim.messages import from_plain, payload_sizes, to_plain
 from raysim.config.registry import load_target
 from raysim.steps import ClientStep, ServerStep
-from raysim.engine.store import StateStore
+from raysim.runner.store import StateStore
 from raysim.io.files import atomic_save, load_file
 from raysim.errors import ConfigError, DamagedFileError, SimulationError
 
@@ -117,7 +117,7 @@ class ClientRunner:
         self._decoded: dict[int, ClientData] = {}
         self._decoded_bytes = 0
         self._decoded_budget = int(spec.runner.decoded_cache_mb * 2**20)
-        self.executors = executor_chain(spec.runner)  # how a step runs (raysim.engine.executors)
+        self.executors = executor_chain(spec.runner)  # how a step runs (raysim.runner.executors)
         mem = spec.runner.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
@@ -126,7 +126,7 @@ class ClientRunner:
         return Context(round_idx, client_id, self.spec.runner.seed, self.device, self.spec.task, self.models,
                        step=step, iteration=iteration)
 
-    # -- what executors see (raysim.engine.executors.StepRun) ---------------------------------------------------------
+    # -- what executors see (raysim.runner.executors.StepRun) ---------------------------------------------------------
     def context(self, round_idx: int, client_id: int, step: str = "", iteration: int = 0) -> Context:
         """A client's context for a step (its random streams, device, models)."""
         return self._ctx(round_idx, client_id, step, iteration)
@@ -197,7 +197,7 @@ class ClientRunner:
         """The step's divergence check, batched: every client's metrics that are still tensors and the float64 sum of
         each tensor of what leaves this runner (the merged upload, or each client's) read in one host read; a client
         whose loss or metric is NaN/inf, or whose upload is (looked at one by one only when what leaves is), fails
-        as diverged: its staged state and upload are dropped (:mod:`raysim.engine.safety`). True when some were."""
+        as diverged: its staged state and upload are dropped (:mod:`raysim.runner.safety`). True when some were."""
         leaving = [merged] if merged is not None else [uploads[c] for c in sorted(uploads)]
         sums = [t.sum(dtype=torch.float64) for up in leaving for t in safety.float_tensors(up)]
         finite = _read_metrics(reports, sums)
@@ -226,7 +226,7 @@ class ClientRunner:
     def _fail(self, rep: ClientReport, cid: int, e: BaseException, uploads: Optional[dict] = None) -> None:
         """A client's step failed: the report says why, its staged state and its upload are dropped. A damaged state
         file is not the client's failure, nor is a fault of the machine (a full disk under the store, out of memory:
-        :mod:`raysim.engine.faults`): the run stops, naming it."""
+        :mod:`raysim.runner.faults`): the run stops, naming it."""
         if isinstance(e, DamagedFileError):
             raise e
         faults.raise_if_machine(e)
@@ -246,7 +246,7 @@ class ClientRunner:
 
     def commit(self, client_ids: Optional[list[int]] = None, token: Optional[str] = None) -> None:
         """The step's results reached the driver: its new states become the committed ones."""
-        with faults.machine_faults():  # a full disk under the store stops the run (raysim.engine.faults)
+        with faults.machine_faults():  # a full disk under the store stops the run (raysim.runner.faults)
             self.store.commit(client_ids, token)
 
     def discard(self, client_ids: Optional[list[int]] = None) -> None:
@@ -307,7 +307,7 @@ def _merged(merger, uploads: dict) -> Optional[dict]:
 def _read_metrics(reports: list, extra: Optional[list] = None) -> bool:
     """Replace every 0-dim tensor among the reports' metric values (also inside ``(value, weight)`` pairs) by its
     Python float, reading them and the ``extra`` 0-dim tensors in one host read per device
-    (:func:`raysim.engine.reports.host_values`); True when every ``extra`` value is finite."""
+    (:func:`raysim.runner.reports.host_values`); True when every ``extra`` value is finite."""
     slots, tensors = [], []
     for rep in reports:
         for k, v in rep.metrics.items():
