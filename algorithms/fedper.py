@@ -24,6 +24,7 @@ from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
 from raysim.messages import Layered, Message, rows_of, state_message
+from raysim.runner.grouped import group_test_accuracy
 from raysim.training import clone_state, device_accuracy, forward_all
 
 
@@ -110,6 +111,20 @@ class SharedPartAverage(LocalTraining):
 
     def async_rebase(self, upload, base_state, server_state, ctx):
         return rebase_state_upload(upload, "shared", base_state, server_state)
+
+    def evaluate_group(self, payloads, states, datas, ctxs):
+        """evaluate_client for clients of one architecture with test sets of one shape and one broadcast: one
+        grouped forward of every client's test set under its own state with the shared part. None: per client."""
+        if type(self).evaluate_client is not SharedPartAverage.evaluate_client:
+            return None
+        model = ctxs[0].model()
+        shared = payloads[0]["shared"].tensors if "shared" in payloads[0] else {}
+        if any(c.model() is not model for c in ctxs[1:]) or any(
+                (p["shared"].tensors if "shared" in p else {}) is not shared for p in payloads[1:]):
+            return None
+        weights = [Layered(shared, s["model"]) if shared else s["model"] for s in states]
+        accs = group_test_accuracy(model, weights, [d.x_test for d in datas], [d.y_test for d in datas])
+        return None if accs is None else [{"test_acc": a} for a in accs]
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

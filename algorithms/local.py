@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from algorithms.mutual_ops import domain_metrics
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.messages import rows_of
+from raysim.runner.grouped import group_test_accuracy
 from raysim.training import clone_state
 
 
@@ -53,6 +54,18 @@ class Local(LocalTraining):
         if type(self).client_final is not Local.client_final:
             return None
         return [({"model": w}, {}) for w in rows_of(group.state_stacks())]
+
+    def evaluate_group(self, payloads, states, datas, ctxs):
+        """evaluate_client for clients of one architecture with test sets of one shape and no cross-domain tests:
+        one grouped forward of every client's test set under its own weights. None: per client."""
+        if type(self).evaluate_client is not Local.evaluate_client or any(d.cross_test is not None for d in datas):
+            return None
+        model = ctxs[0].model()
+        if any(c.model() is not model for c in ctxs[1:]):
+            return None
+        accs = group_test_accuracy(model, [s["model"] for s in states], [d.x_test for d in datas],
+                                   [d.y_test for d in datas])
+        return None if accs is None else [{"test_acc": a} for a in accs]
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         model = ctx.model()

@@ -227,6 +227,21 @@ def grouped_embeddings(model: nn.Module, params: dict, x: torch.Tensor, chunk: i
     return torch.cat([o[0] for o in outs], dim=1), torch.cat([o[1] for o in outs], dim=1)
 
 
+def group_test_accuracy(model: nn.Module, weights: list, xs: list, ys: list) -> Optional[list]:
+    """Each of K clients' accuracy on its own data (``xs``, ``ys``: one shape) under its own ``weights`` (state dicts
+    or rows of a group's stacks), from one grouped forward (:func:`grouped_embeddings`): per client (accuracy as a 0-dim
+    float64 tensor, the number of samples), as :func:`raysim.training.device_accuracy` gives one; None where the
+    model has no grouped form or the data sets differ in shape."""
+    if len({(tuple(x.shape), x.device) for x in xs}) != 1 or not ys[0].numel():
+        return None
+    out = grouped_embeddings(model, stack_weights(model, weights), torch.stack(xs))
+    if out is None:
+        return None
+    y = torch.stack(ys)
+    n = int(y.shape[1])
+    return [(a, float(n)) for a in ((out[0].argmax(2) == y).sum(1).to(torch.float64) / n).unbind()]
+
+
 def stacked_grads(total: torch.Tensor, leaves: dict) -> dict:
     """{name: [K, ...]} gradients of ``total`` (the sum of the K clients' losses) with respect to the stacked
     ``leaves``: client k's loss depends only on slice k, so slice k of each gradient is client k's own gradient (zeros
