@@ -439,3 +439,24 @@ def test_a_group_trained_in_chunks_gives_the_same_table(monkeypatch):
     pd.testing.assert_frame_equal(whole, chunked)
     with pytest.raises(ConfigError, match="backend.max_group"):
         cfg("fedavg", backend={"max_group": -1})
+
+
+def test_a_heterogeneous_cohort_trains_and_evaluates_one_group_per_architecture(monkeypatch):
+    """FedProto over two architectures (cycled): the vectorised executor trains one batched group per architecture
+    and evaluates one per architecture; the table is the loop's within the stated tolerance."""
+    from raysim.runner import executors
+
+    sizes, original = [], executors.Vectorized._train
+
+    def spy(run, g, model, cids):
+        sizes.append((type(model).__name__, model.embed_dim, len(cids)))
+        return original(run, g, model, cids)
+
+    monkeypatch.setattr(executors.Vectorized, "_train", staticmethod(spy))
+    data = {"dataset": "mnist5k", "num_clients": 6, "partition": "iid",
+            "partition_params": {"samples_per_client": 12, "test_per_client": 6}}
+    model = {"per_client": [{"arch": "cnn_mnist", "params": {"out_channels": 8, "embed_dim": 16}},
+                            {"arch": "cnn_mnist", "params": {"out_channels": 4, "embed_dim": 16}}]}
+    vec = table(cfg("fedproto", data=data, model=model))
+    assert len(sizes) == 4 and all(n == 3 for _, _, n in sizes), sizes  # 2 rounds x 2 architectures x 3 clients
+    close(table(cfg("fedproto", vectorize=False, data=data, model=model)), vec)

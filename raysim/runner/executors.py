@@ -374,12 +374,12 @@ class GroupEvaluation(Executor):
         try:
             ctxs, downs = map(list, zip(*[run.download(c) for c in ids]))
             states, datas = [run.state(c) for c in ids], [run.data(c) for c in ids]
-            metrics = run.algorithm.evaluate_group(downs, states, datas, ctxs)
+            metrics = self._by_architecture(run, ctxs, downs, states, datas)
             if metrics is None:
                 return False
             val = [j for j, d in enumerate(datas) if d.has_val]
-            vm = run.algorithm.evaluate_group([downs[j] for j in val], [states[j] for j in val],
-                                              [datas[j].validation_view() for j in val], [ctxs[j] for j in val]) \
+            vm = self._by_architecture(run, [ctxs[j] for j in val], [downs[j] for j in val],
+                                       [states[j] for j in val], [datas[j].validation_view() for j in val]) \
                 if val else []
             if vm is None:
                 return False
@@ -399,6 +399,24 @@ class GroupEvaluation(Executor):
         for j, m in zip(val, vm):  # the same evaluation on the validation split: test_* -> val_*
             run.report(ids[j]).metrics.update({"val_" + k[5:]: v for k, v in m.items() if k.startswith("test_")})
         return True
+
+
+    @staticmethod
+    def _by_architecture(run: StepRun, ctxs: list, downs: list, states: list, datas: list) -> Optional[list]:
+        """``evaluate_group`` once per architecture among the clients (a heterogeneous population: one group per
+        live model), the metrics back in the clients' order; None when the method declines any group."""
+        groups: dict = {}
+        for j, ctx in enumerate(ctxs):
+            groups.setdefault(id(run.algorithm.live_model(ctx)), []).append(j)
+        out: list = [None] * len(ctxs)
+        for idx in groups.values():
+            got = run.algorithm.evaluate_group([downs[j] for j in idx], [states[j] for j in idx],
+                                               [datas[j] for j in idx], [ctxs[j] for j in idx])
+            if got is None:
+                return None
+            for j, m in zip(idx, got):
+                out[j] = m
+        return out
 
 
 class Loop(Executor):
