@@ -286,12 +286,25 @@ class FedProto(LocalTraining):
         model.load_state_dict(state["model"])
         logits, z = forward_all(model, data.x_test)
         out = {"test_acc": device_accuracy(logits.argmax(1), data.y_test)}
-        protos, mask = self.unpack(payload, self.task.num_classes, model.embed_dim, z.device)
+        protos, mask, known = self.unpack_shared(payload, model.embed_dim, z.device)
         cand = mask.clone()
         if self.params.restrict_local_classes:
             local = torch.zeros_like(mask)
             local[torch.as_tensor(data.classes, device=mask.device)] = True
             cand &= local
-        if bool(cand.any()):
+            has = bool(self.host_classes(payload) & set(data.classes))
+        else:
+            has = known > 0
+        if has:  # known on the host (one read per broadcast, not one per client)
             out["test_acc_proto"] = device_accuracy(nearest_prototype(z, protos, cand), data.y_test)
         return out
+
+    def host_classes(self, payload) -> frozenset:
+        """The classes the broadcast's global prototypes cover, on the host: read once per broadcast message."""
+        msg = payload.get("global_protos")
+        if msg is None:
+            return frozenset()
+        hit = getattr(self, "_host_classes", None)
+        if hit is None or hit[0] is not msg:
+            hit = self._host_classes = (msg, frozenset(int(c) for c in msg["classes"].tolist()))
+        return hit[1]
