@@ -50,12 +50,13 @@ class _Act:
         self.t, self.img, self.c, self.k = t, img, c, k
 
     @staticmethod
-    def from_stacked(x: torch.Tensor) -> "_Act":
-        """[K, B, C, H, W] -> image layout; [K, B, ...] otherwise."""
+    def from_stacked(x: torch.Tensor, channels_last: bool = True) -> "_Act":
+        """[K, B, C, H, W] -> image layout (channels-last memory, or channels-first); [K, B, ...] otherwise."""
         k = x.shape[0]
         if x.dim() == 5:
             b, c, h, w = x.shape[1:]
-            t = x.transpose(0, 1).reshape(b, k * c, h, w).contiguous(memory_format=torch.channels_last)
+            t = x.transpose(0, 1).reshape(b, k * c, h, w).contiguous(
+                memory_format=torch.channels_last if channels_last else torch.contiguous_format)
             return _Act(t, True, c, k)
         return _Act(x, False, 0, k)
 
@@ -287,8 +288,11 @@ def supported(model: nn.Module) -> bool:
 
 def grouped_forward(model: nn.Module, params: dict, x: torch.Tensor, return_embedding: bool, masks: Iterator):
     """``model``'s forward for K clients at once: ``params`` {name: [K, ...]}, ``x`` [K, B, ...]; returns what the
-    model returns, each tensor stacked [K, B, ...]."""
-    a = _Act.from_stacked(x)
+    model returns, each tensor stacked [K, B, ...]. A model with batch norm runs channels-first (as each client's own
+    forward does): the batch-norm kernel then reduces each of the K*C channels in the order it does for one client,
+    where the channels-last kernel sums otherwise, a difference a channel of small variance amplifies (and CPU
+    kernels mixing the two layouts are best avoided)."""
+    a = _Act.from_stacked(x, not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()))
     if isinstance(model, SplitModel):
         z = _run(model.body, a, params, "body", masks)
         logits = _run(model.head, z, params, "head", masks)
