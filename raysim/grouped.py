@@ -8,14 +8,20 @@ reshapes that tensor in channels-first layout. On CPUs the channels-first kernel
 (max-pooling a [4, 1000, 24, 24] tensor takes ~13x longer channels-first than channels-last here), and ``vmap``
 refuses channels-last tensors. This module runs the model's forward for the K clients of a group explicitly instead:
 
-* image activations are one tensor [B, K*C, H, W] in channels-last memory (client k owns channels k*C .. k*C+C-1),
-  a convolution is one convolution with ``groups = K * groups``, pools and element-wise functions act on it as is;
+* image activations are one tensor [B, K*C, H, W] in channels-last memory (client k owns channels k*C .. k*C+C-1;
+  channels-first in a model with batch norm, see :func:`grouped_forward`), a convolution is one convolution with
+  ``groups = K * groups``, pools and element-wise functions act on it as is;
+* a batch-norm layer is one ``F.batch_norm`` over the K*C channels with the clients' running statistics stacked
+  [K, C] (viewed as [K*C], updated in place: each client's from its own batch, with the layer's momentum);
 * vector activations are [K, B, F], a linear layer is one ``baddbmm`` over the clients' stacked weights;
 * a dropout layer multiplies by the client's pre-drawn mask, exactly as :class:`raysim.layers.Dropout` does.
 
 Supported: :class:`raysim.layers.SplitModel`, ``nn.Sequential``, ``Conv2d`` (zero padding), ``Linear``, ``ReLU`` and
 other element-wise activations, ``MaxPool2d`` / ``AvgPool2d`` / ``AdaptiveAvgPool2d``, ``Flatten`` (from dim 1),
-``Identity``, raysim's ``Dropout``, and FedProto's CNN body (``cnn_mnist``); any other module makes the model
+``Identity``, raysim's ``Dropout``, FedProto's CNN body (``cnn_mnist``), ``BatchNorm2d`` / ``BatchNorm1d`` (on [B, F];
+with a momentum, or without running statistics), torchvision's ``BasicBlock``, ``InvertedResidual`` and
+``Conv2dNormActivation`` and raysim's ResNet body (``resnet_small``, ``mobilenet_small``, ``resnet18``,
+``resnet34``); the running statistics come in ``params`` with the parameters; any other module makes the model
 ineligible and the executor uses ``vmap`` (:func:`supported`). The objective still runs per client under ``vmap``,
 with a model stand-in (:class:`ReplayModel`) that hands it the precomputed outputs of its calls on the batch; the
 per-client gradients come from ordinary autograd over the stacked parameters (client k's loss depends only on

@@ -32,10 +32,11 @@ Exactness rules (what makes the table equal to the loop's within the stated tole
   client's state and upload carry them). Refused (``check_model``: a ConfigError naming ``backend.vectorize``):
   ``momentum=None`` (a cumulative average, one factor per client) and ``SyncBatchNorm``.
 
-* **grouped execution** — for a model built from standard layers (:func:`raysim.grouped.supported`) whose
-  objective calls it only on the step's batch (seen by the shape probe), the group's forward runs as one grouped
-  computation in channels-last layout and the per-client gradients come from autograd over the stacked parameters
-  (:mod:`raysim.grouped`; ~2x faster than ``vmap`` on CPUs); any other model or objective uses ``vmap``.
+* **grouped execution** — for a model built from standard layers (:func:`raysim.grouped.supported`; batch norm and
+  the zoo's residual blocks included) whose objective calls it only on the step's batch (seen by the shape probe), the
+  group's forward runs as one grouped computation in channels-last layout (channels-first with batch norm) and the
+  per-client gradients come from autograd over the stacked parameters (:mod:`raysim.grouped`; ~2x faster than
+  ``vmap`` on CPUs); any other model or objective uses ``vmap``.
 
 Floating-point sums inside batched kernels are ordered differently from per-client kernels, so the numbers differ
 from the loop's in the last bits (the equality policy's "stated tolerance": metrics within 1e-4).
