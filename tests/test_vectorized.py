@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from raysim.config import make_config
-from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
 from raysim.errors import ConfigError
 from raysim.io.results import without_timing

@@ -214,7 +214,7 @@ class _GroupTraining:
         self.probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws
         self.calls: dict[tuple, Optional[list]] = {}  # (batch size, epoch) -> the objective's model calls (None: vmap)
         self.use_grouped = grouped and bool(self.names) and _grouped.supported(model)
-        self.grad_fn = torch.func.vmap(torch.func.grad(self._one, has_aux=True), in_dims=(0, 0, 0, 0, 0, 0, None))
+        self.grad_fn = torch.func.vmap(torch.func.grad(self._one, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
         self.totals: list[dict] = [{} for _ in range(self.k)]
         self.counts = [0] * self.k
 
@@ -251,17 +251,18 @@ class _GroupTraining:
                 set_dropout_generator(self.model, None)
         return self.probes[b, epoch]
 
-    def _one(self, p, fz, st, xb, yb, masks, epoch):
-        with replay_masks(masks):  # st: the client's running statistics (its rows of the stacks, updated in place)
+    def _one(self, p, fixed, xb, yb, masks, epoch):
+        fz, st = fixed  # st: the client's running statistics (its rows of the stacks, updated in place)
+        with replay_masks(masks):
             loss, parts = self.loss_fn(_FunctionalModel(self.model, {**p, **fz}, {**self.buffers, **st}), xb, yb,
                                        epoch)
         return loss, (loss.detach(), _detached(parts))
 
-    def _grouped_grad(self, p, fz, st, batch, masks, epoch, seen):
+    def _grouped_grad(self, p, fixed, batch, masks, epoch, seen):
         """The model's forward for the group at once, the objective per client under vmap on its outputs,
-        per-client gradients by autograd of the summed losses (raysim.grouped); ``st``: the group's running
-        statistics, updated in place."""
-        xb, yb = batch
+        per-client gradients by autograd of the summed losses (raysim.grouped); ``fixed``: (the frozen parameters,
+        the group's running statistics, updated in place)."""
+        (fz, st), (xb, yb) = fixed, batch
         leaves = {n: t.detach().requires_grad_(True) for n, t in p.items()}
         every, it = {**leaves, **fz, **st}, iter(masks)
         outs = [_grouped.grouped_forward(self.model, every, xb, bool(kw.get("return_embedding", False)), it)
@@ -307,14 +308,14 @@ class _GroupTraining:
             # part-way must not leave them updated twice)
             trial = {n: t.clone() for n, t in st.items()} if st and (b, e) not in self.proven else st
             try:
-                out = self._grouped_grad(sub, fz, trial, (xb, yb), masks, e, seen)
+                out = self._grouped_grad(sub, (fz, trial), (xb, yb), masks, e, seen)
             except Exception:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so the
                 self.calls[b, e] = None  # step runs with vmap instead (which raises a genuine error itself)
             else:
                 self.proven.add((b, e))
                 for n, t in (trial.items() if trial is not st else ()):
                     st[n].copy_(t)
-        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, fz, st, xb, yb, masks, e)
+        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, (fz, st), xb, yb, masks, e)
         if not whole:
             for n, t in st.items():
                 self.stats[n][rows] = t
