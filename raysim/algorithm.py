@@ -193,8 +193,9 @@ class LocalStart:
 @dataclass(frozen=True)
 class TrainedGroup:
     """Clients of one architecture that the vectorised executor trained together, as ``client_final_group`` sees
-    them: ``trained`` maps each parameter name to [K, ...] (client k's trained weights are row k); ``model`` is the
-    live module of their architecture (its own weights are not theirs); the rest are per client, in row order."""
+    them: ``trained`` maps each parameter name, and each batch-norm running statistic (``running_mean``, ...), to
+    [K, ...] (client k's trained weights and statistics are row k); ``model`` is the live module of their
+    architecture (its own weights and buffers are not theirs); the rest are per client, in row order."""
 
     model: Any
     trained: dict
@@ -206,8 +207,8 @@ class TrainedGroup:
 
     def state_stacks(self) -> dict:
         """The group's trained state dicts as stacks (name -> [K, ...], the live model's state-dict order): the
-        trained parameters, and each buffer copied once and repeated as a view (no layer of a vectorised model
-        updates its buffers)."""
+        trained parameters and batch-norm running statistics (each client's own), and any other buffer (which no
+        training forward updates) copied once and repeated as a view."""
         k = next(iter(self.trained.values())).shape[0]
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():

@@ -1,7 +1,8 @@
 """The vectorised executor (backend.vectorize): the same table as the per-client loop within the stated tolerance for
 every method that opts in (dropout off and on: the masks are replayed from each client's own generator), Adam and SGD
 momentum with persisted optimiser state, unequal data sizes and batch counts, the fallback to the loop, BatchNorm
-refused before the run, the identity hash, and Ray == sequential."""
+(per-client running statistics; what cannot be batched refused before the run), the identity hash, and Ray ==
+sequential."""
 from __future__ import annotations
 
 import pandas as pd
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from raysim.config import make_config
-from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
+from raysim.engine.prepare import prepare
 from raysim.errors import ConfigError
 from raysim.io.results import without_timing
 from raysim.runner.grouped import StackedOptimizer as _Optimizer
@@ -184,11 +185,118 @@ def test_clients_that_do_not_opt_in_run_the_loop_bit_identically():
     pd.testing.assert_frame_equal(table(cfg("fedproto", vectorize=False, params=p)), table(cfg("fedproto", params=p)), check_exact=True)
 
 
-def test_batchnorm_is_refused_before_the_run():
-    c = cfg("fedavg", model={"arch": "resnet_small", "params": {"width": 4}})
-    with pytest.raises(ConfigError) as e:
-        prepare(c)
-    assert e.value.field == "backend.vectorize" and "BatchNorm" in str(e.value)
+BN_MODEL = {"arch": "resnet_small", "params": {"width": 4}}  # the zoo's smallest residual net: BatchNorm2d
+
+
+@pytest.mark.parametrize("algo", ["fedavg", "local"])
+def test_batchnorm_equals_loop_within_tolerance(algo, monkeypatch):
+    """A residual net with BatchNorm trained vectorised (the grouped network: each client normalised by its own
+    batch, its own running statistics updated) gives the loop's table within the stated tolerance, and the same
+    running statistics: Local's client states and FedAvg's average of them, as the evaluation sees them."""
+    from algorithms import fedavg, local
+    from raysim.runner import grouped as gmod
+
+    owner = {"fedavg": fedavg.FedAvg, "local": local.Local}[algo]
+    real_eval, seen = owner.evaluate_client, {}
+
+    def spy(self, payload, state, data, ctx):  # the weights each client is evaluated with (eval mode: running stats)
+        w = state["model"] if algo == "local" else payload["model"].tensors
+        seen.setdefault(ctx.client_id, {k: v.clone() for k, v in w.items()})
+        return real_eval(self, payload, state, data, ctx)
+
+    monkeypatch.setattr(owner, "evaluate_client", spy)
+    monkeypatch.setattr(owner, "evaluate_group", lambda *a: None)  # per client, so the spy sees each client's weights
+    loop = table(cfg(algo, vectorize=False, model=BN_MODEL))
+    loop_states, seen = seen, {}
+    real_forward, calls = gmod.grouped_forward, []
+    monkeypatch.setattr(gmod, "grouped_forward", lambda *a, **kw: (calls.append(1), real_forward(*a, **kw))[1])
+    vec = table(cfg(algo, model=BN_MODEL))
+    assert calls, "the grouped path was not taken"
+    close(loop, vec)
+    assert loop_states.keys() == seen.keys() and loop_states
+    stats = [k for k in next(iter(loop_states.values())) if "running" in k or "num_batches" in k]
+    assert len(stats) == 3 * 9  # nine BatchNorm2d layers
+    for cid, ref in loop_states.items():
+        for k, v in ref.items():
+            assert seen[cid][k].dtype == v.dtype, k
+            assert torch.allclose(seen[cid][k].double(), v.double(), rtol=1e-4, atol=1e-5), (cid, k)
+        assert not torch.equal(ref["body.1.running_var"], torch.ones_like(ref["body.1.running_var"]))  # it moved
+    if algo == "local":  # clients of different data: different statistics
+        a, b = list(loop_states.values())[:2]
+        assert not torch.equal(a["body.1.running_mean"], b["body.1.running_mean"])
+        assert {int(s["body.1.num_batches_tracked"]) for s in loop_states.values()} != {0}
+
+
+def test_batchnorm_models_evaluate_in_groups_with_their_own_running_statistics(monkeypatch):
+    """Batched evaluation of a BatchNorm model (eval mode: each client's own running statistics, stacked with its
+    weights) gives the loop's accuracies."""
+    from raysim.runner import executors
+
+    used, original = [], executors.GroupEvaluation.run
+
+    def spy(self, run):
+        used.append(original(self, run))
+        return used[-1]
+
+    monkeypatch.setattr(executors.GroupEvaluation, "run", spy)
+    data = {"dataset": "mnist5k", "num_clients": 4, "partition": "iid",
+            "partition_params": {"samples_per_client": 12, "test_per_client": 6}}
+    vec = table(cfg("local", data=data, model=BN_MODEL))
+    assert used and all(used), used
+    close(table(cfg("local", vectorize=False, data=data, model=BN_MODEL)), vec)
+
+
+def test_batchnorm_that_cannot_be_batched_is_refused():
+    from torch import nn
+
+    from raysim.runner.vectorized import check_model
+
+    check_model(nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2)))  # a momentum: batched
+    for bn in (nn.BatchNorm2d(2, momentum=None), nn.SyncBatchNorm(2)):
+        with pytest.raises(ConfigError) as e:
+            check_model(nn.Sequential(nn.Conv2d(1, 2, 3), bn), "mine")
+        assert e.value.field == "backend.vectorize" and "mine" in str(e.value)
+
+
+def test_grouped_batchnorm_is_each_clients_batchnorm():
+    """Two clients, two channels, different data, weights and running statistics: the grouped BatchNorm2d (one
+    F.batch_norm over K*C channels) gives each client nn.BatchNorm2d's output and running statistics after one
+    training step, which are, by hand: (x - mean) / sqrt(biased var + eps) * w + b, and
+    running = (1 - m) * running + m * (mean, unbiased var); then eval mode normalises by the running statistics."""
+    from torch import nn
+
+    from raysim.runner.grouped import grouped_forward
+
+    m = 0.3
+    x = torch.stack([torch.arange(24.0).reshape(3, 2, 2, 2), torch.arange(24.0).reshape(3, 2, 2, 2).flip(0) ** 2])
+    w, b = torch.tensor([[1.0, 2.0], [0.5, -1.0]]), torch.tensor([[0.0, 1.0], [3.0, 0.0]])
+    rm, rv = torch.tensor([[0.0, 1.0], [2.0, -1.0]]), torch.tensor([[1.0, 2.0], [0.5, 4.0]])
+    model = nn.Sequential(nn.BatchNorm2d(2, momentum=m))
+    model.train()
+    p = {"0.weight": w, "0.bias": b, "0.running_mean": rm.clone(), "0.running_var": rv.clone(),
+         "0.num_batches_tracked": torch.zeros(2, dtype=torch.long)}
+    out = grouped_forward(model, p, x, False, iter(()))
+    for k in range(2):
+        one = nn.BatchNorm2d(2, momentum=m)
+        with torch.no_grad():
+            one.weight.copy_(w[k]), one.bias.copy_(b[k]), one.running_mean.copy_(rm[k]), one.running_var.copy_(rv[k])
+        ref = one(x[k])
+        assert torch.allclose(out[k], ref, atol=1e-5)
+        xc = x[k].transpose(0, 1).reshape(2, -1)  # [C, B*H*W]
+        mean, var_b, var_u = xc.mean(1), xc.var(1, unbiased=False), xc.var(1, unbiased=True)
+        by_hand = (x[k] - mean.view(1, 2, 1, 1)) / (var_b.view(1, 2, 1, 1) + 1e-5).sqrt() * w[k].view(1, 2, 1, 1) \
+            + b[k].view(1, 2, 1, 1)
+        assert torch.allclose(out[k], by_hand, atol=1e-4)
+        for name, mine, theirs, hand in (("mean", p["0.running_mean"][k], one.running_mean, (1 - m) * rm[k] + m * mean),
+                                         ("var", p["0.running_var"][k], one.running_var, (1 - m) * rv[k] + m * var_u)):
+            assert torch.allclose(mine, theirs, rtol=1e-5), name
+            assert torch.allclose(mine, hand, rtol=1e-5), name
+        assert int(p["0.num_batches_tracked"][k]) == int(one.num_batches_tracked) == 1
+        one.eval()
+        model.eval()
+        assert torch.allclose(grouped_forward(model, p, x, False, iter(()))[k], one(x[k]), atol=1e-5)
+        model.train()
+    assert not torch.allclose(p["0.running_mean"][0], p["0.running_mean"][1])  # each client its own statistics
 
 
 def test_vectorize_is_part_of_the_identity():
@@ -304,8 +412,18 @@ def test_grouped_form_covers_the_standard_zoo_only():
 
     for arch in ("cnn_mnist", "lenet", "mlp", "cnn_small", "cnn4", "fedavg_cnn", "protonet"):
         assert supported(getattr(zoo, arch)((1, 28, 28), 10)), arch
-    for arch in ("resnet_small", "mobilenet_small"):  # residual blocks and batch norm: vmap (or refused)
-        assert not supported(getattr(zoo, arch)((1, 28, 28), 10)), arch
+    # residual blocks and batch norm (per-client running statistics): torchvision's BasicBlock and InvertedResidual,
+    # raysim's ResNet body
+    for arch in ("resnet_small", "mobilenet_small", "resnet18"):
+        assert supported(getattr(zoo, arch)((3, 32, 32), 10, width=4)), arch
+    bn = lambda **kw: zoo.SplitModel(torch.nn.Sequential(  # noqa: E731
+        torch.nn.Conv2d(1, 2, 3), torch.nn.BatchNorm2d(2, **kw), torch.nn.Flatten(), torch.nn.Linear(2 * 26 * 26, 5)),
+        torch.nn.Linear(5, 2), 5)
+    assert supported(bn()) and supported(bn(track_running_stats=False))
+    assert not supported(bn(momentum=None))  # a cumulative average: no grouped form
+    other = bn()
+    other.register_buffer("scale", torch.ones(1))  # a buffer other than batch-norm statistics
+    assert not supported(other)
     odd = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 10), torch.nn.Softmax(dim=1))
     assert not supported(odd)
 

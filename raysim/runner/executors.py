@@ -28,7 +28,7 @@ import torch
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, LocalTraining, TrainedGroup
 from raysim.runner.reports import ClientReport, step_purpose, step_token
-from raysim.runner.vectorized import Member, check_model, train_group
+from raysim.runner.vectorized import Member, check_model, running_stat_names, train_group
 from raysim.errors import DamagedFileError
 from raysim.messages import payload_sizes
 from raysim.steps import ClientStep
@@ -287,8 +287,10 @@ class Vectorized(Executor):
             if start.weights is not None:  # declared, not loaded: the group stacks them in one op per parameter
                 params = start.weights
             else:
-                with torch.no_grad():  # the client's starting weights (the live model is reloaded for the next one)
+                with torch.no_grad():  # the client's starting weights and running statistics (the live model is
+                    # reloaded for the next one)
                     params = {n: p.clone() for n, p in model.named_parameters()}
+                    params.update({n: model.get_buffer(n).clone() for n in running_stat_names(model)})
             opt_state = (state or {}).get("opt") if run.train.persist_optimizer else None
             g.pending[cid] = _Pending(ctx, down, state, data, start, params, opt_state)
             g.groups.setdefault(id(model), (model, []))[1].append(cid)
@@ -338,6 +340,8 @@ class Vectorized(Executor):
                 with torch.no_grad():
                     for n, p in model.named_parameters():
                         p.copy_(trained[n][j])
+                    for n in running_stat_names(model):  # the client's own batch-norm statistics
+                        model.get_buffer(n).copy_(trained[n][j])
                 new_state, upload = alg.client_final(model, it.start, it.down, it.state, it.data, it.ctx)
                 if cfg.persist_optimizer:
                     new_state = {**(new_state or {}), "opt": opt_states[j]}

@@ -8,14 +8,20 @@ reshapes that tensor in channels-first layout. On CPUs the channels-first kernel
 (max-pooling a [4, 1000, 24, 24] tensor takes ~13x longer channels-first than channels-last here), and ``vmap``
 refuses channels-last tensors. This module runs the model's forward for the K clients of a group explicitly instead:
 
-* image activations are one tensor [B, K*C, H, W] in channels-last memory (client k owns channels k*C .. k*C+C-1),
-  a convolution is one convolution with ``groups = K * groups``, pools and element-wise functions act on it as is;
+* image activations are one tensor [B, K*C, H, W] in channels-last memory (client k owns channels k*C .. k*C+C-1;
+  channels-first in a model with batch norm, see :func:`grouped_forward`), a convolution is one convolution with
+  ``groups = K * groups``, pools and element-wise functions act on it as is;
+* a batch-norm layer is one ``F.batch_norm`` over the K*C channels with the clients' running statistics stacked
+  [K, C] (viewed as [K*C], updated in place: each client's from its own batch, with the layer's momentum);
 * vector activations are [K, B, F], a linear layer is one ``baddbmm`` over the clients' stacked weights;
 * a dropout layer multiplies by the client's pre-drawn mask, exactly as :class:`raysim.layers.Dropout` does.
 
 Supported: :class:`raysim.layers.SplitModel`, ``nn.Sequential``, ``Conv2d`` (zero padding), ``Linear``, ``ReLU`` and
 other element-wise activations, ``MaxPool2d`` / ``AvgPool2d`` / ``AdaptiveAvgPool2d``, ``Flatten`` (from dim 1),
-``Identity``, raysim's ``Dropout``, and FedProto's CNN body (``cnn_mnist``); any other module makes the model
+``Identity``, raysim's ``Dropout``, FedProto's CNN body (``cnn_mnist``), ``BatchNorm2d`` / ``BatchNorm1d`` (on [B, F];
+with a momentum, or without running statistics), torchvision's ``BasicBlock``, ``InvertedResidual`` and
+``Conv2dNormActivation`` and raysim's ResNet body (``resnet_small``, ``mobilenet_small``, ``resnet18``,
+``resnet34``); the running statistics come in ``params`` with the parameters; any other module makes the model
 ineligible and the executor uses ``vmap`` (:func:`supported`). The objective still runs per client under ``vmap``,
 with a model stand-in (:class:`ReplayModel`) that hands it the precomputed outputs of its calls on the batch; the
 per-client gradients come from ordinary autograd over the stacked parameters (client k's loss depends only on
@@ -50,12 +56,13 @@ class _Act:
         self.t, self.img, self.c, self.k = t, img, c, k
 
     @staticmethod
-    def from_stacked(x: torch.Tensor) -> "_Act":
-        """[K, B, C, H, W] -> image layout; [K, B, ...] otherwise."""
+    def from_stacked(x: torch.Tensor, channels_last: bool = True) -> "_Act":
+        """[K, B, C, H, W] -> image layout (channels-last memory, or channels-first); [K, B, ...] otherwise."""
         k = x.shape[0]
         if x.dim() == 5:
             b, c, h, w = x.shape[1:]
-            t = x.transpose(0, 1).reshape(b, k * c, h, w).contiguous(memory_format=torch.channels_last)
+            t = x.transpose(0, 1).reshape(b, k * c, h, w).contiguous(
+                memory_format=torch.channels_last if channels_last else torch.contiguous_format)
             return _Act(t, True, c, k)
         return _Act(x, False, 0, k)
 
@@ -107,8 +114,109 @@ def _dropout(m: Dropout, a: _Act, masks: Iterator) -> _Act:
     return a.like(a.t * mask * (1.0 / (1.0 - m.p)))
 
 
+def _batchnorm(m: nn.modules.batchnorm._BatchNorm, a: _Act, p: dict, name: str) -> _Act:
+    """``BatchNorm2d`` on [B, K*C, H, W] (or ``BatchNorm1d`` on [K, B, F]) as one ``F.batch_norm`` over the K*C
+    channels: each channel's statistics are over its own client's batch, so client k is normalised by its own batch
+    statistics (training) or its own running statistics (eval), with its own weight and bias, exactly as the module
+    does for one client. The running statistics come from ``p`` ({name}.running_mean / running_var /
+    num_batches_tracked, [K, C]) and are updated in place, as the module updates its buffers (momentum, the unbiased
+    variance); the normalisation itself uses the biased variance, as the module does."""
+    if isinstance(m, nn.BatchNorm2d):
+        if not a.img:
+            raise Ineligible(f"{name}: BatchNorm2d of a non-image activation")
+        x = a.t
+    elif isinstance(m, nn.BatchNorm1d):
+        if a.img or a.t.dim() != 3:
+            raise Ineligible(f"{name}: BatchNorm1d of a non-[B, F] activation")
+        k, b, f = a.t.shape
+        x = a.t.transpose(0, 1).reshape(b, k * f)
+    else:
+        raise Ineligible(f"{name}: {type(m).__name__} has no grouped form")
+    rm = rv = None
+    factor = 0.0
+    if m.track_running_stats:
+        rm, rv = p.get(f"{name}.running_mean"), p.get(f"{name}.running_var")
+        if rm is None or rv is None:
+            raise Ineligible(f"{name}: the clients' running statistics were not given")
+        if m.training:
+            nbt = p.get(f"{name}.num_batches_tracked")
+            if m.momentum is None or nbt is None or not (rm.is_contiguous() and rv.is_contiguous()):
+                raise Ineligible(f"{name}: running statistics that cannot be updated in place per client")
+            nbt.add_(1)
+            factor = m.momentum
+        rm, rv = rm.reshape(-1), rv.reshape(-1)  # views of the [K, C] stacks: updated in place
+    w = p[f"{name}.weight"].reshape(-1) if m.weight is not None else None
+    bias = p[f"{name}.bias"].reshape(-1) if m.bias is not None else None
+    t = F.batch_norm(x, rm, rv, w, bias, m.training or not m.track_running_stats, factor, m.eps)
+    if not a.img:
+        t = t.reshape(b, k, f).transpose(0, 1)
+    return a.like(t)
+
+
+def _basic_block(m: nn.Module, a: _Act, p: dict, pre: str, masks: Iterator) -> _Act:
+    """torchvision's ``BasicBlock``: conv, BN, ReLU, conv, BN, plus the input (or its downsampling), ReLU."""
+    out = _run(m.relu, _run(m.bn1, _run(m.conv1, a, p, pre + "conv1", masks), p, pre + "bn1", masks), p,
+               pre + "relu", masks)
+    out = _run(m.bn2, _run(m.conv2, out, p, pre + "conv2", masks), p, pre + "bn2", masks)
+    identity = a if m.downsample is None else _run(m.downsample, a, p, pre + "downsample", masks)
+    return _run(m.relu, out.like(out.t + identity.t), p, pre + "relu", masks)
+
+
+def _resnet_body(m: nn.Module, a: _Act, p: dict, pre: str, masks: Iterator) -> _Act:
+    """raysim's ``_ResNetBody`` (torchvision's ResNet up to its pooling): stem, four stages, pooled and flattened."""
+    for child in ("conv1", "bn1", "relu", "maxpool", "layer1", "layer2", "layer3", "layer4", "avgpool"):
+        a = _run(getattr(m, child), a, p, pre + child, masks)
+    return _flatten(a)
+
+
+def _inverted_residual(m: nn.Module, a: _Act, p: dict, pre: str, masks: Iterator) -> _Act:
+    """torchvision's ``InvertedResidual``: its ``conv`` sequence, plus the input where shapes allow."""
+    out = _run(m.conv, a, p, pre + "conv", masks)
+    return out.like(a.t + out.t) if m.use_res_connect else out
+
+
+def _torchvision_blocks() -> dict:
+    """The grouped forms of torchvision's blocks that raysim's zoo uses (by exact class), and of raysim's ResNet
+    body; {} for what cannot be imported."""
+    forms: dict = {}
+    try:
+        from torchvision.models.mobilenetv2 import InvertedResidual
+        from torchvision.models.resnet import BasicBlock
+    except Exception:  # pragma: no cover - torchvision missing: those models use vmap
+        pass
+    else:
+        forms[BasicBlock] = _basic_block
+        forms[InvertedResidual] = _inverted_residual
+    from raysim.models import _ResNetBody
+
+    forms[_ResNetBody] = _resnet_body
+    return forms
+
+
+_BLOCKS: Optional[dict] = None
+
+
+def _blocks() -> dict:
+    global _BLOCKS
+    if _BLOCKS is None:
+        _BLOCKS = _torchvision_blocks()
+    return _BLOCKS
+
+
+def _sequential_types() -> tuple:
+    """``nn.Sequential`` and torchvision's ``Conv2dNormActivation`` (a Sequential that only fixes the layers)."""
+    try:
+        from torchvision.ops.misc import Conv2dNormActivation
+    except Exception:  # pragma: no cover
+        return (nn.Sequential,)
+    return (nn.Sequential, Conv2dNormActivation)
+
+
 def _run(m: nn.Module, a: _Act, p: dict, name: str, masks: Iterator) -> _Act:
     pre = f"{name}." if name else ""
+    block = _blocks().get(type(m))
+    if block is not None:
+        return block(m, a, p, pre, masks)
     if isinstance(m, nn.Sequential):
         for child_name, child in m._modules.items():  # as Sequential.forward walks them
             a = _run(child, a, p, pre + child_name, masks)
@@ -131,17 +239,20 @@ def _run(m: nn.Module, a: _Act, p: dict, name: str, masks: Iterator) -> _Act:
         return _flatten(a)
     if isinstance(m, Dropout):
         return _dropout(m, a, masks)
+    if isinstance(m, (nn.BatchNorm1d, nn.BatchNorm2d)):
+        return _batchnorm(m, a, p, name)
     raise Ineligible(f"{name or 'model'}: {type(m).__name__} has no grouped form")
 
 
 _KNOWN = (SplitModel, nn.Sequential, nn.Conv2d, nn.Linear, nn.MaxPool2d, nn.AvgPool2d, nn.AdaptiveAvgPool2d, nn.Flatten,
-          Dropout) + _ELEMENTWISE
+          Dropout, nn.BatchNorm1d, nn.BatchNorm2d) + _ELEMENTWISE
 
 
 def _plain(m: nn.Module) -> bool:
     """``m`` is exactly one of the known classes (a subclass may override ``forward`` or a helper such as
     ``Conv2d._conv_forward``; a parametrized layer is a subclass) and has no hooks of its own."""
-    return type(m) in _KNOWN and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+    known = type(m) in _KNOWN or type(m) in _blocks() or type(m) in _sequential_types()
+    return known and not (m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
                                       or m._backward_pre_hooks)
 
 
@@ -154,15 +265,17 @@ def _global_hooks() -> bool:
 
 def supported(model: nn.Module) -> bool:
     """Whether ``model`` has a grouped form: every module exactly a known class without hooks, no module object or
-    parameter used twice (tied layers), no buffers, a SplitModel of body and head only (structure; the layouts are
-    checked when run)."""
+    parameter used twice (tied layers), no buffers but batch-norm running statistics, a SplitModel of body and head
+    only (structure; the layouts are checked when run)."""
     def ok(m: nn.Module) -> bool:
         if not _plain(m):
             return False
         if isinstance(m, SplitModel):
             return set(m._modules) == {"body", "head"} and all(ok(c) for c in m.children())
-        if isinstance(m, nn.Sequential):
+        if isinstance(m, nn.Sequential) or type(m) in _blocks():
             return all(ok(c) for c in m.children())
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            return m.momentum is not None or not m.track_running_stats
         if isinstance(m, nn.Conv2d):
             return m.padding_mode == "zeros" and not isinstance(m.padding, str)
         if isinstance(m, nn.Flatten):
@@ -174,13 +287,18 @@ def supported(model: nn.Module) -> bool:
         return False
     once = len(list(model.modules())) == len(list(model.modules(remove_duplicate=False)))
     untied = (len(list(model.named_parameters())) == len(list(model.named_parameters(remove_duplicate=False))))
-    return once and untied and ok(model) and not list(model.buffers())
+    stats = {f"{n}.{b}" for n, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+             for b, _ in m.named_buffers(recurse=False)}
+    return once and untied and ok(model) and all(n in stats for n, _ in model.named_buffers())
 
 
 def grouped_forward(model: nn.Module, params: dict, x: torch.Tensor, return_embedding: bool, masks: Iterator):
     """``model``'s forward for K clients at once: ``params`` {name: [K, ...]}, ``x`` [K, B, ...]; returns what the
-    model returns, each tensor stacked [K, B, ...]."""
-    a = _Act.from_stacked(x)
+    model returns, each tensor stacked [K, B, ...]. A model with batch norm runs channels-first (as each client's own
+    forward does): the batch-norm kernel then reduces each of the K*C channels in the order it does for one client,
+    where the channels-last kernel sums otherwise, a difference a channel of small variance amplifies (and CPU
+    kernels mixing the two layouts are best avoided)."""
+    a = _Act.from_stacked(x, not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()))
     if isinstance(model, SplitModel):
         z = _run(model.body, a, params, "body", masks)
         logits = _run(model.head, z, params, "head", masks)
@@ -191,13 +309,17 @@ def grouped_forward(model: nn.Module, params: dict, x: torch.Tensor, return_embe
 
 
 def stack_weights(model: nn.Module, weights: list) -> dict:
-    """The parameters of K clients' weights (state dicts, or :class:`raysim.messages.Rows` of a group's stacks) as
-    {name: [K, ...]} on ``model``'s devices and dtypes, in ``model``'s parameter order: rows of one stack taken in one
+    """The parameters (and batch-norm running statistics) of K clients' weights (state dicts, or
+    :class:`raysim.messages.Rows` of a group's stacks) as {name: [K, ...]} on ``model``'s devices and dtypes, in
+    ``model``'s parameter order: rows of one stack taken in one
     op, anything else stacked in one op per parameter."""
     from raysim.messages import row_source
 
     out = {}
-    for name, like in model.named_parameters():
+    stats = [(f"{pre}.{b}" if pre else b, t) for pre, m in model.named_modules()
+             if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+             for b, t in m.named_buffers(recurse=False) if t is not None]  # each client's own running statistics
+    for name, like in list(model.named_parameters()) + stats:
         src = [row_source(w, name) for w in weights]
         if all(s is not None for s in src) and all(s[0] is src[0][0] for s in src):
             base, rows = src[0][0][name], [s[1] for s in src]

@@ -23,13 +23,20 @@ Exactness rules (what makes the table equal to the loop's within the stated tole
 * **optimisers** — SGD (momentum, weight decay) and Adam (weight decay, bias correction) are applied to the stacked
   tensors with torch's own update formulas; per-client state (momentum buffers, Adam moments and step counts) goes in
   and out in the loop's format (``training.optimizer_state``), so ``persist_optimizer`` and repeated steps work.
-* **BatchNorm** — refused: a batch-norm layer updates its running statistics in place during training, which a
-  vmapped forward cannot do per client (``check_model`` raises a ConfigError naming ``backend.vectorize``).
+* **BatchNorm** — per-client running statistics, batched: each client's ``running_mean`` / ``running_var`` /
+  ``num_batches_tracked`` (from its starting state dict) are stacked [K, C] and updated in place by the batched
+  forward, each from its own batch as ``nn.BatchNorm2d`` updates them for one client (the batch's biased variance
+  normalises, the unbiased one enters the running average, with the layer's momentum and eps and the client's own
+  affine weight and bias); the grouped network runs a layer as one ``F.batch_norm`` over the K*C channels, ``vmap``
+  passes each client its own rows of the stacks. The trained statistics come back with the trained parameters (the
+  client's state and upload carry them). Refused (``check_model``: a ConfigError naming ``backend.vectorize``):
+  ``momentum=None`` (a cumulative average, one factor per client) and ``SyncBatchNorm``.
 
-* **grouped execution** — for a model built from standard layers (:func:`raysim.runner.grouped.supported`) whose
-  objective calls it only on the step's batch (seen by the shape probe), the group's forward runs as one grouped
-  computation in channels-last layout and the per-client gradients come from autograd over the stacked parameters
-  (:mod:`raysim.runner.grouped`; ~2x faster than ``vmap`` on CPUs); any other model or objective uses ``vmap``.
+* **grouped execution** — for a model built from standard layers (:func:`raysim.runner.grouped.supported`; batch norm and
+  the zoo's residual blocks included) whose objective calls it only on the step's batch (seen by the shape probe), the
+  group's forward runs as one grouped computation in channels-last layout (channels-first with batch norm) and the
+  per-client gradients come from autograd over the stacked parameters (:mod:`raysim.runner.grouped`; ~2x faster than
+  ``vmap`` on CPUs); any other model or objective uses ``vmap``.
 
 Floating-point sums inside batched kernels are ordered differently from per-client kernels, so the numbers differ
 from the loop's in the last bits (the equality policy's "stated tolerance": metrics within 1e-4).
@@ -53,12 +60,33 @@ from raysim.training import accumulate_metric
 
 
 def check_model(model: nn.Module, arch: str = "") -> None:
+    """Refuse (a ConfigError naming ``backend.vectorize``) the batch-norm layers the executor cannot batch: a
+    cumulative average (``momentum=None``: each client's factor is 1 / its own ``num_batches_tracked``, a host read
+    per client and step) and ``SyncBatchNorm`` (statistics across processes)."""
     for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            raise ConfigError("backend.vectorize", f"the vectorised executor does not support BatchNorm (model "
-                                                   f"{arch or type(model).__name__} has {type(m).__name__}: its running "
-                                                   f"statistics update in place per client); use backend.vectorize: "
-                                                   f"false or an architecture without batch norm")
+        if not isinstance(m, nn.modules.batchnorm._BatchNorm):
+            continue
+        why = None
+        if isinstance(m, nn.SyncBatchNorm):
+            why = "SyncBatchNorm (statistics across processes)"
+        elif m.track_running_stats and m.momentum is None:
+            why = (f"{type(m).__name__} with momentum=None (a cumulative average of the running statistics: each "
+                   f"client's factor is 1 / its own num_batches_tracked)")
+        if why is not None:
+            raise ConfigError("backend.vectorize", f"the vectorised executor cannot batch {why} in model "
+                                                   f"{arch or type(model).__name__}; use backend.vectorize: false, or "
+                                                   f"a momentum")
+
+
+def running_stat_names(model: nn.Module) -> list[str]:
+    """The buffers a training forward updates, each client's own in a vectorised group: the running statistics of
+    every batch-norm layer that tracks them (``running_mean``, ``running_var``, ``num_batches_tracked``), in the
+    model's buffer order."""
+    names = []
+    for prefix, m in model.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats:
+            names += [f"{prefix}.{b}" if prefix else b for b, t in m.named_buffers(recurse=False) if t is not None]
+    return names
 
 
 class _FunctionalModel:
@@ -113,7 +141,8 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], c
                    grouped: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
     """Train K clients of one architecture together (``cfg.local_epochs`` epochs at ``cfg.lr``);
     ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained parameters,
-    ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client. ``grouped``: use
+    ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client (the trained
+    parameters with the batch-norm running statistics, where the model has any). ``grouped``: use
     grouped execution (:mod:`raysim.runner.grouped`) where the model and the objective allow it, else ``vmap`` throughout."""
     stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped).run()
     return [{n: t[i] for n, t in stacks.items()} for i in range(len(members))], metrics, opt
@@ -122,7 +151,8 @@ def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], c
 def train_group(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
                 grouped: bool = True) -> tuple[dict, list[dict], list[dict]]:
     """:func:`vmap_local_sgd` with the trained parameters as stacks (name -> [K, ...], in the model's parameter
-    order; client i's are row i): what the vectorised executor hands to a method's ``client_final_group``."""
+    order, then the batch-norm running statistics (:func:`running_stat_names`); client i's are row i): what the
+    vectorised executor hands to a method's ``client_final_group``."""
     return _GroupTraining(model, loss_fn, members, cfg, grouped).run()
 
 
@@ -151,7 +181,15 @@ class _GroupTraining:
         # each a new tensor (the optimiser updates it in place)
         self.stacked = {n: _stack(params, n, live[n]) for n in self.names}
         self.frozen = {n: _stack(params, n, live[n]) for n in self.order if n not in trainable}
-        self.buffers = {n: b for n, b in model.named_buffers()}
+        # the batch-norm running statistics: each client's own, stacked (updated in place by the training forwards;
+        # a client whose start lacks them starts from the live model's); other buffers are shared, never written
+        live_buffers = dict(model.named_buffers())
+        self.stat_names = running_stat_names(model)
+        self.stats = {n: _stack(params, n, live_buffers[n]) if n in params[0] else
+                      live_buffers[n].detach().unsqueeze(0).repeat(self.k, *([1] * live_buffers[n].dim()))
+                      for n in self.stat_names}
+        self.buffers = {n: b for n, b in live_buffers.items() if n not in self.stats}
+        self.proven: set = set()  # (batch size, epoch) whose grouped step ran once (its failure then updates nothing)
         self.opt = StackedOptimizer(cfg, self.stacked, [m.opt_state for m in members], cfg.lr)
         # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm
         # per epoch)
@@ -193,7 +231,8 @@ class _GroupTraining:
         from raysim.models import set_dropout_generator
 
         fm = _FunctionalModel(self.model, {**{n: self.stacked[n][i] for n in self.names},
-                                           **{n: t[i] for n, t in self.frozen.items()}}, self.buffers)
+                                           **{n: t[i] for n, t in self.frozen.items()}},
+                              {**self.buffers, **{n: t[i].clone() for n, t in self.stats.items()}})  # not updated
         first = self._idx(i, 0)[:b]
         x0, y0 = self.members[i].x[first], self.members[i].y[first]
         with torch.no_grad():  # the clients' own streams are untouched
@@ -212,17 +251,20 @@ class _GroupTraining:
                 set_dropout_generator(self.model, None)
         return self.probes[b, epoch]
 
-    def _one(self, p, fz, xb, yb, masks, epoch):
+    def _one(self, p, fixed, xb, yb, masks, epoch):
+        fz, st = fixed  # st: the client's running statistics (its rows of the stacks, updated in place)
         with replay_masks(masks):
-            loss, parts = self.loss_fn(_FunctionalModel(self.model, {**p, **fz}, self.buffers), xb, yb, epoch)
+            loss, parts = self.loss_fn(_FunctionalModel(self.model, {**p, **fz}, {**self.buffers, **st}), xb, yb,
+                                       epoch)
         return loss, (loss.detach(), _detached(parts))
 
-    def _grouped_grad(self, p, fz, batch, masks, epoch, seen):
+    def _grouped_grad(self, p, fixed, batch, masks, epoch, seen):
         """The model's forward for the group at once, the objective per client under vmap on its outputs,
-        per-client gradients by autograd of the summed losses (raysim.runner.grouped)."""
-        xb, yb = batch
+        per-client gradients by autograd of the summed losses (raysim.runner.grouped); ``fixed``: (the frozen parameters,
+        the group's running statistics, updated in place)."""
+        (fz, st), (xb, yb) = fixed, batch
         leaves = {n: t.detach().requires_grad_(True) for n, t in p.items()}
-        every, it = {**leaves, **fz}, iter(masks)
+        every, it = {**leaves, **fz, **st}, iter(masks)
         outs = [_grouped.grouped_forward(self.model, every, xb, bool(kw.get("return_embedding", False)), it)
                 for kw in seen]
 
@@ -259,13 +301,24 @@ class _GroupTraining:
         rows = torch.as_tensor(group, device=xb.device)  # indexes the stacked tensors and optimiser state
         sub = self.stacked if whole else {n: t[rows] for n, t in self.stacked.items()}
         fz = self.frozen if whole else {n: t[rows] for n, t in self.frozen.items()}
+        st = self.stats if whole else {n: t[rows] for n, t in self.stats.items()}  # updated in place by the forward
         seen, out = self.calls.get((b, e)), None
         if seen is not None:
+            # until a grouped step of this shape has run once, it runs on copies of the running statistics (a failure
+            # part-way must not leave them updated twice)
+            trial = {n: t.clone() for n, t in st.items()} if st and (b, e) not in self.proven else st
             try:
-                out = self._grouped_grad(sub, fz, (xb, yb), masks, e, seen)
+                out = self._grouped_grad(sub, (fz, trial), (xb, yb), masks, e, seen)
             except Exception:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so the
                 self.calls[b, e] = None  # step runs with vmap instead (which raises a genuine error itself)
-        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, fz, xb, yb, masks, e)
+            else:
+                self.proven.add((b, e))
+                for n, t in (trial.items() if trial is not st else ()):
+                    st[n].copy_(t)
+        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, (fz, st), xb, yb, masks, e)
+        if not whole:
+            for n, t in st.items():
+                self.stats[n][rows] = t
         self.opt.step(self.stacked, grads, rows, whole, host_rows=group)
         if self.uniform and whole and all(torch.is_tensor(v) and v.dim() == 1 for v in parts.values()):
             self.step_values.append((loss.detach(), {key: v.detach() for key, v in parts.items()}))
@@ -311,8 +364,10 @@ class _GroupTraining:
         for s in range(max((len(p) for p in self.plans), default=0)):
             self.step(s)
         self._flush_steps()
-        # the trained parameters, stacked (nothing writes to them after the last step), in the model's order
+        # the trained parameters, stacked (nothing writes to them after the last step), in the model's order, then the
+        # clients' running statistics
         stacks = {n: self.stacked[n] if n in self.stacked else self.frozen[n] for n in self.order}
+        stacks.update(self.stats)
         opt = ([self.opt.state_of(i, self.names) for i in range(self.k)] if self.cfg.persist_optimizer
                else [{} for _ in range(self.k)])
         return stacks, self._metrics(), opt
