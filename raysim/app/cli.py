@@ -8,6 +8,7 @@ control characters (:func:`raysim.errors.printable`)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -187,8 +188,16 @@ def _cmd_tune(args) -> int:
     print(f"trials table: {res.files['trials']}")
     for warning in res.warnings:
         _say(f"WARNING: {warning}")
-    print(f"look at it: raysim tune --show {printable(res.out_dir)}")
+    print(f"look at it: raysim tune {show_args(args.storage, res)}")
     return 0
+
+
+def show_args(storage, res) -> str:
+    """The --show arguments that find this study again: its output directory holds the study only when no
+    --storage was given (study.journal); otherwise the storage, with the study's name (a database may hold several)."""
+    if storage is None:
+        return f"--show {printable(res.out_dir)}"
+    return f"--show {shlex.quote(printable(storage))} --study-name {shlex.quote(printable(res.study_name))}"
 
 
 def _cmd_report(args) -> int:
