@@ -86,6 +86,11 @@ def test_label_option_and_config_label_name_settings(tmp_path, capsys):
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep3"), "--label",
                  f"x={tmp_path / 'runs'}"]) == 2
     assert "2 settings" in capsys.readouterr().err
+    # --label alone reads its DIR (as compare does); a NAME may hold '='; a run named twice is read once
+    assert main(["report", str(a[0].parent), "--out", str(tmp_path / "rep4"), "--no-plots",
+                 "--label", f"lr=0.05={a[0].parent}", "--label", f"lr=0.1={tmp_path / 'runs' / 'b'}"]) == 0
+    md = (tmp_path / "rep4" / "summary.md").read_text()
+    assert "| lr=0.05 | 2 | 1,2 |" in md and "| lr=0.1 | 1 | 1 |" in md
 
 
 @pytest.mark.parametrize("labels", [["fedproto (lam=1.0) (n=2)", "fedavg (n=2)"],

@@ -24,6 +24,9 @@ def load_runs(paths, on_damaged=None) -> tuple[pd.DataFrame, pd.DataFrame]:
     ``#k`` suffix, so runs are never silently merged. ``on_damaged(error)``: damaged runs found in a directory are
     skipped and passed to it (see :func:`results.run_index`)."""
     index = results.run_index(paths, on_damaged)
+    # a run named twice (a parent and its run, or a --label DIR among the runs) is read once
+    if not index.empty:
+        index = index[~index["path"].map(lambda p: Path(p).resolve()).duplicated()].reset_index(drop=True)
     if index.empty:
         raise FileNotFoundError(f"no readable result table under {', '.join(map(str, paths))} (every run found is "
                                 f"damaged)")
