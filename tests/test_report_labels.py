@@ -129,3 +129,25 @@ def test_final_has_a_scalar_form_and_counts_rounds_completed():
     with pytest.raises(ValueError, match="needs one run"):
         results.final(two, scalar=True)
     assert results.final(two, run_id="q", scalar=True) == pytest.approx(0.5)
+
+
+def test_log_axis_tick_labels_do_not_run_into_each_other():
+    """The bytes axis over 1.2 decades: matplotlib's default labelled 3x10^5 and 4x10^5 side by side, touching."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from raysim.app.report import log_ticks
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    ax.plot([4.7e4, 1.2e5, 3.6e5, 5.2e5, 7.0e5], [0.3, 0.4, 0.5, 0.6, 0.7])
+    ax.set_xscale("log")
+    log_ticks(ax.xaxis)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    shown = [t for t in ax.get_xticklabels() + ax.xaxis.get_minorticklabels() if t.get_text() and t.get_visible()]
+    xmin, xmax = ax.get_xlim()
+    shown = [t for t in shown if xmin <= t.get_position()[0] <= xmax]
+    boxes = sorted((t.get_window_extent(r) for t in shown), key=lambda b: b.x0)
+    plt.close(fig)
+    assert len(boxes) >= 3 and [t.get_text() for t in shown][:1] != [""]
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
