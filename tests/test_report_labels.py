@@ -3,6 +3,7 @@ label:, legends outside the axes (the plots' one file-name pattern: tests/test_r
 completed, results.final's scalar form."""
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from raysim.app.cli import main
@@ -151,3 +152,16 @@ def test_log_axis_tick_labels_do_not_run_into_each_other():
     plt.close(fig)
     assert len(boxes) >= 3 and [t.get_text() for t in shown][:1] != [""]
     assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+
+
+def test_reproduce_names_report_settings_by_method_so_identical_configs_stay_apart(tmp_path):
+    """Two methods of a manifest with one config (seed001's 'PN-ICFL' and 'PN-ICFL seed init') were one setting of
+    10 runs with every seed twice; the report of a reproduction names its settings by the table's methods."""
+    from raysim.app.report import ReportOptions, build_report
+    from raysim.app.reproduce_table import method_labels
+    runs = [write_run(tmp_path / m, "x", s, full(name="x")) for m in ("m1", "m2") for s in (1, 2)]
+    per_run = pd.DataFrame({"label": ["A", "A", "B", "B"], "path": [str(r) for r in runs]})
+    assert method_labels(per_run) == {"A": str(tmp_path / "m1" / "x"), "B": str(tmp_path / "m2" / "x")}
+    build_report([str(r) for r in runs], tmp_path / "rep", ReportOptions(plots=False, labels=method_labels(per_run)))
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| A | 2 | 1,2 |" in md and "| B | 2 | 1,2 |" in md
