@@ -25,7 +25,7 @@ from raysim.errors import SimulationError
 MACHINE_ERRNOS = frozenset(e for e in (errno.ENOSPC, getattr(errno, "EDQUOT", None), errno.EROFS, errno.EIO,
                                        errno.ENOMEM, errno.EMFILE, errno.ENFILE) if e is not None)
 # an OSError raised inside these raysim modules (any errno) is the machine's too: raysim's own files
-_OWN_WRITERS = {("engine", "store.py"): ("the client-state store", "backend.state_dir"),
+_OWN_WRITERS = {("runner", "store.py"): ("the client-state store", "backend.state_dir"),
                 ("io", "checkpoints.py"): ("the checkpoints", "output.dir"),
                 ("io", "tables.py"): ("the result table", "output.dir"),
                 ("io", "rundir.py"): ("the run directory", "output.dir"),
