@@ -3,6 +3,7 @@ label:, legends outside the axes (the plots' one file-name pattern: tests/test_r
 completed, results.final's scalar form."""
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from raysim.app.cli import main
@@ -86,6 +87,11 @@ def test_label_option_and_config_label_name_settings(tmp_path, capsys):
     assert main(["report", str(tmp_path / "runs"), "--out", str(tmp_path / "rep3"), "--label",
                  f"x={tmp_path / 'runs'}"]) == 2
     assert "2 settings" in capsys.readouterr().err
+    # --label alone reads its DIR (as compare does); a NAME may hold '='; a run named twice is read once
+    assert main(["report", str(a[0].parent), "--out", str(tmp_path / "rep4"), "--no-plots",
+                 "--label", f"lr=0.05={a[0].parent}", "--label", f"lr=0.1={tmp_path / 'runs' / 'b'}"]) == 0
+    md = (tmp_path / "rep4" / "summary.md").read_text()
+    assert "| lr=0.05 | 2 | 1,2 |" in md and "| lr=0.1 | 1 | 1 |" in md
 
 
 @pytest.mark.parametrize("labels", [["fedproto (lam=1.0) (n=2)", "fedavg (n=2)"],
@@ -124,3 +130,38 @@ def test_final_has_a_scalar_form_and_counts_rounds_completed():
     with pytest.raises(ValueError, match="needs one run"):
         results.final(two, scalar=True)
     assert results.final(two, run_id="q", scalar=True) == pytest.approx(0.5)
+
+
+def test_log_axis_tick_labels_do_not_run_into_each_other():
+    """The bytes axis over 1.2 decades: matplotlib's default labelled 3x10^5 and 4x10^5 side by side, touching."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from raysim.app.report import log_ticks
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
+    ax.plot([4.7e4, 1.2e5, 3.6e5, 5.2e5, 7.0e5], [0.3, 0.4, 0.5, 0.6, 0.7])
+    ax.set_xscale("log")
+    log_ticks(ax.xaxis)
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    shown = [t for t in ax.get_xticklabels() + ax.xaxis.get_minorticklabels() if t.get_text() and t.get_visible()]
+    xmin, xmax = ax.get_xlim()
+    shown = [t for t in shown if xmin <= t.get_position()[0] <= xmax]
+    boxes = sorted((t.get_window_extent(r) for t in shown), key=lambda b: b.x0)
+    plt.close(fig)
+    assert len(boxes) >= 3 and [t.get_text() for t in shown][:1] != [""]
+    assert all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:]))
+
+
+def test_reproduce_names_report_settings_by_method_so_identical_configs_stay_apart(tmp_path):
+    """Two methods of a manifest with one config (seed001's 'PN-ICFL' and 'PN-ICFL seed init') were one setting of
+    10 runs with every seed twice; the report of a reproduction names its settings by the table's methods."""
+    from raysim.app.report import ReportOptions, build_report
+    from raysim.app.reproduce_table import method_labels
+    runs = [write_run(tmp_path / m, "x", s, full(name="x")) for m in ("m1", "m2") for s in (1, 2)]
+    per_run = pd.DataFrame({"label": ["A", "A", "B", "B"], "path": [str(r) for r in runs]})
+    assert method_labels(per_run) == {"A": str(tmp_path / "m1" / "x"), "B": str(tmp_path / "m2" / "x")}
+    build_report([str(r) for r in runs], tmp_path / "rep", ReportOptions(plots=False, labels=method_labels(per_run)))
+    md = (tmp_path / "rep" / "summary.md").read_text()
+    assert "| A | 2 | 1,2 |" in md and "| B | 2 | 1,2 |" in md

@@ -83,16 +83,20 @@ def test_unreachable_mlflow_is_one_line_naming_the_key_before_anything_is_writte
     assert not out.exists() and not list(tmp_path.glob("run*"))
 
 
-def test_unwritable_tensorboard_dir_is_one_line(tmp_path, capsys):
+@pytest.mark.parametrize("key", ["tensorboard", "wandb"])
+def test_unwritable_tracking_dir_is_one_line(tmp_path, capsys, key):
     import yaml
 
+    if key == "wandb":
+        pytest.importorskip("wandb")
     blocker = tmp_path / "file"
     blocker.write_text("x")
     cfg = tmp_path / "c.yaml"
     cfg.write_text(yaml.safe_dump(tiny_config(rounds=1)))
-    code = main(["run", str(cfg), "--out", str(tmp_path / "run"), "--set", f"output.tensorboard={blocker}/tb"])
+    code = main(["run", str(cfg), "--out", str(tmp_path / "run"), "--set", f"output.{key}={blocker}/tb"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "output.tensorboard" in err[0]
+    assert code == 2 and len(err) == 1 and f"output.{key}" in err[0]
+    assert not (tmp_path / "run").exists()
 
 
 def test_progress_lines_when_not_a_terminal():
@@ -115,3 +119,49 @@ def test_progress_lines_when_not_a_terminal():
     assert "\r" not in text and len(lines) == 3  # the start, rounds 2 and 4 (the evaluated ones)
     assert lines[1].startswith("tiny s7 round 2/4: acc 0.") and "acc_proto 0." in lines[1]
     assert lines[2].startswith("tiny s7 round 4/4: ")
+
+
+def _wandb_records(path):
+    """The records of a W&B offline run file (``run-<id>.wandb``: a ':W&B' header, then LevelDB-log blocks of
+    32 KiB, each record a 7-byte header (crc, length, type: full / first / middle / last) and a protobuf)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, pos, buf, out = path.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if left < 7 or kind == 0:
+            pos += left
+            continue
+        buf = (b"" if kind in (1, 2) else buf) + data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            out.append(pb.Record.FromString(buf))
+            buf = b""
+    return out
+
+
+def test_wandb_offline_run_holds_every_rounds_metrics_the_config_and_the_table(tmp_path):
+    pytest.importorskip("wandb")
+    import json
+
+    cfg = make_config(tiny_config(rounds=2, output={"progress": False, "wandb": str(tmp_path / "wb")}))
+    res = run_experiment(cfg, write=False)
+    (f,) = (tmp_path / "wb" / "wandb").glob("offline-run-*/run-*.wandb")
+    recs = {}
+    for r in _wandb_records(f):
+        recs.setdefault(r.WhichOneof("record_type"), []).append(r)
+    (run,) = recs["run"]
+    assert run.run.display_name == res.run_id and run.run.project == "tiny"
+    config = {i.key: json.loads(i.value_json) for i in run.run.config.update}
+    assert config["algorithm"]["params"]["lam"] == 1.0 and config["data"]["num_clients"] == 6
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in h.history.item}
+               for h in recs["history"]]
+    got = [(h["_step"], h["test_acc"]) for h in history if "test_acc" in h]
+    assert got == pytest.approx(_mean_rows(res.table, "test_acc"))  # steps: rounds completed, as TensorBoard's
+    assert [a.artifact.name for a in recs["artifact"]] == ["results"]
+    assert [m.path for m in recs["artifact"][0].artifact.manifest.contents] == ["results.parquet"]
+    assert recs["exit"][0].exit.exit_code == 0

@@ -67,3 +67,13 @@ def test_tune_show_and_missing_arguments_are_one_line(tmp_path, capsys, argv, fi
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and field in err[0]
+
+
+def test_tune_hint_names_the_storage_when_one_was_given(tmp_path):
+    """The closing hint must find the study again: a --storage study is not in the output directory."""
+    from types import SimpleNamespace
+
+    from raysim.app.cli import show_args
+    res = SimpleNamespace(out_dir=tmp_path / "t", study_name="s1")
+    assert show_args(None, res) == f"--show {tmp_path / 't'}"
+    assert show_args("sqlite:///runs/lam.db", res) == "--show sqlite:///runs/lam.db --study-name s1"

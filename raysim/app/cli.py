@@ -8,6 +8,7 @@ control characters (:func:`raysim.errors.printable`)."""
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -62,7 +63,8 @@ def _add_tune_report(sub) -> None:
     tune.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                       help="override a base config value (repeatable)")
     rep = sub.add_parser("report", help="mean ± std over seeds, rounds-to-target, communication, plots")
-    rep.add_argument("runs", nargs="+", help="run directories, result files, or parent directories of runs")
+    rep.add_argument("runs", nargs="*", help="run directories, result files, or parent directories of runs (or "
+                                             "--label NAME=DIR alone)")
     rep.add_argument("--out", default="report", help="output directory (default: ./report)")
     rep.add_argument("--metric", action="append", default=None,
                      help="client metric(s) to summarise: repeat it or separate by commas (default: test_acc and "
@@ -74,8 +76,8 @@ def _add_tune_report(sub) -> None:
     rep.add_argument("--mixed-metrics", action="store_true", help="compare a metric that evaluates different models "
                                                                  "across the methods (raysim list: 'measures') knowingly")
     rep.add_argument("--label", action="append", default=[], metavar="NAME=DIR",
-                     help="name the setting of the runs under DIR (repeatable; default: the config's label:, else "
-                          "the algorithm and the keys that differ)")
+                     help="name the setting of the runs under DIR (repeatable; DIR is also read; default: the "
+                          "config's label:, else the algorithm and the keys that differ)")
     rep.add_argument("--tuned-on", action="append", default=None, metavar="DIR",
                      help="a raysim tune output directory (repeatable): warn when a compared run uses a seed its "
                           "trials ran on")
@@ -187,24 +189,33 @@ def _cmd_tune(args) -> int:
     print(f"trials table: {res.files['trials']}")
     for warning in res.warnings:
         _say(f"WARNING: {warning}")
-    print(f"look at it: raysim tune --show {printable(res.out_dir)}")
+    print(f"look at it: raysim tune {show_args(args.storage, res)}")
     return 0
+
+
+def show_args(storage, res) -> str:
+    """The --show arguments that find this study again: its output directory holds the study only when no
+    --storage was given (study.journal); otherwise the storage, with the study's name (a database may hold several)."""
+    if storage is None:
+        return f"--show {printable(res.out_dir)}"
+    return f"--show {shlex.quote(printable(storage))} --study-name {shlex.quote(printable(res.study_name))}"
 
 
 def _cmd_report(args) -> int:
     from raysim.app.report import ReportOptions, build_report
     from raysim.io.rundir import check_writable
 
+    from raysim.app.compare import parse_labels
+
     check_writable(args.out, "--out")  # a report directory that cannot be created fails before anything is read
-    given = {}
-    for text in args.label:
-        name, sep, directory = text.partition("=")
-        if not sep or not name.strip() or not directory.strip():
-            raise ConfigError("--label", f"{text!r} is not NAME=DIR (e.g. --label 'FedProto tuned=runs/fp')")
-        given[name.strip()] = directory.strip()
+    # as in compare: NAME may hold '=' ("lam=1=runs/a"), and a labelled DIR is read too (a run named twice, once)
+    given = {name: str(directory) for name, directory in parse_labels(args.label)}
+    paths = list(args.runs) + list(given.values())
+    if not paths:
+        raise ConfigError("RUNS", "name the runs to report (run directories or their parents), or --label NAME=DIR")
     try:
         metrics = [m.strip() for text in args.metric or [] for m in text.split(",") if m.strip()] or None
-        files = build_report(args.runs, args.out, ReportOptions(metrics, args.target, args.time_metric,
+        files = build_report(paths, args.out, ReportOptions(metrics, args.target, args.time_metric,
                                                                 plots=not args.no_plots, per_client=args.per_client,
                                                                 tuned_on=args.tuned_on, labels=given or None,
                                                                 mixed_metrics=args.mixed_metrics))

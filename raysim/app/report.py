@@ -24,6 +24,9 @@ def load_runs(paths, on_damaged=None) -> tuple[pd.DataFrame, pd.DataFrame]:
     ``#k`` suffix, so runs are never silently merged. ``on_damaged(error)``: damaged runs found in a directory are
     skipped and passed to it (see :func:`results.run_index`)."""
     index = results.run_index(paths, on_damaged)
+    # a run named twice (a parent and its run, or a --label DIR among the runs) is read once
+    if not index.empty:
+        index = index[~index["path"].map(lambda p: Path(p).resolve()).duplicated()].reset_index(drop=True)
     if index.empty:
         raise FileNotFoundError(f"no readable result table under {', '.join(map(str, paths))} (every run found is "
                                 f"damaged)")
@@ -211,6 +214,8 @@ def plot_curves(curves: pd.DataFrame, path: Path, axes: PlotAxes, labels: Option
     ax.set_xlabel(axes.xlabel)
     ax.set_ylabel(axes.ylabel)
     ax.set_xscale(axes.xscale)
+    if axes.xscale == "log":
+        log_ticks(ax.xaxis)
     if axes.integer_x:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(axes.title, fontsize=10)
@@ -219,6 +224,16 @@ def plot_curves(curves: pd.DataFrame, path: Path, axes: PlotAxes, labels: Option
     _legend(fig, ax, "mean over seeds;\nband: ± std over seeds")
     fig.savefig(path, bbox_inches="tight")  # the whole legend, also when it sits below the axes
     plt.close(fig)
+
+
+def log_ticks(axis) -> None:
+    """A log axis labelled at 1, 2 and 5 of each decade in short engineering form (200k, 1M): matplotlib's own
+    labels of a 1-2 decade range include minor ticks in scientific notation that run into each other."""
+    from matplotlib.ticker import EngFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(EngFormatter(sep=""))
+    axis.set_minor_formatter(NullFormatter())
 
 
 def _legend(fig, ax, title: str) -> None:

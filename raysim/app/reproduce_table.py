@@ -408,11 +408,18 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
         client_metrics = [m for m in (exp.metric, *exp.extra_metrics) if not m.startswith("server:")]
         try:
             # the seed's own protocol puts each method's metric side by side: said in the summary, not refused
-            build_report(list(per_run["path"]), d / "report", ReportOptions(metrics=client_metrics or None,
-                                                                            mixed_metrics=True), log=log)
+            build_report(list(per_run["path"]), d / "report",
+                         ReportOptions(metrics=client_metrics or None, mixed_metrics=True,
+                                       labels=method_labels(per_run)), log=log)
         except (ConfigError, KeyError) as e:  # a metric only some runs have: the table above still stands
             log(f"note: raysim report skipped ({e})")
     return d / "reproduction.md"
+
+
+def method_labels(per_run: pd.DataFrame) -> dict:
+    """The report's settings named as the table's methods ({label: the method's directory}): two methods of one
+    config (a variant that became the default) stay two settings, never one of doubled seeds."""
+    return {str(lab): str(Path(p).parent) for lab, p in zip(per_run["label"], per_run["path"])}
 
 
 def _json_default(v):

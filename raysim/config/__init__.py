@@ -308,6 +308,7 @@ class OutputConfig:
     #                       log file gets no \r frames) | bar | lines | false (none)
     tensorboard: Optional[str] = None  # a directory: TensorBoard event files per run (raysim/engine/tracking.py)
     mlflow: Optional[str] = None  # an MLflow tracking URI (file:///path/mlruns, http://host:5000): one MLflow run each
+    wandb: Optional[str] = None  # a directory: Weights & Biases offline runs (DIR/wandb/offline-run-*; wandb sync)
 
     def check(self, path: str) -> None:
         positive(_p(path, "checkpoint_every"), self.checkpoint_every, allow_zero=True)
@@ -315,10 +316,10 @@ class OutputConfig:
         if not (isinstance(self.progress, bool) or self.progress in ("auto", "bar", "lines")):
             raise ConfigError(_p(path, "progress"), f"{self.progress!r} is not allowed; choose one of: auto, bar, "
                                                     f"lines, true, false")
-        for key in ("tensorboard", "mlflow"):
+        for key in ("tensorboard", "mlflow", "wandb"):
             v = getattr(self, key)
             if v is not None and (not isinstance(v, str) or not v.strip()):
-                raise ConfigError(_p(path, key), f"must be a {'directory' if key == 'tensorboard' else 'tracking URI'}"
+                raise ConfigError(_p(path, key), f"must be a {'tracking URI' if key == 'mlflow' else 'directory'}"
                                                  f" (text), got {v!r}")
 
 

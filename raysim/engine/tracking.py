@@ -1,5 +1,5 @@
-"""Experiment tracking: the run's numbers streamed to TensorBoard (``output.tensorboard: DIR``) and MLflow
-(``output.mlflow: URI``) by two built-in callbacks.
+"""Experiment tracking: the run's numbers streamed to TensorBoard (``output.tensorboard: DIR``), MLflow
+(``output.mlflow: URI``) and Weights & Biases in offline mode (``output.wandb: DIR``) by built-in callbacks.
 
 Both log the same things: every round's summary rows (scope ``mean``: the mean over the evaluated clients of each
 client metric, e.g. ``test_acc``; scopes ``server``, ``total`` and ``env`` as ``server/<metric>``, ``total/<metric>``,
@@ -10,7 +10,7 @@ the tracker whatever the backend.
 
 Both are checked before the run directory is claimed (:func:`trackers`): a directory that cannot be written or an
 MLflow server that does not answer is one :class:`ConfigError` naming ``output.tensorboard`` / ``output.mlflow``.
-The packages are optional (``pip install 'raysim[tracking]'``: tensorboard, mlflow-skinny)."""
+The packages are optional (``pip install 'raysim[tracking]'``: tensorboard, mlflow-skinny; ``raysim[wandb]``)."""
 from __future__ import annotations
 
 import os
@@ -237,6 +237,71 @@ def check_tensorboard(log_dir) -> None:
     check_writable(Path(log_dir), field)
 
 
+class WandbLogger(Callback):
+    """Weights & Biases in offline mode (``output.wandb: DIR``; nothing leaves the machine, no account needed): one
+    W&B run per raysim run under ``DIR/wandb/offline-run-*`` (project ``cfg.name``, named by the run id), the config,
+    the same per-round rows and steps as the others, the result table as an artefact; ``wandb sync DIR/wandb/
+    offline-run-*`` uploads it later. The run ends with exit code 0, or 1 when the raysim run fails."""
+
+    def __init__(self, directory: str | Path):
+        self.root = Path(directory)
+        self.wb_run = None
+
+    def on_run_start(self, run) -> None:
+        import wandb
+
+        from raysim.config import to_dict
+
+        settings = wandb.Settings(mode="offline", silent=True, console="off", disable_git=True, save_code=False,
+                                  x_disable_stats=True)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.wb_run = wandb.init(dir=str(self.root), project=run.cfg.name, name=run.run_id, config=to_dict(run.cfg),
+                                 tags=[run.run_id[:64]], settings=settings)
+
+    def _log(self, run, round_idx: int) -> None:
+        rows = round_rows(run, round_idx)
+        if rows:
+            self.wb_run.log(rows, step=_step(round_idx))
+
+    def on_setup_end(self, run) -> None:
+        self._log(run, -1)
+
+    def on_round_end(self, run, round_idx: int, evaluated: bool):
+        self._log(run, round_idx)
+        return None
+
+    def on_run_end(self, run, result) -> None:
+        import wandb
+
+        with tempfile.TemporaryDirectory(prefix="raysim-wandb-") as tmp:
+            artefact = wandb.Artifact("results", type="raysim-results")
+            artefact.add_file(str(_write_table(result, Path(tmp))))  # copied into W&B's staging area here
+            self.wb_run.log_artifact(artefact)
+            self.wb_run.finish()
+        self.wb_run = None
+
+    def on_run_error(self, run, exc) -> None:
+        if self.wb_run is not None:
+            try:
+                self.wb_run.finish(exit_code=1)
+            except Exception:  # never hide the run's own error
+                pass
+            self.wb_run = None
+
+
+def check_wandb(directory) -> None:
+    field = "output.wandb"
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError(field, "needs Weights & Biases: pip install wandb (or raysim[wandb])")
+    if not isinstance(directory, str) or not directory.strip():
+        raise ConfigError(field, f"must be a directory for the offline runs, got {directory!r}")
+    from raysim.io.rundir import check_writable
+
+    check_writable(Path(directory), field)
+
+
 def trackers(cfg) -> list[Callback]:
     """The tracking callbacks the config asks for, each checked first (one ConfigError naming its key)."""
     out: list[Callback] = []
@@ -245,4 +310,7 @@ def trackers(cfg) -> list[Callback]:
         out.append(TensorBoardLogger(cfg.output.tensorboard))
     if cfg.output.mlflow is not None:
         out.append(MLflowLogger(cfg.output.mlflow, check_mlflow(cfg.output.mlflow)))
+    if cfg.output.wandb is not None:
+        check_wandb(cfg.output.wandb)
+        out.append(WandbLogger(cfg.output.wandb))
     return out
