@@ -125,7 +125,8 @@ def judge_setting(tables: Tables, claim: dict, setting: dict) -> dict:
     if kind == "fig3":
         parts = [_judge_fig3(tables.record(setting["table"]), claim["measure"])]
     elif kind == "rounds_to":
-        parts = [_rounds_to(tables.record(setting["table"]), setting["target"], setting["better"], setting["worse"])]
+        pairs = setting.get("pairs") or [[setting["better"], setting["worse"]]]  # several: one verdict by the rule
+        parts = [_rounds_to(tables.record(setting["table"]), setting["target"], b, w) for b, w in pairs]
     else:
         names = setting.get("parts") or claim["at"]["parts"]
         parts = [tables.part(setting["table"], p) for p in names]

@@ -24,9 +24,13 @@ from seed004_traffic import first_reach, load_run  # noqa: E402
 
 TARGETS = (0.30, 0.50)
 PAIRS = [("SlaugFL s2", "VHL"), ("SlaugFL s2 selection test", "VHL"), ("SlaugFL s2 selection test", "SlaugFL s2"),
-         ("SlaugFL s1 unseen candidates", "VHL"), ("SlaugFL s1 unseen candidates", "SlaugFL s2")]
+         ("SlaugFL s1 unseen candidates", "VHL"), ("SlaugFL s1 unseen candidates", "SlaugFL s2"),
+         # slaugfl_fmnist_a005_e10_all (issue 51): every method of the seed's Table 2
+         ("SlaugFL s1 upper bound", "VHL"), ("SlaugFL s1 upper bound", "SlaugFL s2"), ("SlaugFL s2", "FedAvg"),
+         ("SlaugFL s2", "SCAFFOLD"), ("SlaugFL s2", "MOON")]
 LABELS = {"slaugfl-s2": "SlaugFL s2", "slaugfl-s2-selection-test": "SlaugFL s2 selection test", "vhl": "VHL",
-          "slaugfl-s1-unseen-candidates": "SlaugFL s1 unseen candidates"}
+          "slaugfl-s1-unseen-candidates": "SlaugFL s1 unseen candidates", "slaugfl-s1-upper-bound": "SlaugFL s1 upper bound",
+          "fedavg": "FedAvg", "scaffold": "SCAFFOLD", "fedprox": "FedProx", "moon": "MOON", "fedgen": "FedGen"}
 
 
 def main() -> None:
