@@ -23,12 +23,15 @@ clusters is a class-prototype matrix E_k (C x d), not a model. Users never downl
   IFCA in the same table gets the same budget (``algorithm.params.init_restarts`` of :mod:`algorithms.ifca`:
   best of N random initialisations by training loss).
 * Step ``update`` (sampled users): download E_{s_i} (C x d and its class mask) and the cluster id; run E local epochs
-  of B tasks (``tasks_per_epoch``) on the local data, one step per task. ``local_update: episodes`` (default): each
-  task a sampled episode (n_way classes of the user's, n_support + n_query samples per class, drawn with replacement
-  when a class has fewer). ``local_update: partition`` (the seed's Algorithm 2, issue 51): all of D split once per
-  local round into B disjoint tasks (:func:`partition_tasks`), so every sample is used once per epoch; the default
-  stays ``episodes`` because every stored seed-001 table ran it and config identities omit defaults (a switch would
-  change what those configs mean without changing their hashes). Loss L = L_proto. PN-ICFL+ adds lambda * L_g, where L_g is
+  of B tasks (``tasks_per_epoch``) on the local data, one step per task. ``local_update: partition`` (the default
+  since issue 51: the seed's Algorithm 2, line 1 "split the data set D into B few-shot meta-learning tasks"): all of
+  D split once per local round into B disjoint tasks (:func:`partition_tasks`), so every sample is used once per
+  epoch. ``local_update: episodes`` (the default before
+  issue 51; Snell et al.'s episodic training, an option): each task a sampled episode (n_way classes of the user's,
+  n_support + n_query samples per class, drawn with replacement when a class has fewer). Every stored seed-001 table
+  made before the switch ran the episodes; their experiments name ``local_update: episodes`` explicitly. A config
+  that does not name it now runs the partition under the same config identity (identities omit defaults): its
+  records' code version tells the two apart. Loss L = L_proto. PN-ICFL+ adds lambda * L_g, where L_g is
   the same loss with the episode's support prototypes z_c replaced by the cluster prototypes E_{s_i}^c (eq. 16-17;
   classes without a cluster prototype are left out of L_g). Upload theta_i and n_i.
 * Step ``aggregate`` (server M-step, eq. 14-15): E_k^c = sum_{i: s_i = k} n_ic u_i^c / sum n_ic over the round's
@@ -88,9 +91,10 @@ class PNICFL(Algorithm):
         #                         embeddings are the E_k, the seed's §4.2 with init: random; an option, e.g. 10
         #                         with init: kmeans++, reported in its own row beside IFCA with the same budget)
         tasks_per_epoch: int = 2  # B: tasks per local epoch (the seed: B = 2); epochs = train.local_epochs (E)
-        local_update: str = "episodes"  # episodes: B sampled n_way episodes per epoch (n_support + n_query per
-        #   class, with replacement) | partition: the seed's Algorithm 2, all of D split into B disjoint tasks once per
-        #   local round, each sample used exactly once per epoch (n_way / n_support / n_query unused)
+        local_update: str = "partition"  # partition (the seed's Algorithm 2, the default since issue 51): all of D
+        #   split into B disjoint tasks once per local round, each sample used exactly once per epoch (n_way /
+        #   n_support / n_query unused) | episodes: B sampled n_way episodes per epoch (n_support + n_query per class,
+        #   with replacement; Snell et al.'s episodic training, an option)
         n_way: int = 5  # classes per local episode (capped by the user's classes; Snell's / our inferred default)
         n_support: int = 5
         n_query: int = 5

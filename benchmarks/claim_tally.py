@@ -44,6 +44,20 @@ class Tables:
             self.cache[table] = self._load(table)
         return self.cache[table]
 
+    def unprovenanced(self, table: str) -> int:
+        """How many of the table's per-run records lack a config hash, a code version or a commit (issue 51 item 6:
+        a counted table carries all three in every record); -1 when the table is not stored."""
+        rec = self.record(table)
+        if rec is None:
+            return -1
+        runs = rec.get("runs") if rec.get("runs") is not None else rec.get("records") or []
+
+        def ok(r: dict) -> bool:
+            code = r.get("code") if isinstance(r, dict) else None
+            return bool(isinstance(code, dict) and code.get("source") and code.get("commit") and r.get("config_hash"))
+
+        return sum(1 for r in runs if not ok(r)) if runs else 0
+
     def _load(self, table: str) -> dict | None:
         import importlib.util
 
@@ -159,8 +173,14 @@ def tally(tables: Tables, registry: dict) -> dict:
             elif c.get("no_setting"):
                 row.update(verdict=NO_VERDICT, p=math.nan, sign=1)
             else:
+                counted = [c["at"]["table"], *[x["table"] for x in c["at"].get("also") or []]]
+                bad = [t for t in counted if tables.unprovenanced(t) > 0]
+                if bad:  # issue 51 item 6: a table whose records lack provenance is never counted
+                    raise SystemExit(f"{REGISTRY.name}: {seed} {c['id']}: counted table(s) {bad} hold records without "
+                                     f"config hash, code version or commit; rerun them or make the setting an ablation")
                 row.update(judge_setting(tables, c, c["at"]))
-            row["ablations"] = [dict(a, result=judge_setting(tables, c, a)) for a in c.get("ablations") or []]
+            row["ablations"] = [dict(a, result=judge_setting(tables, c, a), no_provenance=tables.unprovenanced(a["table"]))
+                                for a in c.get("ablations") or []]
             rows.append(row)
         stat = [r for r in rows if r["verdict"] in COUNTED]
         adj = vd.holm([r.get("p", math.nan) for r in stat])
@@ -211,7 +231,8 @@ def claim_block(i: int, r: dict) -> list[str]:
     for a in r["ablations"]:
         res = a["result"]
         why = "; ".join(x for x in (("degenerate: " + a["degenerate"]) if a.get("degenerate") else "",
-                                     "no code version in its records" if a.get("no_code_version") else "") if x)
+                                     "no config hash / code version / commit in its records: never counted"
+                                     if a.get("no_code_version") or a.get("no_provenance", 0) > 0 else "") if x)
         lines.append(f"- ablation, not counted — {a['setting']} (`{a['table']}`)" + (f" [{why}]" if why else "")
                      + f": **{res['verdict']}**" + (f" ({res['missing']})" if res.get("missing") else ""))
         if not res.get("missing"):

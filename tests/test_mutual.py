@@ -195,6 +195,89 @@ def test_mafml_projection_and_per_teacher_change_the_run(tiny):
     assert (rows(per, "projected")["value"] * 9).round(6).apply(float.is_integer).all()
 
 
+# -- MAFML's global step by hand: Algorithm 1's per-teacher form (one Adam step per teacher) and the summed form ------
+
+def _np_softmax(z):
+    import numpy as np
+
+    e = np.exp(z - z.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def _global_step_by_hand(per_teacher: bool):
+    """Node 0 of 3 as student, a linear model W (3 classes x 2 features, no bias): teachers 1 and 2 with their public
+    batches, soft labels p_j and accuracies A_j, and a stored g_loc = e_1. The gradient of A_j KL(p_j || softmax(z))
+    + CE(z, y) (batch means) w.r.t. the logits is (A_j (q - p_j) + (q - onehot(y))) / B, so g = dz^T x; the
+    projection is eq. 7; Adam (beta 0.9 / 0.999, eps 1e-8, no weight decay) by its formula. Per-teacher: for j = 1, 2
+    in turn, g_j at the current W, projected against g_loc if it conflicts, one Adam step (Algorithm 1 lines 9-18).
+    Summed: one step on the mean of the two teachers' losses (eq. 3-6)."""
+    import numpy as np
+
+    W0 = np.array([[0.2, -0.1], [0.0, 0.3], [-0.2, 0.1]])
+    W = W0.ravel()
+    X = {1: np.array([[1., 0.], [0., 1.]]), 2: np.array([[1., 1.]])}
+    Y = {1: np.array([0, 2]), 2: np.array([1])}
+    P = {1: np.array([[0.6, 0.3, 0.1], [0.2, 0.2, 0.6]]), 2: np.array([[0.1, 0.8, 0.1]])}
+    A = {1: 0.5, 2: 1.0}
+    g_loc = np.eye(6)[0]
+    lr, b1, b2, eps = 0.1, 0.9, 0.999, 1e-8
+
+    def grad(W, j):
+        q = _np_softmax(X[j] @ W.reshape(3, 2).T)
+        dz = (A[j] * (q - P[j]) + (q - np.eye(3)[Y[j]])) / len(X[j])
+        return (dz.T @ X[j]).ravel()
+
+    m = v = np.zeros(6)
+    fired = []
+    groups = [[1], [2]] if per_teacher else [[1, 2]]
+    for t, group in enumerate(groups, 1):
+        g = sum(grad(W, j) for j in group) / len(group)
+        dot = g @ g_loc
+        fired.append(dot < 0)
+        if dot < 0:
+            g = g - dot / (g_loc @ g_loc) * g_loc
+        m, v = b1 * m + (1 - b1) * g, b2 * v + (1 - b2) * g * g
+        W = W - lr * (m / (1 - b1 ** t)) / (np.sqrt(v / (1 - b2 ** t)) + eps)
+    pub = {"x": np.concatenate([np.zeros((2, 2)), X[1], X[2]]), "y": np.concatenate([[0, 0], Y[1], Y[2]]),
+           "owner": [0, 0, 1, 1, 2]}
+    return W.reshape(3, 2), fired, (W0, X, Y, P, A, g_loc, lr, pub)
+
+
+@pytest.mark.parametrize("per_teacher", [True, False])
+def test_mafml_global_step_by_hand(per_teacher):
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from algorithms.mafml import GLOBAL, MAFML, Teachers
+    from raysim.algorithm import Context
+    from raysim.messages import Message
+
+    want, fired, (W0, X, Y, P, A, g_loc, lr, pub) = _global_step_by_hand(per_teacher)
+    task = SimpleNamespace(
+        num_clients=3, build_model=lambda cid: nn.Linear(2, 3, bias=False),
+        train=SimpleNamespace(lr=lr, weight_decay=0.0, batch_size=2, optimizer="adam"),
+        public=SimpleNamespace(x=torch.tensor(pub["x"], dtype=torch.float64), y=torch.tensor(pub["y"]),
+                               owner=torch.tensor(pub["owner"])))
+    algo = MAFML(MAFML.Params(per_teacher=per_teacher), task)
+    torch.set_default_dtype(torch.float64)
+    try:
+        ctx = Context(round_idx=0, client_id=0, seed=0, device="cpu", task=task, step=GLOBAL.name)
+        msgs = {j: Message("soft_labels", {"idx": torch.tensor(ix), "p": torch.tensor(P[j]),
+                                           "acc": torch.tensor([A[j]])}) for j, ix in ((1, [2, 3]), (2, [4]))}
+        state = {"model": {"weight": torch.tensor(W0)}, "opt": {}, "g_loc": torch.tensor(g_loc)}
+        out = algo.step_global({"teachers": Teachers(teachers=msgs)}, state, None, ctx)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    np.testing.assert_allclose(out.state["model"]["weight"].numpy(), want, rtol=0, atol=1e-12)
+    assert out.metrics["projected"] == pytest.approx(sum(fired) / len(fired))
+    if per_teacher:
+        assert fired == [True, False]  # the projection fired for teacher 1 only: each teacher is checked on its own
+        assert int(out.state["opt"]["weight"]["step"]) == 2  # N - 1 = 2 Adam steps
+    else:
+        assert int(out.state["opt"]["weight"]["step"]) == 1
+
+
 def test_mafml_heterogeneous_archs(tiny):
     cfg = mutual_cfg(tiny, "mafml", model={"per_client": [{"arch": "mlp", "params": {"hidden": 32}},
                                                           {"arch": "cnn_small", "params": {"channels": 4}}]})

@@ -372,3 +372,19 @@ def test_the_claim_tally_is_this_code_s():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.main(["--check"]) == 0, "run: python benchmarks/claim_tally.py"
+
+
+def test_the_claim_tally_counts_no_table_without_provenance():
+    """Issue 51 item 6: a record without config hash, code version or commit makes its table uncountable."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "claim_tally.py"
+    spec = importlib.util.spec_from_file_location("claim_tally", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tables = object.__new__(mod.Tables)
+    good = {"config_hash": "abc", "code": {"source": "s", "commit": "c"}}
+    tables.cache = {"ok": {"runs": [good, good]}, "bare": {"runs": [good, {"label": "x"}]},
+                    "nocommit": {"records": [{"config_hash": "abc", "code": {"source": "s"}}]}, "gone": None}
+    assert [tables.unprovenanced(t) for t in ("ok", "bare", "nocommit", "gone")] == [0, 1, 1, -1]
