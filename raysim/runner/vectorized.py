@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 
 from raysim.config import TrainConfig
-from raysim.runner import grouped as _grouped
+from raysim.runner import fallbacks, grouped as _grouped
 from raysim.errors import ConfigError
 from raysim.runner.grouped import StackedOptimizer
 from raysim.layers import _MASKS
@@ -263,8 +263,9 @@ class _GroupTraining:
         if seen is not None:
             try:
                 out = self._grouped_grad(sub, fz, (xb, yb), masks, e, seen)
-            except Exception:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so the
-                self.calls[b, e] = None  # step runs with vmap instead (which raises a genuine error itself)
+            except Exception as err:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so
+                self.calls[b, e] = None  # the step runs with vmap instead (which raises a genuine error itself)
+                fallbacks.note(f"the grouped forward of {type(self.model).__name__}", "its steps run with vmap", err)
         grads, (loss, parts) = out if out is not None else self.grad_fn(sub, fz, xb, yb, masks, e)
         self.opt.step(self.stacked, grads, rows, whole, host_rows=group)
         if self.uniform and whole and all(torch.is_tensor(v) and v.dim() == 1 for v in parts.values()):
