@@ -818,4 +818,5 @@ def test_an_actor_that_dies_beyond_max_retries_stops_the_run_with_one_line(monke
     skip = ray_recovery.ActorRecovery(Host(), "skip", 2)  # skip still fails the actor's clients and goes on
     assert skip.call_actors([[3, 5]], lambda actor, group: ("res", "rep"), "round 1") == {0: (None, None)}
     with pytest.raises(SimulationError, match="max_retries=0"):
-        ray_recovery.ActorRecovery(Host(), "retry", 0).call_actors([[1]], lambda actor, group: ("res", "rep"), "round 1")
+        ray_recovery.ActorRecovery(Host(), "retry", 0).call_actors([[1]], lambda actor, group: ("res", "rep"),
+                                                                   "round 1")

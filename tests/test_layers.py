@@ -333,7 +333,8 @@ def test_the_backends_declare_their_state():
         found += [f"{path.name}: {f}" for f in _state_outside_init(tree)]
         for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
             found += [f"{path.name}: {cls.name}: a mutable class-level default" for n in cls.body
-                      if isinstance(n, (ast.Assign, ast.AnnAssign)) and isinstance(n.value, (ast.List, ast.Dict, ast.Set))]
+                      if isinstance(n, (ast.Assign, ast.AnnAssign))
+                      and isinstance(n.value, (ast.List, ast.Dict, ast.Set))]
     assert found == []
 
 

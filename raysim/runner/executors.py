@@ -152,8 +152,9 @@ class GroupForm(Executor):
         """One call of the method's group form (``<fn>_group(payloads, states, datas, ctxs)``, the contract in the
         comment after :meth:`raysim.algorithm.Algorithm.evaluate_client`) for the step's clients. The group form
         returns None when it cannot take this group (the per-client loop runs instead); if it raises, the per-client
-        loop runs too (a fallback, reported once per run: :mod:`raysim.runner.fallbacks`), so a failing client fails alone and with its own error. A result that
-        is not one ClientUpdate per client is the method's bug: a TypeError naming it."""
+        loop runs too (a fallback, reported once per run: :mod:`raysim.runner.fallbacks`), so a failing client fails
+        alone and with its own error. A result that is not one ClientUpdate per client is the method's bug: a
+        TypeError naming it."""
         t0 = time.perf_counter()
         name = f"{type(run.algorithm).__name__}.{run.step.method}_group"
         ids = run.client_ids

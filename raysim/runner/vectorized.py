@@ -265,7 +265,7 @@ class _GroupTraining:
                 out = self._grouped_grad(sub, fz, (xb, yb), masks, e, seen)
             except Exception as err:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so
                 self.calls[b, e] = None  # the step runs with vmap instead (which raises a genuine error itself)
-                fallbacks.note(f"the grouped forward of {type(self.model).__name__}", "its steps run with vmap", err)
+                fallbacks.note("the grouped forward (raysim.runner.grouped)", "its steps run with vmap", err)
         grads, (loss, parts) = out if out is not None else self.grad_fn(sub, fz, xb, yb, masks, e)
         self.opt.step(self.stacked, grads, rows, whole, host_rows=group)
         if self.uniform and whole and all(torch.is_tensor(v) and v.dim() == 1 for v in parts.values()):
