@@ -454,4 +454,3 @@ def test_a_group_trained_in_chunks_gives_the_same_table(monkeypatch):
     pd.testing.assert_frame_equal(whole, chunked)
     with pytest.raises(ConfigError, match="backend.max_group"):
         cfg("fedavg", backend={"max_group": -1})
-
