@@ -1,7 +1,8 @@
 """The backend interface the driver talks to (two generic primitives — run a client step for a set of client ids, run
-a server step — plus commit, checkpoint shards and lifecycle), and how the driver gets one: by name, from the
-implementations in ``raysim/backends/`` (which sit above the engine and import its runners), resolved when a run
-starts (:func:`make_backend`, :func:`preflight`), so the driver side of the engine imports no backend module.
+a server step — plus commit, checkpoint shards, lifecycle and one typed report at the end, :class:`BackendReport`),
+and how the driver gets one: by name, from the implementations in ``raysim/backends/`` (which sit above the engine
+and import its runners), resolved when a run starts (:func:`make_backend`, :func:`preflight`), so the driver side of
+the engine imports no backend module.
 Backends hold no algorithm logic. Handles (payloads, uploads) are opaque: in-process objects for the sequential
 backend, Ray object references for the Ray backend."""
 from __future__ import annotations
