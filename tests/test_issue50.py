@@ -788,8 +788,6 @@ def test_an_actor_that_dies_beyond_max_retries_stops_the_run_with_one_line(monke
     """A client actor that keeps dying (its node is gone) is retried max_retries times, then the run stops with one
     line naming max_retries and on_actor_failure (was: its clients silently failed as with skip). Actor death is
     simulated as Ray reports it (RayActorError from ray.get on the step's report), without a cluster."""
-    import types
-
     import ray
 
     from raysim.backends import ray_recovery
@@ -800,22 +798,25 @@ def test_an_actor_that_dies_beyond_max_retries_stops_the_run_with_one_line(monke
 
     monkeypatch.setattr(ray_recovery.ray, "get", dead)
 
-    class Host(ray_recovery.ActorRecovery):
-        def __init__(self, policy, retries):
-            self.settings = types.SimpleNamespace(on_actor_failure=policy, max_retries=retries)
-            self.actors, self.actor_failures, self.replaced = ["a0"], [], 0
-            self._unconfirmed = {0: []}
+    class Host:  # the backend's side of ray_recovery.ActorHost
+        def __init__(self):
+            self.actors, self.replaced = ["a0"], 0
 
-        def _replace_actor(self, k):
+        def replace_actor(self, k):
             self.replaced += 1
 
-    host = Host("retry", 2)
+        def confirmed(self, k):
+            pass
+
+    host = Host()
+    recovery = ray_recovery.ActorRecovery(host, "retry", 2)
     with pytest.raises(SimulationError, match=r"client actor 0 died during round 1 \(RayActorError\) and again after "
                                               r"max_retries=2 retries .*on_actor_failure: skip") as e:
-        host._call_actors([[3, 5]], lambda actor, group: ("res", "rep"), "round 1")
+        recovery.call_actors([[3, 5]], lambda actor, group: ("res", "rep"), "round 1")
     assert "\n" not in str(e.value) and host.replaced == 2
-    assert [f["action"] for f in host.actor_failures] == ["retry", "retry", "stop"]
-    skip = Host("skip", 2)  # skip still fails the actor's clients and goes on
-    assert skip._call_actors([[3, 5]], lambda actor, group: ("res", "rep"), "round 1") == {0: (None, None)}
+    assert [f["action"] for f in recovery.failures] == ["retry", "retry", "stop"]
+    skip = ray_recovery.ActorRecovery(Host(), "skip", 2)  # skip still fails the actor's clients and goes on
+    assert skip.call_actors([[3, 5]], lambda actor, group: ("res", "rep"), "round 1") == {0: (None, None)}
     with pytest.raises(SimulationError, match="max_retries=0"):
-        Host("retry", 0)._call_actors([[1]], lambda actor, group: ("res", "rep"), "round 1")
+        ray_recovery.ActorRecovery(Host(), "retry", 0).call_actors([[1]], lambda actor, group: ("res", "rep"),
+                                                                   "round 1")

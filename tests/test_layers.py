@@ -298,3 +298,47 @@ def test_the_size_check_finds_long_and_wide_functions():
     assert function_sizes(wide) == [("f", 2, 7)]
     assert function_sizes(method) == [("m", 2, 6)]
     assert function_sizes(long) == [("g", 61, 0)]
+
+
+def _state_outside_init(tree: ast.Module) -> list[str]:
+    """``Class.attr`` for every ``self.attr = ...`` outside ``__init__`` of an attribute ``__init__`` does not create,
+    and ``Class: getattr(self, ...)`` for every probe of its own attributes."""
+    found = []
+    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
+        made: dict[str, set] = {}
+        for fn in [n for n in cls.body if isinstance(n, ast.FunctionDef)]:
+            for n in ast.walk(fn):
+                if (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("getattr", "hasattr")
+                        and n.args and isinstance(n.args[0], ast.Name) and n.args[0].id == "self"):
+                    found.append(f"{cls.name}: {n.func.id}(self, ...)")
+                targets = n.targets if isinstance(n, ast.Assign) else [n.target] if isinstance(
+                    n, (ast.AnnAssign, ast.AugAssign)) else []
+                for t in targets:
+                    for e in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                        if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self":
+                            made.setdefault(fn.name, set()).add(e.attr)
+        init = made.get("__init__", set())
+        found += sorted({f"{cls.name}.{a}" for fn, attrs in made.items() if fn != "__init__" for a in attrs - init})
+    return found
+
+
+def test_the_backends_declare_their_state():
+    # the backends and their parts (recovery, balancing) create every attribute in __init__ and never probe their own
+    # with getattr; the interface holds no mutable class-level defaults (one list shared by every instance). (The
+    # actors of ray_actors.py are runners: their state is the runners'.)
+    found = []
+    names = ["sequential.py", "ray_backend.py", "ray_recovery.py", "ray_balance.py"]
+    for path in [ROOT / "raysim" / "backends" / n for n in names] + [ROOT / "raysim" / "engine" / "backend.py"]:
+        tree = ast.parse(path.read_text())
+        found += [f"{path.name}: {f}" for f in _state_outside_init(tree)]
+        for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
+            found += [f"{path.name}: {cls.name}: a mutable class-level default" for n in cls.body
+                      if isinstance(n, (ast.Assign, ast.AnnAssign))
+                      and isinstance(n.value, (ast.List, ast.Dict, ast.Set))]
+    assert found == []
+
+
+def test_the_state_check_finds_late_attributes():
+    tree = ast.parse("class A:\n    def __init__(self):\n        self.x = 1\n    def f(self):\n        self.y = 2\n"
+                     "        return getattr(self, 'z', None)\n")
+    assert _state_outside_init(tree) == ["A: getattr(self, ...)", "A.y"]

@@ -345,10 +345,14 @@ def test_mafml_group_forms_fall_back_to_the_per_node_steps(tiny, monkeypatch, ca
         monkeypatch.setattr(mafml_group, "local", broken)
         monkeypatch.setattr(mafml_group, "step_global", broken)
         with pytest.warns(RuntimeWarning, match="fails") as seen:
-            vec = _table(mutual_cfg(tiny, "mafml", backend=VEC, **over))
-        # said once per step's group form, not at every call
+            res = run_experiment(mutual_cfg(tiny, "mafml", backend=VEC, **over), write=False)
+        vec = without_timing(res.table.drop(columns=["run_id"]))
+        # said once per step's group form, not at every call, on the console and in the metadata with the reason
         assert sorted(str(w.message).split(" ")[0] for w in seen if "_group" in str(w.message)) == [
             "MAFML.local_group", "MAFML.step_global_group"]
+        assert sorted((f["what"], f["reason"]) for f in res.metadata["fallbacks"]) == [
+            ("MAFML.local_group", "RuntimeError: a group form that fails"),
+            ("MAFML.step_global_group", "RuntimeError: a group form that fails")]
     else:
         vec = _table(mutual_cfg(tiny, "mafml", backend=VEC, **over))
     pd.testing.assert_frame_equal(loop, vec, check_exact=True)

@@ -299,6 +299,23 @@ def test_grouped_batchnorm_is_each_clients_batchnorm():
     assert not torch.allclose(p["0.running_mean"][0], p["0.running_mean"][1])  # each client its own statistics
 
 
+def test_a_grouped_forward_that_fails_falls_back_to_vmap_and_says_so(monkeypatch):
+    # the grouped forward raising (a model it mis-reads): the step runs under vmap, and the run says so once, in its
+    # metadata and on the console, with the reason (it was silent)
+    from raysim.runner import vectorized
+
+    def broken(*a, **k):
+        raise RuntimeError("a grouped forward that fails")
+
+    monkeypatch.setattr(vectorized._GroupTraining, "_grouped_grad", broken)
+    with pytest.warns(RuntimeWarning, match="its steps run with vmap") as seen:
+        res = run_experiment(cfg("fedavg", rounds=1), write=False, progress=False)
+    assert res.metadata["fallbacks"] == [{"what": "the grouped forward (raysim.runner.grouped)",
+                                          "to": "its steps run with vmap",
+                                          "reason": "RuntimeError: a grouped forward that fails"}]
+    assert sum("grouped forward" in str(w.message) for w in seen) == 1
+
+
 def test_vectorize_is_part_of_the_identity():
     assert cfg(vectorize=True).config_hash() != cfg(vectorize=False).config_hash()
     # the default leaves old configs' identities alone: backend keys other than vectorize never enter it

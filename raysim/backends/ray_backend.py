@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import os
 import shutil
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 import ray
 
 from raysim.backends import ray_serialization, ray_watchdog
-from raysim.backends.base import NO_FOLLOW, Backend, run_state_dir
+from raysim.backends.base import NO_FOLLOW, Backend, BackendReport, run_state_dir
 from raysim.backends.ray_balance import CostBalancing
-from raysim.backends.ray_recovery import ActorRecovery
+from raysim.backends.ray_recovery import ActorRecovery, ClientStepCall
 from raysim.backends.ray_actors import WARM, ClientActor, ServerActor, alive, release_warm_actors, take_warm
 from raysim.backends.ray_preflight import (ADDRESS_FIX, actor_runtime_env, address_error, check_address,
                                           check_node_numerics, check_node_resources, check_resources, code_runtime_env,
@@ -27,21 +29,79 @@ from raysim.engine.placement import actor_pools, cost_model
 from raysim.runner.runners import ClientReport, server_data
 from raysim.errors import SimulationError
 from raysim.messages import tensor_bytes
+from raysim.runner import fallbacks
 
 
-class RayBackend(ActorRecovery, CostBalancing, Backend):
+class Commit(NamedTuple):
+    """A commit issued to a client actor (``ClientActor.commit_and_discard``'s arguments)."""
+
+    client_ids: list
+    token: Optional[str]
+
+
+@dataclass(frozen=True)
+class WarmKeys:
+    """What a parked actor must match to be reused for this run (keep_actors_warm)."""
+
+    client: tuple
+    server: tuple
+
+
+@dataclass(frozen=True)
+class ServerStepAhead:
+    """A server step submitted right behind a client step's calls (:meth:`RayBackend.client_step`), on the uploads it
+    was given, with the refs of its results, for :meth:`RayBackend.server_step` to collect."""
+
+    name: str
+    round_idx: int
+    iteration: int
+    uploads: list
+    payload_ref: object
+    info_ref: object
+
+    def answers(self, step, round_idx: int, iteration: int) -> bool:
+        return (self.name, self.round_idx, self.iteration) == (step.name, round_idx, iteration)
+
+
+class RayBackend(Backend):
     name = "ray"
 
     def __init__(self, spec, fed_data, settings):
         self.spec, self.fed_data, self.settings = spec, fed_data, settings  # settings: engine.settings.BackendSettings
+        b = settings.backend
         self._own_session = False
         self._watchdog = None
         self._state_dir = None
-        self.actor_failures: list[dict] = []  # every client actor death seen (round, step, actor, action)
         # what travels through the object store, per round: payload bytes read by the actors' calls (one read per
         # actor and step) and upload bytes the actors returned, by step mode (train / evaluate); tensor bytes
         self.object_store: dict[int, dict] = {}
         self._payload_bytes: dict = {}  # payload ObjectRef -> its tensor bytes (the latest few)
+        # the layout (start: _layout): actor pools, which actor hosts each client, what each actor is built with
+        self.pools: list = []
+        self.assignment: dict[int, int] = {}
+        self._pool_of: dict = {}  # actor index -> its pool
+        self.client_runners = 0
+        self._lazy = False  # clients as index ranges into shared pools (LazyClients), shipped once
+        self._on_actors = False  # client data built on the actors
+        self._source_ref = None
+        self._spec_ref = None
+        self._group_refs: list = []  # per actor: what it is built with (its client ids or their data)
+        # the actors (start: _launch)
+        self.shipped: list[str] = []  # the code shipped to the actors
+        self._code_uris: list = []  # removed at the end
+        self._Clients: list = []  # per pool: the client actor class with its resources
+        self._warm_keys: Optional[WarmKeys] = None
+        self.server = None
+        self.actors: list = []
+        self._last_commit: list[Optional[Commit]] = []  # per actor: the last commit issued
+        self._unsent: list[list[Commit]] = []  # per actor: commits not sent yet (they ride on its next step call)
+        self._unconfirmed: list[list[Commit]] = []  # per actor: commits issued since its last call that returned
+        self.numerics_report: list[dict] = []  # every computing process's kernel choice (numerics_processes)
+        # its parts: the on_actor_failure policy, cost-aware placement (backend.balance: cost, with a pool of two
+        # actors or more; start), the server step submitted ahead of the driver's call (client_step)
+        self.recovery = ActorRecovery(self, settings.on_actor_failure, settings.max_retries, b.step_timeout_s)
+        self.balancing: Optional[CostBalancing] = None
+        self._ahead: Optional[ServerStepAhead] = None
 
     def start(self) -> None:
         self._connect()
@@ -113,19 +173,16 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         self._Clients = [ray.remote(ClientActor).options(
             num_cpus=p.num_cpus, num_gpus=p.num_gpus, scheduling_strategy="SPREAD" if b.placement == "spread" else
             "DEFAULT", **extra) for p in self.pools]
-        self._warm_keys = None
         if WARM["on"] and not self._own_session and not b.address and not b.model_resources:
-            self._warm_keys = (("client", b.num_cpus, b.num_gpus, b.placement, repr(renv), b.numerics),
-                               ("server", b.server_num_cpus, b.server_num_gpus, repr(renv), b.numerics))
+            self._warm_keys = WarmKeys(("client", b.num_cpus, b.num_gpus, b.placement, repr(renv), b.numerics),
+                                       ("server", b.server_num_cpus, b.server_num_gpus, repr(renv), b.numerics))
         self.server, self.actors = self._start_actors(Server, ray.put(self.fed_data.global_test),
                                                       ray.put(server_data(self.spec, self.fed_data)))
-        self._last_commit: list = [None] * n  # per actor: (client ids, token) of the last commit issued
-        self._unsent: list = [[] for _ in range(n)]  # per actor: commits not sent yet (they ride on its next step call)
-        self._unconfirmed: list = [[] for _ in range(n)]  # per actor: commits issued since its last call that returned
-        self.cost = (cost_model(self.spec.task, self.fed_data)
-                     if b.balance == "cost" and any(len(p.actors) > 1 for p in self.pools) else None)
-        self._warm: set = set()  # (actor, step name) pairs that have run once
-        self.balance_log: list[dict] = []  # per balanced step: predicted/measured per-actor loads, moves
+        self._last_commit = [None] * n
+        self._unsent = [[] for _ in range(n)]
+        self._unconfirmed = [[] for _ in range(n)]
+        if b.balance == "cost" and any(len(p.actors) > 1 for p in self.pools):
+            self.balancing = CostBalancing(self, cost_model(self.spec.task, self.fed_data), self.pools)
         ray.get([a.ready.remote() for a in self.actors] + [self.server.ready.remote()])
         # every computing process's kernel choice, in the run metadata (numerics_processes)
         self.numerics_report = ray.get([a.numerics.remote() for a in [self.server, *self.actors]])
@@ -151,8 +208,8 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         n = len(self._group_refs)
         warm_server, warm_clients = [], []
         if self._warm_keys is not None:
-            ck, sk = self._warm_keys
-            warm_clients, warm_server = take_warm("client", ck, n), take_warm("server", sk, 1)
+            keys = self._warm_keys
+            warm_clients, warm_server = take_warm("client", keys.client, n), take_warm("server", keys.server, 1)
         else:
             release_warm_actors()
         server, reset = None, []
@@ -179,7 +236,28 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
                 clients[k] = self._new_client_actor(k)
         return server, clients
 
+    def replace_actor(self, k: int) -> None:
+        """A new actor for group k (ActorRecovery): same clients, states from the durable store; the commits the
+        dead actor may not have carried out are replayed (idempotent: a commit renames the staged files the dead
+        actor may not have committed)."""
+        try:
+            ray.kill(self.actors[k], no_restart=True)
+        except Exception:
+            pass
+        if self.balancing is not None:  # clients may have moved since the start: the group as it is now
+            self._group_refs[k] = ray.put(self._group(k))
+        self.actors[k] = self._new_client_actor(k)
+        # the commits the dead actor may not have carried out, in order (else the last one issued); replaying one it
+        # did carry out is harmless (a commit renames the staged file when it is still there)
+        replay = self._unconfirmed[k] or ([self._last_commit[k]] if self._last_commit[k] is not None else [])
+        self._unsent[k], self._unconfirmed[k] = [], []
+        for commit in replay:
+            self.actors[k].commit_and_discard.remote(commit.client_ids, commit.token)
+        ray.get(self.actors[k].ready.remote())
 
+    def confirmed(self, k: int) -> None:
+        """Actor k's call returned: it ran its calls in order, so every commit sent before it too."""
+        self._unconfirmed[k] = []
 
     def _groups(self, client_ids):
         groups = [[] for _ in self.actors]
@@ -207,78 +285,75 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         row[f"{mode}_down"] += nbytes * len(reports_by_actor)
         row[f"{mode}_up"] += sum(int(getattr(r, "upload_bytes", 0)) for r in reports_by_actor)
 
-    runs_server_step_ahead = True  # client_step(..., Follow(then=...)) submits the following server step at once
-
     def client_step(self, step, payload, round_idx, iteration, client_ids, follow=NO_FOLLOW):
-        """``follow.then = (server step, failures so far, keep)``: submit that server step right behind the client calls,
-        on their upload and report refs (the server actor adds the step's failed reports to the failures), so it
-        starts when the last upload exists instead of after a driver round trip; :meth:`server_step` collects it
-        (or, when the uploads it was given were lost and replaced, runs the step anew: a task whose arguments
-        failed never ran)."""
+        """``follow.server`` (the server step that comes next, with its failures so far and keep): submitted right
+        behind the client calls, on their upload and report refs (the server actor adds the step's failed reports
+        to the failures), so it starts when the last upload exists instead of after a driver round trip;
+        :meth:`server_step` collects it (or, when the uploads it was given were lost and replaced, runs the step
+        anew: a task whose arguments failed never ran)."""
         where = f"round {round_idx}, step '{step.name}'"
-        then, merge = follow.then, follow.merge
-        self._pending_balance = None
+        nxt, merge = follow.server, follow.merge
         self._ahead = None
-        if self.cost is not None and step.mode != "evaluate":
-            self._rebalance(step, client_ids, where)
+        placement = None
+        if self.balancing is not None and step.mode != "evaluate":
+            placement = self.balancing.place(step, client_ids, where)
         groups = self._groups(client_ids)
 
         def submit_server(calls):
-            if then is None or not calls:
+            if nxt is None or not calls:
                 return
-            nstep, prior, keep = then
             ups = [calls[k][0] for k in sorted(calls)]
             reps = [calls[k][1] for k in sorted(calls)]
-            refs = self.server.run_server_step_ahead.options(num_returns=2).remote(
-                nstep, round_idx, iteration, prior, len(ups), *ups, *reps, keep=keep)
-            self._ahead = ((nstep.name, round_idx, iteration), ups, refs)
+            payload_ref, info_ref = self.server.run_server_step_ahead.options(num_returns=2).remote(
+                nxt.step, round_idx, iteration, nxt.failures, len(ups), *ups, *reps, keep=nxt.keep)
+            self._ahead = ServerStepAhead(nxt.step.name, round_idx, iteration, ups, payload_ref, info_ref)
 
-        out = self._call_actors(groups, lambda a, g: a.run_client_step.options(num_returns=2).remote(
+        out = self.recovery.call_actors(groups, lambda a, g: a.run_client_step.options(num_returns=2).remote(
             step, payload, round_idx, iteration, g, self._take_unsent(a), merge), where, submit_server)
         upload_refs, reports = [], []
-        self._last_client_step = (step, payload, round_idx, iteration, groups, merge)
         self._count_traffic(step, round_idx, payload, [reps for _, reps in out.values() if reps is not None])
-        self._upload_actor = {}
+        upload_actor = {}
         for k in sorted(out):
             up, reps = out[k]
             if reps is not None:
-                self._upload_actor[up] = k
+                upload_actor[up] = k
             if reps is None:  # skipped: the actor's clients failed this step
                 reps = [ClientReport(c, round_idx, step.name, ok=False, iteration=iteration,
                                      error="ActorDied: its client actor died (on_actor_failure)") for c in groups[k]]
             else:
                 upload_refs.append(up)
             reports += reps
-        if self._pending_balance is not None:
-            self._log_balance(reports, step.name)
+        self.recovery.remember(ClientStepCall(step, payload, round_idx, iteration, groups, merge), upload_actor)
+        if placement is not None:
+            self.balancing.record(placement, reports, step.name)
         return upload_refs, sorted(reports, key=lambda r: r.client_id)
 
     def commit(self, client_ids, token=None):
         # carried by the actor's next step call (run before the step, in order; no task of its own), or sent by
-        # _flush_commits before any other call that reads client states; remembered per actor so that a replacement
+        # flush_commits before any other call that reads client states; remembered per actor so that a replacement
         # replays it
         for k, group in enumerate(self._groups(client_ids)):
-            self._last_commit[k] = (group, token)
-            self._unsent[k].append((group, token))
-            self._unconfirmed[k].append((group, token))
+            self._last_commit[k] = Commit(group, token)
+            self._unsent[k].append(Commit(group, token))
+            self._unconfirmed[k].append(Commit(group, token))
 
     def _take_unsent(self, actor) -> list:
         k = self.actors.index(actor)
         pending, self._unsent[k] = self._unsent[k], []
         return pending
 
-    def _flush_commits(self) -> None:
+    def flush_commits(self) -> None:
         """Send every commit not yet carried by a step call (before checkpoints, moves, statistics)."""
         for k, pending in enumerate(self._unsent):
-            for group, token in pending:
-                self.actors[k].commit_and_discard.remote(group, token)
+            for commit in pending:
+                self.actors[k].commit_and_discard.remote(commit.client_ids, commit.token)
             pending.clear()
 
     def server_step(self, step, round_idx, iteration, uploads, failures, keep=None):
-        ahead, self._ahead = getattr(self, "_ahead", None), None
-        if ahead is not None and ahead[0] == (step.name, round_idx, iteration):
-            _, ups, (payload_ref, info_ref) = ahead
-            if ups == list(uploads or []):
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.answers(step, round_idx, iteration):
+            payload_ref, info_ref = ahead.payload_ref, ahead.info_ref
+            if ahead.uploads == list(uploads or []):
                 try:
                     has_payload, metrics, nbytes = ray.get(info_ref)
                     if has_payload:
@@ -307,23 +382,23 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
                 raise SimulationError(f"the server actor died in round {round_idx}, step '{step.name}' "
                                       f"({type(e).__name__}); the server state lives only there, so the run stops "
                                       f"(resume from its last checkpoint with --resume)") from None
-            uploads = self._redo_lost_uploads(list(uploads or []), e, f"round {round_idx}, step '{step.name}'")
+            uploads = self.recovery.redo_lost_uploads(list(uploads or []), e, f"round {round_idx}, step '{step.name}'")
             return self.server_step(step, round_idx, iteration, uploads, failures, keep)
         if has_payload:
             self._note_payload(payload_ref, nbytes)
         return (payload_ref if has_payload else None), metrics
 
     def save_checkpoint(self, directory):
-        self._flush_commits()
+        self.flush_commits()
         files = [f"clients-{k}.pt" for k in range(len(self.actors))]
         server_ref = self.server.save.remote(os.path.join(directory, "server.pt"))
-        self._call_actors([[0]] * len(self.actors), lambda a, g: (None, a.save_shard.remote(
+        self.recovery.call_actors([[0]] * len(self.actors), lambda a, g: (None, a.save_shard.remote(
             os.path.join(directory, files[self.actors.index(a)]))), "a checkpoint")
         ray.get(server_ref)
         return {"server": "server.pt", "clients": files}
 
     def load_checkpoint(self, directory, manifest):
-        self._flush_commits()
+        self.flush_commits()
         paths = [os.path.join(directory, f) for f in manifest["clients"]]
         ray.get([self.server.load.remote(os.path.join(directory, manifest["server"]))] +
                 [a.load_shards.remote(paths) for a in self.actors])
@@ -346,9 +421,14 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         ray.get(self.server.hold_messages.remote(None))  # the actor lets go of the file's contents
         return payloads, uploads
 
-    def store_stats(self):
-        self._flush_commits()
-        return ray.get([a.store_stats.remote() for a in self.actors])
+    def report(self):
+        self.flush_commits()
+        store = ray.get([a.store_stats.remote() for a in self.actors])
+        taken = ray.get([a.fallbacks_taken.remote() for a in self.actors])
+        return BackendReport(processes=list(self.numerics_report), runner_failures=list(self.recovery.failures),
+                             transport_bytes=dict(self.object_store), store=store,
+                             placement=list(self.balancing.log) if self.balancing is not None else [],
+                             fallbacks=fallbacks.merged(taken))
 
     def actor_nodes(self) -> list[str]:
         """The node id each client actor runs on."""
@@ -358,8 +438,8 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
         return ray.get(self.server.node_id.remote())
 
     def shutdown(self) -> None:
-        actors = list(getattr(self, "actors", []))
-        if getattr(self, "server", None) is not None:
+        actors = list(self.actors)
+        if self.server is not None:
             actors.append(self.server)
         closed = [a.close.remote() for a in actors]
         if closed:
@@ -367,13 +447,13 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
                 ray.wait(closed, num_returns=len(closed), timeout=30)
             except Exception:
                 pass
-        keys = getattr(self, "_warm_keys", None)
+        keys = self._warm_keys
         for a, ref in zip(actors, closed):
             if keys is not None and WARM["on"] and ray.is_initialized():
                 try:
                     ray.get(ref, timeout=0)  # closed cleanly: park it for the next run (keep_actors_warm)
                     WARM["server" if a is self.server else "client"].append(
-                        (keys[1] if a is self.server else keys[0], a))
+                        (keys.server if a is self.server else keys.client, a))
                     continue
                 except Exception:
                     pass
@@ -386,4 +466,4 @@ class RayBackend(ActorRecovery, CostBalancing, Backend):
             ray_watchdog.stop(self._watchdog)
             # Ray leaves its unpacked copy of the user's shipped code in the session directory of a local cluster it
             # started: removed here (a shared or remote session keeps it: other runs may use the same package)
-            remove_unpacked(session, getattr(self, "_code_uris", []))
+            remove_unpacked(session, self._code_uris)

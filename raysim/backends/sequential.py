@@ -5,7 +5,7 @@ import os
 
 import shutil
 
-from raysim.backends.base import NO_FOLLOW, Backend, run_state_dir
+from raysim.backends.base import NO_FOLLOW, Backend, BackendReport, run_state_dir
 from raysim.runner.runners import ClientRunner, ServerRunner, server_data
 
 
@@ -14,7 +14,9 @@ class SequentialBackend(Backend):
 
     def __init__(self, spec, fed_data, settings):
         self.spec, self.fed_data, self.settings = spec, fed_data, settings  # settings: engine.settings.BackendSettings
-        self.server = self.clients = None
+        self.server: ServerRunner | None = None
+        self.clients: ClientRunner | None = None
+        self._state_dir = None  # this run's state stores (start), removed at shutdown
 
     def start(self) -> None:
         self.spec, self._state_dir = run_state_dir(self.spec, self.settings)
@@ -52,12 +54,12 @@ class SequentialBackend(Backend):
         data = self.server.load_messages(path)
         return data["payloads"], {b: [group] for b, group in data["uploads"].items()}
 
-    def store_stats(self):
-        return [self.clients.store_stats()]
+    def report(self):
+        return BackendReport(store=[self.clients.store_stats()], fallbacks=self.clients.fallbacks_taken())
 
     def shutdown(self) -> None:
         for r in (self.clients, self.server):
             if r is not None:
                 r.close()
-        if getattr(self, "_state_dir", None):
+        if self._state_dir:
             shutil.rmtree(self._state_dir, ignore_errors=True)

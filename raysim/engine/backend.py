@@ -1,40 +1,62 @@
 """The backend interface the driver talks to (two generic primitives — run a client step for a set of client ids, run
-a server step — plus commit, checkpoint shards and lifecycle), and how the driver gets one: by name, from the
-implementations in ``raysim/backends/`` (which sit above the engine and import its runners), resolved when a run
-starts (:func:`make_backend`, :func:`preflight`), so the driver side of the engine imports no backend module.
+a server step — plus commit, checkpoint shards, lifecycle and one typed report at the end, :class:`BackendReport`),
+and how the driver gets one: by name, from the implementations in ``raysim/backends/`` (which sit above the engine
+and import its runners), resolved when a run starts (:func:`make_backend`, :func:`preflight`), so the driver side of
+the engine imports no backend module.
 Backends hold no algorithm logic. Handles (payloads, uploads) are opaque: in-process objects for the sequential
 backend, Ray object references for the Ray backend."""
 from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
 @dataclass(frozen=True)
+class NextServerStep:
+    """The server step that comes right after a client step, with what it will be given besides the step's uploads:
+    ``failures`` so far ((client id, reason) pairs; the client step's own failed reports add theirs) and ``keep``
+    (the uploads the environment delivered; None: all). Said only when nothing the driver does in between can change
+    them, so a backend may start it before the driver asks (the Ray backend does: ``RayBackend.client_step``)."""
+
+    step: Any
+    failures: list
+    keep: Optional[list] = None
+
+
+@dataclass(frozen=True)
 class Follow:
-    """What follows a client step's uploads, when the backend may act on it early: ``merge``, the server step they
-    feed, when each client runner is to send one partial aggregate (``ClientRunner.run_client_step``); ``then``,
-    (that server step, the failures so far, the clients it keeps), for a backend that submits it right behind the
-    client calls (``Backend.runs_server_step_ahead``)."""
+    """What follows a client step's uploads: ``merge``, the server step they feed, when each client runner is to send
+    one partial aggregate (``ClientRunner.run_client_step``); ``server``, the server step that comes next
+    (:class:`NextServerStep`), for a backend that can act on it early (others ignore it)."""
 
     merge: Any = None
-    then: Optional[tuple] = None
+    server: Optional[NextServerStep] = None
 
 
 NO_FOLLOW = Follow()
 
 
+@dataclass(frozen=True)
+class BackendReport:
+    """What a backend tells the run about how it ran it (:meth:`Backend.report`, once, at the end); the driver
+    records it as it is, in the run's metadata and timing. Every field's default is what an in-process backend has
+    to say."""
+
+    processes: list = field(default_factory=list)  # the kernel choice of each computing process other than the
+    #                                                driver (Ray: the server and client actors, with their nodes)
+    runner_failures: list = field(default_factory=list)  # every client-runner death seen and what was done about it
+    transport_bytes: dict = field(default_factory=dict)  # round -> tensor bytes moved between processes, by kind
+    placement: list = field(default_factory=list)  # per placed step: predicted and measured loads, moves
+    store: list = field(default_factory=list)  # per client runner: its state store's statistics
+    fallbacks: list = field(default_factory=list)  # the fallbacks from one executor or form to another the client
+    #                                                runners took (raysim.runner.fallbacks), each once
+
+
 class Backend(ABC):
     name = "base"
-    numerics_report: list = []  # the kernel choice of each computing process other than the driver (Ray: the server
-    #                             and client actors, with their nodes); the sequential backend computes in the driver
     client_runners: int = 1  # how many client runners host the clients (Ray: its client actors); in-process: one
-    object_store: dict = {}  # round -> tensor bytes moved through a transport (Ray: its object store); in-process: {}
-    runs_server_step_ahead: bool = False  # the next step's server work may start before the driver asks (Ray)
-    balance_log: list = []  # per cost-balanced step: predicted and measured loads, moves (Ray, backend.balance: cost)
-    actor_failures: list = []  # every client-runner death seen and what was done about it (Ray)
 
     def start(self) -> None: ...
 
@@ -79,8 +101,9 @@ class Backend(ABC):
         """Read what :meth:`save_messages` wrote back as handles: (version -> payload handle, batch -> upload handle),
         each usable as :meth:`client_step`'s payload and :meth:`server_step`'s uploads."""
 
-    def store_stats(self) -> list[dict]:
-        return []
+    def report(self) -> BackendReport:
+        """How the run went on this backend (:class:`BackendReport`), asked once after the last round."""
+        return BackendReport()
 
     def shutdown(self) -> None: ...
 

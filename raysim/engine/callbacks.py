@@ -66,7 +66,7 @@ class RunDirectory(Callback):
                              "total_round_s": float(np.sum(t["round_s"])),
                              "mean_round_s": float(np.mean(t["round_s"])) if t["round_s"] else math.nan,
                              "total_env_s": float(np.sum(t["env_s"])), "backend": cfg.backend.name}
-        summary["store"] = getattr(run, "store_stats", [])
+        summary["store"] = run.backend_report.store if run.backend_report is not None else []
         summary["failures"] = run.failures
         summary["results_sha256"] = digest  # verified whenever the table is read (results.check_table)
         (d / "run.json").write_text(json.dumps(summary, indent=1, default=str))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -21,9 +22,10 @@ from raysim.algorithm import upload_merger
 from raysim import rng as rngmod
 from raysim.io import rundir
 from raysim.runner import safety
-from raysim.engine.backend import Follow, make_backend
+from raysim.engine.backend import BackendReport, Follow, NextServerStep, make_backend
 from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
+from raysim.runner.fallbacks import Fallback
 from raysim.runner.reports import step_token
 from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.io.resume_points import damaged_hint
@@ -126,14 +128,13 @@ class _RoundWalk:
             backend.commit(*self.to_commit)
         nxt = self.items[pos + 1] if pos + 1 < len(self.items) else None
         merge = _merge_into(run, step, nxt)
-        if (backend.runs_server_step_ahead and nxt is not None
-                and isinstance(nxt[0], ServerStep) and not self._env_pending()):
-            # the backend may submit the server step that follows right behind this one, without waiting for the
-            # reports: its failures are this list plus the step's failed reports (computed where it runs) and
-            # nothing else can change them before it (the environment decides on a round's first step)
-            follow = Follow(merge, then=(nxt[0], list(self.failures), self.keep))
-        else:
-            follow = Follow(merge)
+        server = None
+        if nxt is not None and isinstance(nxt[0], ServerStep) and not self._env_pending():
+            # the server step that follows, as it will be called: its failures are this list plus the step's failed
+            # reports, and nothing else can change them before it (the environment decides on a round's first
+            # step); a backend may start it early
+            server = NextServerStep(nxt[0], list(self.failures), self.keep)
+        follow = Follow(merge, server)
         self.uploads, reports = backend.client_step(step, run.payload, self.round_idx, it, ids, follow)
         # committed once the uploads have been consumed too (the next server step), so that a step whose uploads
         # are lost with a node can still be run again from the previous states
@@ -389,9 +390,11 @@ def _drive(run: Run, cbs: list, started: list) -> RunResult:
             started.append(cb)
         cb.on_run_start(run)
     run_loop(run, cbs)
-    run.store_stats = run.backend.store_stats()
-    if run.backend.balance_log:
-        run.timing["balance"] = run.backend.balance_log  # cost-aware placement: per-step loads and moves
+    report = run.backend_report = run.backend.report()
+    if report.placement:
+        run.timing["balance"] = report.placement  # cost-aware placement: per-step loads and moves
+    for taken in report.fallbacks:  # on the console once per run (and in the metadata)
+        warnings.warn(Fallback(**taken).message(), RuntimeWarning, stacklevel=2)
     result = RunResult(run.run_id, None, run.table.frame(), _metadata(run), run.timing)
     for cb in reversed(cbs):
         cb.on_run_end(run, result)
@@ -426,6 +429,7 @@ def _restore_from(run: Run, ck_dir: Path, meta: dict) -> None:
 
 def _metadata(run: Run) -> dict:
     cfg = run.cfg
+    report = run.backend_report or BackendReport()
     meta = {
         "run_id": run.run_id,
         "config": to_dict(cfg),
@@ -433,7 +437,7 @@ def _metadata(run: Run) -> dict:
         "seed": cfg.seed,
         "versions": versions(),
         "numerics": numerics.describe(),  # the mode and what it set (raysim/numerics.py), in the driver
-        "numerics_processes": list(run.backend.numerics_report),  # and in every other computing process
+        "numerics_processes": list(report.processes),  # and in every other computing process
         "count_metrics": sorted(run.table.counts),  # metrics recorded as integers (exact in every comparison)
         "data": run.prep.fed_data.summary(),  # data.domains: the ground truth of ClusterAgreement
         "data_notes": run.prep.fed_data.notes,
@@ -441,15 +445,17 @@ def _metadata(run: Run) -> dict:
         "failures": [{k: v for k, v in f.items() if k != "traceback"} for f in run.failures],
         "client_failures": failure_summary(run.failures),
         "equality_policy": EQUALITY_POLICY,
-        "actor_failures": list(run.backend.actor_failures),
-        # tensor bytes through Ray's object store per round (payload reads by the actors' calls, returned uploads)
-        "object_store_bytes": [dict(round=r, **v) for r, v in sorted(run.backend.object_store.items())],
+        "actor_failures": list(report.runner_failures),  # client-runner deaths and what was done (Ray: actors)
+        # tensor bytes between processes per round (Ray: through its object store, payload reads by the actors'
+        # calls and returned uploads)
+        "object_store_bytes": [dict(round=r, **v) for r, v in sorted(report.transport_bytes.items())],
+        "fallbacks": list(report.fallbacks),  # from one executor or form to another, each once, with its reason
         "schedule": [f"{type(s).__name__}:{s.name}" + (f"#{i}" if i else "") for s, i in flatten(run.algorithm.schedule())],
     }
     if run.algorithm.setup_schedule() is not None:
         meta["setup_schedule"] = [f"{type(s).__name__}:{s.name}" for s, _ in flatten(run.algorithm.setup_schedule())]
     if run.env is not None:
         meta["env"] = run.env.summary()
-    if getattr(run, "async_summary", None) is not None:
+    if run.async_summary is not None:
         meta["async"] = run.async_summary
     return meta

@@ -15,6 +15,7 @@ from raysim import rng as rngmod
 from raysim.io.tables import ROUND_TIME, STEP_TIME, ResultTable
 from raysim.io.results import final as results_final
 from raysim.runner.runners import ClientReport
+from raysim.engine.backend import BackendReport
 from raysim.engine.prepare import Prepared, resume_hash
 
 
@@ -183,6 +184,8 @@ class Run:
         # resuming, (its state, the path of its messages shard) from the checkpoint
         self.async_server = None
         self.async_resume: Optional[tuple] = None
+        self.async_summary: Optional[dict] = None  # the event loop's figures at the end, for the metadata
+        self.backend_report: Optional[BackendReport] = None  # how the backend ran it (once the rounds are done)
 
     def log_failures(self, reports: list[ClientReport]) -> list[ClientReport]:
         failed = [r for r in reports if not r.ok]

@@ -18,7 +18,6 @@ with ``enabled``, ``accepts`` and ``run``, registered with :func:`register_execu
 from __future__ import annotations
 
 import time
-import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Optional
@@ -27,6 +26,7 @@ import torch
 
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, LocalTraining, TrainedGroup
+from raysim.runner import fallbacks
 from raysim.runner.reports import ClientReport, step_purpose, step_token
 from raysim.runner.vectorized import Member, check_model, running_stat_names, train_group
 from raysim.errors import DamagedFileError
@@ -140,9 +140,6 @@ class GroupForm(Executor):
 
     name = "group_form"
 
-    def __init__(self):
-        self._warned: set = set()  # group forms that failed once (warned)
-
     @classmethod
     def enabled(cls, settings) -> bool:
         return bool(settings.vectorize)
@@ -155,8 +152,9 @@ class GroupForm(Executor):
         """One call of the method's group form (``<fn>_group(payloads, states, datas, ctxs)``, the contract in the
         comment after :meth:`raysim.algorithm.Algorithm.evaluate_client`) for the step's clients. The group form
         returns None when it cannot take this group (the per-client loop runs instead); if it raises, the per-client
-        loop runs too (warned once per step), so a failing client fails alone and with its own error. A result that
-        is not one ClientUpdate per client is the method's bug: a TypeError naming it."""
+        loop runs too (a fallback, reported once per run: :mod:`raysim.runner.fallbacks`), so a failing client fails
+        alone and with its own error. A result that is not one ClientUpdate per client is the method's bug: a
+        TypeError naming it."""
         t0 = time.perf_counter()
         name = f"{type(run.algorithm).__name__}.{run.step.method}_group"
         ids = run.client_ids
@@ -169,10 +167,7 @@ class GroupForm(Executor):
         except DamagedFileError:
             raise
         except Exception as e:
-            if name not in self._warned:
-                self._warned.add(name)
-                warnings.warn(f"{name} failed ({type(e).__name__}: {e}); its clients run the per-client steps",
-                              RuntimeWarning, stacklevel=2)
+            fallbacks.note(name, "its clients run the per-client steps", e)
             return False
         if results is None:
             return False
@@ -321,8 +316,7 @@ class Vectorized(Executor):
                     model, trained, [it.start for it in items], [it.down for it in items], [it.state for it in items],
                     [it.data for it in items], [it.ctx for it in items]))
             except Exception as e:  # the batch form failed: client_final runs per client (each fails on its own)
-                warnings.warn(f"{type(alg).__name__}.client_final_group failed ({type(e).__name__}: {e}); its "
-                              f"clients run client_final one by one", RuntimeWarning, stacklevel=2)
+                fallbacks.note(f"{type(alg).__name__}.client_final_group", "its clients run client_final one by one", e)
                 finals = None
         if finals is not None:
             for j, (c, (new_state, upload)) in enumerate(zip(cids, finals)):
@@ -355,12 +349,10 @@ class GroupEvaluation(Executor):
     """``backend.vectorize``: an evaluation step of a method with a group form of ``evaluate_client``
     (``evaluate_group(payloads, states, datas, ctxs) -> [metrics] | None``, e.g. FedAvg's: one forward of every
     client's test set under the global model) for the step's clients with test data, and the same on their
-    validation splits; None or an error passes the step on to the per-client loop (warned once)."""
+    validation splits; None or an error passes the step on to the per-client loop (an error: a fallback, reported
+    once per run)."""
 
     name = "group_evaluation"
-
-    def __init__(self):
-        self._warned: set = set()
 
     @classmethod
     def enabled(cls, settings) -> bool:
@@ -390,11 +382,7 @@ class GroupEvaluation(Executor):
         except DamagedFileError:
             raise
         except Exception as e:
-            name = f"{type(run.algorithm).__name__}.evaluate_group"
-            if name not in self._warned:
-                self._warned.add(name)
-                warnings.warn(f"{name} failed ({type(e).__name__}: {e}); its clients are evaluated one by one",
-                              RuntimeWarning, stacklevel=2)
+            fallbacks.note(f"{type(run.algorithm).__name__}.evaluate_group", "its clients are evaluated one by one", e)
             return False
         share = (time.perf_counter() - t0) / len(ids)
         for cid, m in zip(ids, metrics):

@@ -27,7 +27,7 @@ from raysim.algorithm import Context, ModelCache, ServerContext, ServerUpdate, T
 from raysim.config import DataConfig
 from raysim.runner.settings import RunnerSettings
 from raysim.data.federated import ClientData, ClientSet, LazyClients
-from raysim.runner import faults, safety
+from raysim.runner import fallbacks, faults, safety
 from raysim.runner.executors import StepRun, executor_chain
 from raysim.runner.reports import ClientReport, host_values, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
 from raysim.messages import from_plain, payload_sizes, to_plain
@@ -118,6 +118,7 @@ class ClientRunner:
         self._decoded_bytes = 0
         self._decoded_budget = int(spec.runner.decoded_cache_mb * 2**20)
         self.executors = executor_chain(spec.runner)  # how a step runs (raysim.runner.executors)
+        self.fallback_log = fallbacks.FallbackLog()  # the fallbacks its executors took this run
         mem = spec.runner.state_memory_mb * 2**20
         directory = Path(spec.state_dir) / "clients" if spec.state_dir else None
         self.store = StateStore(mem, directory, name, durable=spec.durable, owned=self.data)
@@ -217,10 +218,11 @@ class ClientRunner:
 
     def _run_client_step(self, step: ClientStep, payload, round_idx: int, iteration: int,
                          client_ids: list[int]) -> tuple[dict, list[ClientReport]]:
-        for executor in self.executors:  # the first that takes the step runs it (the loop takes every step)
-            run = StepRun(self, step, payload, round_idx, iteration, client_ids)
-            if executor.accepts(run) and executor.run(run):
-                return run.result()
+        with fallbacks.collecting(self.fallback_log):
+            for executor in self.executors:  # the first that takes the step runs it (the loop takes every step)
+                run = StepRun(self, step, payload, round_idx, iteration, client_ids)
+                if executor.accepts(run) and executor.run(run):
+                    return run.result()
         raise AssertionError("the executor chain ends with the per-client loop")
 
     def _fail(self, rep: ClientReport, cid: int, e: BaseException, uploads: Optional[dict] = None) -> None:
@@ -289,6 +291,10 @@ class ClientRunner:
     def store_stats(self) -> dict:
         return {"in_memory_bytes": self.store.memory_in_use(), "spills": self.store.spills, "loads": self.store.loads,
                 "clients": len(self.store.client_ids())}
+
+    def fallbacks_taken(self) -> list[dict]:
+        """The fallbacks this runner's executors took this run (raysim.runner.fallbacks), each once."""
+        return self.fallback_log.taken()
 
     def ready(self) -> bool:
         return True

@@ -50,7 +50,7 @@ import torch
 import torch.nn as nn
 
 from raysim.config import TrainConfig
-from raysim.runner import grouped as _grouped
+from raysim.runner import fallbacks, grouped as _grouped
 from raysim.errors import ConfigError
 from raysim.runner.grouped import StackedOptimizer
 from raysim.layers import _MASKS
@@ -309,8 +309,9 @@ class _GroupTraining:
             trial = {n: t.clone() for n, t in st.items()} if st and (b, e) not in self.proven else st
             try:
                 out = self._grouped_grad(sub, (fz, trial), (xb, yb), masks, e, seen)
-            except Exception:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so the
-                self.calls[b, e] = None  # step runs with vmap instead (which raises a genuine error itself)
+            except Exception as err:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so
+                self.calls[b, e] = None  # the step runs with vmap instead (which raises a genuine error itself)
+                fallbacks.note("the grouped forward (raysim.runner.grouped)", "its steps run with vmap", err)
             else:
                 self.proven.add((b, e))
                 for n, t in (trial.items() if trial is not st else ()):
