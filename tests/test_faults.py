@@ -243,3 +243,30 @@ def test_a_real_full_disk_under_the_store(tmp_path, capsys):
         subprocess.run(["umount", str(disk)], capture_output=True, timeout=30)
 
 
+
+
+def test_an_interruption_inside_torch_save_is_the_interruption(tmp_path, monkeypatch):
+    """A SIGTERM (raised as KeyboardInterrupt) that lands inside torch.save's zip writer surfaces as the writer's
+    RuntimeError on closing; atomic_save raises the interruption itself and leaves no temporary file."""
+    import torch
+
+    from raysim.io import files
+
+    class Interrupted(KeyboardInterrupt):
+        pass
+
+    real = torch.save
+
+    def save(obj, f):
+        try:
+            raise Interrupted()
+        except Interrupted:
+            raise RuntimeError("[enforce fail at inline_container.cc] unexpected pos")
+
+    monkeypatch.setattr(torch, "save", save)
+    with pytest.raises(Interrupted):
+        files.atomic_save({"w": torch.zeros(3)}, tmp_path / "x.pt")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(torch, "save", real)
+    files.atomic_save({"w": torch.zeros(3)}, tmp_path / "x.pt")
+    assert (tmp_path / "x.pt").exists()

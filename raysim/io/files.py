@@ -176,7 +176,7 @@ def atomic_save(obj, path: Path, digest: bool = True, tree: bool = False) -> Opt
                     if digest:
                         w = _HashingWriter(f)
             if not written:
-                torch.save(obj, w)
+                _torch_save(obj, w)
         os.replace(tmp, path)
         return w.h.hexdigest() if digest else None
     except BaseException:
@@ -184,6 +184,18 @@ def atomic_save(obj, path: Path, digest: bool = True, tree: bool = False) -> Opt
             os.unlink(tmp)
         except FileNotFoundError:
             pass
+        raise
+
+
+def _torch_save(obj, w) -> None:
+    """``torch.save``; a Ctrl-C or SIGTERM (``KeyboardInterrupt``) that lands inside torch's zip writer comes back as
+    the writer's own RuntimeError when it closes the half-written archive: the interruption is what happened, so it
+    is raised as such (the run stops with its checkpoints kept, not with a serialisation error)."""
+    try:
+        torch.save(obj, w)
+    except Exception as e:
+        if isinstance(e.__context__, KeyboardInterrupt):
+            raise e.__context__ from None
         raise
 
 
