@@ -62,8 +62,10 @@ def test_vectorised_equals_loop_within_tolerance(algo):
 @pytest.mark.parametrize("algo", ["fedavg", "local", "fedproto", "fedtgp", "fedper", "lgfedavg"])
 def test_batch_native_final_equals_loop_within_tolerance(algo, monkeypatch):
     """Clients of one data size: the group's final step runs in its batch form (``client_final_group``: uploads and
-    states as rows of the trained stacks, FedProto's prototypes from one grouped forward), checked by a spy, and
-    the table is the loop's within the stated tolerance."""
+    states as rows of the trained stacks, FedProto's prototypes from one grouped forward) and its evaluation in
+    groups (``evaluate_group``: one grouped forward under each client's own weights, FedProto's prototype classifier
+    as one batched distance; FedAvg's under the global model), both checked by spies, and the table is the loop's
+    within the stated tolerance."""
     from algorithms import fedavg, fedper, fedproto, local
 
     data = {"dataset": "mnist5k", "num_clients": 5, "partition": "iid",
@@ -72,16 +74,25 @@ def test_batch_native_final_equals_loop_within_tolerance(algo, monkeypatch):
              "fedtgp": fedproto.FedProto, "fedper": fedper.SharedPartAverage,
              "lgfedavg": fedper.SharedPartAverage}[algo]
     batch_form, calls = owner.client_final_group, []
+    eval_form, evals = owner.evaluate_group, []
 
     def spy(self, group):
         out = batch_form(self, group)
         calls.append(out is not None)
         return out
 
+    def eval_spy(self, payloads, states, datas, ctxs):
+        out = eval_form(self, payloads, states, datas, ctxs)
+        evals.append(out is not None)
+        return out
+
     monkeypatch.setattr(owner, "client_final_group", spy)
+    monkeypatch.setattr(owner, "evaluate_group", eval_spy)  # evaluation in groups too (each client's own weights)
     vec = table(cfg(algo, data=data))
     assert calls and all(calls), calls
+    assert evals and all(evals), evals
     close(table(cfg(algo, vectorize=False, data=data)), vec)
+    assert {"test_acc"} | ({"test_acc_proto"} if algo in ("fedproto", "fedtgp") else set()) <= set(vec.metric)
 
 
 def test_batched_evaluation_equals_the_loops(monkeypatch):
@@ -107,32 +118,6 @@ def test_batched_evaluation_equals_the_loops(monkeypatch):
     close(loop, vec)
     accs = lambda t: t[t.metric.isin(["test_acc", "val_acc"])].reset_index(drop=True)  # noqa: E731
     pd.testing.assert_frame_equal(accs(loop), accs(vec))  # the same predictions here: equal accuracies
-
-
-@pytest.mark.parametrize("algo", ["fedproto", "fedtgp", "local", "fedper", "lgfedavg"])
-def test_batched_evaluation_of_personal_models_equals_the_loops(algo, monkeypatch):
-    """FedProto's evaluation in its group form (one grouped forward of every client's test set under its own
-    weights, the prototype classifier over each client's candidates as one batched distance): the loop's accuracies,
-    test_acc_proto where the loop has it."""
-    from algorithms import fedper, fedproto, local
-
-    owner = {"fedproto": fedproto.FedProto, "fedtgp": fedproto.FedProto, "local": local.Local,
-             "fedper": fedper.SharedPartAverage, "lgfedavg": fedper.SharedPartAverage}[algo]
-    batch_form, calls = owner.evaluate_group, []
-
-    def spy(self, payloads, states, datas, ctxs):
-        out = batch_form(self, payloads, states, datas, ctxs)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(owner, "evaluate_group", spy)
-    data = {"dataset": "mnist5k", "num_clients": 5, "partition": "iid",
-            "partition_params": {"samples_per_client": 12, "test_per_client": 6}}
-    vec = table(cfg(algo, data=data))
-    assert calls and all(calls), calls
-    loop = table(cfg(algo, vectorize=False, data=data))
-    close(loop, vec)
-    assert {"test_acc"} | ({"test_acc_proto"} if algo in ("fedproto", "fedtgp") else set()) <= set(vec.metric)
 
 
 def test_dropout_on_masks_are_the_loops():
@@ -545,12 +530,11 @@ def test_portable_vectorised_cpu_run_says_what_the_default_costs(capsys, monkeyp
     from raysim.engine import prepare as prep
 
     monkeypatch.setattr(prep, "_NOTICED", set())
-    prepare(cfg("fedavg", backend={"device": "cpu"}))
+    prepare(cfg("fedavg", vectorize=False, backend={"device": "cpu"}))
+    assert "portable numerics" not in capsys.readouterr().err
     prepare(cfg("fedavg", backend={"device": "cpu"}))
     err = capsys.readouterr().err
     assert err.count("backend.vectorize on a CPU in portable numerics") == 1 and "backend.numerics=native" in err
-    prepare(cfg("fedavg", vectorize=False, backend={"device": "cpu"}))
-    assert "portable numerics" not in capsys.readouterr().err
 
 
 def test_a_group_trained_in_chunks_gives_the_same_table(monkeypatch):
