@@ -118,6 +118,11 @@ class Context:
         return rngmod.torch_generator(self.seed, self.round_idx, self.client_id, self._purpose(purpose),
                                       device=device if device is not None else "cpu")
 
+    def stream(self, purpose: str) -> rngmod.Counter:
+        """The counter-based stream for (seed, round, client, purpose) (:class:`raysim.rng.Counter`): a local
+        training's batch orders and dropout masks, computed alike for one client or a whole group."""
+        return rngmod.counter(self.seed, self.round_idx, self.client_id, self._purpose(purpose))
+
     def model(self, client_id: Optional[int] = None) -> SplitModel:
         """The cached live module for a client's architecture (load its weights before use)."""
         cid = self.client_id if client_id is None else client_id
@@ -440,8 +445,9 @@ class LocalTraining(Algorithm):
       stacks (:class:`raysim.messages.Rows`), so a group's uploads stay stacked until they are reduced. None (the
       default): ``client_final`` per client.
 
-    The per-client loop (:func:`raysim.training.local_sgd`) runs the steps with explicit generators (batch order
-    ``"batches"``, dropout masks ``"dropout"``); with ``train.persist_optimizer`` the optimiser state (momentum) is
+    The per-client loop (:func:`raysim.training.local_sgd`) runs the steps with explicit counter-based streams (batch
+    order ``"batches"``, dropout masks ``"dropout"``: :meth:`Context.stream`, the bits the vectorised executor draws
+    for a whole group at once); with ``train.persist_optimizer`` the optimiser state (momentum) is
     kept in the client state under ``"opt"`` and continues next round. A vectorised executor batches the same three
     functions over many clients."""
 
@@ -487,8 +493,7 @@ class LocalTraining(Algorithm):
         y = data.y_train if start.y is None else start.y
         x = data.x_train if start.x is None else start.x
         metrics, opt_state = local_sgd(model, self.objective(start), x, y, TrainOptions(
-            cfg, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device),
-            optimizer_out=cfg.persist_optimizer), opt_state)
+            cfg, ctx.stream("batches"), ctx.stream("dropout"), optimizer_out=cfg.persist_optimizer), opt_state)
         new_state, upload = self.client_final(model, start, payload, state, data, ctx)
         if cfg.persist_optimizer:
             new_state = {**(new_state or {}), "opt": opt_state}

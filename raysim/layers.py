@@ -9,9 +9,12 @@ import torch.nn as nn
 
 
 class Dropout(nn.Module):
-    """Dropout whose masks come from an explicit generator (``self.generator``, set by the executor per client step)
+    """Dropout whose masks come from an explicit stream (``self.generator``, set by the executor per client step)
     instead of torch's global RNG, so a client's masks are a function of (seed, round, client) on any backend, looped
-    or batched. ``channelwise=True`` drops whole channels (Dropout2d). Without a generator: torch's global RNG."""
+    or batched. The stream is counter-based (an object with ``mask(shape, p, dtype, device)``: the local-training
+    methods', :class:`raysim.rng.Counter`, whose masks the vectorised executor computes for a whole group in one go) or a
+    torch generator (a method's own loop). ``channelwise=True`` drops whole channels (Dropout2d). Without a stream:
+    torch's global RNG."""
 
     def __init__(self, p: float = 0.5, channelwise: bool = False):
         super().__init__()
@@ -31,7 +34,11 @@ class Dropout(nn.Module):
         else:
             if _MASKS.record is not None:  # shape probe: which masks one forward draws, in call order
                 _MASKS.record.append((tuple(shape), x.dtype, self.p))
-            mask = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p, generator=self.generator)
+            g = self.generator
+            if g is not None and hasattr(g, "mask"):  # counter-based
+                mask = g.mask(tuple(shape), self.p, x.dtype, x.device)
+            else:
+                mask = torch.empty(shape, device=x.device, dtype=x.dtype).bernoulli_(1.0 - self.p, generator=g)
         return x * mask * (1.0 / (1.0 - self.p))
 
     def extra_repr(self) -> str:

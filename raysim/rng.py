@@ -94,3 +94,141 @@ def _accelerator_present() -> bool:
     xpu = getattr(torch, "xpu", None)
     return bool(torch.cuda.is_available() or (mps is not None and mps.is_available())
                 or (xpu is not None and xpu.is_available()))
+
+
+# --- Counter-based draws -------------------------------------------------------------------------------------------
+# A local training's batch orders and dropout masks are pure functions of (stream key, counter, element): the stream
+# key is derive_seed(seed, round, client, purpose), the counter the local epoch (batch orders) or the number of masks
+# the client drew before (dropout), the element the position in the permutation or the mask. Nothing is carried from
+# draw to draw, so a whole group of clients draws in one computation whatever its size (the vectorised executor), and
+# the per-client loop computes the very same bits with a group of one. Integer arithmetic only (int64 tensors holding
+# 32-bit values; every product below 2^63), so the draws are the same on every CPU and accelerator.
+
+_M32 = 0xFFFFFFFF
+_C1, _C2 = 0x7FEB352D, 0x846CA68B  # the multipliers of the "lowbias32" integer hash (C. Wellons' hash prospector)
+
+
+def _mix32_int(h: int) -> int:
+    """The 32-bit mixing function on a Python int (the same bits as :func:`_mix32` on a tensor)."""
+    h &= _M32
+    h ^= h >> 16
+    h = (h * _C1) & _M32
+    h ^= h >> 15
+    h = (h * _C2) & _M32
+    h ^= h >> 16
+    return h
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """:func:`_mix32_int` on an int64 tensor of values in [0, 2^32): each product stays below 2^63 (the second
+    multiplier is applied in two 16-bit halves)."""
+    h = h ^ (h >> 16)
+    h = (h * _C1) & _M32
+    h = h ^ (h >> 15)
+    h = (h * (_C2 & 0xFFFF) + (((h * (_C2 >> 16)) & 0xFFFF) << 16)) & _M32
+    return h ^ (h >> 16)
+
+
+def _key_base(key: int) -> int:
+    """A stream key (63 bits) folded to the 32-bit base its draws start from."""
+    return _mix32_int(_mix32_int(key & _M32) ^ (key >> 32))
+
+
+_ELEMENTS: dict = {}
+
+
+def _elements(n: int, device) -> torch.Tensor:
+    """The hashed positions 0..n-1 on ``device`` (cached: the same for every draw of that size)."""
+    k = (int(n), str(device))
+    e = _ELEMENTS.get(k)
+    if e is None:
+        if len(_ELEMENTS) > 64:
+            _ELEMENTS.clear()
+        e = _ELEMENTS[k] = _mix32(torch.arange(int(n), dtype=torch.int64, device=device))
+    return e
+
+
+def _draw_bits(bases, counter, n: int, device) -> torch.Tensor:
+    """[K, n] 32-bit values (int64) for K streams (``bases``: their folded keys as an int64 tensor [K] on ``device``,
+    or a Python int for one stream) at ``counter`` (an int, or an int64 tensor [K])."""
+    if isinstance(bases, int) and isinstance(counter, int):  # one stream: its base folded on the host
+        return _mix32(_elements(n, device) ^ _mix32_int(bases ^ _mix32_int(counter))).unsqueeze(0)
+    if isinstance(bases, int):
+        bases = torch.tensor([bases], dtype=torch.int64, device=device)
+    c = _mix32_int(counter) if isinstance(counter, int) else _mix32(counter.to(bases.device))
+    return _mix32(_mix32(bases ^ c).unsqueeze(1) ^ _elements(n, device))
+
+
+def _mix32_np(h: np.ndarray) -> np.ndarray:
+    """:func:`_mix32_int` on a uint64 array of values in [0, 2^32) (uint64 products are exact modulo 2^64)."""
+    h = h ^ (h >> np.uint64(16))
+    h = (h * np.uint64(_C1)) & np.uint64(_M32)
+    h = h ^ (h >> np.uint64(15))
+    h = (h * np.uint64(_C2)) & np.uint64(_M32)
+    return h ^ (h >> np.uint64(16))
+
+
+_POSITIONS: dict = {}
+
+
+def permutations(bases, epoch: int, sizes) -> torch.Tensor:
+    """The batch orders of K streams (``bases``: their folded keys, :attr:`Counter.base`) for local epoch ``epoch``:
+    an int64 CPU tensor [K, max(sizes)] whose row i starts with a permutation of 0..sizes[i]-1 (the rest of the row:
+    the unused positions). Computed on the host (a few vector operations over K x n integers, no device op; the caller
+    moves it where the data is, once an epoch); row i is the same whatever the other streams of the group are."""
+    sizes = [int(s) for s in sizes]
+    n = max(sizes, default=0)
+    pos = _POSITIONS.get(n)
+    if pos is None:
+        if len(_POSITIONS) > 64:
+            _POSITIONS.clear()
+        pos = _POSITIONS[n] = _mix32_np(np.arange(n, dtype=np.uint64))
+    c = _mix32_int(int(epoch))
+    b = _mix32_np(np.asarray([int(x) ^ c for x in bases], dtype=np.uint64))
+    bits = _mix32_np(b[:, None] ^ pos[None, :])
+    if any(s != n for s in sizes):  # positions past a stream's size sort last (above every 32-bit value)
+        bits[np.arange(n)[None, :] >= np.asarray(sizes)[:, None]] = np.uint64(_M32 + 1)
+    return torch.from_numpy(np.argsort(bits, axis=1, kind="stable").astype(np.int64))
+
+
+def keep_masks(bases, draw, shape: tuple, p: float, dtype, device) -> torch.Tensor:
+    """Dropout keep-masks (1 kept, 0 dropped, probability ``1 - p`` of keeping) of shape [K, *shape] in ``dtype``:
+    the mask number ``draw`` (an int, or an int64 tensor [K]) of each of K streams."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    keep = int(round((1.0 - float(p)) * 2.0 ** 32))  # kept where the 32-bit value is below this
+    bits = _draw_bits(bases, draw, n, device)
+    k = bits.shape[0]
+    return (bits < keep).to(dtype).view(k, *shape)
+
+
+class Counter:
+    """A client's counter-based stream for one local training (:func:`permutations`, :func:`keep_masks`): its key,
+    and the number of dropout masks drawn so far (the counter of the next mask). Used in place of a torch generator
+    by :func:`raysim.training.local_sgd` (batch orders) and :class:`raysim.layers.Dropout` (masks)."""
+
+    def __init__(self, key: int):
+        self.key = int(key)
+        self.base = _key_base(self.key)
+        self.drawn = 0
+
+    def permutation(self, n: int, epoch: int) -> torch.Tensor:
+        """The batch order of local epoch ``epoch`` over ``n`` samples (an int64 CPU tensor)."""
+        return permutations([self.base], epoch, [n])[0]
+
+    def mask(self, shape: tuple, p: float, dtype, device) -> torch.Tensor:
+        m = keep_masks(self.base, self.drawn, shape, p, dtype, device)[0]
+        self.drawn += 1
+        return m
+
+
+def counter(seed: int, round_idx: int, client_id: int, purpose: str) -> Counter:
+    """The counter-based stream for (seed, round, client, purpose)."""
+    return Counter(derive_seed(seed, round_idx, client_id, purpose))
+
+
+def stacked_bases(streams, device) -> torch.Tensor:
+    """The folded keys of several :class:`Counter` streams as one int64 tensor [K] on ``device`` (one copy): the
+    ``bases`` of :func:`keep_masks` for a group."""
+    return torch.tensor([s.base for s in streams], dtype=torch.int64, device=device)

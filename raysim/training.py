@@ -3,19 +3,23 @@
 :func:`local_sgd` is the per-client loop executor, the reference that a vectorised executor must match: minibatch
 SGD/Adam on a loss function ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, where ``model`` is a forward under the
 client's parameters, buffers and dropout generator and ``epoch`` the 0-based local epoch of the batch (every loss
-function of the training loops has this signature; most ignore the epoch). Randomness is explicit (a batch-order generator and a dropout generator,
-both derived from (seed, round, client)); optimiser state comes in and goes out as a plain dict keyed by parameter
+function of the training loops has this signature; most ignore the epoch). Randomness is explicit (a batch-order
+stream and a dropout stream, both derived from (seed, round, client)): the local-training methods' streams are
+counter-based (:class:`raysim.rng.Counter`: the draws a pure function of (key, epoch or mask number, element), the same
+bits the vectorised executor computes for a whole group at once); a method's own loop may pass torch generators;
+optimiser state comes in and goes out as a plain dict keyed by parameter
 name, so it can live in the client's state (``train.persist_optimizer``) or across the repeated steps of a round.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Union
 
 import torch
 import torch.nn as nn
 
 from raysim.config import TrainConfig
+from raysim.rng import Counter
 
 
 @dataclass(frozen=True)
@@ -173,12 +177,13 @@ def load_optimizer_state(opt: torch.optim.Optimizer, model: nn.Module, state: di
 
 @dataclass(frozen=True)
 class TrainOptions:
-    """A local training call's options: the train section, the batch-order generator, the dropout generator (None:
-    the model's dropout draws from torch's global stream), ``epochs`` (default ``cfg.local_epochs``), the learning
+    """A local training call's options: the train section, the batch-order stream and the dropout stream (each a
+    counter-based :class:`raysim.rng.Counter` or a torch generator; dropout None: the model's dropout draws from
+    torch's global stream), ``epochs`` (default ``cfg.local_epochs``), the learning
     rate (default ``cfg.lr``) and whether :func:`local_sgd` returns the optimiser state (``optimizer_out``)."""
     cfg: TrainConfig
-    batches: torch.Generator
-    dropout: Optional[torch.Generator] = None
+    batches: Union[torch.Generator, Counter]
+    dropout: Union[torch.Generator, Counter, None] = None
     epochs: Optional[int] = None
     lr: Optional[float] = None
     optimizer_out: bool = True  # local_sgd returns the optimiser state (False: {} -- nobody keeps it, no copies)
@@ -244,7 +249,10 @@ def _train_loop(model, x, y, run: TrainOptions, loss_fn, opt) -> dict:
     for epoch in range(epochs):
         if limit is not None and steps >= limit:
             break
-        perm = torch.randperm(n, generator=generator).to(x.device)  # minibatches()'s draw, moved once per epoch
+        if isinstance(generator, Counter):  # counter-based: the bits the vectorised executor computes for a group
+            perm = generator.permutation(n, epoch).to(x.device)
+        else:
+            perm = torch.randperm(n, generator=generator).to(x.device)  # minibatches()'s draw, moved once per epoch
         for start in range(0, n, cfg.batch_size):
             if limit is not None and steps >= limit:
                 break

@@ -5,6 +5,8 @@ their number must not grow with the number of local steps (only the final metric
 from __future__ import annotations
 
 import torch
+
+from raysim import rng as rngmod
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
@@ -63,9 +65,9 @@ def _syncs_of_vectorised(epochs: int, n: int = 8) -> list:
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
     cfg = TrainConfig(optimizer="sgd", lr=0.05, momentum=0.5, batch_size=4, local_epochs=epochs)
     xs, ys = [torch.rand(n, 1, 28, 28)] * 3, [torch.randint(0, 10, (n,))] * 3
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    gens = [rngmod.Counter(i) for i in range(3)]
     with CountSyncs() as c:
-        vmap_local_sgd(model, _ce, Member.zip([start] * 3, xs, ys, gens, [torch.Generator().manual_seed(9 + i)
+        vmap_local_sgd(model, _ce, Member.zip([start] * 3, xs, ys, gens, [rngmod.Counter(9 + i)
                                                                           for i in range(3)]), cfg)
     return c.calls
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+
+from raysim import rng as rngmod
 import torch.nn.functional as F
 
 from raysim.algorithm import Algorithm, ClientUpdate, Context, LocalStart, LocalTraining, ServerContext
@@ -221,13 +223,13 @@ def test_vmap_groups_clients_at_different_epochs_apart():
     xs = [torch.randn(8, 3), torch.randn(12, 3)]
     ys = [torch.randint(0, 2, (8,)), torch.randint(0, 2, (12,))]
     trained, _, _ = vmap_local_sgd(model, loss_fn, Member.zip([start, start], xs, ys,
-                                                              [torch.Generator().manual_seed(i) for i in range(2)],
-                                                              [torch.Generator().manual_seed(9) for _ in range(2)]), cfg)
+                                                              [rngmod.Counter(i) for i in range(2)],
+                                                              [rngmod.Counter(9) for _ in range(2)]), cfg)
     for i in range(2):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(start[n])
-        local_sgd(model, loss_fn, xs[i], ys[i], TrainOptions(cfg, torch.Generator().manual_seed(i)))
+        local_sgd(model, loss_fn, xs[i], ys[i], TrainOptions(cfg, rngmod.Counter(i)))
         for n, p in model.named_parameters():
             torch.testing.assert_close(trained[i][n], p.detach(), rtol=1e-5, atol=1e-6)
 

@@ -9,6 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
+from raysim import rng as rngmod
+
 from raysim.config import make_config
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
@@ -329,7 +331,7 @@ def _train_group(arch, loss_fn, grouped, params=None, k=3, n=(10, 10, 7), calls=
     xs[0][:, :, :4] = 0.0  # zero rows: ties inside max-pooling windows
     ys = [torch.randint(0, 10, (m,)) for m in n]
     tc = TrainConfig(optimizer="sgd", lr=0.05, momentum=0.9, batch_size=4, local_epochs=2)
-    gens = lambda base: [torch.Generator().manual_seed(base + i) for i in range(k)]  # noqa: E731
+    gens = lambda base: [rngmod.Counter(base + i) for i in range(k)]  # noqa: E731
     real = gmod.grouped_forward
 
     def counted(*a, **kw):
@@ -518,7 +520,7 @@ def test_a_model_with_nothing_to_train_runs():
         p.requires_grad_(False)
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
     tc = TrainConfig(optimizer="sgd", lr=0.05, batch_size=4, local_epochs=1)
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    gens = [rngmod.Counter(i) for i in range(2)]
     trained, metrics, _ = vmap_local_sgd(model, _ce, Member.zip([start] * 2, [torch.rand(6, 1, 28, 28)] * 2,
                                                                 [torch.randint(0, 10, (6,))] * 2, gens, gens), tc)
     assert all(torch.equal(trained[0][n], start[n]) for n in start) and metrics[0]["train_loss"] > 0

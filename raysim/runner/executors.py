@@ -301,8 +301,8 @@ class Vectorized(Executor):
         items = [g.pending[c] for c in cids]
         try:
             members = [Member(it.params, it.data.x_train if it.start.x is None else it.start.x,
-                              it.data.y_train if it.start.y is None else it.start.y, it.ctx.generator("batches"),
-                              it.ctx.generator("dropout", device=it.ctx.device), it.opt_state) for it in items]
+                              it.data.y_train if it.start.y is None else it.start.y, it.ctx.stream("batches"),
+                              it.ctx.stream("dropout"), it.opt_state) for it in items]
             trained, metrics, opt_states = train_group(model, alg.objective(items[0].start), members, cfg)
         except Exception as e:  # the batched computation failed: every client in it failed with the error
             for c in cids:

@@ -11,15 +11,17 @@ every client of the step shares (the broadcast payload), so one loss function se
 
 Exactness rules (what makes the table equal to the loop's within the stated tolerance, not bit for bit):
 
-* **batches** — each client draws its batch order from its own ``"batches"`` generator exactly as the loop does (one
-  ``randperm`` per epoch), so its batches are the loop's. Clients with different data sizes have different batch
+* **batches** — each client's batch order of an epoch is the counter-based permutation of its own ``"batches"``
+  stream (:func:`raysim.rng.permutations`, a pure function of (key, epoch, position)), computed for the whole group in
+  one go and bit for bit the one the loop computes for the client alone, so its batches are the loop's. Clients with different data sizes have different batch
   counts and a smaller last batch: at every step the executor groups the clients that still train by their batch
   size and local epoch (the loss function receives the epoch, as in the loop) and runs one batched computation per
   group (no padding, so every client's loss is the mean over exactly its own batch, as in the loop); a client that
   has finished its steps keeps its weights.
-* **dropout** — each client's masks are drawn from its own ``"dropout"`` generator with the same calls, shapes and
-  order as in the loop (shapes found by a probe forward per batch size and epoch), then fed to the batched forward
-  (``models.replay_masks``): the masks are the loop's masks.
+* **dropout** — client i's j-th mask is the counter-based mask number j of its own ``"dropout"`` stream
+  (:func:`raysim.rng.keep_masks`, a pure function of (key, mask number, element)), computed for the whole group in one
+  go per mask of the step (shapes found by a probe forward per batch size and epoch) and fed to the batched forward
+  (``models.replay_masks``): the masks are the loop's masks, bit for bit, and their cost does not grow with the group.
 * **optimisers** — SGD (momentum, weight decay) and Adam (weight decay, bias correction) are applied to the stacked
   tensors with torch's own update formulas; per-client state (momentum buffers, Adam moments and step counts) goes in
   and out in the loop's format (``training.optimizer_state``), so ``persist_optimizer`` and repeated steps work.
@@ -50,6 +52,7 @@ import torch
 import torch.nn as nn
 
 from raysim.config import TrainConfig
+from raysim import rng as rngmod
 from raysim.runner import fallbacks, grouped as _grouped
 from raysim.errors import ConfigError
 from raysim.runner.grouped import StackedOptimizer
@@ -122,13 +125,14 @@ def _detached(parts: dict) -> dict:
 @dataclass
 class Member:
     """One client of a vectorised group: its starting parameters (name -> tensor), its training data, its own
-    batch-order and dropout generators, and its optimiser state (None: fresh)."""
+    counter-based batch-order and dropout streams (:class:`raysim.rng.Counter`), and its optimiser state (None:
+    fresh)."""
 
     params: dict
     x: torch.Tensor
     y: torch.Tensor
-    batches: torch.Generator
-    dropout: torch.Generator
+    batches: rngmod.Counter
+    dropout: rngmod.Counter
     opt_state: Optional[dict] = None
 
     @classmethod
@@ -191,25 +195,22 @@ class _GroupTraining:
         self.buffers = {n: b for n, b in live_buffers.items() if n not in self.stats}
         self.proven: set = set()  # (batch size, epoch) whose grouped step ran once (its failure then updates nothing)
         self.opt = StackedOptimizer(cfg, self.stacked, [m.opt_state for m in members], cfg.lr)
-        # each client's (epoch, batch) pairs, drawn from its own generator exactly as the loop draws them (one randperm
-        # per epoch)
+        # (epoch, first, end) of each client's batches; their indices are slices of the client's batch order of the
+        # epoch, the counter-based permutations of the whole group computed at once (rng.permutations: the loop's bits)
         sizes, bs = [int(m.y.shape[0]) for m in members], cfg.batch_size
-        # (epoch, first, end) of each client's batches; their indices are slices of the client's permutation of the
-        # epoch, drawn from its own generator exactly as the loop draws them (one randperm per epoch, in epoch order)
         self.plans = [[(e, lo, min(lo + bs, n)) for e in range(cfg.local_epochs) for lo in range(0, n, bs)]
                       for n in sizes]
-        self.perms = [[None] * cfg.local_epochs for _ in members]
-        for e in range(cfg.local_epochs):
-            for i, m in enumerate(members):
-                self.perms[i][e] = torch.randperm(sizes[i], generator=m.batches)
+        bases = [m.batches.base for m in members]
+        self.perms = [rngmod.permutations(bases, e, sizes) for e in range(cfg.local_epochs)]  # [K, max n] each, host
+        self.drop_bases: Optional[torch.Tensor] = None  # the dropout streams' folded keys, [K] (on first use)
+        self.drawn = [0] * self.k  # masks each client has drawn so far (the counter of its next mask)
         # clients with data of one shape (the usual case): their data stacked once, each step's batches gathered for
         # all of them in one indexing op; each step's losses kept as one vector (per-client sums at the end)
         self.uniform = self.k > 1 and len({(tuple(m.x.shape), tuple(m.y.shape), m.x.device) for m in members}) == 1
         if self.uniform:
             self.xs, self.ys = torch.stack([m.x for m in members]), torch.stack([m.y for m in members])
             self.ar = torch.arange(self.k, device=self.xs.device).unsqueeze(1)
-            every = [torch.stack([p[e] for p in self.perms]) for e in range(cfg.local_epochs)]  # [K, n] an epoch
-            self.idx = [every[e][:, lo:hi].to(self.xs.device) for e, lo, hi in self.plans[0]]
+            self.idx = [self.perms[e][:, lo:hi].to(self.xs.device) for e, lo, hi in self.plans[0]]
         self.step_values: list = []  # uniform groups: per step, (loss vector, {part: vector}) of every client
         self.probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws
         self.calls: dict[tuple, Optional[list]] = {}  # (batch size, epoch) -> the objective's model calls (None: vmap)
@@ -221,7 +222,7 @@ class _GroupTraining:
     def _idx(self, i: int, s: int) -> torch.Tensor:
         """Client ``i``'s batch indices at its step ``s``."""
         e, lo, hi = self.plans[i][s]
-        return self.perms[i][e][lo:hi]
+        return self.perms[e][i, lo:hi]
 
     def probe(self, b: int, epoch: int, i: int) -> list:
         """The dropout masks (shape, dtype, p) one forward of batch size ``b`` draws, and the objective's model
@@ -250,6 +251,25 @@ class _GroupTraining:
             finally:
                 set_dropout_generator(self.model, None)
         return self.probes[b, epoch]
+
+    def _masks(self, group: list[int], rows: torch.Tensor, whole: bool, spec: list, device) -> list:
+        """The dropout masks of one step of ``group`` (the probe's ``spec``: shape, dtype, p of each), each [len(group),
+        *shape]: client i's mask number ``drawn[i] + j`` of its counter-based stream, the loop's bits, computed for the
+        whole group in one go."""
+        if not spec:
+            return []
+        if self.drop_bases is None:
+            self.drop_bases = rngmod.stacked_bases([m.dropout for m in self.members], device)
+        bases = self.drop_bases if whole else self.drop_bases[rows]
+        first = self.drawn[group[0]]
+        if all(self.drawn[i] == first for i in group):
+            draws = [first + j for j in range(len(spec))]
+        else:  # clients at different mask counts (an objective whose draws depend on the batch): one counter each
+            at = torch.tensor([self.drawn[i] for i in group], dtype=torch.int64, device=device)
+            draws = [at + j for j in range(len(spec))]
+        for i in group:
+            self.drawn[i] += len(spec)
+        return [rngmod.keep_masks(bases, d, shape, p, dt, device) for d, (shape, dt, p) in zip(draws, spec)]
 
     def _one(self, p, fixed, xb, yb, masks, epoch):
         fz, st = fixed  # st: the client's running statistics (its rows of the stacks, updated in place)
@@ -296,9 +316,8 @@ class _GroupTraining:
         else:
             xb = torch.stack([m.x[self._idx(i, s).to(m.x.device)] for i, m in zip(group, ms)])
             yb = torch.stack([m.y[self._idx(i, s).to(m.y.device)] for i, m in zip(group, ms)])
-        masks = [torch.stack([torch.empty(shape, device=xb.device, dtype=dt).bernoulli_(1.0 - p, generator=m.dropout)
-                              for m in ms]) for shape, dt, p in spec]
         rows = torch.as_tensor(group, device=xb.device)  # indexes the stacked tensors and optimiser state
+        masks = self._masks(group, rows, whole, spec, xb.device)
         sub = self.stacked if whole else {n: t[rows] for n, t in self.stacked.items()}
         fz = self.frozen if whole else {n: t[rows] for n, t in self.frozen.items()}
         st = self.stats if whole else {n: t[rows] for n, t in self.stats.items()}  # updated in place by the forward
