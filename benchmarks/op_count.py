@@ -81,9 +81,10 @@ TWIN_OBJECTIVE = {"fedavg": "ce", "fedprox": "prox", "fedproto": "proto", "fedtg
 
 
 def raysim_client_counts(method: str, cohort: int = 10, clients: int = 10, vectorize: bool = False,
-                         rounds: tuple = (2, 4)) -> dict:
+                         rounds: tuple = (2, 4), model: dict | None = None) -> dict:
     """Ops per trained client of raysim's sequential run (module docstring): {"client steps": Counter per client,
-    "round": Counter per client}."""
+    "round": Counter per client}. ``model``: the config's model section instead of cnn4's (e.g. ``{"arch":
+    "cnn_mnist"}``, a model with dropout)."""
     import gpu
 
     from raysim import register_dataset
@@ -104,6 +105,8 @@ def raysim_client_counts(method: str, cohort: int = 10, clients: int = 10, vecto
     def one(r):
         c = gpu.config("cnn4", clients, cohort, r, None, {"torch_threads": 1, "device": "cpu", "vectorize": vectorize})
         c["algorithm"] = {"name": method}
+        if model is not None:
+            c["model"] = dict(model)
         steps.ops.clear()
         with Count() as whole:
             run_experiment(make_config(c), write=False, progress=False)

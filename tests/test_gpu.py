@@ -49,3 +49,15 @@ def test_cuda_and_cpu_tables_agree_on_counts_exactly_and_on_accuracy_within_the_
     # the last round's mean (early rounds swing more: 0.045 at worst over the 20-round quick start on an H100, 0.0006
     # at its end); this 3-round tiny run is not yet measured on a GPU, hence the wider bound
     assert abs(final_acc(gpu) - final_acc(cpu)) <= 0.1
+
+
+def test_counter_based_draws_are_the_same_bits_on_cuda_and_cpu():
+    from raysim import rng
+
+    bases = rng.stacked_bases([rng.counter(3, 1, c, "dropout") for c in range(5)], "cpu")
+    cpu = rng.keep_masks(bases, 4, (8, 16, 1, 1), 0.5, torch.float32, "cpu")
+    gpu = rng.keep_masks(bases.cuda(), 4, (8, 16, 1, 1), 0.5, torch.float32, "cuda")
+    assert torch.equal(cpu, gpu.cpu())
+    s = rng.counter(3, 1, 0, "dropout")
+    assert torch.equal(s.mask((7, 9), 0.25, torch.float32, "cuda").cpu(),
+                       rng.counter(3, 1, 0, "dropout").mask((7, 9), 0.25, torch.float32, "cpu"))

@@ -94,21 +94,23 @@ def test_an_executor_is_added_without_touching_the_runner(monkeypatch):
                                   mine.drop(columns="run_id").reset_index(drop=True), check_exact=True)
 
 
-@pytest.mark.parametrize("method", ["fedavg", "fedproto"])
-def test_vectorised_ops_per_round_do_not_grow_with_the_cohort(method):
-    """Issue "a cohort per kernel": the vectorised executor's aten ops per round at cohort 8 are within 1.2x of
-    those at cohort 2 (one op per client is left: its own batch-order draw), and its host reads per round do not
-    grow: a group's starting weights are stacked in one op per parameter, its uploads stay rows of the trained stacks
-    until the partial aggregate reduces them in one scan, its metrics are divided and read at once, and FedProto's
-    prototypes come from one grouped forward and one index_add for the whole group. Before: 2.25x (FedAvg) and
-    2.44x (FedProto) at cohorts 10 and 40."""
+@pytest.mark.parametrize("method,arch", [("fedavg", "cnn_mnist"), ("fedproto", "cnn4")])
+def test_vectorised_ops_per_round_do_not_grow_with_the_cohort(method, arch):
+    """Issue "a cohort per kernel": the vectorised executor's aten ops per round at cohort 8 are within 1.08x of
+    those at cohort 2 (1.03x / 1.01x now; 1.14x with cnn_mnist's per-client masks before), and its host reads per round do not grow: a group's starting weights are stacked in one op
+    per parameter, its batch orders and dropout masks are counter-based draws computed for the whole group at once
+    (cnn_mnist: Dropout2d and dropout), its uploads stay rows of the trained stacks until the partial aggregate
+    reduces them in one scan, its metrics are divided and read at once, and FedProto's prototypes come from one
+    grouped forward and one index_add for the whole group. Before: 2.25x (FedAvg) and 2.44x (FedProto) at cohorts
+    10 and 40; 1.58x with dropout before the counter-based draws."""
     import op_count
 
     per_round = {}
     for k in (2, 8):
-        rs = op_count.raysim_client_counts(method, cohort=k, clients=k, vectorize=True, rounds=(1, 2))
+        rs = op_count.raysim_client_counts(method, cohort=k, clients=k, vectorize=True, rounds=(1, 2),
+                                           model={"arch": arch})
         per_round[k] = (sum(rs["client steps"].values()) * k, rs["client steps"].get(op_count.READ, 0) * k,
                         rs["batched reads"] * k)
     (ops2, reads2, batched2), (ops8, reads8, batched8) = per_round[2], per_round[8]
-    assert ops8 <= 1.2 * ops2, (method, ops2, ops8)
+    assert ops8 <= 1.08 * ops2, (method, ops2, ops8)  # issue: <= 1.2x at 10 vs 40; 1.14x with dropout before
     assert reads8 == reads2 == 0 and batched8 == pytest.approx(batched2), (method, per_round)
