@@ -212,8 +212,9 @@ class BackendConfig:
     #                          step's clients placed by predicted cost, corrected online from measured step times)
     numerics: str = "portable"  # portable: one kernel choice on every CPU with AVX2 (the same table on any machine) |
     #                             native: torch's fastest kernels for each CPU (raysim/numerics.py); part of the identity
-    vectorize: bool = False  # train the clients of one architecture in a step together (torch.func vmap); changes
-    #                          the numbers within a stated tolerance, so it is part of the run's identity
+    vectorize: Any = "auto"  # train the clients of one architecture in a step together (the batched executor):
+    #   true | false | auto (the default: on where the clients train on a GPU, the per-client loop on a CPU); on, it
+    #   changes the numbers within a stated tolerance, so it is part of the run's identity (vectorizes())
     max_group: int = 0  # vectorised executor: at most this many clients trained as one batched group (0: as many as
     #                     the step has, on a GPU as many as the runner's free memory holds by the footprint estimate)
     partial_aggregate: Any = "auto"  # each client runner merges its clients' uploads into one (a partial aggregate)
@@ -228,6 +229,22 @@ class BackendConfig:
     #                     registrations load from outside installed packages, with their sibling modules), none,
     #                     working_dir (the whole working directory as Ray's working_dir), or a list of module files /
     #                     package directories (Ray py_modules)
+
+    def clients_on_gpu(self) -> bool:
+        """Whether the clients train on a GPU: ``device: cuda``; with ``device: auto`` a Ray run whose client actors
+        hold a GPU share, a sequential run in a process that sees CUDA."""
+        if self.device != "auto":
+            return self.device == "cuda"
+        if self.name == "ray":
+            return self.num_gpus > 0 or any(r.num_gpus > 0 for r in self.model_resources or [])
+        import torch
+
+        return torch.cuda.is_available()
+
+    def vectorizes(self) -> bool:
+        """``vectorize`` resolved: true or false as set; auto: on where the clients train on a GPU (the batched
+        executor is the GPU's fast path), off on a CPU (the per-client loop is the reference, as fast there)."""
+        return self.clients_on_gpu() if self.vectorize == "auto" else bool(self.vectorize)
 
     def check(self, path: str) -> None:
         choice(_p(path, "name"), self.name, ["sequential", "ray"])
@@ -251,6 +268,8 @@ class BackendConfig:
                                                    "to start a local cluster)")
         choice(_p(path, "device"), self.device, ["auto", "cpu", "cuda"])
         choice(_p(path, "numerics"), self.numerics, ["portable", "native"])
+        if not (isinstance(self.vectorize, bool) or self.vectorize == "auto"):  # 1 is not true
+            raise ConfigError(_p(path, "vectorize"), f"must be auto, true or false, got {self.vectorize!r}")
         if not (isinstance(self.partial_aggregate, bool) or self.partial_aggregate == "auto"):  # 1 is not true
             raise ConfigError(_p(path, "partial_aggregate"), f"must be auto, true or false, got "
                                                              f"{self.partial_aggregate!r}")
@@ -442,7 +461,7 @@ class ExperimentConfig:
                 spec.pop("embedding", None)
         # the executor and the kernel choice change the numbers (the executor within tolerance, kernels in last bits)
         inert = self.inert_backend()  # switches that do nothing for this method and run: not part of what it is
-        d["backend"] = {"vectorize": self.backend.vectorize and "vectorize" not in inert,
+        d["backend"] = {"vectorize": self.vectorizes() and "vectorize" not in inert,
                         "numerics": self.backend.numerics}
         if self.backend.max_group and d["backend"]["vectorize"]:  # a key added later: absent unless set
             d["backend"]["max_group"] = self.backend.max_group
@@ -456,11 +475,18 @@ class ExperimentConfig:
         d.pop("max_failed_share")  # when to stop, not what a finished run computes
         return d
 
+    def vectorizes(self) -> bool:
+        """``backend.vectorize`` resolved for this run (:meth:`BackendConfig.vectorizes`); auto stays off with
+        ``train.local_steps`` (the batched executor runs whole epochs: the loop runs them)."""
+        auto_off = self.backend.vectorize == "auto" and self.train.local_steps is not None
+        return self.backend.vectorizes() and not auto_off
+
     def inert_backend(self) -> tuple[str, ...]:
         """The ``backend`` switches set on (``vectorize``, ``partial_aggregate: true``) that cannot change this run's
         numbers (the method's ``settings_without_effect``: raysim.algorithm): left out of the identity, and said
         (``prepare``). Empty when the method cannot be resolved (its error comes from prepare)."""
-        on = [k for k in ("vectorize", "partial_aggregate") if getattr(self.backend, k) is True]
+        on = (["vectorize"] if self.vectorizes() else []) + (
+            ["partial_aggregate"] if self.backend.partial_aggregate is True else [])
         if not on:
             return ()
         try:
@@ -473,7 +499,9 @@ class ExperimentConfig:
         """The science keys whose values differ from their defaults, as {dotted key: value}. Algorithm parameters
         are compared with the method's own defaults. Adding a key with a behaviour-preserving default therefore
         never changes an old config's identity, while every key that changes the numbers does."""
-        default = ExperimentConfig().science_dict()
+        # the baseline is the per-client loop wherever it runs (vectorize: auto resolves by the device: a GPU run that
+        # batches is named as one that asked for it, a CPU run as before auto existed)
+        default = ExperimentConfig(backend=BackendConfig(vectorize=False)).science_dict()
         mine = self.science_dict()
         out = _diff_leaves(mine, default, "")
         out.pop("algorithm.params", None)

@@ -68,7 +68,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         from raysim.asyncrules import check_async
 
         check_async(cfg, algorithm, env)
-    if cfg.backend.vectorize is True and cfg.backend.numerics == "portable" and _runs_on_cpu(cfg):
+    if cfg.backend.vectorize is True and cfg.backend.numerics == "portable" and _runs_on_cpu(cfg):  # asked for
         _notice_once(PORTABLE_VECTORIZE_NOTE)
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
         from raysim.runner.footprint import check_gpu_budgets
@@ -132,10 +132,10 @@ def _build_models_once(cfg: ExperimentConfig, algo_cls, task: Task) -> dict:
                               f"{f' (e.g. {hint!r}, the input of the last linear layer)' if hint else ''}, or give "
                               f"the module `features` (input -> embedding) and `classifier` (embedding -> logits) "
                               f"attributes, or return a raysim.models.SplitModel")
-        if cfg.backend.vectorize and cfg.train.local_steps is not None and issubclass(algo_cls, LocalTraining):
+        if cfg.vectorizes() and cfg.train.local_steps is not None and issubclass(algo_cls, LocalTraining):
             raise ConfigError("train.local_steps", "is not supported with backend.vectorize (the vectorised "
                                                    "executor runs whole epochs); use local_epochs")
-        if cfg.backend.vectorize:
+        if cfg.vectorizes():
             from raysim.runner.vectorized import check_model
 
             check_model(built, spec.arch)
@@ -367,6 +367,10 @@ def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _noti
         notify(f"note: data.rotations lists {len(rot)} angles but data.num_clients is {n}: the last {len(rot) - n} "
                f"are not used")
     for key in cfg.inert_backend():
+        if key == "vectorize" and cfg.backend.vectorize == "auto":  # the default on a GPU: the loop, said once
+            notify(f"note: backend.vectorize: auto runs {cfg.algorithm.name} in the per-client loop on this GPU "
+                   f"({_INERT_WHY[key](cfg)})")
+            continue
         notify(f"note: backend.{key}: true does nothing for {cfg.algorithm.name} ({_INERT_WHY[key](cfg)}); it is "
                f"left out of the run's identity (run id {cfg.run_id()})")
     if cfg.backend.name == "ray" and cfg.backend.num_actors > n:

@@ -26,7 +26,7 @@ class BackendSettings:
 
 def runner_settings(cfg: ExperimentConfig) -> RunnerSettings:
     b = cfg.backend
-    return RunnerSettings(cfg.seed, b.device, b.numerics, b.torch_threads, bool(b.vectorize), b.decoded_cache_mb,
+    return RunnerSettings(cfg.seed, b.device, b.numerics, b.torch_threads, cfg.vectorizes(), b.decoded_cache_mb,
                           b.state_memory_mb, int(b.max_group))
 
 

@@ -1,0 +1,57 @@
+"""``backend.vectorize: auto`` (the default): the batched executor where the clients train on a GPU, the per-client
+loop on a CPU (issue 49: batch-native execution, the default where it applies). Resolved from the config alone, so
+these tests need no GPU: nothing here calls CUDA."""
+from __future__ import annotations
+
+import pytest
+
+from raysim.config import make_config
+from raysim.engine.prepare import _notice_dropped
+from raysim.engine.settings import runner_settings
+from raysim.errors import ConfigError
+from tests.conftest import tiny_config
+
+
+def _cfg(**backend):
+    return make_config(tiny_config(backend={"name": "sequential", **backend}))
+
+
+def test_auto_is_the_default_and_batches_only_on_a_gpu():
+    assert _cfg().backend.vectorize == "auto"
+    assert not _cfg(device="cpu").vectorizes() and not runner_settings(_cfg(device="cpu")).vectorize
+    assert _cfg(device="cuda").vectorizes() and runner_settings(_cfg(device="cuda")).vectorize
+    ray = dict(name="ray", num_actors=2)
+    assert _cfg(**ray, num_gpus=0.5).vectorizes() and not _cfg(**ray, num_gpus=0.0).vectorizes()
+    assert not _cfg(device="cuda", vectorize=False).vectorizes() and _cfg(device="cpu", vectorize=True).vectorizes()
+    steps = make_config(tiny_config(backend={"name": "sequential", "device": "cuda"},
+                                    train={"local_steps": 3, "batch_size": 8, "lr": 0.05}))
+    assert not steps.vectorizes()  # auto leaves whole-epoch batching to runs of whole epochs
+
+
+def test_auto_is_named_as_what_it_runs():
+    """A CPU run under auto keeps the identity it had before auto existed; a GPU run that batches is named as one
+    that asked for the batched executor."""
+    assert _cfg(device="cpu").run_id() == _cfg(device="cpu", vectorize=False).run_id()
+    assert _cfg(device="cuda").run_id() == _cfg(device="cuda", vectorize=True).run_id()
+    assert _cfg(device="cuda").run_id() != _cfg(device="cuda", vectorize=False).run_id()
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_a_bad_value_names_the_key(value):
+    with pytest.raises(ConfigError, match=r"backend\.vectorize.*auto, true or false"):
+        _cfg(vectorize=value)
+
+
+def test_auto_on_a_gpu_says_once_that_a_method_it_cannot_batch_runs_the_loop():
+    cfg = make_config(tiny_config(backend={"name": "sequential", "device": "cuda"},
+                                  algorithm={"name": "fedfomo", "params": {}}, data__val_fraction=0.2))
+    said = []
+    _notice_dropped(cfg, said.append)
+    assert [s for s in said if "vectorize" in s] == [
+        "note: backend.vectorize: auto runs fedfomo in the per-client loop on this GPU (it is not a LocalTraining "
+        "method and has no group form <fn>_group: its clients always train one after another)"]
+    cpu = make_config(tiny_config(backend={"name": "sequential", "device": "cpu"},
+                                  algorithm={"name": "fedfomo", "params": {}}, data__val_fraction=0.2))
+    said = []
+    _notice_dropped(cpu, said.append)
+    assert not [s for s in said if "vectorize" in s]  # on a CPU auto is the loop: nothing to say
