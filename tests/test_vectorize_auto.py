@@ -4,6 +4,7 @@ these tests need no GPU: nothing here calls CUDA."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from raysim.config import make_config
 from raysim.engine.prepare import _notice_dropped
@@ -20,8 +21,10 @@ def test_auto_is_the_default_and_batches_only_on_a_gpu():
     assert _cfg().backend.vectorize == "auto"
     assert not _cfg(device="cpu").vectorizes() and not runner_settings(_cfg(device="cpu")).vectorize
     assert _cfg(device="cuda").vectorizes() and runner_settings(_cfg(device="cuda")).vectorize
-    ray = dict(name="ray", num_actors=2)
+    ray = dict(name="ray", num_actors=2, address="10.0.0.1:6379")  # a cluster: its actors' GPU shares decide
     assert _cfg(**ray, num_gpus=0.5).vectorizes() and not _cfg(**ray, num_gpus=0.0).vectorizes()
+    if not torch.cuda.is_available():  # a local Ray with fake GPU shares trains on this machine's CPU
+        assert not _cfg(name="ray", num_actors=2, num_gpus=0.5).vectorizes()
     assert not _cfg(device="cuda", vectorize=False).vectorizes() and _cfg(device="cpu", vectorize=True).vectorizes()
     steps = make_config(tiny_config(backend={"name": "sequential", "device": "cuda"},
                                     train={"local_steps": 3, "batch_size": 8, "lr": 0.05}))

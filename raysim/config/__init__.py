@@ -231,12 +231,15 @@ class BackendConfig:
     #                     package directories (Ray py_modules)
 
     def clients_on_gpu(self) -> bool:
-        """Whether the clients train on a GPU: ``device: cuda``; with ``device: auto`` a Ray run whose client actors
-        hold a GPU share, a sequential run in a process that sees CUDA."""
+        """Whether the clients train on a GPU: ``device: cuda``; with ``device: auto`` a run in a process that sees
+        CUDA (sequential), a Ray run whose client actors hold a GPU share on this machine when it has CUDA or on a
+        cluster (``address``: the driver need not have a GPU itself; a local Ray with fake GPUs trains on the CPU)."""
         if self.device != "auto":
             return self.device == "cuda"
-        if self.name == "ray":
-            return self.num_gpus > 0 or any(r.num_gpus > 0 for r in self.model_resources or [])
+        if self.name == "ray" and not (self.num_gpus > 0 or any(r.num_gpus > 0 for r in self.model_resources or [])):
+            return False
+        if self.name == "ray" and self.address:
+            return True
         import torch
 
         return torch.cuda.is_available()
