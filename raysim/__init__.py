@@ -12,8 +12,10 @@ _numerics.pin_at_import()  # before anything computes: the portable kernels (bac
 from raysim.config import ExperimentConfig, load_config, make_config
 from raysim.errors import ConfigError, DataError, SimulationError
 from raysim.config.registry import dataset_loader, model_factory, register_algorithm
+from raysim._version import __version__
+from raysim import builtins as _builtins
 
-__version__ = "0.1.0"
+_builtins.register()  # the shipped methods, backends and environment, by name (raysim/builtins.py)
 
 
 def run_experiment(*args, **kwargs):
