@@ -18,10 +18,12 @@ from raysim import builtins as _builtins
 _builtins.register()  # the shipped methods, backends and environment, by name (raysim/builtins.py)
 
 
-def run_experiment(*args, **kwargs):
+def run_experiment(cfg, **kwargs):
+    """:func:`raysim.engine.loop.run_experiment`: the config, then keywords only (out_dir, progress, write, resume,
+    callbacks, prepared)."""
     from raysim.engine.loop import run_experiment as _run
 
-    return _run(*args, **kwargs)
+    return _run(cfg, **kwargs)
 
 
 def __getattr__(name):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -259,15 +259,6 @@ class Algorithm:
     server_data: ClassVar[tuple] = ()
     # the client metrics the progress bar shows (the latest evaluated mean of each the run has reported)
     headline: ClassVar[tuple] = ("test_acc",)
-    # whether evaluate_client reports each client's cluster as the metric ``cluster``: with ground-truth domains in
-    # the data (FederatedData.domains) the driver then adds the ARI of the assignment (ClusterAgreement)
-    reports_clusters: ClassVar[bool] = False
-    # whether the method aggregates asynchronously (server.mode: async, FedBuff / FedAsync): its server state is
-    # moved toward the ``aggregate`` of the arrived uploads by ``async_mix`` (see async_aggregate). Methods whose
-    # server step is not one aggregate of uploads (multi-exchange schedules, setup phases, control variates) keep
-    # False and refuse async with one line naming server.mode
-    asynchronous: ClassVar[bool] = False
-
     @classmethod
     def measures(cls, params: Optional[dict] = None) -> dict:
         """metric -> the kind of model it evaluates (a key of :data:`MEASURES`), for ``params`` (the config's
@@ -336,10 +327,60 @@ class Algorithm:
             server_state, metrics = self.aggregate(server_state, uploads, ctx)
         return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()), dict(metrics))
 
+    # -- server -------------------------------------------------------------------------------------------------
+    def init_server_state(self, ctx: ServerContext) -> Any:
+        return {}
+
+    def broadcast(self, server_state: Any, ctx: ServerContext) -> Payload:
+        return {}
+
+    def aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> tuple[Any, dict]:
+        return server_state, {}
+
+    @classmethod
+    def settings_without_effect(cls, env: bool) -> tuple[str, ...]:
+        """The ``backend`` switches (``vectorize``, ``partial_aggregate``) that cannot change this method's numbers
+        (``env``: the run has an env section); they are left out of a run's identity with a notice."""
+        return inert_switches(cls, env)
+
+    # (a method with its own schedule() whose server steps merge only as the classic round's do overrides it with
+    # ``inert_switches(cls, env, classic=True)``: FedAvg)
+
+    def evaluate_server(self, server_state: Any, test: ArrayDataset, ctx: ServerContext) -> dict:
+        return {}
+
+    # -- client -------------------------------------------------------------------------------------------------
+    def init_client_state(self, ctx: Context) -> Any:
+        return {}
+
+    def downlink(self, payload: Payload, client_id: int, ctx: Optional[Context] = None) -> Payload:
+        """What ``client_id`` downloads of the payload (accounted). Runs inside the client's failure guard."""
+        return payload
+
+    def client_update(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> ClientUpdate:
+        """Every method defines its local step; the base class has none."""
+        raise TypeError(f"{type(self).__name__} does not define client_update")
+
+    def evaluate_client(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> dict:
+        return {}
+
+
+# -- optional capabilities: what a method opts into beyond the base contract ----------------------------------------
+# A mixin is listed before the method's base class (``class FedAvg(Asynchronous, LocalTraining)``); a protocol names
+# methods the method defines itself.
+
+
+class Asynchronous:
+    """Opt-in to asynchronous aggregation (``server.mode: async``, FedBuff / FedAsync): the method's server state is
+    moved toward the ``aggregate`` of the arrived uploads by :meth:`async_mix` (:meth:`async_aggregate`). Methods
+    whose server step is not one aggregate of uploads (multi-exchange schedules, setup phases, control variates) do
+    not opt in and refuse async with one line naming server.mode (raysim/asyncrules.py reads ``asynchronous``)."""
+
+    asynchronous: ClassVar[bool] = True
+
     def async_aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> ServerUpdate:
-        """The asynchronous server step (``server.mode: async``; methods with ``asynchronous = True``): the method's
-        own ``aggregate`` of the arrived uploads (FedBuff's buffer, or FedAsync's one update) is the target, and the
-        server state moves toward it by ``ctx.asynchronous["mix"]`` (FedBuff: server_lr * mean s(tau); FedAsync:
+        """The asynchronous server step (``server.mode: async``): the method's own ``aggregate`` of the arrived
+        uploads (FedBuff's buffer, or FedAsync's one update) is the target, and the server state moves toward it by ``ctx.asynchronous["mix"]`` (FedBuff: server_lr * mean s(tau); FedAsync:
         alpha * s(tau); raysim/asyncrules.py) through :meth:`async_mix`; then the next version's broadcast.
 
         FedBuff (Nguyen et al. 2022) applies each client's delta against the version it was dispatched with: a stale
@@ -371,15 +412,19 @@ class Algorithm:
 
         return mix_trees(server_state, target, weight)
 
-    # -- server -------------------------------------------------------------------------------------------------
-    def init_server_state(self, ctx: ServerContext) -> Any:
-        return {}
 
-    def broadcast(self, server_state: Any, ctx: ServerContext) -> Payload:
-        return {}
+class ReportsClusters:
+    """Opt-in for clustered methods: ``evaluate_client`` reports each client's cluster as the metric ``cluster``;
+    with ground-truth domains in the data (FederatedData.domains) the driver then adds the ARI of the assignment
+    (ClusterAgreement)."""
 
-    def aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> tuple[Any, dict]:
-        return server_state, {}
+    reports_clusters: ClassVar[bool] = True
+
+
+@runtime_checkable
+class MergesUploads(Protocol):
+    """A method whose aggregation is a merge of sums: the default schedule's ``ServerStep.merge`` names this
+    method; without it (the base class has none) uploads are never merged."""
 
     def merge_uploads(self, uploads: dict) -> Optional[dict]:
         """The default schedule's merge (``ServerStep.merge``): one upload that ``aggregate`` treats as the uploads
@@ -390,40 +435,14 @@ class Algorithm:
         merged (:func:`upload_merger`). The per-client message accounting is unchanged: it is made before merging."""
         return None
 
-    @classmethod
-    def settings_without_effect(cls, env: bool) -> tuple[str, ...]:
-        """The ``backend`` switches (``vectorize``, ``partial_aggregate``) that cannot change this method's numbers
-        (``env``: the run has an env section); they are left out of a run's identity with a notice."""
-        return inert_switches(cls, env)
 
-    # (a method with its own schedule() whose server steps merge only as the classic round's do overrides it with
-    # ``inert_switches(cls, env, classic=True)``: FedAvg)
-
-    def evaluate_server(self, server_state: Any, test: ArrayDataset, ctx: ServerContext) -> dict:
-        return {}
-
-    # -- client -------------------------------------------------------------------------------------------------
-    def init_client_state(self, ctx: Context) -> Any:
-        return {}
-
-    def downlink(self, payload: Payload, client_id: int, ctx: Optional[Context] = None) -> Payload:
-        """What ``client_id`` downloads of the payload (accounted). Runs inside the client's failure guard."""
-        return payload
-
-    def client_update(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> ClientUpdate:
-        """Every method defines its local step; the base class has none."""
-        raise TypeError(f"{type(self).__name__} does not define client_update")
-
-    def evaluate_client(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> dict:
-        return {}
-
-    # A client step ``fn`` may also have a *group form* ``<fn>_group(payloads, states, datas, ctxs)``: the same step
-    # for several clients of one runner at once (lists in the same order), returning one ClientUpdate per client,
-    # or None when it cannot take this group (the per-client loop runs). With ``backend.vectorize: true`` the runner
-    # calls it instead of ``fn`` per client. It promises the per-client results within the vectorised executor's
-    # stated tolerance, draws only from each client's own ``ctx.generator`` streams (never torch's global RNG) and
-    # does not modify its arguments; if it raises, the runner runs the per-client loop, so a failing client fails
-    # alone. Example: MAFML's ``local_group`` / ``step_global_group`` (all nodes' LeNets as one grouped network).
+# A client step ``fn`` may also have a *group form* ``<fn>_group(payloads, states, datas, ctxs)``: the same step
+# for several clients of one runner at once (lists in the same order), returning one ClientUpdate per client,
+# or None when it cannot take this group (the per-client loop runs). With ``backend.vectorize: true`` the runner
+# calls it instead of ``fn`` per client. It promises the per-client results within the vectorised executor's
+# stated tolerance, draws only from each client's own ``ctx.generator`` streams (never torch's global RNG) and
+# does not modify its arguments; if it raises, the runner runs the per-client loop, so a failing client fails
+# alone. Example: MAFML's ``local_group`` / ``step_global_group`` (all nodes' LeNets as one grouped network).
 
 
 class LocalTraining(Algorithm):

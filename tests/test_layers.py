@@ -373,7 +373,7 @@ MAX_LINES, MAX_PARAMS = 60, 6
 # deliberately kept, each with its reason (``path:function``); an entry that no longer offends fails the test, so
 # the list only shrinks
 SIZE_ALLOWED = {
-    "raysim/engine/loop.py:run_experiment": "the public entry point (raysim.run_experiment): its keyword API (out_dir, "
+    "raysim/engine/loop.py:run_experiment": "the public entry point (raysim.run_experiment): its keyword-only API (out_dir, "
                                             "progress, write, resume, callbacks, prepared) is what users call",
     "raysim/backends/ray_actors.py:run_client_step": "a Ray actor method: the payload must be a top-level argument for "
                                                      "Ray to resolve its ObjectRef; the commits ride on the same call",
