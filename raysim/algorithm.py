@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar, Optional, Protocol, runtime_checkable
+from typing import Any, Callable, ClassVar, Optional
 
 import numpy as np
 import torch
@@ -337,6 +337,15 @@ class Algorithm:
     def aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> tuple[Any, dict]:
         return server_state, {}
 
+    def merge_uploads(self, uploads: dict) -> Optional[dict]:
+        """The default schedule's merge (``ServerStep.merge``): one upload that ``aggregate`` treats as the uploads
+        of ``uploads`` (client id -> upload, sorted) together, or None when this method's aggregation is not a
+        merge of sums (the default). A method whose ``aggregate`` is a weighted sum defines it (FedAvg: the sample-
+        weighted average with the summed sample count); with ``backend.partial_aggregate`` each client runner then
+        sends one merged upload per step. A subclass that overrides ``aggregate`` without its own merge is never
+        merged (:func:`upload_merger`). The per-client message accounting is unchanged: it is made before merging."""
+        return None
+
     @classmethod
     def settings_without_effect(cls, env: bool) -> tuple[str, ...]:
         """The ``backend`` switches (``vectorize``, ``partial_aggregate``) that cannot change this method's numbers
@@ -366,8 +375,8 @@ class Algorithm:
 
 
 # -- optional capabilities: what a method opts into beyond the base contract ----------------------------------------
-# A mixin is listed before the method's base class (``class FedAvg(Asynchronous, LocalTraining)``); a protocol names
-# methods the method defines itself.
+# A mixin is listed before the method's base class (``class FedAvg(Asynchronous, LocalTraining)``). (Merging uploads
+# stays a hook of every method, ``merge_uploads``: the classic schedule names it.)
 
 
 class Asynchronous:
@@ -419,21 +428,6 @@ class ReportsClusters:
     (ClusterAgreement)."""
 
     reports_clusters: ClassVar[bool] = True
-
-
-@runtime_checkable
-class MergesUploads(Protocol):
-    """A method whose aggregation is a merge of sums: the default schedule's ``ServerStep.merge`` names this
-    method; without it (the base class has none) uploads are never merged."""
-
-    def merge_uploads(self, uploads: dict) -> Optional[dict]:
-        """The default schedule's merge (``ServerStep.merge``): one upload that ``aggregate`` treats as the uploads
-        of ``uploads`` (client id -> upload, sorted) together, or None when this method's aggregation is not a
-        merge of sums (the default). A method whose ``aggregate`` is a weighted sum defines it (FedAvg: the sample-
-        weighted average with the summed sample count); with ``backend.partial_aggregate`` each client runner then
-        sends one merged upload per step. A subclass that overrides ``aggregate`` without its own merge is never
-        merged (:func:`upload_merger`). The per-client message accounting is unchanged: it is made before merging."""
-        return None
 
 
 # A client step ``fn`` may also have a *group form* ``<fn>_group(payloads, states, datas, ctxs)``: the same step
