@@ -151,13 +151,13 @@ _IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_][\w.]*)?$")
 _IMPORTERS = ("import_module", "__import__")  # whatever these are given is a module name, dotted or not
 
 
-def folder_of(module: str, root: Path = ROOT) -> str:
+def folder_of(module: str) -> str:
     """A module's room: a subpackage of a package (``raysim.engine``, ``raysim.io``, ...), a top-level package beside
     it (``algorithms``, ``envs``, ``tuning``), or a top-level module of raysim on its own (``raysim.algorithm``; the
     package face ``raysim``, raysim/__init__.py, too)."""
     parts = module.split(".")
     if parts[0] == "raysim":
-        return ".".join(parts[:2]) if len(parts) >= 3 or (root / "raysim" / parts[-1]).is_dir() else module
+        return ".".join(parts[:2]) if len(parts) >= 3 or (ROOT / "raysim" / parts[-1]).is_dir() else module
     return parts[0]
 
 
