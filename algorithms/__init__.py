@@ -1,2 +1,2 @@
-"""Federated learning methods for raysim, one module per method (registered by name in raysim/builtins.py,
+"""Federated learning methods for raysim, one module per method (registered by name in raysim/shipped.py,
 reached through raysim.config.registry)."""

@@ -13,9 +13,9 @@ from raysim.config import ExperimentConfig, load_config, make_config
 from raysim.errors import ConfigError, DataError, SimulationError
 from raysim.config.registry import dataset_loader, model_factory, register_algorithm
 from raysim._version import __version__
-from raysim import builtins as _builtins
+from raysim import shipped as _shipped
 
-_builtins.register()  # the shipped methods, backends and environment, by name (raysim/builtins.py)
+_shipped.register()  # the shipped methods, backends and environment, by name (raysim/shipped.py)
 
 
 def run_experiment(cfg, **kwargs):

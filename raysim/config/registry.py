@@ -1,5 +1,5 @@
 """Name registry: the only way the engine reaches the method modules (``"fedproto"`` -> ``algorithms.fedproto``; the
-shipped methods' names are registered from above, by :mod:`raysim.builtins` when raysim is imported, so this module,
+shipped methods' names are registered from above, by :mod:`raysim.shipped` when raysim is imported, so this module,
 below the contract, names no method), and the user's own methods, models and datasets: by import path
 (``"package.module:Name"``) or registered by name (:func:`register_algorithm`; ``raysim.register_model`` and
 ``raysim.register_dataset`` live beside the zoo and the loaders they check names against, :mod:`raysim.models` and
@@ -27,7 +27,7 @@ from typing import Any, Callable, Union
 
 from raysim.errors import ConfigError
 
-# names -> "module:Class": the shipped methods, filled from above when raysim is imported (raysim/builtins.py: the
+# names -> "module:Class": the shipped methods, filled from above when raysim is imported (raysim/shipped.py: the
 # methods sit above the contract, and the registry below it names none of them), and the user's own
 # (register_algorithm)
 ALGORITHMS: dict[str, str] = {}
@@ -35,7 +35,7 @@ ALGORITHMS: dict[str, str] = {}
 
 # the simulated environment (device, network, participation, clock): an implementation of the engine's declared
 # protocol (raysim.engine.environment.Environment), registered like a method: the environment layer (envs/) imports
-# raysim, never the reverse, so the engine reaches it by a name raysim/builtins.py registers (envs.Environment)
+# raysim, never the reverse, so the engine reaches it by a name raysim/shipped.py registers (envs.Environment)
 ENVIRONMENT: dict[str, str] = {"target": ""}
 
 

@@ -1,7 +1,7 @@
 """The backend interface the driver talks to (two generic primitives — run a client step for a set of client ids, run
 a server step — plus commit, checkpoint shards, lifecycle and one typed report at the end, :class:`BackendReport`),
 and how the driver gets one: by name, from the implementations in ``raysim/backends/`` (which sit above the engine
-and import its runners), registered from above (:mod:`raysim.builtins`, :func:`register_backend`) and resolved when
+and import its runners), registered from above (:mod:`raysim.shipped`, :func:`register_backend`) and resolved when
 a run starts (:func:`make_backend`, :func:`preflight`), so the driver side of the engine neither imports nor names a
 backend module.
 Backends hold no algorithm logic. Handles (payloads, uploads) are opaque: in-process objects for the sequential
@@ -124,7 +124,7 @@ def run_state_dir(spec, settings):
 
 
 # the implementations by name ("module:attribute", imported when a run starts), registered from above: the shipped
-# ones by raysim/builtins.py when raysim is imported (the backends sit above the engine; the engine names none of them)
+# ones by raysim/shipped.py when raysim is imported (the backends sit above the engine; the engine names none of them)
 BACKENDS: dict[str, str] = {}
 PREFLIGHT: dict[str, str] = {"target": ""}  # the checks before a run starts (every backend's)
 
