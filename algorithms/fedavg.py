@@ -36,7 +36,8 @@ from algorithms import fedpu
 from algorithms.local import ce_loss
 from algorithms.mutual_ops import domain_metrics, random_batch
 from raysim import rng as rngmod
-from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate, inert_switches
+from raysim.algorithm import (Asynchronous, ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate,
+                              inert_switches)
 from raysim.errors import ConfigError
 from raysim.messages import Message, payload_sizes, rows_of, stacked_segments, state_message
 from raysim.ops import rebase_trees, weighted_average_states
@@ -89,7 +90,7 @@ def merge_sample_weighted(uploads: dict, key: str = "model") -> dict:
             "num_samples": Message("num_samples", {"n": n})}
 
 
-class FedAvg(LocalTraining):
+class FedAvg(Asynchronous, LocalTraining):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
 
     def declared_uploads(self):
@@ -104,7 +105,6 @@ class FedAvg(LocalTraining):
         own = iterations and cls._param(params, "eval_model") == "local"
         kind = "personalised" if own else "global"
         return {**dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), kind), "global_test_acc": "global"}
-    asynchronous = True  # server.mode: async (FedBuff / FedAsync on the global model; FedProx inherits it)
     paper = "McMahan et al., Communication-Efficient Learning of Deep Networks from Decentralized Data, AISTATS 2017"
 
     @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch.nn as nn
 from algorithms.fedavg import merge_sample_weighted, rebase_state_upload, sample_weighted_average
 from algorithms.local import ce_loss
 from algorithms.proto_ops import select_prefix
-from raysim.algorithm import Context, LocalStart, LocalTraining
+from raysim.algorithm import Asynchronous, Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
 from raysim.messages import Layered, Message, rows_of, state_message
@@ -28,7 +28,7 @@ from raysim.runner.grouped import group_test_accuracy
 from raysim.training import clone_state, device_accuracy, forward_all
 
 
-class SharedPartAverage(LocalTraining):
+class SharedPartAverage(Asynchronous, LocalTraining):
     """Shared by FedPer and LG-FedAvg: one part of the model (``shared`` = "body" or "head") is averaged on the
     server with sample-count weights; the other part stays on the client."""
 
@@ -40,7 +40,6 @@ class SharedPartAverage(LocalTraining):
         return {f"{self.shared}_weights", "num_samples"}
 
     shared: str = "body"
-    asynchronous = True  # server.mode: async on the shared part (FedPer's body, LG-FedAvg's head)
 
     @dataclass(frozen=True)
     class Params:

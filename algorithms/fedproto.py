@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from algorithms import fedpu
-from raysim.algorithm import Context, LocalStart, LocalTraining
+from raysim.algorithm import Asynchronous, Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
 from raysim.runner.grouped import grouped_embeddings, stack_weights
@@ -28,7 +28,7 @@ from raysim.ops import (aggregate_prototypes, class_prototypes, group_class_prot
 from raysim.training import clone_state, device_accuracy, epoch_count, forward_all
 
 
-class FedProto(LocalTraining):
+class FedProto(Asynchronous, LocalTraining):
     def declared_uploads(self):
         return {"prototypes"}
 
@@ -38,7 +38,6 @@ class FedProto(LocalTraining):
     def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
         own = bool(cls._param(params, "restrict_local_classes"))
         return {"test_acc": "personalised", "test_acc_proto": "prototype_own" if own else "prototype_all"}
-    asynchronous = True  # server.mode: async (staleness-weighted prototypes: async_mix)
     headline = ("test_acc", "test_acc_proto")  # own classifier, nearest global prototype
     paper = "Tan et al., FedProto: Federated Prototype Learning across Heterogeneous Clients, AAAI 2022"
 

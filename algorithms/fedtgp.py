@@ -91,7 +91,6 @@ def train_generator(gen: PrototypeGenerator, feats: torch.Tensor, labels: torch.
 
 class FedTGP(FedProto):
     name = "fedtgp"
-    asynchronous = True  # server.mode: async: the generator trains on the arrived uploads, then async_mix
     paper = ("Zhang et al., FedTGP: Trainable Global Prototypes with Adaptive-Margin-Enhanced Contrastive Learning "
              "for Data and Model Heterogeneity in Federated Learning, AAAI 2024")
 

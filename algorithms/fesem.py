@@ -33,7 +33,7 @@ import torch
 from algorithms.local import ce_loss
 from algorithms.proto_ops import assign_nearest, flatten_state
 from raysim import rng as rngmod
-from raysim.algorithm import Algorithm, ClientUpdate, Context
+from raysim.algorithm import Algorithm, ClientUpdate, Context, ReportsClusters
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
@@ -68,7 +68,7 @@ def drift_ratio(local_states: list, started_from: list, centres: list) -> float:
     return drift / gap if gap > 0 else float("inf")
 
 
-class FeSEM(Algorithm):
+class FeSEM(ReportsClusters, Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
 
     def declared_uploads(self):
@@ -79,7 +79,6 @@ class FeSEM(Algorithm):
     @classmethod
     def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
         return {"test_acc": "cluster"}
-    reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = "Xie et al., Multi-Center Federated Learning: Clients Clustering for Better Personalization, WWW Journal 2023"
 
     @dataclass(frozen=True)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from algorithms.local import ce_loss
 from raysim import rng as rngmod
-from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
+from raysim.algorithm import Algorithm, ClientUpdate, Context, ReportsClusters, ServerUpdate
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
@@ -92,14 +92,13 @@ def cluster_average(states: list, choices: list[int], centres: list) -> list:
     return out
 
 
-class IFCA(Algorithm):
+class IFCA(ReportsClusters, Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
     name = "ifca"
 
     @classmethod
     def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
         return {"test_acc": "cluster"}
-    reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = "Ghosh et al., An Efficient Framework for Clustered Federated Learning, NeurIPS 2020"
 
     def declared_uploads(self):

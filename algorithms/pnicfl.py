@@ -58,7 +58,7 @@ import torch
 from algorithms.fedavg import sample_weighted_average
 from algorithms.pnicfl_ops import (body_state, e_step, embed_all, episode_losses, estep_embeddings, kmeans_init, m_step,
                                    partition_tasks, sample_episode, sq_dists, task_losses, user_embedding)
-from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
+from raysim.algorithm import Algorithm, ClientUpdate, Context, ReportsClusters, ServerUpdate
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message
@@ -69,13 +69,12 @@ from raysim.training import OptimizerSpec, accuracy, make_optimizer
 
 # -- pure maths (hand examples: tests/test_clustered.py and tests/test_maths.py) ----------------------------------------
 
-class PNICFL(Algorithm):
+class PNICFL(ReportsClusters, Algorithm):
     name = "pnicfl"
 
     @classmethod
     def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
         return {"test_acc": "cluster_prototype", "test_acc_local": "local_prototype"}
-    reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = ("PN-ICFL: prototypical-network-based iterative clustered federated learning (seed 001); Snell et al., "
              "Prototypical Networks for Few-shot Learning, NeurIPS 2017")
 

@@ -83,12 +83,6 @@ def prototype_distance_regulariser(z: torch.Tensor, y: torch.Tensor, protos: tor
     return (dist * weight).sum() / weight.sum().clamp_min(1.0)
 
 
-def min_pairwise_distance(protos: torch.Tensor) -> float:
-    d = pairwise_distances(protos, protos)
-    d = d + torch.diag(torch.full((protos.shape[0],), float("inf"), dtype=d.dtype))
-    return float(d.min())
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # FedProto-UH (fixed orthogonal head from FedNH's FedUH), reference §1.10
 

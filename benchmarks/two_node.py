@@ -60,7 +60,12 @@ class StopNode(Callback):
         if self.modules and self.files is None:  # the user's modules, after a round (the model is built on first use):
             # what was shipped, where each actor (on both nodes, before the stop) imported them from
             self.shipped = run.backend.shipped
-            self.files = ray.get([a.module_files.remote(self.modules) for a in run.backend.actors])
+            def imported_from(actor, names):  # run in the actor's process (Ray's __ray_call__)
+                import sys
+
+                return {n: getattr(sys.modules.get(n), "__file__", None) for n in names}
+
+            self.files = ray.get([a.__ray_call__.remote(imported_from, self.modules) for a in run.backend.actors])
         if round_idx == self.after:
             def stop():
                 self.stopped_at = time.time()

@@ -59,7 +59,12 @@ class Where(Callback):
 
         self.nodes = run.backend.actor_nodes()
         self.shipped = run.backend.shipped
-        self.files = ray.get([a.module_files.remote(MODULES) for a in run.backend.actors])
+        def imported_from(actor, names):  # run in the actor's process (Ray's __ray_call__)
+            import sys
+
+            return {n: getattr(sys.modules.get(n), "__file__", None) for n in names}
+
+        self.files = ray.get([a.__ray_call__.remote(imported_from, MODULES) for a in run.backend.actors])
         self.plain = ray.get(plain_import.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
             self.node2, soft=False)).remote("mycnn"))
 

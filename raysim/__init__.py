@@ -12,14 +12,18 @@ _numerics.pin_at_import()  # before anything computes: the portable kernels (bac
 from raysim.config import ExperimentConfig, load_config, make_config
 from raysim.errors import ConfigError, DataError, SimulationError
 from raysim.config.registry import dataset_loader, model_factory, register_algorithm
+from raysim._version import __version__
+from raysim import shipped as _shipped
 
-__version__ = "0.1.0"
+_shipped.register()  # the shipped methods, backends and environment, by name (raysim/shipped.py)
 
 
-def run_experiment(*args, **kwargs):
+def run_experiment(cfg, **kwargs):
+    """:func:`raysim.engine.loop.run_experiment`: the config, then keywords only (out_dir, progress, write, resume,
+    callbacks, prepared)."""
     from raysim.engine.loop import run_experiment as _run
 
-    return _run(*args, **kwargs)
+    return _run(cfg, **kwargs)
 
 
 def __getattr__(name):

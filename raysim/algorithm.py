@@ -264,15 +264,6 @@ class Algorithm:
     server_data: ClassVar[tuple] = ()
     # the client metrics the progress bar shows (the latest evaluated mean of each the run has reported)
     headline: ClassVar[tuple] = ("test_acc",)
-    # whether evaluate_client reports each client's cluster as the metric ``cluster``: with ground-truth domains in
-    # the data (FederatedData.domains) the driver then adds the ARI of the assignment (ClusterAgreement)
-    reports_clusters: ClassVar[bool] = False
-    # whether the method aggregates asynchronously (server.mode: async, FedBuff / FedAsync): its server state is
-    # moved toward the ``aggregate`` of the arrived uploads by ``async_mix`` (see async_aggregate). Methods whose
-    # server step is not one aggregate of uploads (multi-exchange schedules, setup phases, control variates) keep
-    # False and refuse async with one line naming server.mode
-    asynchronous: ClassVar[bool] = False
-
     @classmethod
     def measures(cls, params: Optional[dict] = None) -> dict:
         """metric -> the kind of model it evaluates (a key of :data:`MEASURES`), for ``params`` (the config's
@@ -341,41 +332,6 @@ class Algorithm:
             server_state, metrics = self.aggregate(server_state, uploads, ctx)
         return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()), dict(metrics))
 
-    def async_aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> ServerUpdate:
-        """The asynchronous server step (``server.mode: async``; methods with ``asynchronous = True``): the method's
-        own ``aggregate`` of the arrived uploads (FedBuff's buffer, or FedAsync's one update) is the target, and the
-        server state moves toward it by ``ctx.asynchronous["mix"]`` (FedBuff: server_lr * mean s(tau); FedAsync:
-        alpha * s(tau); raysim/asyncrules.py) through :meth:`async_mix`; then the next version's broadcast.
-
-        FedBuff (Nguyen et al. 2022) applies each client's delta against the version it was dispatched with: a stale
-        upload (``ctx.asynchronous["bases"]``) is first rebased onto the current state (:meth:`async_rebase`), so
-        for a weighted-mean aggregate ``target - x`` is the weighted mean of ``y_i - x_{v_i}`` and the step is
-        ``x + eta_g * mean s(tau) * mean_i (y_i - x_{v_i})``."""
-        metrics = {}
-        if uploads:
-            bases = (ctx.asynchronous or {}).get("bases") or {}
-            uploads = {c: self.async_rebase(u, bases[c], server_state, ctx) if c in bases else u
-                       for c, u in uploads.items()}
-            target, metrics = self.aggregate(server_state, uploads, ctx)
-            server_state = self.async_mix(server_state, target, float(ctx.asynchronous["mix"]), ctx)
-        return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()), dict(metrics))
-
-    def async_rebase(self, upload: Payload, base_state: Any, server_state: Any, ctx: ServerContext) -> Payload:
-        """FedBuff: ``upload`` as if the client had trained from the current ``server_state`` instead of
-        ``base_state`` (the state of its dispatch version): its delta ``upload - base_state`` added to the current
-        state. The default leaves the upload as it is — right for uploads that are observations rather than a
-        trained copy of the server state (FedProto's and FedTGP's prototypes: the client's own model produced them);
-        methods that upload a trained copy of the state (FedAvg's model, FedPer's shared part) override it."""
-        return upload
-
-    def async_mix(self, server_state: Any, target: Any, weight: float, ctx: ServerContext) -> Any:
-        """``server_state + weight * (target - server_state)`` on every floating tensor (other leaves take the
-        target's value). Methods whose state is not a plain point to interpolate override it (FedProto: per class
-        and only where both have a prototype; FedTGP: the generator, then its prototypes)."""
-        from raysim.ops import mix_trees
-
-        return mix_trees(server_state, target, weight)
-
     # -- server -------------------------------------------------------------------------------------------------
     def init_server_state(self, ctx: ServerContext) -> Any:
         return {}
@@ -422,13 +378,70 @@ class Algorithm:
     def evaluate_client(self, payload: Payload, state: Any, data: ClientData, ctx: Context) -> dict:
         return {}
 
-    # A client step ``fn`` may also have a *group form* ``<fn>_group(payloads, states, datas, ctxs)``: the same step
-    # for several clients of one runner at once (lists in the same order), returning one ClientUpdate per client,
-    # or None when it cannot take this group (the per-client loop runs). With ``backend.vectorize: true`` the runner
-    # calls it instead of ``fn`` per client. It promises the per-client results within the vectorised executor's
-    # stated tolerance, draws only from each client's own ``ctx.generator`` streams (never torch's global RNG) and
-    # does not modify its arguments; if it raises, the runner runs the per-client loop, so a failing client fails
-    # alone. Example: MAFML's ``local_group`` / ``step_global_group`` (all nodes' LeNets as one grouped network).
+
+# -- optional capabilities: what a method opts into beyond the base contract ----------------------------------------
+# A mixin is listed before the method's base class (``class FedAvg(Asynchronous, LocalTraining)``). (Merging uploads
+# stays a hook of every method, ``merge_uploads``: the classic schedule names it.)
+
+
+class Asynchronous:
+    """Opt-in to asynchronous aggregation (``server.mode: async``, FedBuff / FedAsync): the method's server state is
+    moved toward the ``aggregate`` of the arrived uploads by :meth:`async_mix` (:meth:`async_aggregate`). Methods
+    whose server step is not one aggregate of uploads (multi-exchange schedules, setup phases, control variates) do
+    not opt in and refuse async with one line naming server.mode (raysim/asyncrules.py reads ``asynchronous``)."""
+
+    asynchronous: ClassVar[bool] = True
+
+    def async_aggregate(self, server_state: Any, uploads: dict, ctx: ServerContext) -> ServerUpdate:
+        """The asynchronous server step (``server.mode: async``): the method's own ``aggregate`` of the arrived
+        uploads (FedBuff's buffer, or FedAsync's one update) is the target, and the server state moves toward it by ``ctx.asynchronous["mix"]`` (FedBuff: server_lr * mean s(tau); FedAsync:
+        alpha * s(tau); raysim/asyncrules.py) through :meth:`async_mix`; then the next version's broadcast.
+
+        FedBuff (Nguyen et al. 2022) applies each client's delta against the version it was dispatched with: a stale
+        upload (``ctx.asynchronous["bases"]``) is first rebased onto the current state (:meth:`async_rebase`), so
+        for a weighted-mean aggregate ``target - x`` is the weighted mean of ``y_i - x_{v_i}`` and the step is
+        ``x + eta_g * mean s(tau) * mean_i (y_i - x_{v_i})``."""
+        metrics = {}
+        if uploads:
+            bases = (ctx.asynchronous or {}).get("bases") or {}
+            uploads = {c: self.async_rebase(u, bases[c], server_state, ctx) if c in bases else u
+                       for c, u in uploads.items()}
+            target, metrics = self.aggregate(server_state, uploads, ctx)
+            server_state = self.async_mix(server_state, target, float(ctx.asynchronous["mix"]), ctx)
+        return ServerUpdate(server_state, self.broadcast(server_state, ctx.next_round()), dict(metrics))
+
+    def async_rebase(self, upload: Payload, base_state: Any, server_state: Any, ctx: ServerContext) -> Payload:
+        """FedBuff: ``upload`` as if the client had trained from the current ``server_state`` instead of
+        ``base_state`` (the state of its dispatch version): its delta ``upload - base_state`` added to the current
+        state. The default leaves the upload as it is — right for uploads that are observations rather than a
+        trained copy of the server state (FedProto's and FedTGP's prototypes: the client's own model produced them);
+        methods that upload a trained copy of the state (FedAvg's model, FedPer's shared part) override it."""
+        return upload
+
+    def async_mix(self, server_state: Any, target: Any, weight: float, ctx: ServerContext) -> Any:
+        """``server_state + weight * (target - server_state)`` on every floating tensor (other leaves take the
+        target's value). Methods whose state is not a plain point to interpolate override it (FedProto: per class
+        and only where both have a prototype; FedTGP: the generator, then its prototypes)."""
+        from raysim.ops import mix_trees
+
+        return mix_trees(server_state, target, weight)
+
+
+class ReportsClusters:
+    """Opt-in for clustered methods: ``evaluate_client`` reports each client's cluster as the metric ``cluster``;
+    with ground-truth domains in the data (FederatedData.domains) the driver then adds the ARI of the assignment
+    (ClusterAgreement)."""
+
+    reports_clusters: ClassVar[bool] = True
+
+
+# A client step ``fn`` may also have a *group form* ``<fn>_group(payloads, states, datas, ctxs)``: the same step
+# for several clients of one runner at once (lists in the same order), returning one ClientUpdate per client,
+# or None when it cannot take this group (the per-client loop runs). With ``backend.vectorize: true`` the runner
+# calls it instead of ``fn`` per client. It promises the per-client results within the vectorised executor's
+# stated tolerance, draws only from each client's own ``ctx.generator`` streams (never torch's global RNG) and
+# does not modify its arguments; if it raises, the runner runs the per-client loop, so a failing client fails
+# alone. Example: MAFML's ``local_group`` / ``step_global_group`` (all nodes' LeNets as one grouped network).
 
 
 class LocalTraining(Algorithm):

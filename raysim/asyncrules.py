@@ -11,11 +11,11 @@
   Delta_i = y_i - x_{v_i}, and the server applies x <- x + eta_g * mean_i s(tau_i) * (weighted mean_i Delta_i)
   (s = constant by default: plain FedBuff; the method's aggregate gives the weights, FedAvg's sample counts).
 
-Which state is "x" is the method's business: :meth:`raysim.algorithm.Algorithm.async_aggregate` rebases each stale
-FedBuff upload onto the current state (:meth:`~raysim.algorithm.Algorithm.async_rebase`: y_i - x_{v_i} + x, for
+Which state is "x" is the method's business: :meth:`raysim.algorithm.Asynchronous.async_aggregate` rebases each stale
+FedBuff upload onto the current state (:meth:`~raysim.algorithm.Asynchronous.async_rebase`: y_i - x_{v_i} + x, for
 methods whose uploads are trained copies of the state; prototypes are left as they are), computes the method's own
 ``aggregate`` of the uploads (the target, so target - x is the weighted mean of the deltas) and
-:meth:`~raysim.algorithm.Algorithm.async_mix` moves the server state toward it by the mixing weight computed here
+:meth:`~raysim.algorithm.Asynchronous.async_mix` moves the server state toward it by the mixing weight computed here
 (:func:`raysim.ops.mix_trees` for plain trees of tensors). FedAsync's step is the paper's
 x <- (1 - alpha_t) x + alpha_t y on the one arrived update.
 """
@@ -57,18 +57,20 @@ def mixing_weight(rule: str, s: list[float], *, alpha: float = 0.6, server_lr: f
 
 
 def check_async_method(cfg, algorithm_cls) -> None:
-    """The method must declare ``Algorithm.asynchronous`` (checked before any data is loaded)."""
+    """The method must opt into asynchronous aggregation (``raysim.algorithm.Asynchronous``: ``asynchronous`` and
+    ``async_aggregate``; checked before any data is loaded)."""
     from raysim.errors import ConfigError
 
-    if cfg.server.mode == "async" and not getattr(algorithm_cls, "asynchronous", False):
-        raise ConfigError("server.mode", f"{cfg.algorithm.name} does not aggregate asynchronously (its "
-                                         f"Algorithm.asynchronous is False); use server.mode: sync, or fedavg, "
+    if cfg.server.mode == "async" and not (getattr(algorithm_cls, "asynchronous", False)
+                                           and callable(getattr(algorithm_cls, "async_aggregate", None))):
+        raise ConfigError("server.mode", f"{cfg.algorithm.name} does not aggregate asynchronously (it does not "
+                                         f"opt into raysim.algorithm.Asynchronous); use server.mode: sync, or fedavg, "
                                          f"fedprox, fedper, lgfedavg, fedproto, fedtgp")
 
 
 def check_async(cfg, algorithm, env) -> None:
     """What ``server.mode: async`` needs beyond the config section's own checks (raysim.config.ServerConfig): a
-    method that declares ``Algorithm.asynchronous`` with the classic one-exchange round and no setup phase, and an
+    method that opts into ``raysim.algorithm.Asynchronous`` with the classic one-exchange round and no setup phase, and an
     environment that can time a single dispatch, without a round deadline. One ConfigError naming the key."""
     from raysim.errors import ConfigError
     from raysim.steps import CLASSIC_ROUND, flatten

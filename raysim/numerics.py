@@ -254,10 +254,6 @@ def cuda_deterministic(on: bool) -> None:
     torch.backends.cudnn.allow_tf32 = False if on else torch.backends.cudnn.allow_tf32
 
 
-def current_mode() -> Optional[str]:
-    return _mode
-
-
 def describe() -> dict:
     """What this process computes with (recorded in the run metadata under ``numerics``)."""
     import torch

@@ -385,10 +385,15 @@ def test_user_code_ships_to_ray_actors(ray_session, workdir):
     digits_npz(workdir / "digits.npz")
     seen = {}
 
+    def imported_from(actor, names):  # run in each actor's process (Ray's __ray_call__): where it imported them from
+        import sys
+
+        return {n: getattr(sys.modules.get(n), "__file__", None) for n in names}
+
     class Where(Callback):
         def on_run_end(self, run, result):
             seen["shipped"] = run.backend.shipped
-            seen["files"] = ray.get([a.module_files.remote(list(MODULES)) for a in run.backend.actors])
+            seen["files"] = ray.get([a.__ray_call__.remote(imported_from, list(MODULES)) for a in run.backend.actors])
 
     # one run: the user's model and method, the data from a file named relative to the working directory (the
     # user's loader on Ray: tests/test_cluster.py, on two nodes)

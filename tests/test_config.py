@@ -87,3 +87,21 @@ def test_run_id_ignores_backend_but_not_science():
     b = make_config({"backend": {"name": "sequential"}})
     c = make_config({"seed": 2})
     assert a.run_id() == b.run_id() != c.run_id()
+
+
+def test_one_module_per_section_every_name_from_raysim_config():
+    """raysim/config/: the sections live one module each (at most 250 lines), and every public name is still
+    importable from ``raysim.config``, the same object as in its section's module."""
+    from pathlib import Path
+
+    import raysim.config as config
+    from raysim.config import backend, data, experiment, learning, model, output, server
+
+    sections = (data, model, learning, backend, output, server, experiment)
+    assert all(len(Path(m.__file__).read_text().splitlines()) <= 250 for m in sections)
+    assert all(getattr(config, name) is not None for name in config.__all__)
+    owners = {name: m for m in sections for name, obj in vars(m).items()
+              if isinstance(obj, type) and obj.__module__ == m.__name__}
+    assert {"DataConfig", "ArchSpec", "ModelConfig", "TrainConfig", "AlgorithmConfig", "EvalConfig", "BackendConfig",
+            "ModelResources", "OutputConfig", "StalenessConfig", "ServerConfig", "ExperimentConfig"} <= set(owners)
+    assert all(getattr(config, name) is getattr(m, name) for name, m in owners.items())

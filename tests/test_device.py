@@ -58,7 +58,8 @@ def test_the_per_client_loop_reads_nothing_back_to_the_host():
 
 
 def _syncs_of_vectorised(epochs: int, n: int = 8) -> list:
-    from raysim.runner.vectorized import Member, vmap_local_sgd
+    from raysim.runner.vectorized import vmap_local_sgd
+    from tests.members import zip_members
 
     torch.manual_seed(0)
     model = cnn_mnist((1, 28, 28), 10)
@@ -67,8 +68,8 @@ def _syncs_of_vectorised(epochs: int, n: int = 8) -> list:
     xs, ys = [torch.rand(n, 1, 28, 28)] * 3, [torch.randint(0, 10, (n,))] * 3
     gens = [rngmod.Counter(i) for i in range(3)]
     with CountSyncs() as c:
-        vmap_local_sgd(model, _ce, Member.zip([start] * 3, xs, ys, gens, [rngmod.Counter(9 + i)
-                                                                          for i in range(3)]), cfg)
+        vmap_local_sgd(model, _ce, zip_members([start] * 3, xs, ys, gens, [rngmod.Counter(9 + i)
+                                                                           for i in range(3)]), cfg)
     return c.calls
 
 

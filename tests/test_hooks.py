@@ -209,7 +209,8 @@ def test_vmap_groups_clients_at_different_epochs_apart():
     """Clients of 8 and 12 samples (batch 4): at step 2 both have a batch of 4, one in epoch 1, the other in epoch 0;
     an epoch-dependent loss gives each the loop's weights."""
     from raysim.config import TrainConfig
-    from raysim.runner.vectorized import Member, vmap_local_sgd
+    from raysim.runner.vectorized import vmap_local_sgd
+    from tests.members import zip_members
     from raysim.training import TrainOptions, local_sgd
 
     torch.manual_seed(0)
@@ -222,9 +223,9 @@ def test_vmap_groups_clients_at_different_epochs_apart():
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     xs = [torch.randn(8, 3), torch.randn(12, 3)]
     ys = [torch.randint(0, 2, (8,)), torch.randint(0, 2, (12,))]
-    trained, _, _ = vmap_local_sgd(model, loss_fn, Member.zip([start, start], xs, ys,
-                                                              [rngmod.Counter(i) for i in range(2)],
-                                                              [rngmod.Counter(9) for _ in range(2)]), cfg)
+    trained, _, _ = vmap_local_sgd(model, loss_fn, zip_members([start, start], xs, ys,
+                                                               [rngmod.Counter(i) for i in range(2)],
+                                                               [rngmod.Counter(9) for _ in range(2)]), cfg)
     for i in range(2):
         with torch.no_grad():
             for n, p in model.named_parameters():

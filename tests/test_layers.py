@@ -1,7 +1,12 @@
 """The library's dependency rule (ARCHITECTURE.md, top): imports point one way. Checked on the source, lazy imports
-(inside functions) included, since a lazy import hides a circle without removing it."""
+(inside functions) included, since a lazy import hides a circle without removing it; so are string import tables
+(``"package.module:Name"``, resolved when a run starts: an import made later) and package roots (raysim/__init__.py,
+the package face, and every subpackage's __init__.py).
+
+``python tests/test_layers.py`` prints the drawing's figures (:func:`drawing`)."""
 import ast
 import functools
+import re
 from pathlib import Path
 
 import pytest
@@ -18,7 +23,7 @@ def parsed(path):
 
 def module_imports(package: str = "raysim") -> dict[str, set[str]]:
     """{module: the modules of ``package`` it imports anywhere in its source}."""
-    return {m: {o for o in outs if o == package or o.startswith(package + ".")} - {package}
+    return {m: {o for o in outs if o == package or o.startswith(package + ".")}
             for m, outs in all_imports().items() if m == package or m.startswith(package + ".")}
 
 
@@ -140,23 +145,62 @@ def test_the_environment_is_reached_through_the_declared_protocol():
 
 PACKAGES = ("raysim", "algorithms", "envs", "tuning")
 
+# a string that names a module ("raysim.engine.loop") or an object in one ("raysim.backends.sequential:Sequential",
+# "envs:Environment") is an import path: a table of them is an import made later, by name
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*(:[A-Za-z_][\w.]*)?$")
+_IMPORTERS = ("import_module", "__import__")  # whatever these are given is a module name, dotted or not
+
 
 def folder_of(module: str) -> str:
-    """A module's room: a subpackage of raysim (``raysim.engine``, ``raysim.io``, ...), a top-level package beside it
-    (``algorithms``, ``envs``, ``tuning``), or a top-level raysim module on its own (``raysim.config``)."""
+    """A module's room: a subpackage of a package (``raysim.engine``, ``raysim.io``, ...), a top-level package beside
+    it (``algorithms``, ``envs``, ``tuning``), or a top-level module of raysim on its own (``raysim.algorithm``; the
+    package face ``raysim``, raysim/__init__.py, too)."""
     parts = module.split(".")
     if parts[0] == "raysim":
         return ".".join(parts[:2]) if len(parts) >= 3 or (ROOT / "raysim" / parts[-1]).is_dir() else module
     return parts[0]
 
 
-def all_imports() -> dict[str, set[str]]:
-    """{module: every module of the four packages it imports}, across packages too, lazy imports included."""
+def module_names(root: Path, packages) -> dict[str, Path]:
+    """{dotted module name: its file} for every module of ``packages`` under ``root``; a package's __init__.py is
+    the package itself (``raysim``, ``raysim.engine``)."""
     names = {}
-    for pkg in PACKAGES:
-        for p in sorted((ROOT / pkg).rglob("*.py")):
-            parts = p.relative_to(ROOT).with_suffix("").parts
+    for pkg in packages:
+        for p in sorted((root / pkg).rglob("*.py")):
+            parts = p.relative_to(root).with_suffix("").parts
             names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = p
+    return names
+
+
+def _imported(node, pkg: str, names) -> list[str]:
+    """The names an import statement, or a string that is an import path, reaches (not yet reduced to modules)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+            base = ".".join(up + ([base] if base else []))
+        return [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names]
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+        fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if fn in _IMPORTERS and isinstance(node.args[0].value, str):
+            return [node.args[0].value]
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and _IMPORT_PATH.match(node.value):
+        module, colon, _ = node.value.partition(":")
+        # "module:attr" of a known module, or a dotted name that is exactly a module (a bare "raysim" is a name:
+        # a logger's, the program's, a package looked up with find_spec)
+        if module in names and (colon or "." in module):
+            return [module]
+    return []
+
+
+def import_graph(root: Path = ROOT, packages=PACKAGES) -> dict[str, set[str]]:
+    """{module: every module of ``packages`` it imports}, across packages too: imports at the top and lazy ones
+    (inside functions), string import tables (``"package.module:Name"``, a dotted module name, what
+    ``importlib.import_module`` is given) and package roots (``raysim``: raysim/__init__.py, the package face, and
+    every subpackage's __init__.py) as modules like any other."""
+    names = module_names(root, packages)
 
     def known(name):
         while name and name not in names:
@@ -168,21 +212,55 @@ def all_imports() -> dict[str, set[str]]:
         pkg = name if path.name == "__init__.py" else name.rpartition(".")[0]
         out = set()
         for node in ast.walk(parsed(path)):
-            targets = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
-                    base = ".".join(up + ([base] if base else []))
-                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names]
-            for t in targets:
+            for t in _imported(node, pkg, names):
                 k = known(t)
-                if k and k != name and k not in PACKAGES:  # a package's __init__ re-exports only
+                if k and k != name:
                     out.add(k)
         edges[name] = out
     return edges
+
+
+def all_imports() -> dict[str, set[str]]:
+    """The import graph of the four packages (:func:`import_graph`)."""
+    return import_graph()
+
+
+def drawing(edges: dict[str, set[str]], room_of=folder_of) -> dict:
+    """The figures of the layer drawing: modules and their arrows, module circles (lazy and string imports
+    included); rooms (:func:`folder_of`) and the arrows between them; floors, the longest downward path + 1 (a
+    room that imports no other room is on floor 0); back-arrows, the arrows that close a circle of rooms (a
+    depth-first walk's back edges, rooms in name order: they point up, against the floors); room circles."""
+    rooms: dict[str, set[str]] = {}
+    for m, outs in edges.items():
+        rooms.setdefault(room_of(m), set()).update(room_of(o) for o in outs if room_of(o) != room_of(m))
+    for outs in list(rooms.values()):
+        for o in outs:
+            rooms.setdefault(o, set())
+    back, state = set(), {}
+
+    def walk(r):
+        state[r] = "open"
+        for o in sorted(rooms[r]):
+            if state.get(o) == "open":
+                back.add((r, o))
+            elif o not in state:
+                walk(o)
+        state[r] = "done"
+
+    for r in sorted(rooms):
+        if r not in state:
+            walk(r)
+    floor: dict[str, int] = {}
+
+    def floor_of(r):
+        if r not in floor:
+            floor[r] = 1 + max((floor_of(o) for o in rooms[r] if (r, o) not in back), default=-1)
+        return floor[r]
+
+    return {"modules": len(edges), "module arrows": sum(map(len, edges.values())), "circles": len(cycles(edges)),
+            "rooms": len(rooms), "floors": 1 + max(map(floor_of, rooms), default=-1),
+            "arrows": sum(map(len, rooms.values())), "back-arrows": len(back), "room circles": len(cycles(rooms)),
+            "back": sorted(back), "floor": {r: floor_of(r) for r in sorted(rooms)}}
 
 
 def test_no_module_cycle_in_any_package():
@@ -192,6 +270,51 @@ def test_no_module_cycle_in_any_package():
     assert {"algorithms.mafml", "algorithms.mafml_group", "envs", "tuning.study"} & set(edges)
     found = cycles(edges)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_drawing_has_no_circle_and_no_back_arrow():
+    """The drawing (rooms on floors, the arrows between them) of the honest graph — lazy imports, string import tables
+    and package roots included: no module circle, no room circle, no arrow pointing up."""
+    d = drawing(all_imports())
+    assert (d["circles"], d["room circles"], d["back-arrows"]) == (0, 0, 0), d["back"]
+    # the package face sits on top: nothing of the packages imports it (the version is read from raysim/_version.py)
+    assert not [m for m, outs in all_imports().items() if "raysim" in outs], "the package face imported from below"
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return root
+
+
+def test_the_checker_sees_lazy_imports_string_tables_and_package_roots(tmp_path):
+    """A tiny package with one circle of each hidden kind: each found, and with it a back-arrow of the drawing."""
+    def graph(files):
+        return import_graph(_package(tmp_path / str(len(list(tmp_path.iterdir()))), files), ("pkg",))
+
+    room = lambda m: ".".join(m.split(".")[:2])  # noqa: E731  pkg.core, pkg.app: the rooms
+    base = {"pkg/__init__.py": "", "pkg/core/__init__.py": "", "pkg/app/__init__.py": "",
+            "pkg/app/main.py": "from pkg.core import engine\n", "pkg/core/engine.py": "import os\n"}
+    clean = graph(base)
+    assert clean["pkg.app.main"] == {"pkg.core.engine"}
+    assert (drawing(clean, room)["circles"], drawing(clean, room)["back-arrows"]) == (0, 0)
+    planted = {
+        # a lazy import inside a function
+        "lazy": {"pkg/core/engine.py": "def run():\n    from pkg.app.main import go\n    return go()\n"},
+        # a string table of import paths, and a module name given to importlib
+        "table": {"pkg/core/engine.py": 'BACKENDS = {"x": "pkg.app.main:Backend"}\n'},
+        "importlib": {"pkg/core/engine.py": "import importlib\nM = importlib.import_module('pkg.app.main')\n"},
+        # the package face: a leaf below it reading what the face defines
+        "root": {"pkg/core/engine.py": "def version():\n    from pkg import __version__\n    return __version__\n",
+                 "pkg/__init__.py": "__version__ = '1'\n\ndef run():\n    from pkg.app.main import go\n"},
+    }
+    for kind, files in planted.items():
+        d = drawing(graph({**base, **files}), room)
+        assert d["circles"] == 1 and d["back-arrows"] >= 1, (kind, d)
+    # names that are no import: a bare package name (a logger's), prose, a dotted name of an attribute
+    names = {"pkg/core/engine.py": 'LOG = "pkg"\nDOC = "see pkg.app.main for more"\nK = "pkg.app.main.Backend"\n'}
+    assert graph({**base, **names})["pkg.core.engine"] == set()
 
 
 def test_folders_import_downwards_only():
@@ -250,7 +373,7 @@ MAX_LINES, MAX_PARAMS = 60, 6
 # deliberately kept, each with its reason (``path:function``); an entry that no longer offends fails the test, so
 # the list only shrinks
 SIZE_ALLOWED = {
-    "raysim/engine/loop.py:run_experiment": "the public entry point (raysim.run_experiment): its keyword API (out_dir, "
+    "raysim/engine/loop.py:run_experiment": "the public entry point (raysim.run_experiment): its keyword-only API (out_dir, "
                                             "progress, write, resume, callbacks, prepared) is what users call",
     "raysim/backends/ray_actors.py:run_client_step": "a Ray actor method: the payload must be a top-level argument for "
                                                      "Ray to resolve its ObjectRef; the commits ride on the same call",
@@ -342,3 +465,13 @@ def test_the_state_check_finds_late_attributes():
     tree = ast.parse("class A:\n    def __init__(self):\n        self.x = 1\n    def f(self):\n        self.y = 2\n"
                      "        return getattr(self, 'z', None)\n")
     assert _state_outside_init(tree) == ["A: getattr(self, ...)", "A.y"]
+
+
+if __name__ == "__main__":
+    figures = drawing(all_imports())
+    print(", ".join(f"{figures[k]} {k}" for k in ("modules", "module arrows", "circles", "rooms", "floors", "arrows",
+                                                   "back-arrows", "room circles")))
+    for r, f in sorted(figures["floor"].items(), key=lambda x: (-x[1], x[0])):
+        print(f"  floor {f:2d}  {r}")
+    for a, b in figures["back"]:
+        print(f"  back-arrow {a} -> {b}")

@@ -55,6 +55,20 @@ def test_run_experiment_has_no_callback_keyword():
         run_experiment(None, callback=lambda r, t: False)
 
 
+def test_run_experiment_takes_keywords_after_the_config():
+    import inspect
+
+    import raysim
+    from raysim.engine.loop import run_experiment
+
+    params = list(inspect.signature(run_experiment).parameters.values())
+    assert params[0].name == "cfg" and all(p.kind is p.KEYWORD_ONLY for p in params[1:])
+    with pytest.raises(TypeError):
+        run_experiment(None, "out")
+    with pytest.raises(TypeError):
+        raysim.run_experiment(None, "out")
+
+
 def test_run_seeds_prepares_each_seed_once(tiny, monkeypatch, tmp_path):
     from raysim.app import sweep
     from raysim.engine import loop, prepare as prepare_mod

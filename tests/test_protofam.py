@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from algorithms.fedtgp import PrototypeGenerator, ServerTraining, train_generator
-from algorithms.proto_ops import UNLABELLED, min_pairwise_distance, tgp_margin
+from algorithms.proto_ops import UNLABELLED, pairwise_distances, tgp_margin
 from raysim import rng as rngmod
 from raysim.algorithm import Context, ServerContext
 from raysim.config import make_config
@@ -22,6 +22,13 @@ from raysim.io.results import without_timing
 from raysim.io.checkpoints import load_checkpoint
 
 NEW = ["fedtgp", "fedproto_uh", "fedprox", "fedper", "lgfedavg", "fesem", "feddistill"]
+
+
+def min_pairwise_distance(protos: torch.Tensor) -> float:
+    """The smallest distance between two different prototypes (how far apart the generator pushed them)."""
+    d = pairwise_distances(protos, protos)
+    d = d + torch.diag(torch.full((protos.shape[0],), float("inf"), dtype=d.dtype))
+    return float(d.min())
 
 
 def make_algo(tiny, name, params=None, **over):

@@ -322,7 +322,8 @@ def test_ray_two_actors_equals_sequential(ray_session):
 def _train_group(arch, loss_fn, grouped, params=None, k=3, n=(10, 10, 7), calls=None):
     from raysim import models as zoo
     from raysim.runner import grouped as gmod
-    from raysim.runner.vectorized import Member, vmap_local_sgd
+    from raysim.runner.vectorized import vmap_local_sgd
+    from tests.members import zip_members
 
     torch.manual_seed(0)
     model = getattr(zoo, arch)((1, 28, 28), 10, **(params or {}))
@@ -341,7 +342,7 @@ def _train_group(arch, loss_fn, grouped, params=None, k=3, n=(10, 10, 7), calls=
 
     gmod.grouped_forward = counted
     try:
-        return vmap_local_sgd(model, loss_fn, Member.zip([start] * k, xs, ys, gens(0), gens(100)), tc,
+        return vmap_local_sgd(model, loss_fn, zip_members([start] * k, xs, ys, gens(0), gens(100)), tc,
                               grouped=grouped)
     finally:
         gmod.grouped_forward = real
@@ -513,7 +514,8 @@ def zoo_split(body):
 
 def test_a_model_with_nothing_to_train_runs():
     from raysim import models as zoo
-    from raysim.runner.vectorized import Member, vmap_local_sgd
+    from raysim.runner.vectorized import vmap_local_sgd
+    from tests.members import zip_members
 
     model = zoo.mlp((1, 28, 28), 10)
     for p in model.parameters():
@@ -521,8 +523,8 @@ def test_a_model_with_nothing_to_train_runs():
     start = {n: t.detach().clone() for n, t in model.state_dict().items()}
     tc = TrainConfig(optimizer="sgd", lr=0.05, batch_size=4, local_epochs=1)
     gens = [rngmod.Counter(i) for i in range(2)]
-    trained, metrics, _ = vmap_local_sgd(model, _ce, Member.zip([start] * 2, [torch.rand(6, 1, 28, 28)] * 2,
-                                                                [torch.randint(0, 10, (6,))] * 2, gens, gens), tc)
+    trained, metrics, _ = vmap_local_sgd(model, _ce, zip_members([start] * 2, [torch.rand(6, 1, 28, 28)] * 2,
+                                                                 [torch.randint(0, 10, (6,))] * 2, gens, gens), tc)
     assert all(torch.equal(trained[0][n], start[n]) for n in start) and metrics[0]["train_loss"] > 0
 
 

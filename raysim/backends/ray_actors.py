@@ -104,12 +104,6 @@ class ClientActor(ClientRunner):
         """This process's kernel choice (raysim/numerics.py) and its node."""
         return dict(numerics.describe(), node=ray.get_runtime_context().get_node_id(), role="clients")
 
-    def module_files(self, names) -> dict:
-        """Where this actor imported the named modules from (diagnostics: was the user's code shipped?)."""
-        import sys
-
-        return {n: getattr(sys.modules.get(n), "__file__", None) for n in names}
-
     def commit_and_discard(self, client_ids, token=None):
         self.commit(client_ids, token)
         self.discard()

@@ -1,8 +1,9 @@
-"""Name registry: the only way the engine reaches the method modules (``"fedproto"`` -> ``algorithms.fedproto``),
-and the user's own methods, models and datasets: by import path (``"package.module:Name"``) or registered by name
-(:func:`register_algorithm`; ``raysim.register_model`` and ``raysim.register_dataset`` live beside the zoo and the
-loaders they check names against, :mod:`raysim.models` and :mod:`raysim.data.datasets`, and fill :data:`MODELS` and
-:data:`DATASETS` here). User registrations travel to every
+"""Name registry: the only way the engine reaches the method modules (``"fedproto"`` -> ``algorithms.fedproto``; the
+shipped methods' names are registered from above, by :mod:`raysim.shipped` when raysim is imported, so this module,
+below the contract, names no method), and the user's own methods, models and datasets: by import path
+(``"package.module:Name"``) or registered by name (:func:`register_algorithm`; ``raysim.register_model`` and
+``raysim.register_dataset`` live beside the zoo and the loaders they check names against, :mod:`raysim.models` and
+:mod:`raysim.data.datasets`, and fill :data:`MODELS` and :data:`DATASETS` here). User registrations travel to every
 runner in the ``RunSpec`` (:func:`snapshot` / :func:`install`), so a name registered on the driver resolves on every
 actor of a cluster too.
 
@@ -26,41 +27,16 @@ from typing import Any, Callable, Union
 
 from raysim.errors import ConfigError
 
-ALGORITHMS: dict[str, str] = {
-    "local": "algorithms.local:Local",
-    "fedavg": "algorithms.fedavg:FedAvg",
-    "fedavg_uh": "algorithms.fedavg_uh:FedAvgUH",
-    "fedproto": "algorithms.fedproto:FedProto",
-    "fedproto_uh": "algorithms.fedproto_uh:FedProtoUH",
-    "fedtgp": "algorithms.fedtgp:FedTGP",
-    "fedprox": "algorithms.fedprox:FedProx",
-    "fedper": "algorithms.fedper:FedPer",
-    "lgfedavg": "algorithms.lgfedavg:LGFedAvg",
-    "fesem": "algorithms.fesem:FeSEM",
-    "feddistill": "algorithms.feddistill:FedDistill",
-    "scaffold": "algorithms.scaffold:Scaffold",
-    "moon": "algorithms.moon:Moon",
-    "slaugfl": "algorithms.slaugfl:SlaugFL",
-    "fedgen": "algorithms.fedgen:FedGen",
-    "fedgen_ht": "algorithms.fedgen_ht:FedGenHt",
-    "vhl": "algorithms.vhl:VHL",
-    "pnicfl": "algorithms.pnicfl:PNICFL",
-    "pnicfl_plus": "algorithms.pnicfl:PNICFLPlus",
-    "ifca": "algorithms.ifca:IFCA",
-    "fedfomo": "algorithms.fedfomo:FedFomo",
-    "mafml": "algorithms.mafml:MAFML",
-    "ind": "algorithms.mutual_baselines:Ind",
-    "agg": "algorithms.mutual_baselines:Agg",
-    "fml": "algorithms.fml:FML",
-    "fedkd": "algorithms.fedkd:FedKD",
-    "fedmd": "algorithms.fedmd:FedMD",
-}
+# names -> "module:Class": the shipped methods, filled from above when raysim is imported (raysim/shipped.py: the
+# methods sit above the contract, and the registry below it names none of them), and the user's own
+# (register_algorithm)
+ALGORITHMS: dict[str, str] = {}
 
 
 # the simulated environment (device, network, participation, clock): an implementation of the engine's declared
 # protocol (raysim.engine.environment.Environment), registered like a method: the environment layer (envs/) imports
-# raysim, never the reverse, so the engine reaches it by this name
-ENVIRONMENT = {"target": "envs:Environment"}
+# raysim, never the reverse, so the engine reaches it by a name raysim/shipped.py registers (envs.Environment)
+ENVIRONMENT: dict[str, str] = {"target": ""}
 
 
 def register_environment(target: str) -> None:
@@ -172,7 +148,6 @@ def installed_object(obj) -> bool:
     return isinstance(mod, str) and (is_stdlib(mod) or _installed_package(mod))
 
 
-_BUILTIN_ALGORITHMS = frozenset(ALGORITHMS)
 MODELS: dict[str, Union[str, Callable]] = {}  # user model factories by name: "module:factory" or a callable
 DATASETS: dict[str, Union[str, Callable]] = {}  # user dataset loaders by name: "module:loader" or a callable
 USER_ALGORITHMS: dict[str, str] = {}  # the algorithms registered at run time (shipped to the runners)

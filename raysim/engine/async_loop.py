@@ -26,7 +26,7 @@ ids (a buffered client is never re-dispatched before the aggregation, so one upl
 ``run.async_server`` for :meth:`AsyncServer.state_dict` and the ``async.pt`` messages shard); there is no random
 state to save (every draw is keyed by seed, dispatch number or batch index), so a resumed run continues with the
 same table. **FedBuff** sends the server runner the buffered clients' dispatch versions and the versions still in
-flight, for methods that rebase their uploads (``Algorithm.async_rebase``): the runner keeps one state per such
+flight, for methods that rebase their uploads (``Asynchronous.async_rebase``): the runner keeps one state per such
 version. ``env.server_s`` is each aggregation's simulated time.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from raysim import rng as rngmod
-from raysim.algorithm import Algorithm
+from raysim.algorithm import Asynchronous
 from raysim.asyncrules import mixing_weight, staleness_weight
 from raysim.runner import safety
 from raysim.engine.record import RoundLog, Run
@@ -120,8 +120,8 @@ class AsyncServer:
         self.rule, self.k = s.rule, (s.buffer_size if s.rule == "fedbuff" else 1)
         self.step = next(st for st, _ in flatten(run.algorithm.schedule()) if isinstance(st, ClientStep))
         # FedBuff applies deltas against the dispatch versions where the method's uploads are trained copies of the
-        # server state (it overrides Algorithm.async_rebase); only then does the server keep older versions' states
-        self.rebases = self.rule == "fedbuff" and type(run.algorithm).async_rebase is not Algorithm.async_rebase
+        # server state (it overrides Asynchronous.async_rebase); only then does the server keep older versions' states
+        self.rebases = self.rule == "fedbuff" and type(run.algorithm).async_rebase is not Asynchronous.async_rebase
         self.n = self.cfg.data.num_clients
         self.version, self.seq, self.batch = 0, 0, 0
         self.flights: dict[int, Flight] = {}  # dispatched, not yet resolved

@@ -1,8 +1,9 @@
 """The backend interface the driver talks to (two generic primitives — run a client step for a set of client ids, run
 a server step — plus commit, checkpoint shards, lifecycle and one typed report at the end, :class:`BackendReport`),
 and how the driver gets one: by name, from the implementations in ``raysim/backends/`` (which sit above the engine
-and import its runners), resolved when a run starts (:func:`make_backend`, :func:`preflight`), so the driver side of
-the engine imports no backend module.
+and import its runners), registered from above (:mod:`raysim.shipped`, :func:`register_backend`) and resolved when
+a run starts (:func:`make_backend`, :func:`preflight`), so the driver side of the engine neither imports nor names a
+backend module.
 Backends hold no algorithm logic. Handles (payloads, uploads) are opaque: in-process objects for the sequential
 backend, Ray object references for the Ray backend."""
 from __future__ import annotations
@@ -122,9 +123,21 @@ def run_state_dir(spec, settings):
     return dataclasses.replace(spec, state_dir=d, durable=durable), d
 
 
-# the implementations by name ("module:attribute", imported when a run starts)
-BACKENDS = {"sequential": "raysim.backends.sequential:SequentialBackend", "ray": "raysim.backends.ray_backend:RayBackend"}
-PREFLIGHT = "raysim.backends:preflight"
+# the implementations by name ("module:attribute", imported when a run starts), registered from above: the shipped
+# ones by raysim/shipped.py when raysim is imported (the backends sit above the engine; the engine names none of them)
+BACKENDS: dict[str, str] = {}
+PREFLIGHT: dict[str, str] = {"target": ""}  # the checks before a run starts (every backend's)
+
+
+def register_backend(name: str, target: str) -> None:
+    """Make ``backend.name: <name>`` build ``target`` (``"module:Class"``, called as ``Class(spec, fed_data,
+    settings)``)."""
+    BACKENDS[name] = target
+
+
+def register_preflight(target: str) -> None:
+    """The checks :func:`preflight` runs (``"module:function"``, called with the run's BackendSettings)."""
+    PREFLIGHT["target"] = target
 
 
 def make_backend(spec, fed_data, settings) -> Backend:
@@ -142,4 +155,4 @@ def preflight(settings) -> None:
     exist, a cluster answers, ...)."""
     from raysim.config.registry import load_target
 
-    load_target(PREFLIGHT)(settings)
+    load_target(PREFLIGHT["target"])(settings)

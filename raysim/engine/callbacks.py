@@ -239,7 +239,7 @@ class ClusterAgreement(Callback):
     see them. A clustered method reports each evaluated client's cluster as the client metric ``cluster``; this
     callback reads those rows and writes scikit-learn's ``adjusted_rand_score(domains, clusters)`` over the evaluated
     clients as the server-scope metric ``ari`` (weight: the number of clients). The driver registers it only when the
-    data has domains and the method reports clusters (``Algorithm.reports_clusters``). It runs before the
+    data has domains and the method reports clusters (``raysim.algorithm.ReportsClusters``). It runs before the
     checkpointer, so checkpoints (and a resume) carry the row."""
 
     def on_round_end(self, run: Run, round_idx: int, evaluated: bool):

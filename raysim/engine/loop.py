@@ -309,14 +309,15 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
     return ck.parent.parent, ck, meta
 
 
-def run_experiment(cfg: ExperimentConfig, out_dir: Optional[str | Path] = None, progress: bool | str | None = None,
-                   write: bool = True, resume: Optional[str | Path] = None, callbacks: Optional[list[Callback]] = None,
-                   prepared: Optional[Prepared] = None) -> RunResult:
-    """Run one experiment. ``callbacks`` are :class:`Callback` objects (loggers, custom stopping rules; a plain
-    ``fn(round_idx, table) -> stop?`` after every evaluated round is ``EvalCallback(fn)``). ``prepared``: the
-    result of ``prepare(cfg)`` when the caller already has it (``sweep.run_seeds`` checks every seed first).
-    ``progress``: None takes ``output.progress``; True or ``"auto"`` a bar on a terminal and one line per evaluated
-    round otherwise; ``"bar"``, ``"lines"``; False none. ``output.tensorboard`` / ``output.mlflow`` add the trackers
+def run_experiment(cfg: ExperimentConfig, *, out_dir: Optional[str | Path] = None,
+                   progress: bool | str | None = None, write: bool = True, resume: Optional[str | Path] = None,
+                   callbacks: Optional[list[Callback]] = None, prepared: Optional[Prepared] = None) -> RunResult:
+    """Run one experiment; every argument after the config is a keyword. ``callbacks`` are :class:`Callback` objects
+    (loggers, custom stopping rules; a plain ``fn(round_idx, table) -> stop?`` after every evaluated round is
+    ``EvalCallback(fn)``). ``prepared``: the result of ``prepare(cfg)`` when the caller already has it
+    (``sweep.run_seeds`` checks every seed first). ``progress``: None takes ``output.progress``; True or ``"auto"``
+    a bar on a terminal and one line per evaluated round otherwise; ``"bar"``, ``"lines"``; False none.
+    ``output.tensorboard`` / ``output.mlflow`` add the trackers
     (:mod:`raysim.engine.tracking`), checked before anything is claimed.
 
     With ``output.checkpoint_every`` > 0 a run that fails keeps its checkpoints in ``<run dir>.incomplete``;
@@ -370,7 +371,7 @@ def _callbacks(cfg: ExperimentConfig, prep: Prepared, rd, progress, callbacks: O
     """The run's callbacks in order, and the list of those started so far (the run directory's from the start: the
     claimed directory is cleaned up on any error)."""
     cbs: list[Callback] = []
-    if prep.fed_data.domains is not None and prep.algorithm.reports_clusters:
+    if prep.fed_data.domains is not None and getattr(prep.algorithm, "reports_clusters", False):
         cbs.append(ClusterAgreement())  # first: its rows belong to the round the checkpointer saves
     started: list[Callback] = []
     if rd is not None:

@@ -16,6 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Optional
 
+from raysim._version import __version__
+
 PACKAGES = ("raysim", "algorithms", "envs")
 
 
@@ -68,8 +70,6 @@ def git_state(dirs: Optional[list[tuple[str, Path]]] = None) -> tuple[Optional[s
 def code_version() -> dict:
     """This process's code version, computed once (the code a process runs is the code it loaded):
     ``{"raysim": version, "source": digest, "commit": sha or None, "dirty": bool or None}``."""
-    from raysim import __version__
-
     dirs = _package_dirs()
     commit, dirty = git_state(dirs)
     return {"raysim": __version__, "source": source_digest(dirs), "commit": commit, "dirty": dirty}

@@ -135,11 +135,6 @@ class Member:
     dropout: rngmod.Counter
     opt_state: Optional[dict] = None
 
-    @classmethod
-    def zip(cls, params, xs, ys, batches, dropouts, opt_states=None) -> list["Member"]:
-        return [cls(p, x, y, b, d, o) for p, x, y, b, d, o in
-                zip(params, xs, ys, batches, dropouts, opt_states or [None] * len(params))]
-
 
 def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
                    grouped: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
