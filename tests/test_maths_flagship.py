@@ -20,6 +20,7 @@ import torch.nn as nn
 
 from raysim.config import TrainConfig
 from raysim.messages import Message
+from raysim.rng import Counter
 from tests.test_maths import adam_steps, ce_rows, close, softmax
 
 
@@ -55,7 +56,8 @@ class BodyHead(nn.Module):
 
 def client_ctx(model, round_idx=1):
     return SimpleNamespace(client_id=0, round_idx=round_idx, device="cpu", model=lambda: model,
-                           generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
+                           generator=lambda purpose, device=None: torch.Generator().manual_seed(0),
+                           stream=lambda purpose: Counter(0))
 
 
 # == 1. FedProto: loss, step, uploaded prototypes, aggregation ======================================================
@@ -262,7 +264,8 @@ def test_fedtgp_generator_step_is_the_margin_loss_and_one_sgd_step_by_hand():
                                                     "classes": torch.tensor([0, 1]), "counts": torch.tensor([4, 2])})},
                1: {"protos": Message("prototypes", {"protos": torch.tensor([[0.0, 0.0], [0.0, 4.0]]),
                                                     "classes": torch.tensor([0, 2]), "counts": torch.tensor([1, 5])})}}
-    ctx = SimpleNamespace(device="cpu", generator=lambda purpose, device=None: torch.Generator().manual_seed(0))
+    ctx = SimpleNamespace(device="cpu", generator=lambda purpose, device=None: torch.Generator().manual_seed(0),
+                          stream=lambda purpose: Counter(0))
     new, metrics = algo.aggregate(state, uploads, ctx)
 
     delta = 5.0

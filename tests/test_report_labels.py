@@ -62,7 +62,7 @@ def test_labels_show_preset_values_as_the_presets_method_defaults_and_4_digit_fl
     labels = auto_labels({"c": c, "d": d, "e": e})
     assert labels == {"c": "fedproto (lam=1.0)", "d": "fedproto (lam=2.0)", "e": "fedavg"}
     vec = auto_labels({"c": c, "v": full(backend={"name": "ray", "vectorize": True, "num_actors": 4})})
-    assert vec == {"c": "fedproto (backend.vectorize=False)", "v": "fedproto (backend.vectorize=True)"}
+    assert vec == {"c": "fedproto (backend.vectorize=auto)", "v": "fedproto (backend.vectorize=True)"}
     same = auto_labels({"c": c, "x": full(algorithm={"name": "fedproto", "params": {"lam": 1.0}})})
     assert same == {"c": "fedproto", "x": "fedproto"}  # (report.setting_labels then keeps them apart)
 
