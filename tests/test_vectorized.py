@@ -1,5 +1,5 @@
 """The vectorised executor (backend.vectorize): the same table as the per-client loop within the stated tolerance for
-every method that opts in (dropout off and on: the masks are replayed from each client's own generator), Adam and SGD
+every method that opts in (dropout off and on: each client's masks are its own counter-based draws, the loop's bits), Adam and SGD
 momentum with persisted optimiser state, unequal data sizes and batch counts, the fallback to the loop, BatchNorm
 (per-client running statistics; what cannot be batched refused before the run), the identity hash, and Ray ==
 sequential."""
@@ -123,8 +123,8 @@ def test_batched_evaluation_equals_the_loops(monkeypatch):
 
 
 def test_dropout_on_masks_are_the_loops():
-    # cnn_mnist's head dropout and Dropout2d at 0.5: each client's masks are drawn from its own generator in the
-    # loop's order, so even with dropout the numbers agree within tolerance, and a vectorised run is deterministic
+    # cnn_mnist's head dropout and Dropout2d at 0.5: each client's masks are its own counter-based draws (the bits the
+    # loop draws), so even with dropout the numbers agree within tolerance, and a vectorised run is deterministic
     loop = table(cfg("fedproto", vectorize=False, dropout=0.5))
     vec = table(cfg("fedproto", dropout=0.5))
     close(loop, vec)
