@@ -188,6 +188,10 @@ class LocalStart:
     # live model by whoever runs the step (:meth:`LocalTraining.begin`; the vectorised executor stacks a group's in
     # one operation per parameter instead of loading each). None: client_init loaded the live model itself
     weights: Any = None
+    # the objective's per-client inputs (name -> tensor, or -> a mapping name -> tensor such as a state dict, or rows
+    # of a group's stacks): the vectorised executor stacks a group's [K, ...] (one operation per tensor) and hands
+    # each client its own rows through ``LocalTraining.row_objective``; the per-client loop never reads them
+    rows: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -204,6 +208,9 @@ class TrainedGroup:
     states: list
     datas: list
     ctxs: list
+    # the starts' per-client inputs (``LocalStart.rows``) as the executor stacked them (key -> [K, ...], or -> a
+    # mapping name -> [K, ...]); empty when the objective has none
+    rows: dict = field(default_factory=dict)
 
     def state_stacks(self) -> dict:
         """The group's trained state dicts as stacks (name -> [K, ...], the live model's state-dict order): the
@@ -434,6 +441,10 @@ class LocalTraining(Algorithm):
     * ``objective(start) -> loss_fn(model, xb, yb, epoch) -> (loss, parts)``: the local objective, a pure function
       of the model's parameters, buffers and dropout generator, the batch, the local epoch (0-based) and the
       payload-derived ``start.aux``;
+    * optionally ``row_objective(start) -> loss_fn(model, xb, yb, epoch, rows)``: the same objective with the
+      client's own inputs (``start.rows``) as an argument, for a vectorised group whose clients differ in them
+      (MOON's previous model, SCAFFOLD's control variate): ``rows`` holds the client's rows of the stacks, and the loss
+      must equal ``objective(start_i)``'s for client i given ``rows = start_i.rows``;
     * ``client_final(model, start, payload, state, data, ctx) -> (new_state, upload)``;
     * optionally ``client_final_group(group) -> [(new_state, upload)]``, the batch form of ``client_final`` for a
       group the vectorised executor trained together (:class:`TrainedGroup`): states and uploads may hold rows of the
@@ -455,6 +466,12 @@ class LocalTraining(Algorithm):
     def objective(self, start: LocalStart):
         raise TypeError(f"{type(self).__name__} does not define objective")
 
+    def row_objective(self, start: LocalStart):
+        """The objective with per-client inputs (class docstring): ``loss_fn(model, xb, yb, epoch, rows)``, where
+        ``rows`` has ``start.rows``'s structure and holds one client's values (inside ``vmap``: its rows of the
+        group's stacks). The vectorised executor uses it for a start with ``rows``; None (the default): none."""
+        return None
+
     def client_final(self, model, start: LocalStart, payload, state, data, ctx: Context) -> tuple[Any, Payload]:
         raise TypeError(f"{type(self).__name__} does not define client_final")
 
@@ -472,7 +489,8 @@ class LocalTraining(Algorithm):
 
     def vectorizable(self, start: LocalStart) -> bool:
         """Opt-in to the vectorised executor (``backend.vectorize``): True promises that ``objective(start)`` depends
-        only on what every client of the step shares (the broadcast payload), so that one loss function serves a
+        only on what every client of the step shares (the broadcast payload) and on the client's own inputs declared
+        in ``start.rows`` (then ``row_objective(start)`` takes them as an argument), so that one loss function serves a
         group of clients trained together, and that it is pure (no side effects, no generator or other state of its
         own; the epoch comes as an argument). Default False: the client runs in the per-client loop."""
         return False

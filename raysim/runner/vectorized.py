@@ -138,22 +138,53 @@ class Member:
 
 
 def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
-                   grouped: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
+                   grouped: bool = True, rows: Optional[dict] = None) -> tuple[list[dict], list[dict], list[dict]]:
     """Train K clients of one architecture together (``cfg.local_epochs`` epochs at ``cfg.lr``);
     ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained parameters,
     ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client (the trained
     parameters with the batch-norm running statistics, where the model has any). ``grouped``: use
-    grouped execution (:mod:`raysim.runner.grouped`) where the model and the objective allow it, else ``vmap`` throughout."""
-    stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped).run()
+    grouped execution (:mod:`raysim.runner.grouped`) where the model and the objective allow it, else ``vmap`` throughout.
+    ``rows``: the clients' own inputs of the objective, stacked (:func:`stack_rows`); then
+    ``loss_fn(model, xb, yb, epoch, rows)`` receives each client's rows (``LocalTraining.row_objective``)."""
+    stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped, rows).run()
     return [{n: t[i] for n, t in stacks.items()} for i in range(len(members))], metrics, opt
 
 
 def train_group(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
-                grouped: bool = True) -> tuple[dict, list[dict], list[dict]]:
+                grouped: bool = True, rows: Optional[dict] = None) -> tuple[dict, list[dict], list[dict]]:
     """:func:`vmap_local_sgd` with the trained parameters as stacks (name -> [K, ...], in the model's parameter
     order, then the batch-norm running statistics (:func:`running_stat_names`); client i's are row i): what the
     vectorised executor hands to a method's ``client_final_group``."""
-    return _GroupTraining(model, loss_fn, members, cfg, grouped).run()
+    return _GroupTraining(model, loss_fn, members, cfg, grouped, rows).run()
+
+
+def _rows_of_one(mappings: list, name: str) -> torch.Tensor:
+    """``mappings[i][name]`` of every client as one [K, ...] tensor, read-only: the stack itself (or its rows, one
+    op) when every entry is a row of one earlier stack (:class:`raysim.messages.Rows`), else one stack op."""
+    src = [row_source(m, name) for m in mappings]
+    if all(s is not None for s in src) and all(s[0] is src[0][0] for s in src):
+        base, rows = src[0][0][name], [s[1] for s in src]
+        return base if rows == list(range(base.shape[0])) else base[torch.as_tensor(rows, device=base.device)]
+    return torch.stack([_const(m[name]) for m in mappings])
+
+
+def stack_rows(rows: list[dict]) -> dict:
+    """The clients' per-client inputs of the objective (each client's ``LocalStart.rows``: one structure) stacked:
+    key -> [K, ...] for a tensor, key -> {name: [K, ...]} for a mapping (a state dict, a control variate, rows of
+    a group's stacks), one operation per tensor at most. Never written to."""
+    out: dict = {}
+    for key, first in rows[0].items():
+        if torch.is_tensor(first):
+            out[key] = torch.stack([_const(r[key]) for r in rows])
+        else:
+            mappings = [r[key] for r in rows]
+            out[key] = {name: _rows_of_one(mappings, name) for name in first}
+    return out
+
+
+def take_rows(rows: dict, index) -> dict:
+    """``rows`` (:func:`stack_rows`) at ``index`` (an int: one client's rows; a tensor: a sub-group's stacks)."""
+    return {k: (v[index] if torch.is_tensor(v) else {n: t[index] for n, t in v.items()}) for k, v in rows.items()}
 
 
 def _stack(params: list, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -170,8 +201,11 @@ def _stack(params: list, name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 class _GroupTraining:
-    def __init__(self, model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig, grouped: bool):
+    def __init__(self, model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig, grouped: bool,
+                 rows: Optional[dict] = None):
         self.model, self.loss_fn, self.members, self.cfg = model, loss_fn, members, cfg
+        # the clients' own inputs of the objective, stacked (None: the objective takes none)
+        self.rows, self.with_rows = rows or {}, rows is not None
         self.k = len(members)
         params = [m.params for m in members]
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head): no step
@@ -241,7 +275,7 @@ class _GroupTraining:
             done = []
 
             def forward():
-                self.loss_fn(rec, x0, y0, epoch)
+                self._loss(rec, x0, y0, epoch, take_rows(self.rows, i))
                 done.append(rec.finished())  # while the masks are still being recorded
 
             try:
@@ -251,29 +285,35 @@ class _GroupTraining:
                 set_dropout_generator(self.model, None)
         return self.probes[b, epoch]
 
+    def _loss(self, model, xb, yb, epoch, rows):
+        """The objective on one client's batch (and, where it takes them, its own rows)."""
+        if self.with_rows:
+            return self.loss_fn(model, xb, yb, epoch, rows)
+        return self.loss_fn(model, xb, yb, epoch)
+
     def _one(self, p, fixed, xb, yb, masks, epoch):
-        fz, st = fixed  # st: the client's running statistics (its rows of the stacks, updated in place)
+        fz, st, rows = fixed  # st: the client's running statistics (its rows of the stacks, updated in place)
         with replay_masks(masks):
-            loss, parts = self.loss_fn(_FunctionalModel(self.model, {**p, **fz}, {**self.buffers, **st}), xb, yb,
-                                       epoch)
+            loss, parts = self._loss(_FunctionalModel(self.model, {**p, **fz}, {**self.buffers, **st}), xb, yb,
+                                     epoch, rows)
         return loss, (loss.detach(), _detached(parts))
 
     def _grouped_grad(self, p, fixed, batch, masks, epoch, seen):
         """The model's forward for the group at once, the objective per client under vmap on its outputs,
         per-client gradients by autograd of the summed losses (raysim.runner.grouped); ``fixed``: (the frozen parameters,
         the group's running statistics, updated in place)."""
-        (fz, st), (xb, yb) = fixed, batch
+        (fz, st, rows), (xb, yb) = fixed, batch
         leaves = {n: t.detach().requires_grad_(True) for n, t in p.items()}
         every, it = {**leaves, **fz, **st}, iter(masks)
         outs = [_grouped.grouped_forward(self.model, every, xb, bool(kw.get("return_embedding", False)), it)
                 for kw in seen]
 
-        def obj(lp, lfz, louts, lxb, lyb):
+        def obj(lp, lfz, louts, lxb, lyb, lrows):
             replay = _grouped.ReplayModel(self.model, {**lp, **lfz}, lxb, louts, seen)
-            loss, parts = self.loss_fn(replay, lxb, lyb, epoch)
+            loss, parts = self._loss(replay, lxb, lyb, epoch, lrows)
             return loss, _detached(parts)
 
-        losses, parts = torch.func.vmap(obj)(leaves, fz, outs, xb, yb)
+        losses, parts = torch.func.vmap(obj)(leaves, fz, outs, xb, yb, rows)
         return _grouped.stacked_grads(losses.sum(), leaves), (losses.detach(), parts)
 
     def step(self, s: int) -> None:
@@ -302,13 +342,14 @@ class _GroupTraining:
         sub = self.stacked if whole else {n: t[rows] for n, t in self.stacked.items()}
         fz = self.frozen if whole else {n: t[rows] for n, t in self.frozen.items()}
         st = self.stats if whole else {n: t[rows] for n, t in self.stats.items()}  # updated in place by the forward
+        rs = self.rows if whole else take_rows(self.rows, rows)  # the objective's per-client inputs
         seen, out = self.calls.get((b, e)), None
         if seen is not None:
             # until a grouped step of this shape has run once, it runs on copies of the running statistics (a failure
             # part-way must not leave them updated twice)
             trial = {n: t.clone() for n, t in st.items()} if st and (b, e) not in self.proven else st
             try:
-                out = self._grouped_grad(sub, (fz, trial), (xb, yb), masks, e, seen)
+                out = self._grouped_grad(sub, (fz, trial, rs), (xb, yb), masks, e, seen)
             except Exception as err:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so
                 self.calls[b, e] = None  # the step runs with vmap instead (which raises a genuine error itself)
                 fallbacks.note("the grouped forward (raysim.runner.grouped)", "its steps run with vmap", err)
@@ -316,7 +357,7 @@ class _GroupTraining:
                 self.proven.add((b, e))
                 for n, t in (trial.items() if trial is not st else ()):
                     st[n].copy_(t)
-        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, (fz, st), xb, yb, masks, e)
+        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, (fz, st, rs), xb, yb, masks, e)
         if not whole:
             for n, t in st.items():
                 self.stats[n][rows] = t
