@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.fedavg import FedAvg
-from raysim.algorithm import Context, LocalStart
+from raysim.algorithm import Context, FrozenForward, LocalStart
 from raysim.config import positive
 from raysim.messages import Message, rows_of
 from raysim.training import clone_state
@@ -64,14 +64,17 @@ class Moon(FedAvg):
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         # declared, not loaded: the global weights are the start (LocalStart.weights); the global and the previous
         # weights are loaded into the frozen modules when the per-client objective is made; a vectorised group
-        # stacks the previous weights (the objective's rows) and runs the frozen models under them
+        # stacks the previous weights (the objective's rows) and gets both frozen models' outputs on each batch
+        # (LocalStart.frozen: the frozen module in eval mode under the global weights, and under each client's own)
         glob, prev = self._frozen_pair(ctx)
         glob.eval()
         prev.eval()
         weights = payload["model"].tensors
         previous = (state or {}).get("prev") or weights
+        embed = {"return_embedding": True}
         return LocalStart(aux={"glob": glob, "prev": prev, "global": weights, "previous": previous}, weights=weights,
-                          rows={"prev": previous})
+                          rows={"prev": previous}, frozen={"glob_out": FrozenForward(glob, weights, embed),
+                                                           "prev_out": FrozenForward(glob, "prev", embed)})
 
     def _loss(self, glob_embed, prev_embed):
         """The local objective, given the frozen global and previous models' embeddings of a batch."""
@@ -95,16 +98,12 @@ class Moon(FedAvg):
         return self._loss(lambda xb: glob(xb, return_embedding=True)[1], lambda xb: prev(xb, return_embedding=True)[1])
 
     def row_objective(self, start: LocalStart):
-        """The objective of a vectorised group: the global model under the broadcast weights (shared), the previous
-        model under the client's own rows (``rows["prev"]``), both as the frozen module in eval mode run
-        functionally (inside the executor's vmap: batched forwards of the group)."""
-        glob, shared = start.aux["glob"], start.aux["global"]
-
-        def frozen(w):
-            return lambda xb: torch.func.functional_call(glob, w, (xb,), {"return_embedding": True})[1]
+        """The objective of a vectorised group: the frozen global and previous models' embeddings of the batch come
+        in the client's rows (``rows["glob_out"]``, ``rows["prev_out"]``: (logits, embedding), computed by the
+        executor for the whole group, ``LocalStart.frozen``)."""
 
         def loss_fn(model, xb, yb, epoch, rows):
-            return self._loss(frozen(dict(shared)), frozen(rows["prev"]))(model, xb, yb, epoch)
+            return self._loss(lambda _: rows["glob_out"][1], lambda _: rows["prev_out"][1])(model, xb, yb, epoch)
 
         return loss_fn
 

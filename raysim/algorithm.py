@@ -175,6 +175,20 @@ class ServerUpdate:
     metrics: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FrozenForward:
+    """A frozen model the objective reads on every batch (MOON's global and previous models), for a vectorised group:
+    ``module`` (in the mode it should run in, eval for a frozen copy) under ``weights`` -- a mapping name -> tensor
+    shared by the group, or the key of the ``LocalStart.rows`` entry that holds each client's own -- called as
+    ``module(xb, **kwargs)`` without autograd. The executor computes the group's outputs at every step (one grouped
+    forward with the stacked weights where the model has a grouped form, ``vmap`` otherwise) and hands
+    ``row_objective`` each client's outputs as ``rows[name]`` (name: its key in ``LocalStart.frozen``)."""
+
+    module: Any
+    weights: Any
+    kwargs: dict = field(default_factory=dict)
+
+
 @dataclass
 class LocalStart:
     """What ``client_init`` prepares for local training: the labels to train on (FedPU: observed labels) and
@@ -192,6 +206,9 @@ class LocalStart:
     # of a group's stacks): the vectorised executor stacks a group's [K, ...] (one operation per tensor) and hands
     # each client its own rows through ``LocalTraining.row_objective``; the per-client loop never reads them
     rows: dict = field(default_factory=dict)
+    # frozen models whose outputs on each batch the objective reads (name -> FrozenForward): a vectorised group's are
+    # computed for the whole group at every step and reach ``row_objective`` as ``rows[name]``
+    frozen: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,8 @@ from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, LocalTraining, TrainedGroup
 from raysim.runner import fallbacks
 from raysim.runner.reports import ClientReport, step_purpose, step_token
-from raysim.runner.vectorized import Member, check_model, running_stat_names, stack_rows, train_group
+from raysim.runner.vectorized import (ClientInputs, Member, check_model, running_stat_names, stack_rows,
+                                      train_group)
 from raysim.errors import DamagedFileError
 from raysim.messages import payload_sizes
 from raysim.steps import ClientStep
@@ -307,7 +308,8 @@ class Vectorized(Executor):
             start0 = items[0].start
             rows = stack_rows([it.start.rows for it in items]) if start0.rows else None  # per-client inputs
             loss_fn = alg.objective(start0) if rows is None else alg.row_objective(start0)
-            trained, metrics, opt_states = train_group(model, loss_fn, members, cfg, rows=rows)
+            inputs = None if rows is None else ClientInputs(rows, start0.frozen)
+            trained, metrics, opt_states = train_group(model, loss_fn, members, cfg, inputs=inputs)
         except Exception as e:  # the batched computation failed: every client in it failed with the error
             for c in cids:
                 run.fail(c, e)

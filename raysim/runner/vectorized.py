@@ -43,7 +43,7 @@ from the loop's in the last bits (the equality policy's "stated tolerance": metr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -138,24 +138,36 @@ class Member:
 
 
 def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
-                   grouped: bool = True, rows: Optional[dict] = None) -> tuple[list[dict], list[dict], list[dict]]:
+                   grouped: bool = True, inputs: Optional["ClientInputs"] = None) -> tuple[list[dict], list[dict],
+                                                                                              list[dict]]:
     """Train K clients of one architecture together (``cfg.local_epochs`` epochs at ``cfg.lr``);
     ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained parameters,
     ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client (the trained
     parameters with the batch-norm running statistics, where the model has any). ``grouped``: use
     grouped execution (:mod:`raysim.runner.grouped`) where the model and the objective allow it, else ``vmap`` throughout.
-    ``rows``: the clients' own inputs of the objective, stacked (:func:`stack_rows`); then
+    ``inputs``: the clients' own inputs of the objective (:class:`ClientInputs`); then
     ``loss_fn(model, xb, yb, epoch, rows)`` receives each client's rows (``LocalTraining.row_objective``)."""
-    stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped, rows).run()
+    stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped, inputs).run()
     return [{n: t[i] for n, t in stacks.items()} for i in range(len(members))], metrics, opt
 
 
 def train_group(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
-                grouped: bool = True, rows: Optional[dict] = None) -> tuple[dict, list[dict], list[dict]]:
+                grouped: bool = True, inputs: Optional["ClientInputs"] = None) -> tuple[dict, list[dict], list[dict]]:
     """:func:`vmap_local_sgd` with the trained parameters as stacks (name -> [K, ...], in the model's parameter
     order, then the batch-norm running statistics (:func:`running_stat_names`); client i's are row i): what the
     vectorised executor hands to a method's ``client_final_group``."""
-    return _GroupTraining(model, loss_fn, members, cfg, grouped, rows).run()
+    return _GroupTraining(model, loss_fn, members, cfg, grouped, inputs).run()
+
+
+@dataclass(frozen=True)
+class ClientInputs:
+    """A group's per-client inputs of the objective: ``rows`` (the clients' ``LocalStart.rows``, :func:`stack_rows`)
+    and ``frozen`` (name -> :class:`raysim.algorithm.FrozenForward`, the first client's ``LocalStart.frozen``: frozen
+    models whose outputs on every step's batch are computed for the group and added to the rows under their
+    names)."""
+
+    rows: dict
+    frozen: dict = field(default_factory=dict)
 
 
 def _rows_of_one(mappings: list, name: str) -> torch.Tensor:
@@ -182,9 +194,14 @@ def stack_rows(rows: list[dict]) -> dict:
     return out
 
 
-def take_rows(rows: dict, index) -> dict:
-    """``rows`` (:func:`stack_rows`) at ``index`` (an int: one client's rows; a tensor: a sub-group's stacks)."""
-    return {k: (v[index] if torch.is_tensor(v) else {n: t[index] for n, t in v.items()}) for k, v in rows.items()}
+def take_rows(rows, index):
+    """``rows`` (:func:`stack_rows`, with frozen models' outputs) at ``index`` (an int: one client's rows; a tensor:
+    a sub-group's stacks), tensor by tensor through dicts, tuples and lists."""
+    if torch.is_tensor(rows):
+        return rows[index]
+    if isinstance(rows, (tuple, list)):
+        return type(rows)(take_rows(v, index) for v in rows)
+    return {k: take_rows(v, index) for k, v in rows.items()}
 
 
 def _stack(params: list, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -202,10 +219,12 @@ def _stack(params: list, name: str, like: torch.Tensor) -> torch.Tensor:
 
 class _GroupTraining:
     def __init__(self, model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig, grouped: bool,
-                 rows: Optional[dict] = None):
+                 inputs: Optional[ClientInputs] = None):
         self.model, self.loss_fn, self.members, self.cfg = model, loss_fn, members, cfg
-        # the clients' own inputs of the objective, stacked (None: the objective takes none)
-        self.rows, self.with_rows = rows or {}, rows is not None
+        # the clients' own inputs of the objective, stacked, and its frozen models (None: the objective takes none)
+        self.rows, self.with_rows = (inputs.rows, True) if inputs is not None else ({}, False)
+        self.frozen_models = dict(inputs.frozen) if inputs is not None else {}
+        self.frozen_grouped: dict = {}  # name -> whether that frozen model runs as a grouped forward
         self.k = len(members)
         params = [m.params for m in members]
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head): no step
@@ -275,7 +294,8 @@ class _GroupTraining:
             done = []
 
             def forward():
-                self._loss(rec, x0, y0, epoch, take_rows(self.rows, i))
+                self._loss(rec, x0, y0, epoch, take_rows(self._frozen_outputs(
+                    take_rows(self.rows, torch.tensor([i])), x0.unsqueeze(0)), 0))
                 done.append(rec.finished())  # while the masks are still being recorded
 
             try:
@@ -284,6 +304,31 @@ class _GroupTraining:
             finally:
                 set_dropout_generator(self.model, None)
         return self.probes[b, epoch]
+
+    def _frozen_outputs(self, rows: dict, xb: torch.Tensor) -> dict:
+        """``rows`` (the clients' of ``xb`` [K', B, ...]) with each frozen model's outputs on ``xb`` added under its
+        name, stacked [K', ...]: one grouped forward under the stacked weights (the shared ones expanded, a view),
+        else ``vmap``; without autograd."""
+        if not self.frozen_models:
+            return rows
+        out = dict(rows)
+        with torch.no_grad():
+            for name, f in self.frozen_models.items():
+                own = isinstance(f.weights, str)  # the client's own weights: a rows entry
+                w = rows[f.weights] if own else f.weights
+                if self.frozen_grouped.setdefault(name, _grouped.supported(f.module)
+                                                  and set(f.kwargs) <= {"return_embedding"}):
+                    params = dict(w) if own else {n: t.unsqueeze(0).expand(xb.shape[0], *t.shape) for n, t in w.items()}
+                    try:
+                        out[name] = _grouped.grouped_forward(f.module, params, xb,
+                                                             bool(f.kwargs.get("return_embedding", False)), iter(()))
+                        continue
+                    except _grouped.Ineligible as err:
+                        self.frozen_grouped[name] = False
+                        fallbacks.note("the grouped forward of a frozen model", "it runs with vmap", err)
+                out[name] = torch.func.vmap(lambda wi, xi, f=f: torch.func.functional_call(f.module, wi, (xi,), f.kwargs),
+                                            in_dims=(0 if own else None, 0))(dict(w), xb)
+        return out
 
     def _loss(self, model, xb, yb, epoch, rows):
         """The objective on one client's batch (and, where it takes them, its own rows)."""
@@ -342,7 +387,7 @@ class _GroupTraining:
         sub = self.stacked if whole else {n: t[rows] for n, t in self.stacked.items()}
         fz = self.frozen if whole else {n: t[rows] for n, t in self.frozen.items()}
         st = self.stats if whole else {n: t[rows] for n, t in self.stats.items()}  # updated in place by the forward
-        rs = self.rows if whole else take_rows(self.rows, rows)  # the objective's per-client inputs
+        rs = self._frozen_outputs(self.rows if whole else take_rows(self.rows, rows), xb)  # per-client inputs
         seen, out = self.calls.get((b, e)), None
         if seen is not None:
             # until a grouped step of this shape has run once, it runs on copies of the running statistics (a failure
