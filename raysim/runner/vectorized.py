@@ -4,10 +4,22 @@ stacked parameters of the clients — instead of one after another.
 
 It runs the same three functions as the per-client loop (:func:`raysim.training.local_sgd`), the pure client step of
 :class:`raysim.algorithm.LocalTraining`: ``client_init`` per client (loads its starting weights, unpacks the
-payload), one ``objective`` for the whole group, ``client_final`` per client. A method opts in with
-``LocalTraining.vectorizable(start)``: True promises that the objective built from ``start`` depends only on what
-every client of the step shares (the broadcast payload), so one loss function serves the group, and that it is pure
-(the local epoch is an argument; no side effects, no generator of its own), so it can be traced by ``vmap``.
+payload), one ``objective`` for the whole group, ``client_final`` per client (or ``client_final_group`` once for
+the group). A method opts in with ``LocalTraining.vectorizable(start)``: True promises that the objective built from
+``start`` depends only on what every client of the step shares (the broadcast payload) and on the client's own
+inputs it declares, so one loss function serves the group, and that it is pure (the local epoch is an argument; no
+side effects, no generator of its own), so it can be traced by ``vmap``.
+
+* **per-client inputs** — ``LocalStart.rows`` (tensors, or mappings of tensors such as a state dict or a control
+  variate) are stacked [K, ...] once per group (:func:`stack_rows`: rows of one earlier stack taken in one op, else
+  one stack op per tensor) and handed to ``LocalTraining.row_objective(start)``'s ``loss_fn(model, xb, yb, epoch,
+  rows)`` with each client's own rows (under ``vmap``, its slice; a sub-group of a step takes its rows: :func:`
+  take_rows`); SCAFFOLD's c_i. ``LocalStart.frozen`` names frozen models (:class:`raysim.algorithm.FrozenForward`:
+  a module in eval mode under weights shared by the group or under each client's rows) whose outputs on each step's
+  batch the objective reads: the executor computes them for the group before the objective — one grouped forward
+  under the stacked weights (the shared ones expanded) where the model has a grouped form, ``vmap`` of
+  ``functional_call`` otherwise — and adds them to the rows; MOON's global and previous models. The trained stacks
+  and the stacked rows reach ``client_final_group`` (:class:`raysim.algorithm.TrainedGroup`).
 
 Exactness rules (what makes the table equal to the loop's within the stated tolerance, not bit for bit):
 
