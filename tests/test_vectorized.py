@@ -586,6 +586,7 @@ def test_a_heterogeneous_cohort_trains_and_evaluates_one_group_per_architecture(
     ("scaffold", {}),  # unequal sizes: unequal K_eff per client
     ("moon", {"clients_per_round": 3, "rounds": 3, "dropout": 0.5}),  # rows of several groups' stacks; dropout
     ("scaffold", {"clients_per_round": 3, "rounds": 3}),  # c_i: zeros, rows of one earlier group, of several
+    ("moon", {"model": BN_MODEL, "rounds": 1}),  # frozen models with BatchNorm: eval-mode grouped forwards
 ])
 def test_per_client_inputs_vectorised_equal_loop(algo, over, monkeypatch):
     """Methods whose objective has per-client inputs (``LocalStart.rows``: MOON's previous model, SCAFFOLD's control

@@ -307,7 +307,7 @@ class _GroupTraining:
 
             def forward():
                 self._loss(rec, x0, y0, epoch, take_rows(self._frozen_outputs(
-                    take_rows(self.rows, torch.tensor([i])), x0.unsqueeze(0)), 0))
+                    take_rows(self.rows, torch.tensor([i], device=x0.device)), x0.unsqueeze(0)), 0))
                 done.append(rec.finished())  # while the masks are still being recorded
 
             try:
