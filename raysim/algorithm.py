@@ -189,6 +189,21 @@ class FrozenForward:
     kwargs: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class StepDraws:
+    """A client's random inputs of each local step (FedGen's noise and sampled labels), for a vectorised group:
+    ``fn(batch_size, generator) -> {name: tensor}`` makes the same calls on ``generator`` (the client's own stream,
+    ``generator`` here) in the same order as the per-client objective does at a step of that batch size. The executor
+    calls it for every client before each of its steps and hands ``row_objective`` the client's draws in its rows
+    (the shape probe calls it on a throw-away generator). ``group``: optionally, ``group(draws, yb) -> {name:
+    tensor}``, more inputs computed from the group's stacked draws and labels ([K, ...]) at once, without autograd
+    and outside ``vmap`` (FedGen: its frozen generator's outputs), added to the rows too."""
+
+    fn: Any
+    generator: Any
+    group: Any = None
+
+
 @dataclass
 class LocalStart:
     """What ``client_init`` prepares for local training: the labels to train on (FedPU: observed labels) and
@@ -209,6 +224,9 @@ class LocalStart:
     # frozen models whose outputs on each batch the objective reads (name -> FrozenForward): a vectorised group's are
     # computed for the whole group at every step and reach ``row_objective`` as ``rows[name]``
     frozen: dict = field(default_factory=dict)
+    # the objective's random inputs of each step (StepDraws), drawn by a vectorised group's executor before each step
+    # and handed to ``row_objective`` in the rows; None: none
+    draws: Any = None
 
 
 @dataclass(frozen=True)

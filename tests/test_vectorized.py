@@ -587,16 +587,20 @@ def test_a_heterogeneous_cohort_trains_and_evaluates_one_group_per_architecture(
     ("moon", {"clients_per_round": 3, "rounds": 3, "dropout": 0.5}),  # rows of several groups' stacks; dropout
     ("scaffold", {"clients_per_round": 3, "rounds": 3}),  # c_i: zeros, rows of one earlier group, of several
     ("moon", {"model": BN_MODEL, "rounds": 1}),  # frozen models with BatchNorm: eval-mode grouped forwards
+    # FedGen from its second round: each step's noise and labels drawn per client (StepDraws), the generator's
+    # outputs for the group at once
+    ("fedgen", {"params": {"gen_steps": 2}}),
+    ("fedgen", {"clients_per_round": 3, "dropout": 0.5, "params": {"gen_steps": 2}}),
 ])
 def test_per_client_inputs_vectorised_equal_loop(algo, over, monkeypatch):
     """Methods whose objective has per-client inputs (``LocalStart.rows``: MOON's previous model, SCAFFOLD's control
-    variate c_i) train as one group through ``row_objective`` and finish in their batch form
-    (``client_final_group``: states and uploads as rows of the stacks), both checked by spies, and the table
-    (train losses, MOON's contrastive term, SCAFFOLD's control norm, accuracies) is the loop's within the stated
-    tolerance."""
-    from algorithms import moon, scaffold
+    variate c_i; ``LocalStart.draws``: FedGen's noise and sampled labels) train as one group through
+    ``row_objective`` and finish in their batch form (``client_final_group``: states and uploads as rows of the
+    stacks), both checked by spies, and the table (train losses, MOON's contrastive term, SCAFFOLD's control norm,
+    FedGen's teacher and latent terms, accuracies) is the loop's within the stated tolerance."""
+    from algorithms import fedgen, moon, scaffold
 
-    owner = {"moon": moon.Moon, "scaffold": scaffold.Scaffold}[algo]
+    owner = {"moon": moon.Moon, "scaffold": scaffold.Scaffold, "fedgen": fedgen.FedGen}[algo]
     batch_form, row_form, calls, rows = owner.client_final_group, owner.row_objective, [], []
 
     def spy(self, group):
@@ -619,4 +623,4 @@ def test_per_client_inputs_vectorised_equal_loop(algo, over, monkeypatch):
     close(loop, vec)
     metrics = set(vec.metric)
     assert {"train_loss", "test_acc"} <= metrics
-    assert ({"train_con"} if algo == "moon" else {"control_norm"}) <= metrics
+    assert {"moon": {"train_con"}, "scaffold": {"control_norm"}, "fedgen": {"train_teacher"}}[algo] <= metrics

@@ -279,7 +279,8 @@ class Vectorized(Executor):
         run.seed(cid)
         model = alg.live_model(ctx)
         start = alg.client_init(model, down, state, data, ctx)
-        if alg.vectorizable(start) and (not start.rows or type(alg).row_objective is not LocalTraining.row_objective):
+        if alg.vectorizable(start) and (not (start.rows or start.draws is not None)
+                                        or type(alg).row_objective is not LocalTraining.row_objective):
             check_model(model)
             if start.weights is not None:  # declared, not loaded: the group stacks them in one op per parameter
                 params = start.weights
@@ -306,9 +307,11 @@ class Vectorized(Executor):
                               it.data.y_train if it.start.y is None else it.start.y, it.ctx.generator("batches"),
                               it.ctx.generator("dropout", device=it.ctx.device), it.opt_state) for it in items]
             start0 = items[0].start
-            rows = stack_rows([it.start.rows for it in items]) if start0.rows else None  # per-client inputs
+            per_client = bool(start0.rows) or start0.draws is not None  # the objective's per-client inputs
+            rows = stack_rows([it.start.rows for it in items]) if per_client else None
             loss_fn = alg.objective(start0) if rows is None else alg.row_objective(start0)
-            inputs = None if rows is None else ClientInputs(rows, start0.frozen)
+            inputs = None if rows is None else ClientInputs(rows, start0.frozen,
+                                                            [it.start.draws for it in items])
             trained, metrics, opt_states = train_group(model, loss_fn, members, cfg, inputs=inputs)
         except Exception as e:  # the batched computation failed: every client in it failed with the error
             for c in cids:

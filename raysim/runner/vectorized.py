@@ -104,7 +104,8 @@ def running_stat_names(model: nn.Module) -> list[str]:
 class _FunctionalModel:
     """What an objective sees as ``model`` inside the batched computation: calling it runs the live module's forward
     under the (batched) parameters; ``named_parameters()`` / ``parameters()`` give those parameters (FedProx's
-    proximal term); other attributes (``embed_dim``, ...) come from the live module."""
+    proximal term); a child module (``model.head``: FedGen) is called under its part of them; other attributes
+    (``embed_dim``, ...) come from the live module."""
 
     def __init__(self, module: nn.Module, params: dict, buffers: dict):
         self._module, self._params, self._buffers = module, params, buffers
@@ -119,7 +120,12 @@ class _FunctionalModel:
         return iter(self._params.values())
 
     def __getattr__(self, name):
-        return getattr(self._module, name)
+        value = getattr(self._module, name)
+        if isinstance(value, nn.Module) and name in self._module._modules:  # a child (model.head): under the same
+            pre = name + "."  # parameters and buffers, the client's
+            sub = {n[len(pre):]: t for n, t in {**self._params, **self._buffers}.items() if n.startswith(pre)}
+            return lambda *args, **kwargs: torch.func.functional_call(value, sub, args, kwargs)
+        return value
 
 
 def _const(t: torch.Tensor) -> torch.Tensor:
@@ -180,6 +186,7 @@ class ClientInputs:
 
     rows: dict
     frozen: dict = field(default_factory=dict)
+    draws: Optional[list] = None  # per client: its StepDraws (raysim.algorithm), or None
 
 
 def _rows_of_one(mappings: list, name: str) -> torch.Tensor:
@@ -237,6 +244,7 @@ class _GroupTraining:
         self.rows, self.with_rows = (inputs.rows, True) if inputs is not None else ({}, False)
         self.frozen_models = dict(inputs.frozen) if inputs is not None else {}
         self.frozen_grouped: dict = {}  # name -> whether that frozen model runs as a grouped forward
+        self.draws = inputs.draws if inputs is not None else None  # per client: its step draws (StepDraws) or None
         self.k = len(members)
         params = [m.params for m in members]
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head): no step
@@ -306,8 +314,9 @@ class _GroupTraining:
             done = []
 
             def forward():
-                self._loss(rec, x0, y0, epoch, take_rows(self._frozen_outputs(
-                    take_rows(self.rows, torch.tensor([i], device=x0.device)), x0.unsqueeze(0)), 0))
+                self._loss(rec, x0, y0, epoch, take_rows(self._step_draws(self._frozen_outputs(
+                    take_rows(self.rows, torch.tensor([i], device=x0.device)), x0.unsqueeze(0)), [i], y0.unsqueeze(0),
+                    True), 0))
                 done.append(rec.finished())  # while the masks are still being recorded
 
             try:
@@ -340,6 +349,21 @@ class _GroupTraining:
                         fallbacks.note("the grouped forward of a frozen model", "it runs with vmap", err)
                 out[name] = torch.func.vmap(lambda wi, xi, f=f: torch.func.functional_call(f.module, wi, (xi,), f.kwargs),
                                             in_dims=(0 if own else None, 0))(dict(w), xb)
+        return out
+
+    def _step_draws(self, rows: dict, group: list, yb: torch.Tensor, probe: bool = False) -> dict:
+        """``rows`` with the step's random inputs of the clients ``group`` (labels ``yb`` [K', B]) added: each
+        :class:`raysim.algorithm.StepDraws` called on its own stream, in the loop's order (the probe's on a
+        throw-away generator), stacked; then its ``group`` inputs from the stacks, without autograd."""
+        draws = self.draws and [self.draws[i] for i in group]
+        if not draws or draws[0] is None:
+            return rows
+        b = int(yb.shape[1])
+        got = [d.fn(b, torch.Generator(device=d.generator.device) if probe else d.generator) for d in draws]
+        out = {**rows, **{key: torch.stack([g[key] for g in got]) for key in got[0]}}
+        if draws[0].group is not None:
+            with torch.no_grad():
+                out.update(draws[0].group(out, yb))
         return out
 
     def _loss(self, model, xb, yb, epoch, rows):
@@ -400,6 +424,7 @@ class _GroupTraining:
         fz = self.frozen if whole else {n: t[rows] for n, t in self.frozen.items()}
         st = self.stats if whole else {n: t[rows] for n, t in self.stats.items()}  # updated in place by the forward
         rs = self._frozen_outputs(self.rows if whole else take_rows(self.rows, rows), xb)  # per-client inputs
+        rs = self._step_draws(rs, group, yb)
         seen, out = self.calls.get((b, e)), None
         if seen is not None:
             # until a grouped step of this shape has run once, it runs on copies of the running statistics (a failure
