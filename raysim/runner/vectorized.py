@@ -18,8 +18,12 @@ side effects, no generator of its own), so it can be traced by ``vmap``.
   a module in eval mode under weights shared by the group or under each client's rows) whose outputs on each step's
   batch the objective reads: the executor computes them for the group before the objective — one grouped forward
   under the stacked weights (the shared ones expanded) where the model has a grouped form, ``vmap`` of
-  ``functional_call`` otherwise — and adds them to the rows; MOON's global and previous models. The trained stacks
-  and the stacked rows reach ``client_final_group`` (:class:`raysim.algorithm.TrainedGroup`).
+  ``functional_call`` otherwise — and adds them to the rows; MOON's global and previous models. ``LocalStart.draws``
+  (:class:`raysim.algorithm.StepDraws`) are each step's random inputs: drawn for every client of the step from its
+  own stream with the loop objective's calls, in its order (FedGen's noise and labels; one draw per client and step,
+  as the batch orders), stacked, then optionally turned into more inputs for the group at once (FedGen's frozen
+  generator), and added to the rows. The trained stacks and the stacked rows reach ``client_final_group``
+  (:class:`raysim.algorithm.TrainedGroup`).
 
 Exactness rules (what makes the table equal to the loop's within the stated tolerance, not bit for bit):
 
