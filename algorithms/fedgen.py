@@ -102,7 +102,10 @@ class FedGen(FedAvg):
         draws = None
         if "generator" in payload:
             gen = ctx.models.get("gen", self.make_generator)
-            gen.load_state_dict(payload["generator"].tensors)
+            tensors = payload["generator"].tensors
+            if getattr(gen, "_loaded_from", None) is not tensors:  # this broadcast's generator is loaded once per
+                gen.load_state_dict(tensors)  # runner (frozen: nothing changes it between its clients)
+                gen._loaded_from = tensors
             gen.eval()
             gen.requires_grad_(False)
             factor = self.params.decay ** max(ctx.round_idx, 0)
