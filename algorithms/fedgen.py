@@ -26,9 +26,9 @@ from algorithms import gen_ops
 from algorithms.fedavg import FedAvg, sample_weighted_average
 from algorithms.generators import FeatureGenerator
 from raysim import rng as rngmod
-from raysim.algorithm import Context, LocalStart
+from raysim.algorithm import Context, LocalStart, StepDraws
 from raysim.config import positive
-from raysim.messages import state_message
+from raysim.messages import Message, rows_of, state_message
 from raysim.training import OptimizerSpec, clone_state, make_optimizer
 
 
@@ -98,45 +98,92 @@ class FedGen(FedAvg):
         return out
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        model.load_state_dict(payload["model"].tensors)
         aux = {"gen": None}
+        draws = None
         if "generator" in payload:
             gen = ctx.models.get("gen", self.make_generator)
-            gen.load_state_dict(payload["generator"].tensors)
+            tensors = payload["generator"].tensors
+            if getattr(gen, "_loaded_from", None) is not tensors:  # this broadcast's generator is loaded once per
+                gen.load_state_dict(tensors)  # runner (frozen: nothing changes it between its clients)
+                gen._loaded_from = tensors
             gen.eval()
             gen.requires_grad_(False)
             factor = self.params.decay ** max(ctx.round_idx, 0)
             aux = {"gen": gen, "labels": torch.unique(data.y_train), "alpha": self.params.alpha * factor,
                    "beta": self.params.beta * factor, "rng": ctx.generator("fedgen", ctx.device)}
-        return LocalStart(aux=aux)
+            # each step's noise and sampled labels, from the client's own stream (a vectorised group draws them
+            # before each step and hands them to row_objective)
+            draws = StepDraws(self._draws(aux["labels"]), aux["rng"], self._generated(gen))
+        # the global weights are the start (loaded by whoever runs the step: LocalStart.weights)
+        return LocalStart(aux=aux, weights=payload["model"].tensors, draws=draws)
 
     def vectorizable(self, start: LocalStart) -> bool:
-        """Only before the generator exists: its loss then draws from the client's own "fedgen" stream (not pure)."""
-        return start.aux["gen"] is None
+        """Always: once the generator exists, each step's random inputs are the objective's draws (StepDraws)."""
+        return True
 
-    def objective(self, start: LocalStart):
-        aux = start.aux
+    def _draws(self, labels: torch.Tensor):
+        """A step's random inputs, drawn from ``g`` in the objective's order: the latent term's noise (one row per
+        sample), the teacher term's labels (drawn among the client's own) and noise."""
+        p = self.params
+
+        def draw(b: int, g: torch.Generator) -> dict:
+            eps = torch.rand(b, p.noise_dim, generator=g, device=labels.device)
+            y_hat = labels[torch.randint(len(labels), (p.gen_batch,), generator=g, device=labels.device)]
+            eps2 = torch.rand(p.gen_batch, p.noise_dim, generator=g, device=labels.device)
+            return {"eps": eps, "y_hat": y_hat, "eps2": eps2}
+
+        return draw
+
+    @staticmethod
+    def _generated(gen):
+        """A vectorised group's generator outputs of a step, from its stacked draws and labels ([K, ...]): the
+        frozen generator once over all clients' rows (it maps each row on its own: eval mode)."""
+
+        def group(d: dict, yb: torch.Tensor) -> dict:
+            k = yb.shape[0]
+            z = gen(d["eps"].flatten(0, 1), yb.flatten(0, 1))
+            z_hat = gen(d["eps2"].flatten(0, 1), d["y_hat"].flatten(0, 1))
+            return {"z": z.view(k, -1, z.shape[-1]), "z_hat": z_hat.view(k, -1, z_hat.shape[-1])}
+
+        return group
+
+    def _loss(self, aux: dict):
+        """The local objective given a step's draws: ``loss_fn(model, xb, yb, draws)``."""
         gen = aux["gen"]
         p, bsz = self.params, self.task.train.batch_size
 
-        def loss_fn(model, xb, yb, epoch):
+        def loss_fn(model, xb, yb, d):
             logits, _ = model(xb, return_embedding=True)
             ce = F.cross_entropy(logits, yb)
             if gen is None:
                 return ce, {"ce": ce.detach()}
-            g = aux["rng"]
-            eps = torch.rand(yb.shape[0], p.noise_dim, generator=g, device=yb.device)
             with torch.no_grad():
-                target_p = F.softmax(model.head(gen(eps, yb)), dim=1)
+                target_p = F.softmax(model.head(d["z"] if "z" in d else gen(d["eps"], yb)), dim=1)
             latent = F.kl_div(F.log_softmax(logits, dim=1), target_p, reduction="batchmean")
-            labels = aux["labels"]
-            y_hat = labels[torch.randint(len(labels), (p.gen_batch,), generator=g, device=yb.device)]
-            eps2 = torch.rand(p.gen_batch, p.noise_dim, generator=g, device=yb.device)
+            y_hat = d["y_hat"]
             with torch.no_grad():
-                z_hat = gen(eps2, y_hat)
+                z_hat = d["z_hat"] if "z_hat" in d else gen(d["eps2"], y_hat)
             teacher = F.cross_entropy(model.head(z_hat), y_hat)
             loss = ce + (p.gen_batch / bsz) * aux["alpha"] * teacher + aux["beta"] * latent
             return loss, {"ce": ce.detach(), "teacher": teacher.detach(), "latent": latent.detach()}
+
+        return loss_fn
+
+    def objective(self, start: LocalStart):
+        aux = start.aux
+        loss, draw = self._loss(aux), start.draws
+
+        def loss_fn(model, xb, yb, epoch):
+            return loss(model, xb, yb, None if draw is None else draw.fn(yb.shape[0], draw.generator))
+
+        return loss_fn
+
+    def row_objective(self, start: LocalStart):
+        """The objective of a vectorised group: each step's draws come in the client's rows."""
+        loss = self._loss(start.aux)
+
+        def loss_fn(model, xb, yb, epoch, rows):
+            return loss(model, xb, yb, rows)
 
         return loss_fn
 
@@ -144,6 +191,25 @@ class FedGen(FedAvg):
         state, upload = super().client_final(model, start, payload, state, data, ctx)
         upload["label_counts"] = gen_ops.label_counts_message(data, self.task.num_classes)
         return state, upload
+
+    def client_final_group(self, group):
+        """client_final for a vectorised group: the uploads' models rows of the trained stacks (FedAvg's), the sample
+        and label counts one stacked tensor each (the label counts by one scatter over the group's labels when they
+        have one shape)."""
+        if type(self).client_final is not FedGen.client_final:
+            return None
+        counts = torch.tensor([[d.num_train] for d in group.datas], dtype=torch.int64)
+        ys = [d.y_train.cpu() for d in group.datas]
+        c = self.task.num_classes
+        if len({tuple(y.shape) for y in ys}) == 1:
+            y = torch.stack(ys)
+            labels = torch.zeros(y.shape[0], c, dtype=torch.int64).scatter_add_(1, y, torch.ones_like(y))
+        else:
+            labels = torch.stack([torch.bincount(y, minlength=c).to(torch.int64) for y in ys])
+        return [(state, {"model": Message("weights", w), "num_samples": Message("num_samples", n),
+                         "label_counts": Message("class_counts", lc)})
+                for state, w, n, lc in zip(group.states, rows_of(group.state_stacks()), rows_of({"n": counts}),
+                                           rows_of({"counts": labels}))]
 
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)

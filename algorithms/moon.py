@@ -18,8 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.fedavg import FedAvg
-from raysim.algorithm import Context, LocalStart
+from raysim.algorithm import Context, FrozenForward, LocalStart
 from raysim.config import positive
+from raysim.messages import Message, rows_of
 from raysim.training import clone_state
 
 
@@ -61,32 +62,63 @@ class Moon(FedAvg):
                      for role in ("moon_global", "moon_prev"))
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        model.load_state_dict(payload["model"].tensors)
+        # declared, not loaded: the global weights are the start (LocalStart.weights); the global and the previous
+        # weights are loaded into the frozen modules when the per-client objective is made; a vectorised group
+        # stacks the previous weights (the objective's rows) and gets both frozen models' outputs on each batch
+        # (LocalStart.frozen: the frozen module in eval mode under the global weights, and under each client's own)
         glob, prev = self._frozen_pair(ctx)
-        glob.load_state_dict(payload["model"].tensors)
-        prev.load_state_dict((state or {}).get("prev") or payload["model"].tensors)
         glob.eval()
         prev.eval()
-        return LocalStart(aux={"glob": glob, "prev": prev})
+        weights = payload["model"].tensors
+        previous = (state or {}).get("prev") or weights
+        embed = {"return_embedding": True}
+        return LocalStart(aux={"glob": glob, "prev": prev, "global": weights, "previous": previous}, weights=weights,
+                          rows={"prev": previous}, frozen={"glob_out": FrozenForward(glob, weights, embed),
+                                                           "prev_out": FrozenForward(glob, "prev", embed)})
 
-    def objective(self, start: LocalStart):
-        glob, prev = start.aux["glob"], start.aux["prev"]
+    def _loss(self, glob_embed, prev_embed):
+        """The local objective, given the frozen global and previous models' embeddings of a batch."""
         mu, tau = self.params.mu, self.params.tau
 
         def loss_fn(model, xb, yb, epoch):
             logits, z = model(xb, return_embedding=True)
             ce = F.cross_entropy(logits, yb)
             with torch.no_grad():
-                _, zg = glob(xb, return_embedding=True)
-                _, zp = prev(xb, return_embedding=True)
+                zg = glob_embed(xb)
+                zp = prev_embed(xb)
             con = moon_contrastive(z, zg, zp, tau)
             return ce + mu * con, {"ce": ce.detach(), "con": con.detach()}
 
         return loss_fn
 
+    def objective(self, start: LocalStart):
+        glob, prev = start.aux["glob"], start.aux["prev"]
+        glob.load_state_dict(start.aux["global"])
+        prev.load_state_dict(start.aux["previous"])
+        return self._loss(lambda xb: glob(xb, return_embedding=True)[1], lambda xb: prev(xb, return_embedding=True)[1])
+
+    def row_objective(self, start: LocalStart):
+        """The objective of a vectorised group: the frozen global and previous models' embeddings of the batch come
+        in the client's rows (``rows["glob_out"]``, ``rows["prev_out"]``: (logits, embedding), computed by the
+        executor for the whole group, ``LocalStart.frozen``)."""
+
+        def loss_fn(model, xb, yb, epoch, rows):
+            return self._loss(lambda _: rows["glob_out"][1], lambda _: rows["prev_out"][1])(model, xb, yb, epoch)
+
+        return loss_fn
+
     def vectorizable(self, start: LocalStart) -> bool:
-        return False  # the previous model is per client
+        return True  # the previous model, per client, is the objective's rows
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
         new_state, upload = super().client_final(model, start, payload, state, data, ctx)
         return {**(new_state or {}), "prev": clone_state(model)}, upload
+
+    def client_final_group(self, group):
+        """client_final for a vectorised group: the upload (FedAvg's) and the state's previous model are rows of the
+        trained stacks, the sample counts one stacked tensor."""
+        if type(self).client_final is not Moon.client_final:
+            return None
+        counts = torch.tensor([[d.num_train] for d in group.datas], dtype=torch.int64)
+        return [({**(state or {}), "prev": w}, {"model": Message("weights", w), "num_samples": Message("num_samples", n)})
+                for state, w, n in zip(group.states, rows_of(group.state_stacks()), rows_of({"n": counts}))]

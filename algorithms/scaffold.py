@@ -26,7 +26,7 @@ from algorithms.fedavg import FedAvg
 from algorithms.local import ce_loss
 from raysim.algorithm import Context, LocalStart
 from raysim.config import positive
-from raysim.messages import state_message
+from raysim.messages import Message, Rows, rows_of, stacked_segments, state_message
 from raysim.training import clone_state
 
 
@@ -43,24 +43,45 @@ def control_update(c_i: dict, c: dict, x: dict, y: dict, k_eff: float, lr: float
     return {n: c_i[n] - c[n] + (x[n] - y[n]) / (k_eff * lr) for n in c}
 
 
+def sum64(trees: list, name: str, like: torch.Tensor) -> torch.Tensor:
+    """sum_i trees[i][name] in float64: one client after another, or, for a vectorised group's uploads (rows of its
+    stacks, :class:`raysim.messages.Rows`), one reduction per stack (the same sum, its terms added in another order)."""
+    segments = stacked_segments(trees)
+    if segments is None:
+        acc = torch.zeros_like(like, dtype=torch.float64)
+        for d in trees:
+            acc += d[name].to(torch.float64)
+        return acc
+    acc = None
+    for stacks, rows in segments:
+        t = stacks[name]
+        t = t if rows == list(range(t.shape[0])) else t[torch.as_tensor(rows, device=t.device)]
+        part = t.to(torch.float64).sum(0)
+        acc = part if acc is None else acc + part
+    return acc
+
+
 def server_update(x: dict, c: dict, delta_y: list, delta_c: list, num_clients: int, server_lr: float):
     """x + lr_g * mean(delta_y) (float entries of x); c + sum(delta_c) / N. Returns (x, c) as new dicts."""
     new_x = {}
     for n, v in x.items():
         if v.is_floating_point() and n in delta_y[0]:
-            acc = torch.zeros_like(v, dtype=torch.float64)
-            for d in delta_y:
-                acc += d[n].to(torch.float64)
+            acc = sum64(delta_y, n, v)
             new_x[n] = (v.to(torch.float64) + server_lr * acc / len(delta_y)).to(v.dtype)
         else:
             new_x[n] = v.clone()
     new_c = {}
     for n, v in c.items():
-        acc = torch.zeros_like(v, dtype=torch.float64)
-        for d in delta_c:
-            acc += d[n].to(torch.float64)
+        acc = sum64(delta_c, n, v)
         new_c[n] = (v.to(torch.float64) + acc / num_clients).to(v.dtype)
     return new_x, new_c
+
+
+def corrected(loss: torch.Tensor, model, correction) -> torch.Tensor:
+    """``loss`` whose gradient is corrected by ``correction`` (c - c_i, per parameter name) and whose value is
+    ``loss``'s: d/dy <c - c_i, y> = c - c_i (the linear term is not a loss value)."""
+    lin = sum((correction(n).detach() * p).sum() for n, p in model.named_parameters())
+    return loss + lin - lin.detach()
 
 
 class Scaffold(FedAvg):
@@ -92,25 +113,70 @@ class Scaffold(FedAvg):
                 "control": state_message("control_variate", server_state["control"])}
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        model.load_state_dict(payload["model"].tensors)
         c = {n: v.to(ctx.device) for n, v in payload["control"].tensors.items()}
         c_i = (state or {}).get("control")
-        c_i = {n: torch.zeros_like(v) for n, v in c.items()} if c_i is None else {n: v.to(ctx.device) for n, v in c_i.items()}
-        return LocalStart(aux={"c": c, "c_i": c_i, "correction": {n: c[n] - c_i[n] for n in c}})
+        if c_i is None:
+            c_i = {n: torch.zeros_like(v) for n, v in c.items()}
+        elif not (isinstance(c_i, Rows) and all(t.device == torch.device(ctx.device) for t in c_i.stacks.values())):
+            c_i = {n: v.to(ctx.device) for n, v in c_i.items()}  # (rows of a vectorised group's stacks stay rows)
+        # the global weights are the start (loaded by whoever runs the step: LocalStart.weights); c_i is the
+        # objective's per-client input (the vectorised executor stacks a group's)
+        return LocalStart(aux={"c": c, "c_i": c_i}, weights=payload["model"].tensors, rows={"c_i": c_i})
 
     def objective(self, start: LocalStart):
-        corr = start.aux["correction"]
+        c, c_i = start.aux["c"], start.aux["c_i"]
+        corr = {n: c[n] - c_i[n] for n in c}
 
         def loss_fn(model, xb, yb, epoch):
             loss, parts = ce_loss(model, xb, yb, epoch)
-            # d/dy <c - c_i, y> = c - c_i: the corrected gradient g + c - c_i (the term itself is not a loss value)
-            lin = sum((corr[n].detach() * p).sum() for n, p in model.named_parameters())
-            return loss + lin - lin.detach(), parts  # the value stays the CE loss
+            # the corrected gradient g + c - c_i; the value stays the CE loss
+            return corrected(loss, model, corr.__getitem__), parts
+
+        return loss_fn
+
+    def row_objective(self, start: LocalStart):
+        """The objective with the client's c_i as its rows (a vectorised group): c - c_i per parameter on each
+        call, the same element-wise difference the per-client objective takes once."""
+        c = start.aux["c"]
+
+        def loss_fn(model, xb, yb, epoch, rows):
+            c_i = rows["c_i"]
+            loss, parts = ce_loss(model, xb, yb, epoch)
+            return corrected(loss, model, lambda n: c[n] - c_i[n]), parts
 
         return loss_fn
 
     def vectorizable(self, start: LocalStart) -> bool:
-        return False  # the correction c - c_i is per client
+        return True  # the correction's per-client part, c_i, is the objective's rows
+
+    def client_final_group(self, group):
+        """client_final for a vectorised group trained from one broadcast: the control update, both deltas and the
+        new c_i as [K, ...] stacks (the per-client arithmetic, element for element), each client's state and upload
+        rows of them."""
+        if type(self).client_final is not Scaffold.client_final or "c_i" not in group.rows:
+            return None
+        first = group.payloads[0]
+        if any(p["model"] is not first["model"] or p["control"] is not first["control"] for p in group.payloads):
+            return None
+        cfg = self.task.train
+        m = cfg.momentum if cfg.optimizer == "sgd" else 0.0
+        divs = [effective_steps(cfg.local_epochs * math.ceil(d.num_train / cfg.batch_size), m) * cfg.lr
+                for d in group.datas]
+        y = group.state_stacks()
+        x = {n: v.to(next(iter(y.values())).device) for n, v in first["model"].tensors.items()}
+        c, c_i = group.starts[0].aux["c"], group.rows["c_i"]
+
+        def scaled(t):  # t / (K_eff * lr) per client: one Python divisor when all are equal (as the loop divides)
+            if len(set(divs)) == 1:
+                return t / divs[0]
+            return t / torch.tensor(divs, dtype=t.dtype, device=t.device).view(-1, *([1] * (t.dim() - 1)))
+
+        c_new = {n: c_i[n] - c[n] + scaled(x[n] - y[n]) for n in c}
+        delta_y = {n: y[n] - x[n] for n in y if y[n].is_floating_point()}
+        delta_c = {n: c_new[n] - c_i[n] for n in c_new}
+        return [({**(state or {}), "control": cn}, {"delta_y": Message("model_delta", dy),
+                                                    "delta_c": Message("control_delta", dc)})
+                for state, cn, dy, dc in zip(group.states, rows_of(c_new), rows_of(delta_y), rows_of(delta_c))]
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
         cfg = self.task.train

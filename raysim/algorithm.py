@@ -180,6 +180,35 @@ class ServerUpdate:
     metrics: dict = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class FrozenForward:
+    """A frozen model the objective reads on every batch (MOON's global and previous models), for a vectorised group:
+    ``module`` (in the mode it should run in, eval for a frozen copy) under ``weights`` -- a mapping name -> tensor
+    shared by the group, or the key of the ``LocalStart.rows`` entry that holds each client's own -- called as
+    ``module(xb, **kwargs)`` without autograd. The executor computes the group's outputs at every step (one grouped
+    forward with the stacked weights where the model has a grouped form, ``vmap`` otherwise) and hands
+    ``row_objective`` each client's outputs as ``rows[name]`` (name: its key in ``LocalStart.frozen``)."""
+
+    module: Any
+    weights: Any
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepDraws:
+    """A client's random inputs of each local step (FedGen's noise and sampled labels), for a vectorised group:
+    ``fn(batch_size, generator) -> {name: tensor}`` makes the same calls on ``generator`` (the client's own stream,
+    ``generator`` here) in the same order as the per-client objective does at a step of that batch size. The executor
+    calls it for every client before each of its steps and hands ``row_objective`` the client's draws in its rows
+    (the shape probe calls it on a throw-away generator). ``group``: optionally, ``group(draws, yb) -> {name:
+    tensor}``, more inputs computed from the group's stacked draws and labels ([K, ...]) at once, without autograd
+    and outside ``vmap`` (FedGen: its frozen generator's outputs), added to the rows too."""
+
+    fn: Any
+    generator: Any
+    group: Any = None
+
+
 @dataclass
 class LocalStart:
     """What ``client_init`` prepares for local training: the labels to train on (FedPU: observed labels) and
@@ -193,6 +222,16 @@ class LocalStart:
     # live model by whoever runs the step (:meth:`LocalTraining.begin`; the vectorised executor stacks a group's in
     # one operation per parameter instead of loading each). None: client_init loaded the live model itself
     weights: Any = None
+    # the objective's per-client inputs (name -> tensor, or -> a mapping name -> tensor such as a state dict, or rows
+    # of a group's stacks): the vectorised executor stacks a group's [K, ...] (one operation per tensor) and hands
+    # each client its own rows through ``LocalTraining.row_objective``; the per-client loop never reads them
+    rows: dict = field(default_factory=dict)
+    # frozen models whose outputs on each batch the objective reads (name -> FrozenForward): a vectorised group's are
+    # computed for the whole group at every step and reach ``row_objective`` as ``rows[name]``
+    frozen: dict = field(default_factory=dict)
+    # the objective's random inputs of each step (StepDraws), drawn by a vectorised group's executor before each step
+    # and handed to ``row_objective`` in the rows; None: none
+    draws: Any = None
 
 
 @dataclass(frozen=True)
@@ -209,6 +248,9 @@ class TrainedGroup:
     states: list
     datas: list
     ctxs: list
+    # the starts' per-client inputs (``LocalStart.rows``) as the executor stacked them (key -> [K, ...], or -> a
+    # mapping name -> [K, ...]); empty when the objective has none
+    rows: dict = field(default_factory=dict)
 
     def state_stacks(self) -> dict:
         """The group's trained state dicts as stacks (name -> [K, ...], the live model's state-dict order): the
@@ -452,6 +494,10 @@ class LocalTraining(Algorithm):
     * ``objective(start) -> loss_fn(model, xb, yb, epoch) -> (loss, parts)``: the local objective, a pure function
       of the model's parameters, buffers and dropout generator, the batch, the local epoch (0-based) and the
       payload-derived ``start.aux``;
+    * optionally ``row_objective(start) -> loss_fn(model, xb, yb, epoch, rows)``: the same objective with the
+      client's own inputs (``start.rows``) as an argument, for a vectorised group whose clients differ in them
+      (MOON's previous model, SCAFFOLD's control variate): ``rows`` holds the client's rows of the stacks, and the loss
+      must equal ``objective(start_i)``'s for client i given ``rows = start_i.rows``;
     * ``client_final(model, start, payload, state, data, ctx) -> (new_state, upload)``;
     * optionally ``client_final_group(group) -> [(new_state, upload)]``, the batch form of ``client_final`` for a
       group the vectorised executor trained together (:class:`TrainedGroup`): states and uploads may hold rows of the
@@ -474,6 +520,12 @@ class LocalTraining(Algorithm):
     def objective(self, start: LocalStart):
         raise TypeError(f"{type(self).__name__} does not define objective")
 
+    def row_objective(self, start: LocalStart):
+        """The objective with per-client inputs (class docstring): ``loss_fn(model, xb, yb, epoch, rows)``, where
+        ``rows`` has ``start.rows``'s structure and holds one client's values (inside ``vmap``: its rows of the
+        group's stacks). The vectorised executor uses it for a start with ``rows``; None (the default): none."""
+        return None
+
     def client_final(self, model, start: LocalStart, payload, state, data, ctx: Context) -> tuple[Any, Payload]:
         raise TypeError(f"{type(self).__name__} does not define client_final")
 
@@ -491,7 +543,8 @@ class LocalTraining(Algorithm):
 
     def vectorizable(self, start: LocalStart) -> bool:
         """Opt-in to the vectorised executor (``backend.vectorize``): True promises that ``objective(start)`` depends
-        only on what every client of the step shares (the broadcast payload), so that one loss function serves a
+        only on what every client of the step shares (the broadcast payload) and on the client's own inputs declared
+        in ``start.rows`` (then ``row_objective(start)`` takes them as an argument), so that one loss function serves a
         group of clients trained together, and that it is pure (no side effects, no generator or other state of its
         own; the epoch comes as an argument). Default False: the client runs in the per-client loop."""
         return False

@@ -660,7 +660,7 @@ def test_fedgen_client_regulariser_by_hand():
     data = SimpleNamespace(y_train=torch.tensor([1, 1, 1]))
     ctx = SimpleNamespace(round_idx=2, device="cpu", client_id=0, models=ModelCache(algo.task, "cpu"),
                           generator=lambda purpose, device=None: torch.Generator().manual_seed(1))
-    start = algo.client_init(model, payload, {}, data, ctx)
+    start = algo.begin(model, payload, {}, data, ctx)  # client_init, its declared start weights loaded
     loss_fn = algo.objective(start)
     xb, yb = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 2])
     loss, parts = loss_fn(model, xb, yb, 0)
@@ -682,7 +682,7 @@ def test_fedgen_client_regulariser_by_hand():
     assert model.head.weight.grad is not None
     assert all(p.grad is None and not p.requires_grad for p in start.aux["gen"].parameters())  # G frozen
     # round 0, no generator yet: plain CE
-    start0 = algo.client_init(model, {"model": payload["model"]}, {}, data, ctx)
+    start0 = algo.begin(model, {"model": payload["model"]}, {}, data, ctx)
     loss0, parts0 = algo.objective(start0)(model, xb, yb, 0)
     assert float(loss0.detach()) == pytest.approx(ce, rel=1e-6) and set(parts0) == {"ce"}
 

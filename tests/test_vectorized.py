@@ -583,3 +583,50 @@ def test_a_heterogeneous_cohort_trains_and_evaluates_one_group_per_architecture(
     vec = table(cfg("fedproto", data=data, model=model))
     assert len(sizes) == 4 and all(n == 3 for _, _, n in sizes), sizes  # 2 rounds x 2 architectures x 3 clients
     close(table(cfg("fedproto", vectorize=False, data=data, model=model)), vec)
+
+
+@pytest.mark.parametrize("algo,over", [
+    ("moon", {}),  # Dirichlet sizes: unequal batch counts; every client in both rounds (rows of one stack)
+    ("scaffold", {}),  # unequal sizes: unequal K_eff per client
+    ("moon", {"clients_per_round": 3, "rounds": 3, "dropout": 0.5}),  # rows of several groups' stacks; dropout
+    ("scaffold", {"clients_per_round": 3, "rounds": 3}),  # c_i: zeros, rows of one earlier group, of several
+    ("moon", {"model": BN_MODEL, "rounds": 1}),  # frozen models with BatchNorm: eval-mode grouped forwards
+    # FedGen from its second round: each step's noise and labels drawn per client (StepDraws), the generator's
+    # outputs for the group at once. Its server trains the generator with Adam, whose first steps are ~gen_lr *
+    # sign(g): a last-bit difference in a near-zero gradient becomes a gen_lr-sized one (~1e-3 relative in the next
+    # round's losses at the default 3e-4), so the generator barely moves here and the client step is what is compared
+    ("fedgen", {"params": {"gen_steps": 2, "gen_lr": 1e-9}}),
+    ("fedgen", {"clients_per_round": 3, "dropout": 0.5, "params": {"gen_steps": 2, "gen_lr": 1e-9}}),
+])
+def test_per_client_inputs_vectorised_equal_loop(algo, over, monkeypatch):
+    """Methods whose objective has per-client inputs (``LocalStart.rows``: MOON's previous model, SCAFFOLD's control
+    variate c_i; ``LocalStart.draws``: FedGen's noise and sampled labels) train as one group through
+    ``row_objective`` and finish in their batch form (``client_final_group``: states and uploads as rows of the
+    stacks), both checked by spies, and the table (train losses, MOON's contrastive term, SCAFFOLD's control norm,
+    FedGen's teacher and latent terms, accuracies) is the loop's within the stated tolerance."""
+    from algorithms import fedgen, moon, scaffold
+
+    owner = {"moon": moon.Moon, "scaffold": scaffold.Scaffold, "fedgen": fedgen.FedGen}[algo]
+    batch_form, row_form, calls, rows = owner.client_final_group, owner.row_objective, [], []
+
+    def spy(self, group):
+        out = batch_form(self, group)
+        calls.append(out is not None and len(group.states) >= 2)
+        return out
+
+    def row_spy(self, start):
+        rows.append(1)
+        return row_form(self, start)
+
+    monkeypatch.setattr(owner, "client_final_group", spy)
+    monkeypatch.setattr(owner, "row_objective", row_spy)
+    over = dict(over)
+    dropout = over.pop("dropout", 0.0)
+    vec = table(cfg(algo, dropout=dropout, **over))
+    assert calls and all(calls), calls
+    assert rows
+    loop = table(cfg(algo, vectorize=False, dropout=dropout, **over))
+    close(loop, vec)
+    metrics = set(vec.metric)
+    assert {"train_loss", "test_acc"} <= metrics
+    assert {"moon": {"train_con"}, "scaffold": {"control_norm"}, "fedgen": {"train_teacher"}}[algo] <= metrics

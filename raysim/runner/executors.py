@@ -28,7 +28,8 @@ from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, LocalTraining, TrainedGroup
 from raysim.runner import fallbacks
 from raysim.runner.reports import ClientReport, step_purpose, step_token
-from raysim.runner.vectorized import Member, check_model, running_stat_names, train_group
+from raysim.runner.vectorized import (ClientInputs, Member, check_model, running_stat_names, stack_rows,
+                                      train_group)
 from raysim.errors import DamagedFileError
 from raysim.messages import payload_sizes
 from raysim.steps import ClientStep
@@ -211,8 +212,9 @@ class _Groups:
 class Vectorized(Executor):
     """``backend.vectorize``: the local training step (``client_update``) of a ``LocalTraining`` method:
     ``client_init`` per client, the local training of every client whose method opts in (``vectorizable``) batched
-    per architecture (:mod:`raysim.runner.vectorized`), ``client_final`` per client; every client keeps its own
-    failure guard. Clients that do not opt in run the per-client loop."""
+    per architecture (:mod:`raysim.runner.vectorized`; the clients' own inputs of the objective, ``LocalStart.rows``,
+    stacked and handed to ``row_objective``), ``client_final_group`` or ``client_final`` per client; every client
+    keeps its own failure guard. Clients that do not opt in run the per-client loop."""
 
     name = "vectorized"
 
@@ -277,7 +279,8 @@ class Vectorized(Executor):
         run.seed(cid)
         model = alg.live_model(ctx)
         start = alg.client_init(model, down, state, data, ctx)
-        if alg.vectorizable(start):
+        if alg.vectorizable(start) and (not (start.rows or start.draws is not None)
+                                        or type(alg).row_objective is not LocalTraining.row_objective):
             check_model(model)
             if start.weights is not None:  # declared, not loaded: the group stacks them in one op per parameter
                 params = start.weights
@@ -303,7 +306,13 @@ class Vectorized(Executor):
             members = [Member(it.params, it.data.x_train if it.start.x is None else it.start.x,
                               it.data.y_train if it.start.y is None else it.start.y, it.ctx.stream("batches"),
                               it.ctx.stream("dropout"), it.opt_state) for it in items]
-            trained, metrics, opt_states = train_group(model, alg.objective(items[0].start), members, cfg)
+            start0 = items[0].start
+            per_client = bool(start0.rows) or start0.draws is not None  # the objective's per-client inputs
+            rows = stack_rows([it.start.rows for it in items]) if per_client else None
+            loss_fn = alg.objective(start0) if rows is None else alg.row_objective(start0)
+            inputs = None if rows is None else ClientInputs(rows, start0.frozen,
+                                                            [it.start.draws for it in items])
+            trained, metrics, opt_states = train_group(model, loss_fn, members, cfg, inputs=inputs)
         except Exception as e:  # the batched computation failed: every client in it failed with the error
             for c in cids:
                 run.fail(c, e)
@@ -314,7 +323,7 @@ class Vectorized(Executor):
             try:
                 finals = alg.client_final_group(TrainedGroup(
                     model, trained, [it.start for it in items], [it.down for it in items], [it.state for it in items],
-                    [it.data for it in items], [it.ctx for it in items]))
+                    [it.data for it in items], [it.ctx for it in items], rows or {}))
             except Exception as e:  # the batch form failed: client_final runs per client (each fails on its own)
                 fallbacks.note(f"{type(alg).__name__}.client_final_group", "its clients run client_final one by one", e)
                 finals = None

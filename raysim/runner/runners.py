@@ -200,7 +200,7 @@ class ClientRunner:
         whose loss or metric is NaN/inf, or whose upload is (looked at one by one only when what leaves is), fails
         as diverged: its staged state and upload are dropped (:mod:`raysim.runner.safety`). True when some were."""
         leaving = [merged] if merged is not None else [uploads[c] for c in sorted(uploads)]
-        sums = [t.sum(dtype=torch.float64) for up in leaving for t in safety.float_tensors(up)]
+        sums = safety.upload_sums(leaving)  # (rows of a vectorised group's stacks: one sum per stack)
         finite = _read_metrics(reports, sums)
         bad = []
         for rep in reports:

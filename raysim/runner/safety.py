@@ -99,6 +99,31 @@ def float_tensors(upload: Mapping) -> list:
     return out
 
 
+def upload_sums(uploads: list) -> list:
+    """float64 sums (0-dim tensors) that are all finite exactly when every floating tensor of ``uploads`` (payloads:
+    name -> Message) is: one per tensor, or, for messages whose tensors are rows of a vectorised group's stacks
+    (:class:`raysim.messages.Rows`), one per stacked tensor over the rows the uploads hold (no view per row, one
+    reduction for the group). What the runner reads in its one batched divergence check."""
+    from raysim.messages import Rows
+
+    sums, stacked = [], {}
+    for up in uploads:
+        for name in sorted(up):
+            tensors = getattr(up[name], "tensors", None)
+            if isinstance(tensors, Rows):
+                stacked.setdefault(id(tensors.stacks), (tensors.stacks, set()))[1].add(tensors.row)
+            elif tensors:
+                sums += [t.sum(dtype=torch.float64) for t in float_tensors({name: up[name]})]
+    for stacks, rows in stacked.values():
+        rows = sorted(rows)
+        for key in sorted(stacks):
+            t = stacks[key]
+            if t.is_floating_point() and t.numel():
+                t = t if rows == list(range(t.shape[0])) else t[torch.as_tensor(rows, device=t.device)]
+                sums.append(t.sum(dtype=torch.float64))
+    return sums
+
+
 def check_update(metrics: Mapping, upload: Mapping) -> Optional[str]:
     """What is non-finite in one client update (metrics first, then the upload), or None."""
     return nonfinite_metrics(metrics) or nonfinite_upload(upload)

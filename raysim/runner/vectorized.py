@@ -4,10 +4,26 @@ stacked parameters of the clients — instead of one after another.
 
 It runs the same three functions as the per-client loop (:func:`raysim.training.local_sgd`), the pure client step of
 :class:`raysim.algorithm.LocalTraining`: ``client_init`` per client (loads its starting weights, unpacks the
-payload), one ``objective`` for the whole group, ``client_final`` per client. A method opts in with
-``LocalTraining.vectorizable(start)``: True promises that the objective built from ``start`` depends only on what
-every client of the step shares (the broadcast payload), so one loss function serves the group, and that it is pure
-(the local epoch is an argument; no side effects, no generator of its own), so it can be traced by ``vmap``.
+payload), one ``objective`` for the whole group, ``client_final`` per client (or ``client_final_group`` once for
+the group). A method opts in with ``LocalTraining.vectorizable(start)``: True promises that the objective built from
+``start`` depends only on what every client of the step shares (the broadcast payload) and on the client's own
+inputs it declares, so one loss function serves the group, and that it is pure (the local epoch is an argument; no
+side effects, no generator of its own), so it can be traced by ``vmap``.
+
+* **per-client inputs** — ``LocalStart.rows`` (tensors, or mappings of tensors such as a state dict or a control
+  variate) are stacked [K, ...] once per group (:func:`stack_rows`: rows of one earlier stack taken in one op, else
+  one stack op per tensor) and handed to ``LocalTraining.row_objective(start)``'s ``loss_fn(model, xb, yb, epoch,
+  rows)`` with each client's own rows (under ``vmap``, its slice; a sub-group of a step takes its rows: :func:`
+  take_rows`); SCAFFOLD's c_i. ``LocalStart.frozen`` names frozen models (:class:`raysim.algorithm.FrozenForward`:
+  a module in eval mode under weights shared by the group or under each client's rows) whose outputs on each step's
+  batch the objective reads: the executor computes them for the group before the objective — one grouped forward
+  under the stacked weights (the shared ones expanded) where the model has a grouped form, ``vmap`` of
+  ``functional_call`` otherwise — and adds them to the rows; MOON's global and previous models. ``LocalStart.draws``
+  (:class:`raysim.algorithm.StepDraws`) are each step's random inputs: drawn for every client of the step from its
+  own stream with the loop objective's calls, in its order (FedGen's noise and labels; one draw per client and step,
+  as the batch orders), stacked, then optionally turned into more inputs for the group at once (FedGen's frozen
+  generator), and added to the rows. The trained stacks and the stacked rows reach ``client_final_group``
+  (:class:`raysim.algorithm.TrainedGroup`).
 
 Exactness rules (what makes the table equal to the loop's within the stated tolerance, not bit for bit):
 
@@ -45,7 +61,7 @@ from the loop's in the last bits (the equality policy's "stated tolerance": metr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -95,7 +111,8 @@ def running_stat_names(model: nn.Module) -> list[str]:
 class _FunctionalModel:
     """What an objective sees as ``model`` inside the batched computation: calling it runs the live module's forward
     under the (batched) parameters; ``named_parameters()`` / ``parameters()`` give those parameters (FedProx's
-    proximal term); other attributes (``embed_dim``, ...) come from the live module."""
+    proximal term); a child module (``model.head``: FedGen) is called under its part of them; other attributes
+    (``embed_dim``, ...) come from the live module."""
 
     def __init__(self, module: nn.Module, params: dict, buffers: dict):
         self._module, self._params, self._buffers = module, params, buffers
@@ -110,7 +127,12 @@ class _FunctionalModel:
         return iter(self._params.values())
 
     def __getattr__(self, name):
-        return getattr(self._module, name)
+        value = getattr(self._module, name)
+        if isinstance(value, nn.Module) and name in self._module._modules:  # a child (model.head): under the same
+            pre = name + "."  # parameters and buffers, the client's
+            sub = {n[len(pre):]: t for n, t in {**self._params, **self._buffers}.items() if n.startswith(pre)}
+            return lambda *args, **kwargs: torch.func.functional_call(value, sub, args, kwargs)
+        return value
 
 
 def _const(t: torch.Tensor) -> torch.Tensor:
@@ -137,22 +159,71 @@ class Member:
 
 
 def vmap_local_sgd(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
-                   grouped: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
+                   grouped: bool = True, inputs: Optional["ClientInputs"] = None) -> tuple[list[dict], list[dict],
+                                                                                              list[dict]]:
     """Train K clients of one architecture together (``cfg.local_epochs`` epochs at ``cfg.lr``);
     ``loss_fn(model, xb, yb, epoch) -> (loss, parts)``, shared by the group. Returns per client (trained parameters,
     ``train_*`` metrics, optimiser state), as :func:`raysim.training.local_sgd` does for one client (the trained
     parameters with the batch-norm running statistics, where the model has any). ``grouped``: use
-    grouped execution (:mod:`raysim.runner.grouped`) where the model and the objective allow it, else ``vmap`` throughout."""
-    stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped).run()
+    grouped execution (:mod:`raysim.runner.grouped`) where the model and the objective allow it, else ``vmap`` throughout.
+    ``inputs``: the clients' own inputs of the objective (:class:`ClientInputs`); then
+    ``loss_fn(model, xb, yb, epoch, rows)`` receives each client's rows (``LocalTraining.row_objective``)."""
+    stacks, metrics, opt = _GroupTraining(model, loss_fn, members, cfg, grouped, inputs).run()
     return [{n: t[i] for n, t in stacks.items()} for i in range(len(members))], metrics, opt
 
 
 def train_group(model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig,
-                grouped: bool = True) -> tuple[dict, list[dict], list[dict]]:
+                grouped: bool = True, inputs: Optional["ClientInputs"] = None) -> tuple[dict, list[dict], list[dict]]:
     """:func:`vmap_local_sgd` with the trained parameters as stacks (name -> [K, ...], in the model's parameter
     order, then the batch-norm running statistics (:func:`running_stat_names`); client i's are row i): what the
     vectorised executor hands to a method's ``client_final_group``."""
-    return _GroupTraining(model, loss_fn, members, cfg, grouped).run()
+    return _GroupTraining(model, loss_fn, members, cfg, grouped, inputs).run()
+
+
+@dataclass(frozen=True)
+class ClientInputs:
+    """A group's per-client inputs of the objective: ``rows`` (the clients' ``LocalStart.rows``, :func:`stack_rows`)
+    and ``frozen`` (name -> :class:`raysim.algorithm.FrozenForward`, the first client's ``LocalStart.frozen``: frozen
+    models whose outputs on every step's batch are computed for the group and added to the rows under their
+    names)."""
+
+    rows: dict
+    frozen: dict = field(default_factory=dict)
+    draws: Optional[list] = None  # per client: its StepDraws (raysim.algorithm), or None
+
+
+def _rows_of_one(mappings: list, name: str) -> torch.Tensor:
+    """``mappings[i][name]`` of every client as one [K, ...] tensor, read-only: the stack itself (or its rows, one
+    op) when every entry is a row of one earlier stack (:class:`raysim.messages.Rows`), else one stack op."""
+    src = [row_source(m, name) for m in mappings]
+    if all(s is not None for s in src) and all(s[0] is src[0][0] for s in src):
+        base, rows = src[0][0][name], [s[1] for s in src]
+        return base if rows == list(range(base.shape[0])) else base[torch.as_tensor(rows, device=base.device)]
+    return torch.stack([_const(m[name]) for m in mappings])
+
+
+def stack_rows(rows: list[dict]) -> dict:
+    """The clients' per-client inputs of the objective (each client's ``LocalStart.rows``: one structure) stacked:
+    key -> [K, ...] for a tensor, key -> {name: [K, ...]} for a mapping (a state dict, a control variate, rows of
+    a group's stacks), one operation per tensor at most. Never written to."""
+    out: dict = {}
+    for key, first in rows[0].items():
+        if torch.is_tensor(first):
+            out[key] = torch.stack([_const(r[key]) for r in rows])
+        else:
+            mappings = [r[key] for r in rows]
+            out[key] = {name: _rows_of_one(mappings, name) for name in first}
+    return out
+
+
+def take_rows(rows, index):
+    """``rows`` (:func:`stack_rows`, with frozen models' outputs) at ``index`` (an int: one client's rows; a tensor:
+    a sub-group's stacks), tensor by tensor through dicts, tuples and lists."""
+    if torch.is_tensor(rows):
+        return rows[index]
+    if isinstance(rows, (tuple, list)):
+        return type(rows)(take_rows(v, index) for v in rows)
+    return {k: take_rows(v, index) for k, v in rows.items()}
 
 
 def _stack(params: list, name: str, like: torch.Tensor) -> torch.Tensor:
@@ -169,8 +240,14 @@ def _stack(params: list, name: str, like: torch.Tensor) -> torch.Tensor:
 
 
 class _GroupTraining:
-    def __init__(self, model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig, grouped: bool):
+    def __init__(self, model: nn.Module, loss_fn: Callable, members: list[Member], cfg: TrainConfig, grouped: bool,
+                 inputs: Optional[ClientInputs] = None):
         self.model, self.loss_fn, self.members, self.cfg = model, loss_fn, members, cfg
+        # the clients' own inputs of the objective, stacked, and its frozen models (None: the objective takes none)
+        self.rows, self.with_rows = (inputs.rows, True) if inputs is not None else ({}, False)
+        self.frozen_models = dict(inputs.frozen) if inputs is not None else {}
+        self.frozen_grouped: dict = {}  # name -> whether that frozen model runs as a grouped forward
+        self.draws = inputs.draws if inputs is not None else None  # per client: its step draws (StepDraws) or None
         self.k = len(members)
         params = [m.params for m in members]
         trainable = {n for n, p in model.named_parameters() if p.requires_grad}  # frozen ones (a fixed head): no step
@@ -237,7 +314,9 @@ class _GroupTraining:
             done = []
 
             def forward():
-                self.loss_fn(rec, x0, y0, epoch)
+                self._loss(rec, x0, y0, epoch, take_rows(self._step_draws(self._frozen_outputs(
+                    take_rows(self.rows, torch.tensor([i], device=x0.device)), x0.unsqueeze(0)), [i], y0.unsqueeze(0),
+                    True), 0))
                 done.append(rec.finished())  # while the masks are still being recorded
 
             try:
@@ -266,29 +345,75 @@ class _GroupTraining:
             self.drawn[i] += len(spec)
         return [rngmod.keep_masks(bases, d, shape, p, dt, device) for d, (shape, dt, p) in zip(draws, spec)]
 
+    def _frozen_outputs(self, rows: dict, xb: torch.Tensor) -> dict:
+        """``rows`` (the clients' of ``xb`` [K', B, ...]) with each frozen model's outputs on ``xb`` added under its
+        name, stacked [K', ...]: one grouped forward under the stacked weights (the shared ones expanded, a view),
+        else ``vmap``; without autograd."""
+        if not self.frozen_models:
+            return rows
+        out = dict(rows)
+        with torch.no_grad():
+            for name, f in self.frozen_models.items():
+                own = isinstance(f.weights, str)  # the client's own weights: a rows entry
+                w = rows[f.weights] if own else f.weights
+                if self.frozen_grouped.setdefault(name, _grouped.supported(f.module)
+                                                  and set(f.kwargs) <= {"return_embedding"}):
+                    params = dict(w) if own else {n: t.unsqueeze(0).expand(xb.shape[0], *t.shape) for n, t in w.items()}
+                    try:
+                        out[name] = _grouped.grouped_forward(f.module, params, xb,
+                                                             bool(f.kwargs.get("return_embedding", False)), iter(()))
+                        continue
+                    except _grouped.Ineligible as err:
+                        self.frozen_grouped[name] = False
+                        fallbacks.note("the grouped forward of a frozen model", "it runs with vmap", err)
+                out[name] = torch.func.vmap(lambda wi, xi, f=f: torch.func.functional_call(f.module, wi, (xi,), f.kwargs),
+                                            in_dims=(0 if own else None, 0))(dict(w), xb)
+        return out
+
+    def _step_draws(self, rows: dict, group: list, yb: torch.Tensor, probe: bool = False) -> dict:
+        """``rows`` with the step's random inputs of the clients ``group`` (labels ``yb`` [K', B]) added: each
+        :class:`raysim.algorithm.StepDraws` called on its own stream, in the loop's order (the probe's on a
+        throw-away generator), stacked; then its ``group`` inputs from the stacks, without autograd."""
+        draws = self.draws and [self.draws[i] for i in group]
+        if not draws or draws[0] is None:
+            return rows
+        b = int(yb.shape[1])
+        got = [d.fn(b, torch.Generator(device=d.generator.device) if probe else d.generator) for d in draws]
+        out = {**rows, **{key: torch.stack([g[key] for g in got]) for key in got[0]}}
+        if draws[0].group is not None:
+            with torch.no_grad():
+                out.update(draws[0].group(out, yb))
+        return out
+
+    def _loss(self, model, xb, yb, epoch, rows):
+        """The objective on one client's batch (and, where it takes them, its own rows)."""
+        if self.with_rows:
+            return self.loss_fn(model, xb, yb, epoch, rows)
+        return self.loss_fn(model, xb, yb, epoch)
+
     def _one(self, p, fixed, xb, yb, masks, epoch):
-        fz, st = fixed  # st: the client's running statistics (its rows of the stacks, updated in place)
+        fz, st, rows = fixed  # st: the client's running statistics (its rows of the stacks, updated in place)
         with replay_masks(masks):
-            loss, parts = self.loss_fn(_FunctionalModel(self.model, {**p, **fz}, {**self.buffers, **st}), xb, yb,
-                                       epoch)
+            loss, parts = self._loss(_FunctionalModel(self.model, {**p, **fz}, {**self.buffers, **st}), xb, yb,
+                                     epoch, rows)
         return loss, (loss.detach(), _detached(parts))
 
     def _grouped_grad(self, p, fixed, batch, masks, epoch, seen):
         """The model's forward for the group at once, the objective per client under vmap on its outputs,
         per-client gradients by autograd of the summed losses (raysim.runner.grouped); ``fixed``: (the frozen parameters,
         the group's running statistics, updated in place)."""
-        (fz, st), (xb, yb) = fixed, batch
+        (fz, st, rows), (xb, yb) = fixed, batch
         leaves = {n: t.detach().requires_grad_(True) for n, t in p.items()}
         every, it = {**leaves, **fz, **st}, iter(masks)
         outs = [_grouped.grouped_forward(self.model, every, xb, bool(kw.get("return_embedding", False)), it)
                 for kw in seen]
 
-        def obj(lp, lfz, louts, lxb, lyb):
+        def obj(lp, lfz, louts, lxb, lyb, lrows):
             replay = _grouped.ReplayModel(self.model, {**lp, **lfz}, lxb, louts, seen)
-            loss, parts = self.loss_fn(replay, lxb, lyb, epoch)
+            loss, parts = self._loss(replay, lxb, lyb, epoch, lrows)
             return loss, _detached(parts)
 
-        losses, parts = torch.func.vmap(obj)(leaves, fz, outs, xb, yb)
+        losses, parts = torch.func.vmap(obj)(leaves, fz, outs, xb, yb, rows)
         return _grouped.stacked_grads(losses.sum(), leaves), (losses.detach(), parts)
 
     def step(self, s: int) -> None:
@@ -316,13 +441,15 @@ class _GroupTraining:
         sub = self.stacked if whole else {n: t[rows] for n, t in self.stacked.items()}
         fz = self.frozen if whole else {n: t[rows] for n, t in self.frozen.items()}
         st = self.stats if whole else {n: t[rows] for n, t in self.stats.items()}  # updated in place by the forward
+        rs = self._frozen_outputs(self.rows if whole else take_rows(self.rows, rows), xb)  # per-client inputs
+        rs = self._step_draws(rs, group, yb)
         seen, out = self.calls.get((b, e)), None
         if seen is not None:
             # until a grouped step of this shape has run once, it runs on copies of the running statistics (a failure
             # part-way must not leave them updated twice)
             trial = {n: t.clone() for n, t in st.items()} if st and (b, e) not in self.proven else st
             try:
-                out = self._grouped_grad(sub, (fz, trial), (xb, yb), masks, e, seen)
+                out = self._grouped_grad(sub, (fz, trial, rs), (xb, yb), masks, e, seen)
             except Exception as err:  # Ineligible, or a model the grouped form mis-reads: the objective is pure, so
                 self.calls[b, e] = None  # the step runs with vmap instead (which raises a genuine error itself)
                 fallbacks.note("the grouped forward (raysim.runner.grouped)", "its steps run with vmap", err)
@@ -330,7 +457,7 @@ class _GroupTraining:
                 self.proven.add((b, e))
                 for n, t in (trial.items() if trial is not st else ()):
                     st[n].copy_(t)
-        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, (fz, st), xb, yb, masks, e)
+        grads, (loss, parts) = out if out is not None else self.grad_fn(sub, (fz, st, rs), xb, yb, masks, e)
         if not whole:
             for n, t in st.items():
                 self.stats[n][rows] = t
