@@ -64,6 +64,15 @@ def sample_count_tensor(uploads, ids) -> torch.Tensor:
     return torch.cat(counts) if len(counts) > 1 else counts[0]
 
 
+def model_uploads(group) -> list:
+    """A vectorised group's (state, upload) pairs when each client uploads its trained model and its sample count
+    (FedAvg's ``client_final``, VHL's): every upload holds its row of the trained stacks (the group's uploads stay
+    stacked until the partial aggregate reduces them), the sample counts one stacked tensor."""
+    counts = torch.tensor([[d.num_train] for d in group.datas], dtype=torch.int64)
+    return [(state, {"model": Message("weights", w), "num_samples": Message("num_samples", n)})
+            for state, w, n in zip(group.states, rows_of(group.state_stacks()), rows_of({"n": counts}))]
+
+
 def sample_weighted_average(uploads, ids, key: str = "model") -> dict:
     """FedAvg's rule over the state messages ``uploads[i][key]``: sum_i (n_i / sum n) w_i."""
     return weighted_average_states([uploads[i][key].tensors for i in ids], sample_count_tensor(uploads, ids))
@@ -266,9 +275,7 @@ class FedAvg(Asynchronous, LocalTraining):
         stay stacked until the partial aggregate reduces them), the sample counts one stacked tensor."""
         if type(self).client_final is not FedAvg.client_final:
             return None  # a subclass sends something else
-        counts = torch.tensor([[d.num_train] for d in group.datas], dtype=torch.int64)
-        return [(state, {"model": Message("weights", w), "num_samples": Message("num_samples", n)})
-                for state, w, n in zip(group.states, rows_of(group.state_stacks()), rows_of({"n": counts}))]
+        return model_uploads(group)
 
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)

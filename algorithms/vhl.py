@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms.fedavg import sample_weighted_average
+from algorithms.fedavg import model_uploads, sample_weighted_average
 from algorithms.generators import VirtualGenerator
 from raysim import rng as rngmod
-from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate
+from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate, StepDraws
 from raysim.config import positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
@@ -48,10 +48,10 @@ def supcon(z: torch.Tensor, y: torch.Tensor, temperature: float, anchors: int = 
         logp, pos = logp[:anchors], pos[:anchors]
     npos = pos.sum(1)
     has = npos > 0
-    if not bool(has.any()):
-        return z.sum() * 0.0
-    per = -(logp.masked_fill(~pos, 0.0).sum(1)[has] / npos[has])
-    return per.mean()
+    # without data-dependent control flow or selection (no host read per step; traceable by vmap): anchors without
+    # a positive contribute 0 and are not counted; no anchor with one: 0
+    per = (-(logp.masked_fill(~pos, 0.0).sum(1) / npos.clamp_min(1))).masked_fill(~has, 0.0)
+    return per.sum() / has.sum().clamp_min(1)
 
 
 class VHL(LocalTraining):
@@ -139,22 +139,33 @@ class VHL(LocalTraining):
 
     # -- client -----------------------------------------------------------------------------------------------------
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        model.load_state_dict(payload["model"].tensors)
         vx, vy = (state or {}).get("vx"), (state or {}).get("vy")
-        aux = {"vx": None if vx is None else vx.to(ctx.device), "vy": None if vy is None else vy.to(ctx.device),
-               "rng": ctx.generator("virtual_batches")}
-        return LocalStart(aux=aux)
+        aux = {"vx": None if vx is None else vx.to(ctx.device), "vy": None if vy is None else vy.to(ctx.device)}
+        draws = None
+        if vx is not None:  # each step's virtual batch: indices drawn from the client's own stream (on the host)
+            n, dev = len(vy), ctx.device
 
-    def objective(self, start: LocalStart):
-        aux, p, c = start.aux, self.params, self.task.num_classes
+            def draw(b: int, g: torch.Generator) -> dict:
+                return {"vidx": torch.randint(n, (b,), generator=g).to(dev)}
 
-        def loss_fn(model, xb, yb, epoch):
+            draws = StepDraws(draw, ctx.generator("virtual_batches"))
+        return LocalStart(aux=aux, weights=payload["model"].tensors, draws=draws)
+
+    def vectorizable(self, start: LocalStart) -> bool:
+        """Always: the virtual data set is the same on every client (one server stream); each step's virtual batch
+        is the objective's draw (StepDraws), handed to a vectorised group in the clients' rows."""
+        return True
+
+    def _loss(self, aux: dict):
+        """The local objective given a step's virtual indices: ``loss_fn(model, xb, yb, epoch, vidx)``."""
+        p, c = self.params, self.task.num_classes
+
+        def loss_fn(model, xb, yb, epoch, vidx):
             if aux["vx"] is None:
                 logits = model(xb)
                 ce = F.cross_entropy(logits, yb)
                 return ce, {"ce": ce.detach()}
-            idx = torch.randint(len(aux["vy"]), (yb.shape[0],), generator=aux["rng"]).to(xb.device)
-            vx, vy = aux["vx"][idx], aux["vy"][idx]
+            vx, vy = aux["vx"][vidx], aux["vy"][vidx]
             n = yb.shape[0]
             logits, z = model(torch.cat([xb, vx]), return_embedding=True)
             ce = F.cross_entropy(logits[:n], yb)
@@ -170,10 +181,31 @@ class VHL(LocalTraining):
 
         return loss_fn
 
+    def objective(self, start: LocalStart):
+        loss, draw = self._loss(start.aux), start.draws
+
+        def loss_fn(model, xb, yb, epoch):
+            return loss(model, xb, yb, epoch, None if draw is None else draw.fn(yb.shape[0], draw.generator)["vidx"])
+
+        return loss_fn
+
+    def row_objective(self, start: LocalStart):
+        """The objective of a vectorised group: each step's virtual indices come in the client's rows."""
+        loss = self._loss(start.aux)
+
+        def loss_fn(model, xb, yb, epoch, rows):
+            return loss(model, xb, yb, epoch, rows.get("vidx"))
+
+        return loss_fn
+
     def client_final(self, model, start, payload, state, data, ctx: Context):
         upload = {"model": state_message("weights", model.state_dict(keep_vars=True)),
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
         return state, upload
+
+    def client_final_group(self, group):
+        """client_final for a vectorised group: the uploads' models rows of the trained stacks (FedAvg's form)."""
+        return model_uploads(group) if type(self).client_final is VHL.client_final else None
 
     def _eval(self, sd, x, y, ctx):
         model = self.live_model(ctx)

@@ -597,16 +597,17 @@ def test_a_heterogeneous_cohort_trains_and_evaluates_one_group_per_architecture(
     # round's losses at the default 3e-4), so the generator barely moves here and the client step is what is compared
     ("fedgen", {"params": {"gen_steps": 2, "gen_lr": 1e-9}}),
     ("fedgen", {"clients_per_round": 3, "dropout": 0.5, "params": {"gen_steps": 2, "gen_lr": 1e-9}}),
+    ("vhl", {"clients_per_round": 3, "params": {"virtual_per_class": 4, "gen_channels": 8}}),  # virtual batches
 ])
 def test_per_client_inputs_vectorised_equal_loop(algo, over, monkeypatch):
     """Methods whose objective has per-client inputs (``LocalStart.rows``: MOON's previous model, SCAFFOLD's control
-    variate c_i; ``LocalStart.draws``: FedGen's noise and sampled labels) train as one group through
+    variate c_i; ``LocalStart.draws``: FedGen's noise and sampled labels, VHL's virtual batches) train as one group through
     ``row_objective`` and finish in their batch form (``client_final_group``: states and uploads as rows of the
     stacks), both checked by spies, and the table (train losses, MOON's contrastive term, SCAFFOLD's control norm,
     FedGen's teacher and latent terms, accuracies) is the loop's within the stated tolerance."""
-    from algorithms import fedgen, moon, scaffold
+    from algorithms import fedgen, moon, scaffold, vhl
 
-    owner = {"moon": moon.Moon, "scaffold": scaffold.Scaffold, "fedgen": fedgen.FedGen}[algo]
+    owner = {"moon": moon.Moon, "scaffold": scaffold.Scaffold, "fedgen": fedgen.FedGen, "vhl": vhl.VHL}[algo]
     batch_form, row_form, calls, rows = owner.client_final_group, owner.row_objective, [], []
 
     def spy(self, group):
@@ -629,4 +630,5 @@ def test_per_client_inputs_vectorised_equal_loop(algo, over, monkeypatch):
     close(loop, vec)
     metrics = set(vec.metric)
     assert {"train_loss", "test_acc"} <= metrics
-    assert {"moon": {"train_con"}, "scaffold": {"control_norm"}, "fedgen": {"train_teacher"}}[algo] <= metrics
+    assert {"moon": {"train_con"}, "scaffold": {"control_norm"}, "fedgen": {"train_teacher"},
+            "vhl": {"train_ce_virtual", "train_con_noise"}}[algo] <= metrics
