@@ -91,9 +91,7 @@ def merge_sample_weighted(uploads: dict, key: str = "model") -> dict:
 
 class FedAvg(LocalTraining):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
-
-    def declared_uploads(self):
-        return {"weights", "num_samples"}
+    uploads = frozenset({"weights", "num_samples"})
 
     name = "fedavg"
 

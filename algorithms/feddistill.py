@@ -23,9 +23,7 @@ from raysim.training import clone_state, device_accuracy, forward_all, train_epo
 
 class FedDistill(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
-
-    def declared_uploads(self):
-        return {"class_logits"}
+    uploads = frozenset({"class_logits"})
 
     name = "feddistill"
 

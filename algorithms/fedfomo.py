@@ -63,9 +63,7 @@ class FedFomo(Algorithm):
     def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
         return {"test_acc": "personalised"}
     paper = "Zhang et al., Personalized Federated Learning with First Order Model Optimization, ICLR 2021"
-
-    def declared_uploads(self):
-        return {"weights", "affinity"}
+    uploads = frozenset({"weights", "affinity"})
 
     @dataclass(frozen=True)
     class Params:

@@ -81,9 +81,7 @@ class FedKD(Algorithm):
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = ("Wu et al., Communication-efficient federated learning via knowledge distillation, Nature "
              "Communications 2022 (HtFLlib's FedKD)")
-
-    def declared_uploads(self):
-        return {"compressed_weights", "num_samples"}
+    uploads = frozenset({"compressed_weights", "num_samples"})
 
     @dataclass(frozen=True)
     class Params:

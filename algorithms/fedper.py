@@ -37,7 +37,9 @@ class SharedPartAverage(LocalTraining):
         return {"test_acc": "personalised"}
 
     def declared_uploads(self):
-        return {f"{self.shared}_weights", "num_samples"}
+        """The shared part's weights, the kind named after the part (FedPer's ``params.shared``, LG-FedAvg's head),
+        and the sample counts; a subclass that declares ``uploads`` (FedGen-HT) declares them all."""
+        return set(self.uploads) if self.uploads is not None else {f"{self.shared}_weights", "num_samples"}
 
     shared: str = "body"
     asynchronous = True  # server.mode: async on the shared part (FedPer's body, LG-FedAvg's head)

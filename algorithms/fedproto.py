@@ -29,8 +29,7 @@ from raysim.training import clone_state, device_accuracy, epoch_count, forward_a
 
 
 class FedProto(LocalTraining):
-    def declared_uploads(self):
-        return {"prototypes"}
+    uploads = frozenset({"prototypes"})
 
     name = "fedproto"
 

@@ -70,9 +70,7 @@ def drift_ratio(local_states: list, started_from: list, centres: list) -> float:
 
 class FeSEM(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
-
-    def declared_uploads(self):
-        return {"weights"}
+    uploads = frozenset({"weights"})
 
     name = "fesem"
 

@@ -46,9 +46,7 @@ class FML(Algorithm):
         return dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), "personalised")
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = "Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020 (HtFLlib's FML)"
-
-    def declared_uploads(self):
-        return {"weights"}
+    uploads = frozenset({"weights"})
 
     @dataclass(frozen=True)
     class Params:

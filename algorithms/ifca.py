@@ -101,9 +101,7 @@ class IFCA(Algorithm):
         return {"test_acc": "cluster"}
     reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = "Ghosh et al., An Efficient Framework for Clustered Federated Learning, NeurIPS 2020"
-
-    def declared_uploads(self):
-        return {"weights", "cluster_id", "init_losses"}
+    uploads = frozenset({"weights", "cluster_id", "init_losses"})
 
     @dataclass(frozen=True)
     class Params:

@@ -78,9 +78,7 @@ class PNICFL(Algorithm):
     reports_clusters = True  # evaluate_client reports each client's cluster (ARI against domains when known)
     paper = ("PN-ICFL: prototypical-network-based iterative clustered federated learning (seed 001); Snell et al., "
              "Prototypical Networks for Few-shot Learning, NeurIPS 2017")
-
-    def declared_uploads(self):
-        return {"user_embedding", "weights", "num_samples"}
+    uploads = frozenset({"user_embedding", "weights", "num_samples"})
 
     @dataclass(frozen=True)
     class Params:

@@ -81,9 +81,7 @@ class SlaugFL(LocalTraining):
              "IEEE TMC 2024")
 
     server_data = ("server_val",)  # the representatives are chosen on it (prep_select)
-
-    def declared_uploads(self):
-        return {"weights", "num_samples", "prototypes", "class_counts"}
+    uploads = frozenset({"weights", "num_samples", "prototypes", "class_counts"})
 
     def declared_server_data(self) -> tuple:
         return self.server_data + (("global_test",) if self.params.selection == "test" else ())
@@ -238,13 +236,8 @@ class SlaugFL(LocalTraining):
                                                       for cid in sorted(uploads) if "protos" in uploads[cid]], c, d)
         rep = state["rep"].clone()
         rep[~mask] = -1  # a representative that did not deliver its prototype
-        models = {}
-        for k in sorted({int(r) for r in rep if int(r) >= 0}):
-            m = ctx.models.get(("rep", k), lambda k=k: self.task.build_model(k))
-            m.load_state_dict(state["rep_models"][k])
-            m.eval()
-            m.requires_grad_(False)
-            models[k] = m
+        models = {k: gen_ops.frozen(ctx.models.get(("rep", k), lambda k=k: self.task.build_model(k)),
+                                    state["rep_models"][k]) for k in sorted({int(r) for r in rep if int(r) >= 0})}
         norm = ctx.server_data["server_val"].norm  # pixel normalisation (metadata only)
         with rngmod.init_seed(self.task.seed, "slaug_gen_init"):
             gen = self.make_generator().to(ctx.device)
