@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms import gen_ops
+from algorithms import generative_maths
 from algorithms.fedavg import FedAvg, sample_weighted_average
 from algorithms.generators import FeatureGenerator
 from raysim import rng as rngmod
@@ -64,7 +64,7 @@ class ServerGenerator:
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
         state, upload = super().client_final(model, start, payload, state, data, ctx)
-        upload["label_counts"] = gen_ops.label_counts_message(data, self.task.num_classes)
+        upload["label_counts"] = generative_maths.label_counts_message(data, self.task.num_classes)
         return state, upload
 
     def train_generator(self, generator: dict, ctx: Context, batch_loss) -> tuple[dict, float]:
@@ -132,7 +132,7 @@ class FedGen(ServerGenerator, FedAvg):
         model.load_state_dict(payload["model"].tensors)
         aux = {"gen": None}
         if "generator" in payload:
-            gen = gen_ops.frozen(ctx.models.get("gen", self.make_generator), payload["generator"].tensors)
+            gen = generative_maths.frozen(ctx.models.get("gen", self.make_generator), payload["generator"].tensors)
             factor = self.params.decay ** max(ctx.round_idx, 0)
             aux = {"gen": gen, "labels": torch.unique(data.y_train), "alpha": self.params.alpha * factor,
                    "beta": self.params.beta * factor, "rng": ctx.generator("fedgen", ctx.device)}
@@ -177,7 +177,7 @@ class FedGen(ServerGenerator, FedAvg):
         held = counts.sum(0)
         weights = (counts / held.clamp(min=1)).to(torch.float32).to(ctx.device)
         classes = torch.nonzero(held > 0, as_tuple=False).flatten().to(ctx.device)
-        heads = [gen_ops.frozen(ctx.models.get(("client", j), lambda: self.task.build_model(0)),
+        heads = [generative_maths.frozen(ctx.models.get(("client", j), lambda: self.task.build_model(0)),
                                 uploads[i]["model"].tensors).head for j, i in enumerate(ids)]
         p = self.params
 

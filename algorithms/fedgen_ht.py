@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms import gen_ops
+from algorithms import generative_maths
 from algorithms.fedavg import sample_counts
 from algorithms.fedgen import ServerGenerator
 from algorithms.lgfedavg import LGFedAvg
@@ -145,7 +145,7 @@ class FedGenHt(ServerGenerator, LGFedAvg):
             counts[i] = uploads[i]["label_counts"]["counts"]
         n = sample_counts(uploads, ids)
         weights = [c / sum(n) for c in n]
-        heads = [gen_ops.frozen(ctx.models.get(("head", j), lambda: self.task.build_model(0).head),
+        heads = [generative_maths.frozen(ctx.models.get(("head", j), lambda: self.task.build_model(0).head),
                                 {k[len("head."):]: v for k, v in uploads[i]["shared"].tensors.items()})
                  for j, i in enumerate(ids)]
         p = self.params
