@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from algorithms import fedpu
 from algorithms.local import ce_loss
-from algorithms.mutual_ops import domain_metrics, random_batch
+from algorithms.mutual_maths import domain_metrics, random_batch
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate, inert_switches
 from raysim.errors import ConfigError

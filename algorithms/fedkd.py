@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from algorithms.fedavg import sample_counts
 from algorithms.fml import shared_model
-from algorithms.mutual_ops import domain_metrics, step_batches
+from algorithms.mutual_maths import domain_metrics, step_batches
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.mafml import require_public_shares
-from algorithms.mutual_ops import public_shares
-from algorithms.mutual_ops import domain_metrics, step_batches
+from algorithms.mutual_maths import public_shares
+from algorithms.mutual_maths import domain_metrics, step_batches
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import positive

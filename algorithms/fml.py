@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms.mutual_ops import domain_metrics, step_batches
+from algorithms.mutual_maths import domain_metrics, step_batches
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.errors import ConfigError
 from raysim.messages import state_message

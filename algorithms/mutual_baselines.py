@@ -17,7 +17,7 @@ import torch
 
 from algorithms.local import Local
 from algorithms.mafml import require_public_shares
-from algorithms.mutual_ops import public_shares
+from algorithms.mutual_maths import public_shares
 from raysim.algorithm import Context, LocalStart
 
 

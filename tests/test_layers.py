@@ -187,7 +187,7 @@ def all_imports() -> dict[str, set[str]]:
 
 def test_no_module_cycle_in_any_package():
     """raysim/, algorithms/, envs/ and tuning/: no import circle among their modules, lazy imports included (e.g.
-    MAFML and its baselines: the shared public-data helper lives in algorithms/mutual_ops.py)."""
+    MAFML and its baselines: the shared public-data helper lives in algorithms/mutual_maths.py)."""
     edges = all_imports()
     assert {"algorithms.mafml", "algorithms.mutual_baselines", "envs", "tuning.study"} & set(edges)
     found = cycles(edges)

@@ -466,7 +466,7 @@ class TwoParams(nn.Module):
 
 
 def test_flat_grad_and_set_flat_grad_round_trip_by_hand():
-    from algorithms.mutual_ops import flat_grad, set_flat_grad
+    from algorithms.mutual_maths import flat_grad, set_flat_grad
 
     m = TwoParams()
     m.a.grad = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
@@ -484,7 +484,7 @@ def test_flat_grad_and_set_flat_grad_round_trip_by_hand():
 
 
 def test_projected_public_gradient_drives_the_sgd_step():
-    from algorithms.mutual_ops import flat_grad, project_conflicting, set_flat_grad
+    from algorithms.mutual_maths import flat_grad, project_conflicting, set_flat_grad
 
     # MAFML's step (eq. 7) through the model's parameters: linear losses give exact gradients spread over two
     # parameter tensors: g_loc = (1, 1, 0), g_pub = (-1, 0, 2) -- dot -1 < 0, ||g_loc||^2 = 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from algorithms.mutual_ops import domain_metrics, project_conflicting, weighted_kl
+from algorithms.mutual_maths import domain_metrics, project_conflicting, weighted_kl
 from raysim.config import DataConfig
 from raysim.data.federated import ClientData, build_federated_data, local_split_sizes
 from raysim.engine.prepare import prepare
@@ -686,7 +686,7 @@ def test_warm_snapshot_and_mode_equal_the_plain_copies():
     live pair's next step exactly."""
     from types import SimpleNamespace
 
-    from algorithms.mutual_ops import WarmClients
+    from algorithms.mutual_maths import WarmClients
     from raysim.training import clone_state, optimizer_state
 
     def build(_cid):
