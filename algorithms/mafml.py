@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.mutual_maths import (WarmClients, domain_metrics, flat_grad, project_conflicting, public_shares,
-                                   random_batch, set_flat_grad, weighted_kl)
+                                     random_batch, set_flat_grad, weighted_kl)
 import raysim.runner.grouped as grouped
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import positive

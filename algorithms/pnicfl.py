@@ -56,8 +56,8 @@ import numpy as np
 import torch
 
 from algorithms.fedavg import sample_weighted_average
-from algorithms.pnicfl_ops import (body_state, e_step, embed_all, episode_losses, estep_embeddings, kmeans_init, m_step,
-                                   partition_tasks, sample_episode, sq_dists, task_losses, user_embedding)
+from algorithms.pnicfl_maths import (body_state, e_step, embed_all, episode_losses, estep_embeddings, kmeans_init,
+                                     m_step, partition_tasks, sample_episode, sq_dists, task_losses, user_embedding)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import choice, positive
 from raysim.errors import ConfigError

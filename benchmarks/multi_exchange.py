@@ -125,7 +125,7 @@ def plain_pnicfl(prep, rounds: int, warmup: int) -> float:
     """Seconds per round of the plain PN-ICFL loop (after ``warmup`` rounds): every user every round."""
     import numpy as np
 
-    from algorithms.pnicfl_ops import (body_state, e_step, embed_all, episode_losses, kmeans_init, m_step,
+    from algorithms.pnicfl_maths import (body_state, e_step, embed_all, episode_losses, kmeans_init, m_step,
                                    sample_episode, user_embedding)
     from raysim.training import make_optimizer
 
