@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms.proto_ops import class_mean_logits, distill_loss
+from algorithms.prototype_maths import class_mean_logits, distill_loss
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive
 from raysim.messages import Message

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.local import ce_loss
-from algorithms.proto_ops import flatten_state
+from algorithms.prototype_maths import flatten_state
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive

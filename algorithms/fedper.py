@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from algorithms.fedavg import merge_sample_weighted, rebase_state_upload, sample_weighted_average
 from algorithms.local import ce_loss
-from algorithms.proto_ops import select_prefix
+from algorithms.prototype_maths import select_prefix
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError

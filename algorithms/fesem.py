@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.local import ce_loss
-from algorithms.proto_ops import assign_nearest, flatten_state
+from algorithms.prototype_maths import assign_nearest, flatten_state
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import choice, positive

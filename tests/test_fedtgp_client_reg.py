@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from algorithms.proto_ops import prototype_distance_regulariser
+from algorithms.prototype_maths import prototype_distance_regulariser
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
 from raysim.runner.runners import make_algorithm

@@ -405,7 +405,7 @@ def test_fedkd_mentor_mentee_losses_and_w_h_step_by_hand():
 
 def _pu_batch():
     from algorithms.fedpu import PUView
-    from algorithms.proto_ops import UNLABELLED
+    from algorithms.prototype_maths import UNLABELLED
 
     # row 0 labelled 0, p = (1/3, 1/3, 1/3); row 1 labelled 2, p = (1/4, 1/4, 1/2); row 2 unlabelled, p = (3/5, 1/5, 1/5)
     logits = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, math.log(2.0)], [math.log(3.0), 0.0, 0.0]])

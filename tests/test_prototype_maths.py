@@ -1,4 +1,4 @@
-"""Hand-computed examples for the prototype-family maths (algorithms/proto_ops.py)."""
+"""Hand-computed examples for the prototype-family maths (algorithms/prototype_maths.py)."""
 from __future__ import annotations
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from algorithms import proto_ops as ops
+from algorithms import prototype_maths as ops
 from algorithms.fesem import fesem_step
 
 # three class centres at distances d01 = 3, d02 = 4, d12 = 5

@@ -1,5 +1,5 @@
 """Pure functions holding the maths of the prototype family and its baselines (FedTGP, FedProto-UH, FedPU, FedProx,
-FedPer / LG-FedAvg, FeSEM, FedDistill). Each is tested against hand-computed numbers in tests/test_proto_ops.py.
+FedPer / LG-FedAvg, FeSEM, FedDistill). Each is tested against hand-computed numbers in tests/test_prototype_maths.py.
 Formulas and their sources: shared reference ``algorithms.md`` §1.10, §1.11, §2.3, §6."""
 from __future__ import annotations
 
