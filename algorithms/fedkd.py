@@ -32,7 +32,7 @@ from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive
 from raysim.errors import ConfigError
 from raysim.messages import Message
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 from raysim.training import clone_state, make_optimizer, optimizer_state
 
 

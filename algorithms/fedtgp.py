@@ -147,7 +147,7 @@ class FedTGP(FedProto):
         mixed with the current generator by ``weight``; the global prototypes are the mixed generator's outputs."""
         if weight == 1.0 or not bool(server_state["trained"]):
             return target
-        from raysim.ops import mix_trees
+        from raysim.shared_maths import mix_trees
 
         gen = self.make_generator().to(ctx.device)
         gen.load_state_dict(mix_trees(server_state["generator"], target["generator"], weight))

@@ -37,7 +37,7 @@ from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 from raysim.training import clone_state, device_accuracy, forward_all, train_epochs, TrainOptions
 
 

@@ -21,7 +21,7 @@ from algorithms.mutual_maths import domain_metrics, step_batches
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.errors import ConfigError
 from raysim.messages import state_message
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 from raysim.training import clone_state, make_optimizer, optimizer_state
 
 

@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from algorithms import generative_maths
-from raysim.ops import class_prototypes
+from raysim.shared_maths import class_prototypes
 from raysim.training import OptimizerSpec, clone_state, make_optimizer
 
 

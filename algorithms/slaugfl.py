@@ -65,7 +65,7 @@ from raysim.data.class_folders import load_class_folders
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
-from raysim.ops import aggregate_prototypes, class_prototypes, moved_like
+from raysim.shared_maths import aggregate_prototypes, class_prototypes, moved_like
 from raysim.steps import ALL, ClientStep, ServerStep
 from raysim.training import TrainOptions, accuracy, clone_state, forward_all, make_optimizer, train_epochs
 

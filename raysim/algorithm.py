@@ -370,7 +370,7 @@ class Algorithm:
         """``server_state + weight * (target - server_state)`` on every floating tensor (other leaves take the
         target's value). Methods whose state is not a plain point to interpolate override it (FedProto: per class
         and only where both have a prototype; FedTGP: the generator, then its prototypes)."""
-        from raysim.ops import mix_trees
+        from raysim.shared_maths import mix_trees
 
         return mix_trees(server_state, target, weight)
 

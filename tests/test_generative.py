@@ -390,7 +390,7 @@ def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
 
 def test_slaugfl_pf_prototypes_come_from_synthetic_data_only():
     from raysim.engine.prepare import prepare
-    from raysim.ops import class_prototypes
+    from raysim.shared_maths import class_prototypes
     from raysim.runner.runners import ClientRunner, ServerRunner, server_data
     from raysim.steps import flatten
 

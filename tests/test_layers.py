@@ -82,10 +82,10 @@ def test_only_the_backends_import_ray():
 
 
 def test_algorithms_import_only_the_contract():
-    """Methods import the contract (algorithm, steps, messages, models, training, rng, config, errors, ops, data
+    """Methods import the contract (algorithm, steps, messages, models, training, rng, config, errors, shared_maths, data
     types), never the engine's machinery, the backends or the result files."""
     allowed = {"raysim.algorithm", "raysim.steps", "raysim.messages", "raysim.models", "raysim.training",
-               "raysim.rng", "raysim.config", "raysim.errors", "raysim.ops", "raysim.data", "raysim.data.federated",
+               "raysim.rng", "raysim.config", "raysim.errors", "raysim.shared_maths", "raysim.data", "raysim.data.federated",
                "raysim.data.arrays", "raysim.data.datasets", "raysim.data.class_folders", "raysim.layers",
                "raysim.runner.grouped"}
     bad = []
