@@ -202,7 +202,7 @@ def show_args(storage, res) -> str:
 
 
 def _cmd_report(args) -> int:
-    from raysim.app.report import ReportOptions, build_report
+    from raysim.app.summary import ReportOptions, build_report
     from raysim.io.rundir import check_writable
 
     from raysim.app.compare import parse_labels
