@@ -35,7 +35,7 @@ class Tables:
     """The stored tables' claims as this code judges them, read once each."""
 
     def __init__(self):
-        from raysim.app import reproduce as rp
+        from raysim.app import seed_experiments as rp
 
         self.exps, self.numbers, self.cache = rp.load_experiments(), rp.load_numbers(), {}
 

@@ -94,7 +94,7 @@ def attach_curves(js: Path, record: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from raysim.app import reproduce as rp
+    from raysim.app import seed_experiments as rp
     from raysim.app import verdicts as vd
     from raysim.app.reproduce_table import render_records
 

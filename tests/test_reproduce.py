@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 import yaml
 
-from raysim.app import reproduce as rp
+from raysim.app import seed_experiments as rp
 from raysim.app.reproduce_table import run_value
 from raysim.app.cli import main
 from raysim.errors import ConfigError

@@ -19,8 +19,8 @@ import pandas as pd
 from raysim import verdicts
 from raysim.errors import ConfigError
 
-from raysim.app.reproduce import (Experiment, Planned, diverged_reason, paper_value, protocol_overrides,
-                                  source_entry)
+from raysim.app.seed_experiments import (Experiment, Planned, diverged_reason, paper_value,
+                                         protocol_overrides, source_entry)
 
 
 FINAL = "@final"  # a per-run record's column: the metric at the last evaluated round, shown beside the verdict's value

@@ -467,7 +467,7 @@ def _job_context():
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["raysim.app.reproduce", "raysim.engine.loop"])  # no effect once it runs
+        ctx.set_forkserver_preload(["raysim.app.seed_experiments", "raysim.engine.loop"])  # no effect once it runs
         return ctx
     return multiprocessing.get_context("spawn")
 
