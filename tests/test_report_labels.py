@@ -158,7 +158,7 @@ def test_reproduce_names_report_settings_by_method_so_identical_configs_stay_apa
     """Two methods of a manifest with one config (seed001's 'PN-ICFL' and 'PN-ICFL seed init') were one setting of
     10 runs with every seed twice; the report of a reproduction names its settings by the table's methods."""
     from raysim.app.summary import ReportOptions, build_report
-    from raysim.app.reproduce_table import method_labels
+    from raysim.app.reproduction_table import method_labels
     runs = [write_run(tmp_path / m, "x", s, full(name="x")) for m in ("m1", "m2") for s in (1, 2)]
     per_run = pd.DataFrame({"label": ["A", "A", "B", "B"], "path": [str(r) for r in runs]})
     assert method_labels(per_run) == {"A": str(tmp_path / "m1" / "x"), "B": str(tmp_path / "m2" / "x")}

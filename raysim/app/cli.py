@@ -112,7 +112,7 @@ def _add_reproduce(sub) -> None:
 
 def _cmd_reproduce(args) -> int:
     from raysim.app import seed_experiments as rp
-    from raysim.app.reproduce_table import write_table
+    from raysim.app.reproduction_table import write_table
     from raysim.app.sweep import parse_seeds
 
     root = args.configs or rp.CONFIGS_ROOT
