@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-from raysim.app.reproduce_cost import TimeLeft
+from raysim.app.reproduction_cost import TimeLeft
 from raysim.config import load_config, load_yaml_mapping
 from raysim.errors import ConfigError
 
