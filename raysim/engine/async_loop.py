@@ -44,7 +44,7 @@ from raysim import rng as rngmod
 from raysim.algorithm import Algorithm
 from raysim.asyncrules import mixing_weight, staleness_weight
 from raysim.runner import safety
-from raysim.engine.record import RoundLog, Run
+from raysim.engine.run_record import RoundLog, Run
 from raysim.runner.reports import ClientReport, step_token
 from raysim.errors import DamagedFileError, SimulationError
 from raysim.steps import ClientStep, ServerStep, flatten

@@ -1,5 +1,5 @@
 """The driver's round loop: ``run_experiment`` validates a run once (:mod:`raysim.engine.prepare`), then walks the
-algorithm's step schedules round by round against a backend, recording rows (:mod:`raysim.engine.record`) and calling
+algorithm's step schedules round by round against a backend, recording rows (:mod:`raysim.engine.run_record`) and calling
 the callbacks (:mod:`raysim.engine.callbacks`).
 
 ``run_experiment`` is a small loop; everything around it (the run directory, checkpoints, the progress bar, tuning
@@ -33,7 +33,7 @@ from raysim.io.tables import Row
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
 from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, RunDirectory, progress_callback
 from raysim.engine.prepare import Prepared, prepare, resume_hash, versions
-from raysim.engine.record import SETUP_ROUND, Run, RunResult, RoundLog, failure_summary
+from raysim.engine.run_record import SETUP_ROUND, Run, RunResult, RoundLog, failure_summary
 
 
 EQUALITY_POLICY = {
