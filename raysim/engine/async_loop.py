@@ -45,7 +45,7 @@ from raysim.algorithm import Algorithm
 from raysim.asyncrules import mixing_weight, staleness_weight
 from raysim.runner import safety
 from raysim.engine.run_record import RoundLog, Run
-from raysim.runner.reports import ClientReport, step_token
+from raysim.runner.step_reports import ClientReport, step_token
 from raysim.errors import DamagedFileError, SimulationError
 from raysim.steps import ClientStep, ServerStep, flatten
 from raysim.io.resume_points import damaged_hint

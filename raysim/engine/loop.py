@@ -26,7 +26,7 @@ from raysim.engine.backend import BackendReport, Follow, NextServerStep, make_ba
 from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
 from raysim.runner.fallbacks import Fallback
-from raysim.runner.reports import step_token
+from raysim.runner.step_reports import step_token
 from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.io.resume_points import damaged_hint
 from raysim.io.tables import Row
