@@ -34,13 +34,13 @@ import torch.nn.functional as F
 
 from algorithms import fedpu
 from algorithms.local import ce_loss
-from algorithms.mutual_ops import domain_metrics, random_batch
+from algorithms.mutual_maths import domain_metrics, random_batch
 from raysim import rng as rngmod
 from raysim.algorithm import (Asynchronous, ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate,
                               inert_switches)
 from raysim.errors import ConfigError
 from raysim.messages import Message, payload_sizes, rows_of, stacked_segments, state_message
-from raysim.ops import rebase_trees, weighted_average_states
+from raysim.shared_maths import rebase_trees, weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import (accuracy, clone_state, forward_all, group_accuracies, make_optimizer,
                              optimizer_state)
@@ -80,8 +80,8 @@ def sample_weighted_average(uploads, ids, key: str = "model") -> dict:
 
 def rebase_state_upload(upload: dict, key: str, base_state: dict, server_state: dict) -> dict:
     """FedBuff from the dispatch version (server.mode: async): the state message ``upload[key]`` moved by the
-    current state minus the dispatch version's (``raysim.ops.rebase_trees``), so the weighted mean the aggregate
-    takes is the current state plus the weighted mean of the clients' deltas."""
+    current state minus the dispatch version's (``raysim.shared_maths.rebase_trees``), so the weighted mean the
+    aggregate takes is the current state plus the weighted mean of the clients' deltas."""
     if key not in upload or key not in base_state or key not in server_state:
         return upload
     m = upload[key]
@@ -101,9 +101,7 @@ def merge_sample_weighted(uploads: dict, key: str = "model") -> dict:
 
 class FedAvg(Asynchronous, LocalTraining):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
-
-    def declared_uploads(self):
-        return {"weights", "num_samples"}
+    uploads = frozenset({"weights", "num_samples"})
 
     name = "fedavg"
 

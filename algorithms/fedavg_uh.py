@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from algorithms.fedavg import FedAvg
 from algorithms.fedproto_uh import uh_model
-from algorithms.proto_ops import orthogonal_head
+from algorithms.prototype_maths import orthogonal_head
 from raysim import rng as rngmod
 from raysim.errors import ConfigError
 from raysim.models import arch_key

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms.proto_ops import class_mean_logits, distill_loss
+from algorithms.prototype_maths import class_mean_logits, distill_loss
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive
 from raysim.messages import Message
@@ -23,9 +23,7 @@ from raysim.training import clone_state, device_accuracy, forward_all, train_epo
 
 class FedDistill(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
-
-    def declared_uploads(self):
-        return {"class_logits"}
+    uploads = frozenset({"class_logits"})
 
     name = "feddistill"
 

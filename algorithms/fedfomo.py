@@ -24,13 +24,13 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.local import ce_loss
-from algorithms.proto_ops import flatten_state
+from algorithms.prototype_maths import flatten_state
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 from raysim.training import clone_state, device_accuracy, forward_all, train_epochs, TrainOptions
 
 
@@ -63,9 +63,7 @@ class FedFomo(Algorithm):
     def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
         return {"test_acc": "personalised"}
     paper = "Zhang et al., Personalized Federated Learning with First Order Model Optimization, ICLR 2021"
-
-    def declared_uploads(self):
-        return {"weights", "affinity"}
+    uploads = frozenset({"weights", "affinity"})
 
     @dataclass(frozen=True)
     class Params:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms import gen_ops
+from algorithms import generative_maths
 from algorithms.fedavg import FedAvg, sample_weighted_average
 from algorithms.generators import FeatureGenerator
 from raysim import rng as rngmod
@@ -48,14 +48,51 @@ def ensemble_loss(logits_per_client: list, weights: torch.Tensor, y: torch.Tenso
     return total.mean()
 
 
-class FedGen(FedAvg):
+class ServerGenerator:
+    """What both FedGens (this module's and :mod:`algorithms.fedgen_ht`) share, written once: the server's
+    label-conditioned feature generator G(eps, y) -> z (z of the embedding's size; the method's ``hidden`` and
+    ``noise_dim``), its seeded initial weights, its training round on the server, and the clients' training-label
+    counts uploaded beside their weights. Put before the method's base class."""
+
+    def make_generator(self) -> FeatureGenerator:
+        p = self.params
+        return FeatureGenerator(self.task.num_classes, self.task.build_model(0).embed_dim, p.hidden, p.noise_dim)
+
+    def initial_generator(self) -> dict:
+        with rngmod.init_seed(self.task.seed, "fedgen_init"):
+            return clone_state(self.make_generator())
+
+    def client_final(self, model, start, payload, state, data, ctx: Context):
+        state, upload = super().client_final(model, start, payload, state, data, ctx)
+        upload["label_counts"] = generative_maths.label_counts_message(data, self.task.num_classes)
+        return state, upload
+
+    def train_generator(self, generator: dict, ctx: Context, batch_loss) -> tuple[dict, float]:
+        """From the server state's ``generator`` weights, ``gen_steps`` Adam steps (lr ``gen_lr``, a fresh Adam every
+        round) on ``batch_loss(gen, g)``, the loss of one generated batch drawn with ``g`` (stream
+        ``fedgen_server``). Returns the trained weights and the last step's loss."""
+        gen = ctx.models.get("server_gen", self.make_generator)
+        gen.load_state_dict(generator)
+        gen.train()
+        p = self.params
+        opt = make_optimizer(gen.parameters(), OptimizerSpec("adam", p.gen_lr))
+        g = ctx.generator("fedgen_server", ctx.device)
+        last = 0.0
+        for _ in range(p.gen_steps):
+            loss = batch_loss(gen, g)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            last = float(loss.detach())
+        return clone_state(gen), last
+
+
+class FedGen(ServerGenerator, FedAvg):
     needs_embedding = True  # (FedAvg's subclass) reads the embedding / the head
     name = "fedgen"
     asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = "Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021"
-
-    def declared_uploads(self):
-        return {"weights", "num_samples", "class_counts"}
+    uploads = frozenset({"weights", "num_samples", "class_counts"})
 
     @dataclass(frozen=True)
     class Params:
@@ -81,14 +118,8 @@ class FedGen(FedAvg):
     def pu_view(self, data):
         return None
 
-    def make_generator(self) -> FeatureGenerator:
-        p = self.params
-        return FeatureGenerator(self.task.num_classes, self.task.build_model(0).embed_dim, p.hidden, p.noise_dim)
-
     def init_server_state(self, ctx: Context):
-        with rngmod.init_seed(self.task.seed, "fedgen_init"):
-            gen = self.make_generator()
-        return {"model": clone_state(self.task.build_model(0)), "generator": clone_state(gen),
+        return {"model": clone_state(self.task.build_model(0)), "generator": self.initial_generator(),
                 "trained": torch.zeros((), dtype=torch.bool)}
 
     def broadcast(self, server_state, ctx: Context):
@@ -187,11 +218,6 @@ class FedGen(FedAvg):
 
         return loss_fn
 
-    def client_final(self, model, start, payload, state, data, ctx: Context):
-        state, upload = super().client_final(model, start, payload, state, data, ctx)
-        upload["label_counts"] = gen_ops.label_counts_message(data, self.task.num_classes)
-        return state, upload
-
     def client_final_group(self, group):
         """client_final for a vectorised group: the uploads' models rows of the trained stacks (FedAvg's), the sample
         and label counts one stacked tensor each (the label counts by one scatter over the group's labels when they
@@ -220,28 +246,16 @@ class FedGen(FedAvg):
         held = counts.sum(0)
         weights = (counts / held.clamp(min=1)).to(torch.float32).to(ctx.device)
         classes = torch.nonzero(held > 0, as_tuple=False).flatten().to(ctx.device)
-        heads = []
-        for j, i in enumerate(ids):
-            m = ctx.models.get(("client", j), lambda: self.task.build_model(0))
-            m.load_state_dict(uploads[i]["model"].tensors)
-            m.eval()
-            m.requires_grad_(False)
-            heads.append(m.head)
-        gen = ctx.models.get("server_gen", self.make_generator)
-        gen.load_state_dict(server_state["generator"])
-        gen.train()
+        heads = [generative_maths.frozen(ctx.models.get(("client", j), lambda: self.task.build_model(0)),
+                                uploads[i]["model"].tensors).head for j, i in enumerate(ids)]
         p = self.params
-        opt = make_optimizer(gen.parameters(), OptimizerSpec("adam", p.gen_lr))
-        g = ctx.generator("fedgen_server", ctx.device)
-        last = 0.0
-        for _ in range(p.gen_steps):
+
+        def batch_loss(gen, g):
             y = classes[torch.randint(len(classes), (p.gen_batch,), generator=g, device=ctx.device)]
             eps = torch.rand(p.gen_batch, p.noise_dim, generator=g, device=ctx.device)
             z = gen(eps, y)
-            loss = ensemble_loss([h(z) for h in heads], weights, y) + p.eta * fedgen_diversity(eps, z)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            last = float(loss.detach())
-        new = {"model": model, "generator": clone_state(gen), "trained": torch.ones((), dtype=torch.bool)}
+            return ensemble_loss([h(z) for h in heads], weights, y) + p.eta * fedgen_diversity(eps, z)
+
+        gen, last = self.train_generator(server_state["generator"], ctx, batch_loss)
+        new = {"model": model, "generator": gen, "trained": torch.ones((), dtype=torch.bool)}
         return new, {"gen_loss": last}

@@ -32,16 +32,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms import gen_ops
+from algorithms import generative_maths
 from algorithms.fedavg import sample_counts
-from algorithms.generators import FeatureGenerator
+from algorithms.fedgen import ServerGenerator
 from algorithms.lgfedavg import LGFedAvg
-from raysim import rng as rngmod
 from raysim.algorithm import Context, LocalStart
 from raysim.config import positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
-from raysim.training import OptimizerSpec, clone_state, make_optimizer
 
 
 def ensemble_logits(heads: list, weights: list, z: torch.Tensor) -> torch.Tensor:
@@ -52,15 +50,13 @@ def ensemble_logits(heads: list, weights: list, z: torch.Tensor) -> torch.Tensor
     return out
 
 
-class FedGenHt(LGFedAvg):
+class FedGenHt(ServerGenerator, LGFedAvg):
     needs_embedding = True
     name = "fedgen_ht"
     asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = ("Zhu, Hong and Zhou, Data-Free Knowledge Distillation for Heterogeneous Federated Learning, ICML 2021 "
              "(HtFLlib's heterogeneous form, as the FedTGP paper runs it)")
-
-    def declared_uploads(self):
-        return {"head_weights", "num_samples", "class_counts"}
+    uploads = frozenset({"head_weights", "num_samples", "class_counts"})
 
     @dataclass(frozen=True)
     class Params:
@@ -87,15 +83,9 @@ class FedGenHt(LGFedAvg):
     def _batch(self) -> int:
         return self.params.gen_batch or self.task.train.batch_size
 
-    def make_generator(self) -> FeatureGenerator:
-        p = self.params
-        return FeatureGenerator(self.task.num_classes, self.task.build_model(0).embed_dim, p.hidden, p.noise_dim)
-
     def init_server_state(self, ctx: Context):
         state = super().init_server_state(ctx)
-        with rngmod.init_seed(self.task.seed, "fedgen_init"):
-            gen = self.make_generator()
-        state.update({"generator": clone_state(gen),
+        state.update({"generator": self.initial_generator(),
                       # per client, the label counts it uploaded (rows of clients not heard from yet stay 0)
                       "label_counts": torch.zeros(self.task.num_clients, self.task.num_classes, dtype=torch.int64)})
         return state
@@ -145,11 +135,6 @@ class FedGenHt(LGFedAvg):
 
         return loss_fn
 
-    def client_final(self, model, start, payload, state, data, ctx: Context):
-        state, upload = super().client_final(model, start, payload, state, data, ctx)
-        upload["label_counts"] = gen_ops.label_counts_message(data, self.task.num_classes)
-        return state, upload
-
     def aggregate(self, server_state, uploads, ctx: Context):
         ids = sorted(uploads)
         if not ids:
@@ -160,28 +145,17 @@ class FedGenHt(LGFedAvg):
             counts[i] = uploads[i]["label_counts"]["counts"]
         n = sample_counts(uploads, ids)
         weights = [c / sum(n) for c in n]
-        heads = []
-        for j, i in enumerate(ids):
-            m = ctx.models.get(("head", j), lambda: self.task.build_model(0).head)
-            m.load_state_dict({k[len("head."):]: v for k, v in uploads[i]["shared"].tensors.items()})
-            m.eval()
-            m.requires_grad_(False)
-            heads.append(m)
-        gen = ctx.models.get("server_gen", self.make_generator)
-        gen.load_state_dict(server_state["generator"])
-        gen.train()
+        heads = [generative_maths.frozen(ctx.models.get(("head", j), lambda: self.task.build_model(0).head),
+                                {k[len("head."):]: v for k, v in uploads[i]["shared"].tensors.items()})
+                 for j, i in enumerate(ids)]
         p = self.params
-        opt = make_optimizer(gen.parameters(), OptimizerSpec("adam", p.gen_lr))  # a fresh one every round, as HtFLlib
-        g = ctx.generator("fedgen_server", ctx.device)
         freq = self.label_freq({"label_counts": counts}).to(torch.float32).to(ctx.device)
-        last = 0.0
-        for _ in range(p.gen_steps):
+
+        def batch_loss(gen, g):
             y = torch.multinomial(freq, self._batch(), replacement=True, generator=g)
             eps = torch.rand(len(y), p.noise_dim, generator=g, device=ctx.device)
-            loss = F.cross_entropy(ensemble_logits(heads, weights, gen(eps, y)), y)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            last = float(loss.detach())
-        new.update({"generator": clone_state(gen), "label_counts": counts})
+            return F.cross_entropy(ensemble_logits(heads, weights, gen(eps, y)), y)
+
+        gen, last = self.train_generator(server_state["generator"], ctx, batch_loss)
+        new.update({"generator": gen, "label_counts": counts})
         return new, {"gen_loss": last}

@@ -26,13 +26,13 @@ import torch.nn.functional as F
 
 from algorithms.fedavg import sample_counts
 from algorithms.fml import shared_model
-from algorithms.mutual_ops import domain_metrics, step_batches
+from algorithms.mutual_maths import domain_metrics, step_batches
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.config import positive
 from raysim.errors import ConfigError
 from raysim.messages import Message
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 from raysim.training import clone_state, make_optimizer, optimizer_state
 
 
@@ -81,9 +81,7 @@ class FedKD(Algorithm):
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = ("Wu et al., Communication-efficient federated learning via knowledge distillation, Nature "
              "Communications 2022 (HtFLlib's FedKD)")
-
-    def declared_uploads(self):
-        return {"compressed_weights", "num_samples"}
+    uploads = frozenset({"compressed_weights", "num_samples"})
 
     @dataclass(frozen=True)
     class Params:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from algorithms.mafml import require_public_shares
-from algorithms.mutual_ops import public_shares
-from algorithms.mutual_ops import domain_metrics, step_batches
+from algorithms.mutual_maths import public_shares
+from algorithms.mutual_maths import domain_metrics, step_batches
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import positive
@@ -40,9 +40,7 @@ class FedMD(Algorithm):
         return dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), "personalised")
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = "Li & Wang, FedMD: Heterogenous Federated Learning via Model Distillation, arXiv:1910.03581, 2019"
-
-    def declared_uploads(self):
-        return {"logits"}
+    uploads = frozenset({"logits"})
 
     @dataclass(frozen=True)
     class Params:

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from algorithms.fedavg import merge_sample_weighted, rebase_state_upload, sample_weighted_average
 from algorithms.local import ce_loss
-from algorithms.proto_ops import select_prefix
+from algorithms.prototype_maths import select_prefix
 from raysim.algorithm import Asynchronous, Context, LocalStart, LocalTraining
 from raysim.config import choice
 from raysim.errors import ConfigError
@@ -37,7 +37,9 @@ class SharedPartAverage(Asynchronous, LocalTraining):
         return {"test_acc": "personalised"}
 
     def declared_uploads(self):
-        return {f"{self.shared}_weights", "num_samples"}
+        """The shared part's weights, the kind named after the part (FedPer's ``params.shared``, LG-FedAvg's head),
+        and the sample counts; a subclass that declares ``uploads`` (FedGen-HT) declares them all."""
+        return set(self.uploads) if self.uploads is not None else {f"{self.shared}_weights", "num_samples"}
 
     shared: str = "body"
 

@@ -23,14 +23,13 @@ from raysim.config import choice
 from raysim.errors import ConfigError
 from raysim.runner.grouped import grouped_embeddings, stack_weights
 from raysim.messages import Message, rows_of
-from raysim.ops import (aggregate_prototypes, class_prototypes, group_class_prototypes, known_class_prototypes,
-                        moved_like, nearest_prototype, prototype_regulariser)
+from raysim.shared_maths import (aggregate_prototypes, class_prototypes, group_class_prototypes,
+                                 known_class_prototypes, moved_like, nearest_prototype, prototype_regulariser)
 from raysim.training import clone_state, device_accuracy, epoch_count, forward_all
 
 
 class FedProto(Asynchronous, LocalTraining):
-    def declared_uploads(self):
-        return {"prototypes"}
+    uploads = frozenset({"prototypes"})
 
     name = "fedproto"
 
@@ -228,7 +227,8 @@ class FedProto(Asynchronous, LocalTraining):
     def client_final_group(self, group):
         """client_final for a vectorised group with data of one shape and a model with a grouped form: the new
         states are rows of the trained stacks, the prototypes come from one grouped forward of every client's
-        training data and one index_add over all clients' classes (:func:`raysim.ops.group_class_prototypes`)."""
+        training data and one index_add over all clients' classes
+        (:func:`raysim.shared_maths.group_class_prototypes`)."""
         if type(self).client_final is not FedProto.client_final or any(
                 s.aux["collect"] is not None or s.aux["pu"] is not None for s in group.starts):
             return None

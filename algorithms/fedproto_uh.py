@@ -25,7 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from algorithms.fedproto import FedProto
-from algorithms.proto_ops import orthogonal_head, uh_logits
+from algorithms.prototype_maths import orthogonal_head, uh_logits
 from raysim import rng as rngmod
 from raysim.config import choice
 from raysim.errors import ConfigError

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from algorithms.fedavg import FedAvg
-from algorithms.proto_ops import proximal_term
+from algorithms.prototype_maths import proximal_term
 from raysim.config import positive
 
 

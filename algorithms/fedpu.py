@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from algorithms.proto_ops import UNLABELLED, Labelling, labelled_ce, pu_loss, pu_split
+from algorithms.prototype_maths import UNLABELLED, Labelling, labelled_ce, pu_loss, pu_split
 from raysim import rng as rngmod
 from raysim.errors import ConfigError
 

@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 
 from algorithms.fedproto import FedProto
-from algorithms.proto_ops import (pairwise_distances, prototype_distance_regulariser, tgp_contrastive_loss,
-                                  tgp_margin_distance)
+from algorithms.prototype_maths import (pairwise_distances, prototype_distance_regulariser, tgp_contrastive_loss,
+                                      tgp_margin_distance)
 from raysim import rng as rngmod
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
@@ -123,7 +123,7 @@ class FedTGP(FedProto):
     # -- client -------------------------------------------------------------------------------------------------
     def client_regulariser(self, z, y, protos, mask):
         """``client_reg: mse`` (default, the official code): FedProto's nn.MSELoss(z, P_y); ``seed``: seed 002's
-        prototype distance E_{c ~ C_i} ||P_i^c - P'^c||_2 over the batch's classes (proto_ops)."""
+        prototype distance E_{c ~ C_i} ||P_i^c - P'^c||_2 over the batch's classes (prototype_maths)."""
         if self.params.client_reg == "seed":
             return prototype_distance_regulariser(z, y, protos, mask)
         return super().client_regulariser(z, y, protos, mask)
@@ -146,7 +146,7 @@ class FedTGP(FedProto):
         mixed with the current generator by ``weight``; the global prototypes are the mixed generator's outputs."""
         if weight == 1.0 or not bool(server_state["trained"]):
             return target
-        from raysim.ops import mix_trees
+        from raysim.shared_maths import mix_trees
 
         gen = self.make_generator().to(ctx.device)
         gen.load_state_dict(mix_trees(server_state["generator"], target["generator"], weight))

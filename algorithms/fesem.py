@@ -31,13 +31,13 @@ from dataclasses import dataclass
 import torch
 
 from algorithms.local import ce_loss
-from algorithms.proto_ops import assign_nearest, flatten_state
+from algorithms.prototype_maths import assign_nearest, flatten_state
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ReportsClusters
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 from raysim.training import clone_state, device_accuracy, forward_all, train_epochs, TrainOptions
 
 
@@ -70,9 +70,7 @@ def drift_ratio(local_states: list, started_from: list, centres: list) -> float:
 
 class FeSEM(ReportsClusters, Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
-
-    def declared_uploads(self):
-        return {"weights"}
+    uploads = frozenset({"weights"})
 
     name = "fesem"
 

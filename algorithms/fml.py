@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from algorithms.mutual_ops import domain_metrics, step_batches
+from algorithms.mutual_maths import domain_metrics, step_batches
 from raysim.algorithm import Algorithm, ClientUpdate, Context
 from raysim.errors import ConfigError
 from raysim.messages import state_message
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 from raysim.training import clone_state, make_optimizer, optimizer_state
 
 
@@ -46,9 +46,7 @@ class FML(Algorithm):
         return dict.fromkeys(("test_acc", "test_bwt", "test_fwt", "test_acc_all"), "personalised")
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = "Shen et al., Federated Mutual Learning, arXiv:2006.16765, 2020 (HtFLlib's FML)"
-
-    def declared_uploads(self):
-        return {"weights"}
+    uploads = frozenset({"weights"})
 
     @dataclass(frozen=True)
     class Params:

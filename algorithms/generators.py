@@ -1,6 +1,6 @@
 """Generators of the generative methods, sized from the task's input shape (C_in, H, W). Every image generator ends
 in Tanh: its output is read as pixels in [-1, 1] and mapped into the task's input space by
-``gen_ops.to_input_space``. Layer widths are parameters (the seed-004 figures use small ones; see
+``generative_maths.to_input_space``. Layer widths are parameters (the seed-004 figures use small ones; see
 configs/seed004_slaugfl/ and benchmarks/REPRODUCTION_seed004.md).
 
 * :class:`ProtoGenerator` — SlaugFL scenario 2 (reference §5.4, after SlaugFL's acgan.py ``GAN_type=0``):
@@ -24,8 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from algorithms import gen_ops
-from raysim.ops import class_prototypes
+from algorithms import generative_maths
+from raysim.shared_maths import class_prototypes
 from raysim.training import OptimizerSpec, clone_state, make_optimizer
 
 
@@ -164,9 +164,9 @@ def train_proto_generator(gen: ProtoGenerator, protos: torch.Tensor, mask: torch
         y = classes[torch.randint(len(classes), (p.gen_batch,), generator=g, device=device)]
         z = torch.randn(p.gen_batch, p.gen_noise, generator=g, device=device)
         raw = gen(z, y)
-        present, means, _ = class_prototypes(embed(gen_ops.to_input_space(raw, norm), y), y, protos.shape[0])
+        present, means, _ = class_prototypes(embed(generative_maths.to_input_space(raw, norm), y), y, protos.shape[0])
         l_proto = F.mse_loss(means, protos[present])
-        l_div = gen_ops.diversity_loss(raw, z, p.lam_div)
+        l_div = generative_maths.diversity_loss(raw, z, p.lam_div)
         opt.zero_grad(set_to_none=True)
         (l_proto + l_div).backward()
         opt.step()
@@ -198,7 +198,7 @@ def train_acgan(gen: ACGANGenerator, disc: ACGANDiscriminator, x: torch.Tensor, 
         xr, yr = x[idx], y[idx]
         z = torch.randn(b, p.gan_noise, generator=g, device=device)
         yg = classes[torch.randint(len(classes), (b,), generator=g, device=device)]
-        fake = gen_ops.to_input_space(gen(z, yg), norm)
+        fake = generative_maths.to_input_space(gen(z, yg), norm)
         ones, zeros = torch.ones(b, device=device), torch.zeros(b, device=device)
         adv_r, aux_r = disc(xr)
         adv_f, aux_f = disc(fake.detach())

@@ -51,7 +51,7 @@ from raysim.config import choice, positive
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import set_dropout_generator
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 from raysim.steps import ALL, ClientStep, ServerStep
 from raysim.training import (clone_state, device_accuracy, forward_all, make_optimizer, OptimizerSpec, train_epochs,
                             TrainOptions)
@@ -100,9 +100,7 @@ class IFCA(ReportsClusters, Algorithm):
     def measures(cls, params=None) -> dict:  # what each metric evaluates (raysim.algorithm.MEASURES)
         return {"test_acc": "cluster"}
     paper = "Ghosh et al., An Efficient Framework for Clustered Federated Learning, NeurIPS 2020"
-
-    def declared_uploads(self):
-        return {"weights", "cluster_id", "init_losses"}
+    uploads = frozenset({"weights", "cluster_id", "init_losses"})
 
     @dataclass(frozen=True)
     class Params:

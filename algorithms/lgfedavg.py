@@ -6,7 +6,7 @@ which must have one shape across clients, are averaged with sample-count weights
 from __future__ import annotations
 
 from algorithms.fedper import SharedPartAverage
-from algorithms.proto_ops import select_prefix
+from algorithms.prototype_maths import select_prefix
 from raysim.errors import ConfigError
 from raysim.training import clone_state
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch.nn.functional as F
 
-from algorithms.mutual_ops import domain_metrics
+from algorithms.mutual_maths import domain_metrics
 from raysim.algorithm import Context, LocalStart, LocalTraining
 from raysim.messages import rows_of
 from raysim.runner.grouped import group_test_accuracy
@@ -19,9 +19,7 @@ def ce_loss(model, xb, yb, epoch: int = 0):
 
 class Local(LocalTraining):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
-
-    def declared_uploads(self):
-        return set()
+    uploads = frozenset()
 
     name = "local"
 

@@ -32,6 +32,17 @@ per-teacher form) in which the projection fired.
 Traffic per node and iteration (B = public batch, C = classes, N nodes): up B·C + 1 floats and B int64 indices;
 down (N−1)(B·C + 1) floats and (N−1)·B indices. LeNet on Rotated MNIST (B = 32, C = 10, N = 4): up 321 floats,
 down 963 floats per iteration.
+
+Two forms of each client step, side by side and built from the same pieces (the batch draws, the soft-label upload,
+the KL + CE terms, the projection, the metrics): the per-node steps (:meth:`MAFML.local`, :meth:`MAFML.step_global`)
+and their group forms (``backend.vectorize: true``: :meth:`MAFML.local_group`, :meth:`MAFML.step_global_group`), one
+MAFML iteration's client step for every node a runner hosts at once, the nodes' models as one grouped network
+(:mod:`raysim.runner.grouped`: grouped channels-last convolutions, batched linear layers, Adam over the stacked
+parameters). The group forms draw the same batches per node and give the same states, uploads and metrics; their
+sums are ordered differently, so the numbers agree within the vectorised executor's stated tolerance, not bit for
+bit. A group is taken when its nodes share one architecture of standard layers without dropout, draw batches of one
+size, hold a local gradient of the model's size (the global step), and ``per_teacher`` is off; otherwise the group
+forms return None and the runner runs the per-node steps.
 """
 from __future__ import annotations
 
@@ -41,12 +52,13 @@ from typing import Mapping, Optional
 import torch
 import torch.nn.functional as F
 
-from algorithms import mafml_group
-from algorithms.mutual_ops import (WarmClients, domain_metrics, flat_grad, project_conflicting, public_shares,
-                                   random_batch, set_flat_grad, weighted_kl)
+from algorithms.mutual_maths import (WarmClients, domain_metrics, flat_grad, project_conflicting, public_shares,
+                                     random_batch, set_flat_grad, weighted_kl)
+import raysim.runner.grouped as grouped
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
 from raysim.config import positive
 from raysim.errors import ConfigError
+from raysim.layers import Dropout
 from raysim.messages import Message, payload_sizes
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import clone_state
@@ -99,6 +111,79 @@ def floats_per_iteration(num_clients: int, num_classes: int, public_batch: int) 
     return n * (up + down)
 
 
+def soft_labels(logits: torch.Tensor, pick: torch.Tensor, py: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """The local step's upload from a node's logits on its public batch ``pick``: soft labels p^i = softmax(f_i(x))
+    and the batch accuracy A_i (eq. before 3), with the public indices (never the samples); and A_i."""
+    p = F.softmax(logits, dim=1)
+    acc = (logits.argmax(1) == py[pick]).float().mean()
+    up = Message("soft_labels", {"idx": pick.cpu(), "p": p.detach().cpu(), "acc": acc.reshape(1).cpu()})
+    return {"soft": up}, acc
+
+
+def local_metrics(loss: torch.Tensor, acc: torch.Tensor) -> dict:
+    return {"train_loss": float(loss.detach()), "public_batch_acc": float(acc)}
+
+
+def public_loss(logits: list, teachers: list, py: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(KL term, CE term) of eq. (3) and (5): the student's ``logits`` on each teacher's public batch against the
+    teachers [(A_j, idx_j, p_j)]."""
+    kl = weighted_kl(logits, [p for _, _, p in teachers], [a for a, _, _ in teachers])
+    ce = torch.stack([F.cross_entropy(s, py[idx]) for s, (_, idx, _) in zip(logits, teachers)]).mean()
+    return kl, ce
+
+
+def global_metrics(fired: list, kls: list, ces: list) -> dict:
+    """The global step's metrics, each the mean over its updates (one, or one per teacher with ``per_teacher``)."""
+    n = len(fired)
+    return {"projected": sum(fired) / n, "train_kl": sum(kls) / n, "train_ce_public": sum(ces) / n}
+
+
+class _Group:
+    """The group forms' nodes' models stacked: parameters {name: [K, ...]} and their Adam
+    (:class:`raysim.runner.grouped.StackedOptimizer`), built from the nodes' states (which stay the source of
+    truth)."""
+
+    def __init__(self, model, names, states, cfg, lr, device):
+        self.model, self.names = model, names
+        self.params = {n: torch.stack([st["model"][n].to(device) for st in states]) for n in names}
+        self.opt = grouped.StackedOptimizer(cfg, self.params, [st["opt"] for st in states], lr)
+        self.rows = torch.arange(len(states))
+
+    def forward(self, params, x, training: bool):
+        self.model.train(training)
+        return grouped.grouped_forward(self.model, params, x, False, iter(()))
+
+    def step(self, grads: dict) -> None:
+        self.opt.step(self.params, grads, self.rows, whole=True)
+
+    def flat(self, grads: dict, i: int) -> torch.Tensor:
+        return torch.cat([grads[n][i].reshape(-1) for n in self.names])
+
+    def unflat(self, grads: dict, i: int, g: torch.Tensor) -> None:
+        off = 0
+        for n in self.names:
+            t = grads[n][i]
+            t.copy_(g[off:off + t.numel()].view_as(t))
+            off += t.numel()
+
+    def state(self, i: int, g_loc: torch.Tensor) -> dict:
+        return {"model": {n: self.params[n][i].clone() for n in self.names},
+                "opt": self.opt.state_of(i, self.names), "g_loc": g_loc}
+
+
+def _group(alg, states, ctxs, lr) -> Optional[_Group]:
+    """The nodes as one :class:`_Group`, or None when they cannot be one (module docstring)."""
+    model = ctxs[0].model()
+    if any(ctx.model() is not model for ctx in ctxs[1:]) or not grouped.supported(model):
+        return None
+    if any(isinstance(m, Dropout) and m.p > 0 for m in model.modules()):
+        return None
+    names = [n for n, _ in model.named_parameters()]
+    if any(set(st["model"]) != set(names) for st in states):
+        return None
+    return _Group(model, names, states, alg.task.train, lr, ctxs[0].device)
+
+
 LOCAL = ClientStep("local", clients=ALL)
 GLOBAL = ClientStep("global", fn="step_global", clients=ALL)
 
@@ -113,9 +198,7 @@ class MAFML(Algorithm):
     headline = ("test_acc", "test_acc_all")  # own domain; all domains (with data.local_split)
     paper = ("Zhou et al., Model-agnostic federated mutual learning (MAFML), 2023 — seed 003, Algorithm 1, "
              "eq. (1)-(7)")
-
-    def declared_uploads(self):
-        return {"soft_labels"}
+    uploads = frozenset({"soft_labels"})
 
     @dataclass(frozen=True)
     class Params:
@@ -166,11 +249,26 @@ class MAFML(Algorithm):
         model.load_state_dict(state["model"])
         return model
 
+    # the pieces both forms of the two client steps are built from
+    def _private_batch(self, data, gen) -> torch.Tensor:
+        """d_loc: a batch of ``train.batch_size`` indices into the node's private + public data (``x_train``)."""
+        return random_batch(data.num_train, self.task.train.batch_size, gen).to(data.y_train.device)
+
+    def _public_batch(self, own, ctx, gen) -> torch.Tensor:
+        """d_pub^i: a batch of ``public_batch`` indices into the public dataset, drawn from the node's own share."""
+        mine = own[ctx.client_id]
+        size = self.params.public_batch or self.task.train.batch_size
+        return mine[random_batch(len(mine), size, gen).to(mine.device)]
+
+    def _project(self, g_pub, g_loc) -> tuple[torch.Tensor, bool]:
+        """g~ of eq. (7) and whether the projection fired (never with ``project: false``, the ablation)."""
+        return project_conflicting(g_pub, g_loc) if self.params.project else (g_pub, False)
+
+    # -- client: the local step (eq. 1-2, then the soft labels of a public batch) ---------------------------------
     def local(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        cfg = self.task.train
-        model, opt = self.live.get(state, ctx, cfg.lr)
+        model, opt = self.live.get(state, ctx, self.task.train.lr)
         gen = ctx.generator("batches")
-        idx = random_batch(data.num_train, cfg.batch_size, gen).to(data.y_train.device)
+        idx = self._private_batch(data, gen)
         self.live.mode(ctx, True)
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
@@ -179,26 +277,49 @@ class MAFML(Algorithm):
         opt.step()
         # soft labels and batch accuracy on a batch of the node's own public share
         px, py, own = public_shares(self.task, ctx)
-        mine = own[ctx.client_id]
-        pick = mine[random_batch(len(mine), self.params.public_batch or cfg.batch_size, gen).to(mine.device)]
+        pick = self._public_batch(own, ctx, gen)
         self.live.mode(ctx, False)
         with torch.no_grad():
             logits = model(px[pick])
-        p = F.softmax(logits, dim=1)
-        acc = (logits.argmax(1) == py[pick]).float().mean()
-        up = {"soft": Message("soft_labels", {"idx": pick.cpu(), "p": p.detach().cpu(), "acc": acc.reshape(1).cpu()})}
+        up, acc = soft_labels(logits, pick, py)
         weights, opt_state = self.live.snapshot(ctx)
         new = {"model": weights, "opt": opt_state, "g_loc": g_loc}
         self.live.done(ctx, new)
-        return ClientUpdate(new, up, {"train_loss": float(loss.detach()), "public_batch_acc": float(acc)})
+        return ClientUpdate(new, up, local_metrics(loss, acc))
 
-    def _public_loss(self, model, teachers, px, py):
-        """(KL term, CE term) of eq. (3) and (5) over the given teachers [(A_j, idx_j, p_j)]."""
-        logits = [model(px[idx]) for _, idx, _ in teachers]
-        kl = weighted_kl(logits, [p for _, _, p in teachers], [a for a, _, _ in teachers])
-        ce = torch.stack([F.cross_entropy(s, py[idx]) for s, (_, idx, _) in zip(logits, teachers)]).mean()
-        return kl, ce
+    def local_group(self, payloads, states, datas, ctxs) -> Optional[list]:
+        """:meth:`local` for every node of a group (module docstring): a private Adam step, the local gradient kept,
+        soft labels of a batch of the node's own public share."""
+        gens = [ctx.generator("batches") for ctx in ctxs]
+        idx = [self._private_batch(d, g) for d, g in zip(datas, gens)]
+        if len({len(i) for i in idx}) != 1:
+            return None
+        grp = _group(self, states, ctxs, self.task.train.lr)
+        if grp is None:
+            return None
+        k = len(ctxs)
+        xb = torch.stack([d.x_train[i] for d, i in zip(datas, idx)])
+        yb = torch.stack([d.y_train[i] for d, i in zip(datas, idx)])
+        leaves = {n: t.detach().requires_grad_(True) for n, t in grp.params.items()}
+        logits = grp.forward(leaves, xb, True)
+        c = logits.shape[-1]
+        losses = F.cross_entropy(logits.reshape(-1, c), yb.reshape(-1), reduction="none").view(k, -1).mean(1)
+        grads = grouped.stacked_grads(losses.sum(), leaves)
+        g_locs = [grp.flat(grads, i).detach().clone() for i in range(k)]
+        grp.step(grads)
+        px, py, own = public_shares(self.task, ctxs[0])
+        picks = [self._public_batch(own, ctx, g) for ctx, g in zip(ctxs, gens)]
+        if len({len(p) for p in picks}) != 1:
+            return None
+        with torch.no_grad():
+            pub = grp.forward(grp.params, torch.stack([px[p] for p in picks]), False)
+        out = []
+        for i, pick in enumerate(picks):
+            up, acc = soft_labels(pub[i], pick, py)
+            out.append(ClientUpdate(grp.state(i, g_locs[i]), up, local_metrics(losses[i], acc)))
+        return out
 
+    # -- client: the global step (eq. 3-7) ------------------------------------------------------------------------
     def teachers(self, payload, device):
         """[(A_j, idx_j, p_j)] of the downloaded teachers, in node order."""
         relayed = payload.get("teachers")
@@ -208,11 +329,10 @@ class MAFML(Algorithm):
                 for _, m in sorted(relayed.teachers.items())]
 
     def step_global(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        cfg = self.task.train
         teachers = self.teachers(payload, ctx.device)
         if not teachers:
             return ClientUpdate(state, {}, {})
-        model, opt = self.live.get(state, ctx, self.params.public_lr or cfg.lr)
+        model, opt = self.live.get(state, ctx, self.params.public_lr or self.task.train.lr)
         px, py, _ = public_shares(self.task, ctx)
         g_loc = state["g_loc"].to(ctx.device)
         groups = [[t] for t in teachers] if self.params.per_teacher else [teachers]
@@ -220,10 +340,9 @@ class MAFML(Algorithm):
         self.live.mode(ctx, True)
         for group in groups:
             opt.zero_grad(set_to_none=True)
-            kl, ce = self._public_loss(model, group, px, py)
+            kl, ce = public_loss([model(px[idx]) for _, idx, _ in group], group, py)
             (kl + ce).backward()
-            g_pub = flat_grad(model)
-            g, hit = project_conflicting(g_pub, g_loc) if self.params.project else (g_pub, False)
+            g, hit = self._project(flat_grad(model), g_loc)
             set_flat_grad(model, g)
             opt.step()
             fired.append(float(hit))
@@ -232,16 +351,43 @@ class MAFML(Algorithm):
         weights, opt_state = self.live.snapshot(ctx)
         new = {"model": weights, "opt": opt_state, "g_loc": torch.zeros(0)}
         self.live.done(ctx, new)
-        n = len(groups)
-        return ClientUpdate(new, {}, {"projected": sum(fired) / n, "train_kl": sum(kls) / n,
-                                      "train_ce_public": sum(ces) / n})
+        return ClientUpdate(new, {}, global_metrics(fired, kls, ces))
 
-    # the group forms of the two client steps (backend.vectorize: the nodes' models as one grouped network)
-    def local_group(self, payloads, states, datas, ctxs):
-        return mafml_group.local(self, payloads, states, datas, ctxs)
-
-    def step_global_group(self, payloads, states, datas, ctxs):
-        return mafml_group.step_global(self, payloads, states, datas, ctxs)
+    def step_global_group(self, payloads, states, datas, ctxs) -> Optional[list]:
+        """:meth:`step_global` for every node of a group (the summed form, eq. 3-6): the student's KL + CE on its
+        teachers' public batches, the conflict projection against the node's local gradient (eq. 7), an Adam step."""
+        if self.params.per_teacher:
+            return None
+        device = ctxs[0].device
+        teachers = [self.teachers(p, device) for p in payloads]
+        if not teachers[0] or len({len(t) for t in teachers}) != 1 or len({len(i) for t in teachers
+                                                                           for _, i, _ in t}) != 1:
+            return None
+        grp = _group(self, states, ctxs, self.params.public_lr or self.task.train.lr)
+        if grp is None:
+            return None
+        size = sum(p.numel() for p in grp.params.values()) // len(ctxs)
+        g_locs = [st["g_loc"].to(device) for st in states]
+        if any(g.numel() != size for g in g_locs):
+            return None
+        px, py, _ = public_shares(self.task, ctxs[0])
+        k, b = len(ctxs), len(teachers[0][0][1])
+        leaves = {n: t.detach().requires_grad_(True) for n, t in grp.params.items()}
+        x = torch.stack([torch.cat([px[idx] for _, idx, _ in t]) for t in teachers])  # [K, T*B, ...]
+        logits = grp.forward(leaves, x, True)
+        terms = [public_loss([logits[i, j * b:(j + 1) * b] for j in range(len(t))], t, py)
+                 for i, t in enumerate(teachers)]
+        grads = grouped.stacked_grads(sum(kl + ce for kl, ce in terms), leaves)
+        fired = []
+        for i in range(k):
+            g, hit = self._project(grp.flat(grads, i), g_locs[i])
+            if hit:
+                grp.unflat(grads, i, g)
+            fired.append(hit)
+        grp.step(grads)
+        return [ClientUpdate(grp.state(i, torch.zeros(0)), {},
+                             global_metrics([float(fired[i])], [float(kl.detach())], [float(ce.detach())]))
+                for i, (kl, ce) in enumerate(terms)]
 
     def evaluate_client(self, payload, state, data, ctx: Context) -> dict:
         return domain_metrics(self._load(state, ctx), data)

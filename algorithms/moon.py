@@ -38,8 +38,7 @@ class Moon(FedAvg):
     asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = "Li, He and Song, Model-Contrastive Federated Learning, CVPR 2021"
 
-    def declared_uploads(self):
-        return {"weights", "num_samples"}
+    uploads = frozenset({"weights", "num_samples"})
 
     @dataclass(frozen=True)
     class Params:

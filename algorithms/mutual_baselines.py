@@ -11,14 +11,14 @@ state kept across rounds (``train.persist_optimizer``), and report the seed's bw
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from algorithms.local import Local
 from algorithms.mafml import require_public_shares
-from algorithms.mutual_ops import public_shares
-from raysim.algorithm import ClientUpdate, Context
+from algorithms.mutual_maths import public_shares
+from raysim.algorithm import Context, LocalStart
 
 
 class Ind(Local):
@@ -43,21 +43,9 @@ class Agg(Local):
     def vectorizable(self, start) -> bool:
         return False  # trains on more than its own x_train
 
-    def client_update(self, payload, state, data, ctx: Context) -> ClientUpdate:
-        from raysim.training import TrainOptions, local_sgd
-
+    def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
+        """Local's start, training on the node's own private + public data and every other node's public share."""
         px, py, own = public_shares(self.task, ctx)
         others = torch.cat([own[j] for j in range(self.task.num_clients) if j != ctx.client_id])
-        x = torch.cat([data.x_train, px[others]])
-        y = torch.cat([data.y_train, py[others]])
-        model = self.live_model(ctx)
-        start = self.begin(model, payload, state, data, ctx)
-        cfg = self.task.train
-        opt_state = (state or {}).get("opt") if cfg.persist_optimizer else None
-        metrics, opt_state = local_sgd(model, self.objective(start), x, y, TrainOptions(
-            cfg, ctx.generator("batches"), ctx.generator("dropout", device=ctx.device),
-            optimizer_out=cfg.persist_optimizer), opt_state)
-        new_state, upload = self.client_final(model, start, payload, state, data, ctx)
-        if cfg.persist_optimizer:
-            new_state = {**(new_state or {}), "opt": opt_state}
-        return ClientUpdate(new_state, upload, metrics)
+        start = super().client_init(model, payload, state, data, ctx)
+        return replace(start, x=torch.cat([data.x_train, px[others]]), y=torch.cat([data.y_train, py[others]]))

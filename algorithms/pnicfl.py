@@ -56,8 +56,8 @@ import numpy as np
 import torch
 
 from algorithms.fedavg import sample_weighted_average
-from algorithms.pnicfl_ops import (body_state, e_step, embed_all, episode_losses, estep_embeddings, kmeans_init, m_step,
-                                   partition_tasks, sample_episode, sq_dists, task_losses, user_embedding)
+from algorithms.pnicfl_maths import (body_state, e_step, embed_all, episode_losses, estep_embeddings, kmeans_init,
+                                     m_step, partition_tasks, sample_episode, sq_dists, task_losses, user_embedding)
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ReportsClusters, ServerUpdate
 from raysim.config import choice, positive
 from raysim.errors import ConfigError
@@ -77,9 +77,7 @@ class PNICFL(ReportsClusters, Algorithm):
         return {"test_acc": "cluster_prototype", "test_acc_local": "local_prototype"}
     paper = ("PN-ICFL: prototypical-network-based iterative clustered federated learning (seed 001); Snell et al., "
              "Prototypical Networks for Few-shot Learning, NeurIPS 2017")
-
-    def declared_uploads(self):
-        return {"user_embedding", "weights", "num_samples"}
+    uploads = frozenset({"user_embedding", "weights", "num_samples"})
 
     @dataclass(frozen=True)
     class Params:

@@ -90,8 +90,7 @@ class Scaffold(FedAvg):
     asynchronous = False  # server.mode: async not supported (not tested with buffered / staleness-weighted aggregation)
     paper = "Karimireddy et al., SCAFFOLD: Stochastic Controlled Averaging for Federated Learning, ICML 2020"
 
-    def declared_uploads(self):
-        return {"model_delta", "control_delta"}
+    uploads = frozenset({"model_delta", "control_delta"})
 
     @dataclass(frozen=True)
     class Params:

@@ -34,7 +34,7 @@ IEEE TMC 2024; seed 004, reference §5; public code mobinets/SlaugFL for the col
 
 **Collaborative phase** (classic rounds): the model has 2C outputs (real classes 0..C-1, synthetic C..2C-1); a device
 trains on its data plus its synthetic set (``LocalStart.x``) with the dual calibration loss
-(``gen_ops.dual_calibration_loss``: lam_syn, lam_sep, beta; L_sep active once global p-f prototypes exist, i.e. from
+(``generative_maths.dual_calibration_loss``: lam_syn, lam_sep, beta; L_sep active once global p-f prototypes exist, i.e. from
 the second round), then computes p-f prototypes from its *synthetic data only* (eval mode) and uploads them with
 counts and its model. Server: FedAvg with sample-count weights (the device's real data size) and
 Zbar_c = sum_k n_k^c Zhat_k^c / sum_k n_k^c. Evaluation: argmax over all 2C outputs (a synthetic-half prediction is
@@ -53,7 +53,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from algorithms import gen_ops
+from algorithms import generative_maths
 from algorithms.fedavg import sample_weighted_average
 from algorithms.generators import (ACGANDiscriminator, ACGANGenerator, GeneratorRun, ProtoGenerator, train_acgan,
                                    train_proto_generator)
@@ -65,7 +65,7 @@ from raysim.data.class_folders import load_class_folders
 from raysim.errors import ConfigError
 from raysim.messages import Message, state_message
 from raysim.models import arch_key, build_model
-from raysim.ops import aggregate_prototypes, class_prototypes, moved_like
+from raysim.shared_maths import aggregate_prototypes, class_prototypes, moved_like
 from raysim.steps import ALL, ClientStep, ServerStep
 from raysim.training import TrainOptions, accuracy, clone_state, forward_all, make_optimizer, train_epochs
 
@@ -81,9 +81,7 @@ class SlaugFL(LocalTraining):
              "IEEE TMC 2024")
 
     server_data = ("server_val",)  # the representatives are chosen on it (prep_select)
-
-    def declared_uploads(self):
-        return {"weights", "num_samples", "prototypes", "class_counts"}
+    uploads = frozenset({"weights", "num_samples", "prototypes", "class_counts"})
 
     def declared_server_data(self) -> tuple:
         return self.server_data + (("global_test",) if self.params.selection == "test" else ())
@@ -208,11 +206,11 @@ class SlaugFL(LocalTraining):
             model = ctx.model(cid)
             model.load_state_dict(uploads[cid]["model"].tensors)
             logits, _ = forward_all(model, x)
-            accs.append(gen_ops.per_class_accuracy(logits.argmax(1), y, c).cpu())
+            accs.append(generative_maths.per_class_accuracy(logits.argmax(1), y, c).cpu())
             eligible.append(uploads[cid]["val_counts"]["counts"] > 0)
         if not ids:
             return ServerUpdate(state, {"requests": Message("prototype_request", {})}, {"representatives": 0.0})
-        rep, second = gen_ops.select_prototype_sources(torch.stack(accs), torch.stack(eligible), ids,
+        rep, second = generative_maths.select_prototype_sources(torch.stack(accs), torch.stack(eligible), ids,
                                                        self.params.num_prototypes, ctx.rng("slaug_s_classes"))
         reps = sorted({int(r) for r in rep if int(r) >= 0})
         senders = sorted({int(r) for r in torch.cat([rep, second]) if int(r) >= 0})
@@ -234,17 +232,13 @@ class SlaugFL(LocalTraining):
 
     def prep_generator(self, state, uploads, ctx: ServerContext):
         c, d = self.task.num_classes, self.embed_dim()
-        protos, mask = gen_ops.mean_class_prototypes([(uploads[cid]["protos"]["classes"], uploads[cid]["protos"]["protos"])
-                                                      for cid in sorted(uploads) if "protos" in uploads[cid]], c, d)
+        sent = [(uploads[cid]["protos"]["classes"], uploads[cid]["protos"]["protos"])
+                for cid in sorted(uploads) if "protos" in uploads[cid]]
+        protos, mask = generative_maths.mean_class_prototypes(sent, c, d)
         rep = state["rep"].clone()
         rep[~mask] = -1  # a representative that did not deliver its prototype
-        models = {}
-        for k in sorted({int(r) for r in rep if int(r) >= 0}):
-            m = ctx.models.get(("rep", k), lambda k=k: self.task.build_model(k))
-            m.load_state_dict(state["rep_models"][k])
-            m.eval()
-            m.requires_grad_(False)
-            models[k] = m
+        models = {k: generative_maths.frozen(ctx.models.get(("rep", k), lambda k=k: self.task.build_model(k)),
+                                    state["rep_models"][k]) for k in sorted({int(r) for r in rep if int(r) >= 0})}
         norm = ctx.server_data["server_val"].norm  # pixel normalisation (metadata only)
         with rngmod.init_seed(self.task.seed, "slaug_gen_init"):
             gen = self.make_generator().to(ctx.device)
@@ -300,7 +294,7 @@ class SlaugFL(LocalTraining):
                 continue
             with torch.no_grad():
                 _, f = forward_all(models[int(rep[cls])], x_all[idx])
-            kept = gen_ops.filter_candidates(f, protos[cls], p.candidate_top_k, p.candidate_delta)
+            kept = generative_maths.filter_candidates(f, protos[cls], p.candidate_top_k, p.candidate_delta)
             keep_x.append(x_all[idx[kept]])
             keep_y.append(y_all[idx[kept]])
         if not keep_x:
@@ -372,7 +366,7 @@ class SlaugFL(LocalTraining):
         y = classes.to(ctx.device).repeat_interleave(per)
         z = torch.randn(len(y), self.noise_dim(), generator=ctx.generator("augment", ctx.device), device=ctx.device)
         with torch.no_grad():
-            x = gen_ops.to_input_space(gen(z, y), data.norm)
+            x = generative_maths.to_input_space(gen(z, y), data.norm)
         return ClientUpdate({"syn_x": x.cpu(), "syn_y": y.cpu()}, {}, {"syn_samples": float(len(y))})
 
     # -- client: collaborative phase ----------------------------------------------------------------------------------
@@ -392,11 +386,11 @@ class SlaugFL(LocalTraining):
         p, c = self.params, self.task.num_classes
         protos, mask = start.aux["protos"], start.aux["mask"]
 
-        cal = gen_ops.DualCalibration(c, protos, mask, p.lam_syn, p.lam_sep, p.beta)
+        cal = generative_maths.DualCalibration(c, protos, mask, p.lam_syn, p.lam_sep, p.beta)
 
         def loss_fn(model, xb, yb, epoch):
             logits, z = model(xb, return_embedding=True)
-            return gen_ops.dual_calibration_loss(logits, z, yb, cal)
+            return generative_maths.dual_calibration_loss(logits, z, yb, cal)
 
         return loss_fn
 

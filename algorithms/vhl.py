@@ -63,9 +63,7 @@ class VHL(LocalTraining):
                 "global_test_acc_c": "global_real_classes"}
     paper = ("Tang et al., Virtual Homogeneity Learning: Defending against Data Heterogeneity in Federated Learning, "
              "ICML 2022")
-
-    def declared_uploads(self):
-        return {"weights", "num_samples"}
+    uploads = frozenset({"weights", "num_samples"})
 
     @dataclass(frozen=True)
     class Params:

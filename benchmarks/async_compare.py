@@ -141,7 +141,7 @@ def main() -> None:
     (out / f"summary-{tag}.md").write_text(table + "\n")
     (out / f"summary-{tag}.json").write_text(json.dumps({f"{m}/{mo}": v for (m, mo), v in values.items()}, indent=1,
                                                  default=float))
-    from raysim.app.report import ReportOptions, build_report
+    from raysim.app.summary import ReportOptions, build_report
 
     # each method is judged against itself (async vs sync); the plots put FedAvg's global test_acc beside FedProto's
     # personalised one knowingly (the report says so; issue 52)

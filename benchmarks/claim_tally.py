@@ -4,7 +4,7 @@
 
 Reads configs/seed_claims.yaml (each claim of the five seeds once, in the seed's words, at the setting closest to the
 seed, its other settings as ablations) and the stored tables under benchmarks/results/ (their per-run records, judged
-by this code: raysim.app.reproduce_table.render_records, the window of the last 5 evaluated rounds where the records
+by this code: raysim.app.reproduction_table.render_records, the window of the last 5 evaluated rounds where the records
 hold per-round values, else the final round, and said so); writes benchmarks/results/CLAIMS.md (every claim with its
 one verdict, its parts, its ablations, the final round's verdict and a Holm-corrected column across each seed's
 claims) and the summary between the issue-51 markers at the top of benchmarks/REPRODUCTION.md. Ablations are never
@@ -35,7 +35,7 @@ class Tables:
     """The stored tables' claims as this code judges them, read once each."""
 
     def __init__(self):
-        from raysim.app import reproduce as rp
+        from raysim.app import seed_experiments as rp
 
         self.exps, self.numbers, self.cache = rp.load_experiments(), rp.load_numbers(), {}
 
@@ -61,7 +61,7 @@ class Tables:
     def _load(self, table: str) -> dict | None:
         import importlib.util
 
-        from raysim.app.reproduce_table import render_records
+        from raysim.app.reproduction_table import render_records
 
         js = RESULTS / f"{table}.json"
         if not js.exists():

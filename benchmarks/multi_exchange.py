@@ -8,7 +8,7 @@ soft labels and batch accuracy of its model on a random batch of its public shar
 the other three nodes' public batches, projected against g_loc when they conflict (eq. 7), one Adam step.
 
 * ``plain``: the loop above in one process: 4 models and 4 Adam optimisers kept alive, no messages, no state copies
-  (the same maths: algorithms.mutual_ops).
+  (the same maths: algorithms.mutual_maths).
 * ``sequential`` / ``ray``: raysim's MAFML on the same data (``backend.name``; Ray with ``--actors`` client actors);
   seconds per iteration from the table's wall-time rows (``step_s@local + relay + global``, the first round
   a warm-up and evaluation excluded).
@@ -39,7 +39,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from algorithms.mutual_ops import flat_grad, project_conflicting, set_flat_grad, weighted_kl
+from algorithms.mutual_maths import flat_grad, project_conflicting, set_flat_grad, weighted_kl
 
 ITER = 50
 STEPS = ("local", "relay", "global")
@@ -125,7 +125,7 @@ def plain_pnicfl(prep, rounds: int, warmup: int) -> float:
     """Seconds per round of the plain PN-ICFL loop (after ``warmup`` rounds): every user every round."""
     import numpy as np
 
-    from algorithms.pnicfl_ops import (body_state, e_step, embed_all, episode_losses, kmeans_init, m_step,
+    from algorithms.pnicfl_maths import (body_state, e_step, embed_all, episode_losses, kmeans_init, m_step,
                                    sample_episode, user_embedding)
     from raysim.training import make_optimizer
 
@@ -174,7 +174,7 @@ def plain_pnicfl(prep, rounds: int, warmup: int) -> float:
 
 def plain_fedmd(prep, rounds: int, warmup: int) -> float:
     """Seconds per round of the plain FedMD loop (after ``warmup`` rounds)."""
-    from algorithms.mutual_ops import step_batches
+    from algorithms.mutual_maths import step_batches
     from raysim.training import minibatches
 
     task = prep.task

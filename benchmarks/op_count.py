@@ -112,7 +112,7 @@ def raysim_client_counts(method: str, cohort: int = 10, clients: int = 10, vecto
             run_experiment(make_config(c), write=False, progress=False)
         return whole.ops.copy(), steps.ops.copy()
 
-    from raysim.runner.reports import HOST_READS
+    from raysim.runner.step_reports import HOST_READS
 
     runners.ClientRunner.run_client_step = counted_step
     try:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from raysim.config import load_config
-from raysim.ops import aggregate_prototypes, class_prototypes, prototype_regulariser
+from raysim.shared_maths import aggregate_prototypes, class_prototypes, prototype_regulariser
 from raysim.engine.prepare import prepare
 from raysim.engine.loop import run_experiment
 from raysim.training import forward_all

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from sklearn.metrics import adjusted_rand_score
 
-from algorithms.pnicfl_ops import cluster_distances, e_step, embed_all, kmeans_init, user_embedding
+from algorithms.pnicfl_maths import cluster_distances, e_step, embed_all, kmeans_init, user_embedding
 from raysim.algorithm import ServerContext
 from raysim.config import load_config
 from raysim.engine.prepare import prepare

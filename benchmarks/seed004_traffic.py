@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from raysim import results  # noqa: E402
-from raysim.app.reproduce import load_experiments  # noqa: E402
+from raysim.app.seed_experiments import load_experiments  # noqa: E402
 
 TARGETS = (0.30, 0.50)
 BASE = "FedAvg"

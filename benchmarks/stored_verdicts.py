@@ -5,7 +5,7 @@
 * A table stored with its per-run records (``<experiment>.json``, or ``<experiment>_r<N>.json`` for the experiment
   run for N rounds: ``raysim reproduce``'s reproduction.json, a ``runs`` list with each run's label, seed and values)
   is written again, its ``.md`` and the JSON's ``table`` / ``claims``, by
-  :func:`raysim.app.reproduce_table.render_records`: the same means (from the same per-run values), each claim's
+  :func:`raysim.app.reproduction_table.render_records`: the same means (from the same per-run values), each claim's
   paired per-seed differences with their 95 % interval and verdict. The runs are untouched.
 * Issue 51: a claim rests on each run's mean of its last 5 evaluated rounds (the final round beside it). Records
   written since carry each run's per-round values (``curve``); for older tables whose per-round values are stored
@@ -94,9 +94,9 @@ def attach_curves(js: Path, record: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    from raysim.app import reproduce as rp
+    from raysim.app import seed_experiments as rp
     from raysim.app import verdicts as vd
-    from raysim.app.reproduce_table import render_records
+    from raysim.app.reproduction_table import render_records
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file would change")

@@ -304,6 +304,9 @@ class Algorithm:
     # one is refused before the run (a ConfigError naming its field); only these reach the server, as
     # ``ctx.server_data[name]``
     server_data: ClassVar[tuple] = ()
+    # the message kinds the method's clients may send to the server (the privacy boundary, ``declared_uploads``);
+    # None: undeclared
+    uploads: ClassVar[Optional[frozenset]] = None
     # the client metrics the progress bar shows (the latest evaluated mean of each the run has reported)
     headline: ClassVar[tuple] = ("test_acc",)
     @classmethod
@@ -328,8 +331,8 @@ class Algorithm:
 
     def declared_uploads(self) -> Optional[set]:
         """The message kinds this method's clients may send to the server (the privacy boundary: tests check that
-        nothing else, and never a client's data, reaches the server). None: undeclared."""
-        return None
+        nothing else, and never a client's data, reaches the server): the class's ``uploads``. None: undeclared."""
+        return None if self.uploads is None else set(self.uploads)
 
     @dataclass(frozen=True)
     class Params:
@@ -464,7 +467,7 @@ class Asynchronous:
         """``server_state + weight * (target - server_state)`` on every floating tensor (other leaves take the
         target's value). Methods whose state is not a plain point to interpolate override it (FedProto: per class
         and only where both have a prototype; FedTGP: the generator, then its prototypes)."""
-        from raysim.ops import mix_trees
+        from raysim.shared_maths import mix_trees
 
         return mix_trees(server_state, target, weight)
 

@@ -16,7 +16,7 @@ FedBuff upload onto the current state (:meth:`~raysim.algorithm.Asynchronous.asy
 methods whose uploads are trained copies of the state; prototypes are left as they are), computes the method's own
 ``aggregate`` of the uploads (the target, so target - x is the weighted mean of the deltas) and
 :meth:`~raysim.algorithm.Asynchronous.async_mix` moves the server state toward it by the mixing weight computed here
-(:func:`raysim.ops.mix_trees` for plain trees of tensors). FedAsync's step is the paper's
+(:func:`raysim.shared_maths.mix_trees` for plain trees of tensors). FedAsync's step is the paper's
 x <- (1 - alpha_t) x + alpha_t y on the one arrived update.
 """
 from __future__ import annotations

@@ -15,7 +15,7 @@ import torch
 class Rows(Mapping):
     """Row ``row`` of a group's stacked tensors (``stacks``: name -> [K, ...]) as a mapping name -> tensor: what the
     vectorised executor's uploads and states hold, so that a group's uploads stay stacked until they are reduced (a
-    partial aggregate of rows of one stack is one reduction: :func:`stacked_rows`, :func:`raysim.ops.
+    partial aggregate of rows of one stack is one reduction: :func:`stacked_rows`, :func:`raysim.shared_maths.
     weighted_average_states`). Reading an entry gives a view of its row; nothing is copied. Pickled (a transport, a
     spilled or checkpointed state) or deep-copied as a plain dict of its own rows' copies, never the whole stack.
     The stacks must not change after the rows are handed out (the executor's trained parameters do not)."""

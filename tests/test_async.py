@@ -430,7 +430,7 @@ def test_every_client_busy_and_nobody_online():
 
 
 def test_report_plots_sync_and_async_against_simulated_time(tmp_path):
-    from raysim.app.report import ReportOptions, build_report
+    from raysim.app.summary import ReportOptions, build_report
 
     base = tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"}, data={
         "dataset": "synthetic", "num_clients": 10, "partition": "nway_kshot",

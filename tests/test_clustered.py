@@ -152,7 +152,7 @@ def test_ari_rows_are_sklearns_score_of_the_reported_clusters(tiny):
 # -- PN-ICFL -----------------------------------------------------------------------------------------------------------
 
 def test_pnicfl_distance_and_e_step_by_hand():
-    from algorithms.pnicfl_ops import cluster_distances, e_step
+    from algorithms.pnicfl_maths import cluster_distances, e_step
 
     # two users, C = 3 classes, d = 2; user 0 holds classes 0 (3 samples) and 1 (1 sample), user 1 only class 2
     u = torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]],
@@ -173,7 +173,7 @@ def test_pnicfl_distance_and_e_step_by_hand():
 
 
 def test_pnicfl_m_step_by_hand():
-    from algorithms.pnicfl_ops import m_step
+    from algorithms.pnicfl_maths import m_step
 
     E = torch.zeros(2, 2, 1)
     E[1, 1] = 7.0
@@ -189,7 +189,7 @@ def test_pnicfl_m_step_by_hand():
 def test_pnicfl_m_step_uses_the_e_steps_embeddings(tiny):
     """The seed's Algorithm 1 / §3.4: the server aggregates the u_i the users sent before their local update (the
     ones the E-step used), not embeddings recomputed after it; 'updated' keeps the post-update variant."""
-    from algorithms.pnicfl_ops import estep_embeddings
+    from algorithms.pnicfl_maths import estep_embeddings
     from raysim.algorithm import ServerContext
     from raysim.engine.prepare import prepare
     from raysim.messages import Message
@@ -228,7 +228,7 @@ def test_pnicfl_m_step_uses_the_e_steps_embeddings(tiny):
 
 
 def test_pnicfl_initial_centres():
-    from algorithms.pnicfl_ops import initial_centres
+    from algorithms.pnicfl_maths import initial_centres
 
     u = torch.tensor([[[0.0]], [[0.1]], [[10.0]], [[10.1]]])
     counts = torch.ones(4, 1, dtype=torch.int64)
@@ -242,7 +242,7 @@ def test_pnicfl_initial_centres():
 def test_pnicfl_kmeans_init_by_hand():
     """init_restarts = 0 is the seed's initialisation (the seeded users' embeddings are the E_k); with restarts the
     server refines each seeding by E/M steps and keeps the lowest total distance."""
-    from algorithms.pnicfl_ops import initial_centres, kmeans_init
+    from algorithms.pnicfl_maths import initial_centres, kmeans_init
 
     # 1-d embeddings of 6 users, one class each: domains {0, 0.2, 0.4} and {10, 10.2, 10.4}
     u = torch.tensor([0.0, 0.2, 0.4, 10.0, 10.2, 10.4]).reshape(6, 1, 1)
@@ -252,7 +252,7 @@ def test_pnicfl_kmeans_init_by_hand():
     assert got == picks and E[:, 0, 0].tolist() == u[picks, 0, 0].tolist() and mask.all()
     # users 0 and 1 as seeds (both in the first domain): the first E/M step gives {0} (mean 0) and {1..5} (mean
     # 6.24), the second {0, 1, 2} / {3, 4, 5}: the two domains' means 0.2 and 10.2
-    from algorithms.pnicfl_ops import e_step, m_step
+    from algorithms.pnicfl_maths import e_step, m_step
 
     E, mask = u[[0, 1]].clone(), counts[[0, 1]] > 0
     for _ in range(20):

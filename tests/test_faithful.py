@@ -55,7 +55,7 @@ def test_fedper_convs_needs_conv_layers(tiny):
 
 
 def test_orthogonal_head_is_nn_init_orthogonal():
-    from algorithms.proto_ops import orthogonal_head
+    from algorithms.prototype_maths import orthogonal_head
 
     w = orthogonal_head(10, 50, torch.Generator().manual_seed(3))
     ref = torch.nn.init.orthogonal_(torch.empty(10, 50), generator=torch.Generator().manual_seed(3))
@@ -82,7 +82,7 @@ def _mean_margins(make, draws=40, C=10, d=50):
 
 
 def test_orthogonal_head_favours_no_class_for_nonnegative_embeddings():
-    from algorithms.proto_ops import orthogonal_head
+    from algorithms.prototype_maths import orthogonal_head
 
     m = _mean_margins(orthogonal_head)
     assert m.max() - m.min() < 0.04  # equal across classes up to sampling noise (each mean ~0.245, sd ~0.007)
@@ -238,7 +238,7 @@ def test_fedavg_cnn_shapes_and_a_run_on_a_file_split(tmp_path):
 def test_pu_split_official_hand_example():
     import numpy as np
 
-    from algorithms.proto_ops import UNLABELLED, Labelling, pu_split
+    from algorithms.prototype_maths import UNLABELLED, Labelling, pu_split
 
     y = torch.tensor([0] * 50 + [1] * 10 + [2] * 45)
     # positive classes {0, 1}; rho = 0.5; a positive class keeps labels only with >= 40 samples
@@ -338,7 +338,7 @@ def test_fedpu_default_split_is_held_and_seed_split_stays():
     from algorithms import fedpu
     from algorithms.fedavg import FedAvg
     from algorithms.fedproto import FedProto
-    from algorithms.proto_ops import UNLABELLED
+    from algorithms.prototype_maths import UNLABELLED
 
     for cls in (FedProto, FedAvg):
         p = cls.Params()

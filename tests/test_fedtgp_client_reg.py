@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from algorithms.proto_ops import prototype_distance_regulariser
+from algorithms.prototype_maths import prototype_distance_regulariser
 from raysim.engine.loop import run_experiment
 from raysim.engine.prepare import prepare
 from raysim.runner.runners import make_algorithm
 from raysim.errors import ConfigError
-from raysim.ops import prototype_regulariser
+from raysim.shared_maths import prototype_regulariser
 
 # a batch of 3 samples in d = 2, classes 0, 0, 1 of C = 3; global prototypes P'_0 = (1, 1), P'_1 = (0, 0),
 # P'_2 = (5, 5). By hand: P_i^0 = mean((0, 0), (2, 0)) = (1, 0), ||(1, 0) - (1, 1)|| = 1; P_i^1 = (0, 3),

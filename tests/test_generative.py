@@ -136,7 +136,7 @@ TOY_ELIGIBLE = torch.tensor([[True, True, True, False],
 
 
 def test_representative_selection_on_a_toy_problem():
-    from algorithms.gen_ops import per_class_accuracy, select_representatives
+    from algorithms.generative_maths import per_class_accuracy, select_representatives
 
     # per-class accuracy: y = [0,0,1,1,2], pred = [0,1,1,1,0] -> class 0: 1/2, class 1: 2/2, class 2: 0/1, class 3: nan
     acc = per_class_accuracy(torch.tensor([0, 1, 1, 1, 0]), torch.tensor([0, 0, 1, 1, 2]), 4)
@@ -152,7 +152,7 @@ def test_s_selected_prototypes_by_hand():
     S - C random classes; several prototypes of one class are averaged."""
     import numpy as np
 
-    from algorithms.gen_ops import mean_class_prototypes, select_prototype_sources
+    from algorithms.generative_maths import mean_class_prototypes, select_prototype_sources
 
     a, eligible = TOY_ACC, TOY_ELIGIBLE
     for s in (0, 4):  # the default: one per class
@@ -201,7 +201,7 @@ def test_slaugfl_s_above_twice_the_classes_is_refused():
 
 
 def test_candidate_filter_by_cosine_distance():
-    from algorithms.gen_ops import cosine_distance, filter_candidates
+    from algorithms.generative_maths import cosine_distance, filter_candidates
 
     proto = torch.tensor([1.0, 0.0])
     feats = torch.tensor([[0.0, 1.0], [2.0, 0.0], [1.0, 1.0], [-1.0, 0.0], [1.0, 1.0]])
@@ -215,7 +215,7 @@ def test_candidate_filter_by_cosine_distance():
 
 
 def test_dual_calibration_loss_against_its_formula():
-    from algorithms.gen_ops import DualCalibration, dual_calibration_loss
+    from algorithms.generative_maths import DualCalibration, dual_calibration_loss
 
     c = 2
     logits = torch.tensor([[2.0, 0.0, 0.5, 0.1], [0.0, 1.0, 0.0, 0.3], [0.2, 0.1, 1.5, 0.0]])
@@ -249,7 +249,7 @@ def test_dual_calibration_loss_against_its_formula():
 
 
 def test_mode_seeking_diversity_by_hand():
-    from algorithms.gen_ops import diversity_loss, mode_seeking_ratio
+    from algorithms.generative_maths import diversity_loss, mode_seeking_ratio
 
     g = torch.tensor([[1.0, 2.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
     z = torch.tensor([[1.0], [0.0], [0.0], [2.0]])
@@ -390,7 +390,7 @@ def test_slaugfl_generator_downloaded_once_and_the_cost_formula():
 
 def test_slaugfl_pf_prototypes_come_from_synthetic_data_only():
     from raysim.engine.prepare import prepare
-    from raysim.ops import class_prototypes
+    from raysim.shared_maths import class_prototypes
     from raysim.runner.runners import ClientRunner, ServerRunner, server_data
     from raysim.steps import flatten
 

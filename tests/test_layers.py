@@ -87,10 +87,10 @@ def test_only_the_backends_import_ray():
 
 
 def test_algorithms_import_only_the_contract():
-    """Methods import the contract (algorithm, steps, messages, models, training, rng, config, errors, ops, data
+    """Methods import the contract (algorithm, steps, messages, models, training, rng, config, errors, shared_maths, data
     types), never the engine's machinery, the backends or the result files."""
     allowed = {"raysim.algorithm", "raysim.steps", "raysim.messages", "raysim.models", "raysim.training",
-               "raysim.rng", "raysim.config", "raysim.errors", "raysim.ops", "raysim.data", "raysim.data.federated",
+               "raysim.rng", "raysim.config", "raysim.errors", "raysim.shared_maths", "raysim.data", "raysim.data.federated",
                "raysim.data.arrays", "raysim.data.datasets", "raysim.data.class_folders", "raysim.layers",
                "raysim.runner.grouped"}
     bad = []
@@ -265,9 +265,9 @@ def drawing(edges: dict[str, set[str]], room_of=folder_of) -> dict:
 
 def test_no_module_cycle_in_any_package():
     """raysim/, algorithms/, envs/ and tuning/: no import circle among their modules, lazy imports included (e.g.
-    MAFML and its group forms: the shared public-data helper lives in algorithms/mutual_ops.py)."""
+    MAFML and its baselines: the shared public-data helper lives in algorithms/mutual_maths.py)."""
     edges = all_imports()
-    assert {"algorithms.mafml", "algorithms.mafml_group", "envs", "tuning.study"} & set(edges)
+    assert {"algorithms.mafml", "algorithms.mutual_baselines", "envs", "tuning.study"} & set(edges)
     found = cycles(edges)
     assert not found, "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
 

@@ -47,7 +47,7 @@ def close(t, want, tol=1e-6):
 # == 1. PN-ICFL ======================================================================================================
 
 def test_pnicfl_sq_dists_are_squared_euclidean_by_hand():
-    from algorithms.pnicfl_ops import sq_dists
+    from algorithms.pnicfl_maths import sq_dists
 
     z = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
     protos = torch.tensor([[1.0, 0.0], [0.0, 3.0], [-1.0, -1.0]])
@@ -56,7 +56,7 @@ def test_pnicfl_sq_dists_are_squared_euclidean_by_hand():
 
 
 def test_pnicfl_proto_loss_by_hand():
-    from algorithms.pnicfl_ops import proto_loss
+    from algorithms.pnicfl_maths import proto_loss
 
     zq = torch.tensor([[0.0, 0.0], [1.0, 2.0]])
     protos = torch.tensor([[1.0, 0.0], [0.0, 3.0]])
@@ -75,7 +75,7 @@ def test_pnicfl_proto_loss_by_hand():
 
 
 def test_pnicfl_user_embedding_by_hand():
-    from algorithms.pnicfl_ops import user_embedding
+    from algorithms.pnicfl_maths import user_embedding
 
     z = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]])
     y = torch.tensor([2, 0, 2])
@@ -92,7 +92,7 @@ def _episode_labels():
 
 
 def test_pnicfl_sample_episode_shapes_classes_and_disjointness():
-    from algorithms.pnicfl_ops import sample_episode
+    from algorithms.pnicfl_maths import sample_episode
 
     y = _episode_labels()
     yn = y.numpy()
@@ -118,7 +118,7 @@ def test_pnicfl_sample_episode_shapes_classes_and_disjointness():
 
 
 def test_pnicfl_sample_episode_is_deterministic_in_its_generator():
-    from algorithms.pnicfl_ops import sample_episode
+    from algorithms.pnicfl_maths import sample_episode
 
     y = _episode_labels()
     classes = [1, 3, 5, 7]
@@ -132,7 +132,7 @@ def test_pnicfl_sample_episode_is_deterministic_in_its_generator():
 
 
 def test_pnicfl_episode_losses_by_hand():
-    from algorithms.pnicfl_ops import episode_losses
+    from algorithms.pnicfl_maths import episode_losses
 
     # the body is the identity, so x holds the embeddings themselves
     x = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 1.0],    # label 3: support rows 0, 1; query row 2
@@ -170,7 +170,7 @@ class _NoShuffle:
 
 
 def test_pnicfl_partition_uses_every_sample_exactly_once_by_hand():
-    from algorithms.pnicfl_ops import partition_tasks
+    from algorithms.pnicfl_maths import partition_tasks
 
     y = torch.tensor([0, 0, 0, 1, 1, 2, 0])
     # classes one after the other: 0 -> [0, 1, 2, 6], 1 -> [3, 4], 2 -> [5]; dealt in turn to B = 2 tasks:
@@ -195,7 +195,7 @@ def test_pnicfl_partition_uses_every_sample_exactly_once_by_hand():
 
 
 def test_pnicfl_task_losses_by_hand():
-    from algorithms.pnicfl_ops import episode_losses, task_losses
+    from algorithms.pnicfl_maths import episode_losses, task_losses
 
     x = torch.tensor([[0.0, 0.0], [2.0, 0.0], [1.0, 1.0],    # label 3: support rows 0, 1; query row 2
                       [0.0, 4.0], [0.0, 2.0], [1.0, 0.5],    # label 7: support rows 3, 4; query row 5
@@ -227,7 +227,7 @@ def test_pnicfl_task_losses_by_hand():
 
 
 def test_pnicfl_lg_leaves_out_classes_without_a_cluster_prototype():
-    from algorithms.pnicfl_ops import episode_losses
+    from algorithms.pnicfl_maths import episode_losses
 
     # three episode classes (labels 0, 1, 2), one support and one query each
     x = torch.tensor([[0.0, 0.0], [0.0, 1.0],     # label 0: support (0, 0), query (0, 1)
@@ -251,7 +251,7 @@ def test_pnicfl_lg_leaves_out_classes_without_a_cluster_prototype():
 
 
 def test_pnicfl_episode_gradient_reaches_the_support_samples():
-    from algorithms.pnicfl_ops import episode_losses
+    from algorithms.pnicfl_maths import episode_losses
 
     # Snell et al.: the prototypes are means of the support embeddings, not constants, so the loss has a gradient on
     # the support rows. Queries (1, 1) and (1, .5) as above.
@@ -405,7 +405,7 @@ def test_fedkd_mentor_mentee_losses_and_w_h_step_by_hand():
 
 def _pu_batch():
     from algorithms.fedpu import PUView
-    from algorithms.proto_ops import UNLABELLED
+    from algorithms.prototype_maths import UNLABELLED
 
     # row 0 labelled 0, p = (1/3, 1/3, 1/3); row 1 labelled 2, p = (1/4, 1/4, 1/2); row 2 unlabelled, p = (3/5, 1/5, 1/5)
     logits = torch.tensor([[0.0, 0.0, 0.0], [0.0, 0.0, math.log(2.0)], [math.log(3.0), 0.0, 0.0]])
@@ -466,7 +466,7 @@ class TwoParams(nn.Module):
 
 
 def test_flat_grad_and_set_flat_grad_round_trip_by_hand():
-    from algorithms.mutual_ops import flat_grad, set_flat_grad
+    from algorithms.mutual_maths import flat_grad, set_flat_grad
 
     m = TwoParams()
     m.a.grad = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
@@ -484,7 +484,7 @@ def test_flat_grad_and_set_flat_grad_round_trip_by_hand():
 
 
 def test_projected_public_gradient_drives_the_sgd_step():
-    from algorithms.mutual_ops import flat_grad, project_conflicting, set_flat_grad
+    from algorithms.mutual_maths import flat_grad, project_conflicting, set_flat_grad
 
     # MAFML's step (eq. 7) through the model's parameters: linear losses give exact gradients spread over two
     # parameter tensors: g_loc = (1, 1, 0), g_pub = (-1, 0, 2) -- dot -1 < 0, ||g_loc||^2 = 2

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from algorithms.mutual_ops import domain_metrics, project_conflicting, weighted_kl
+from algorithms.mutual_maths import domain_metrics, project_conflicting, weighted_kl
 from raysim.config import DataConfig
 from raysim.data.federated import ClientData, build_federated_data, local_split_sizes
 from raysim.engine.prepare import prepare
@@ -301,18 +301,18 @@ def _table(cfg):
 
 def _group_calls(monkeypatch):
     """Count the group-form calls that took their group (returned updates, not None)."""
-    from algorithms import mafml_group
+    from algorithms.mafml import MAFML
 
     taken = []
     for name in ("local", "step_global"):
-        real = getattr(mafml_group, name)
+        real = getattr(MAFML, f"{name}_group")
 
         def counted(*a, _real=real, _name=name):
             out = _real(*a)
             taken.append((_name, out is not None))
             return out
 
-        monkeypatch.setattr(mafml_group, name, counted)
+        monkeypatch.setattr(MAFML, f"{name}_group", counted)
     return taken
 
 
@@ -337,13 +337,13 @@ def test_mafml_group_forms_fall_back_to_the_per_node_steps(tiny, monkeypatch, ca
                                      {"arch": "cnn_small", "params": {"channels": 4}}]}} if case == "hetero" else {}
     loop = _table(mutual_cfg(tiny, "mafml", **over))
     if case == "raises":
-        from algorithms import mafml_group
+        from algorithms.mafml import MAFML
 
         def broken(*a):
             raise RuntimeError("a group form that fails")
 
-        monkeypatch.setattr(mafml_group, "local", broken)
-        monkeypatch.setattr(mafml_group, "step_global", broken)
+        monkeypatch.setattr(MAFML, "local_group", broken)
+        monkeypatch.setattr(MAFML, "step_global_group", broken)
         with pytest.warns(RuntimeWarning, match="fails") as seen:
             res = run_experiment(mutual_cfg(tiny, "mafml", backend=VEC, **over), write=False)
         vec = without_timing(res.table.drop(columns=["run_id"]))
@@ -359,10 +359,10 @@ def test_mafml_group_forms_fall_back_to_the_per_node_steps(tiny, monkeypatch, ca
 
 
 def test_a_group_form_with_a_result_per_client_missing_is_an_error(tiny, monkeypatch):
-    from algorithms import mafml_group
+    from algorithms.mafml import MAFML
 
-    real = mafml_group.local
-    monkeypatch.setattr(mafml_group, "local", lambda *a: real(*a)[:-1])
+    real = MAFML.local_group
+    monkeypatch.setattr(MAFML, "local_group", lambda *a: real(*a)[:-1])
     with pytest.raises(Exception, match="local_group must return None or one ClientUpdate per client"):
         run_experiment(mutual_cfg(tiny, "mafml", backend=VEC), write=False)
 
@@ -686,7 +686,7 @@ def test_warm_snapshot_and_mode_equal_the_plain_copies():
     live pair's next step exactly."""
     from types import SimpleNamespace
 
-    from algorithms.mutual_ops import WarmClients
+    from algorithms.mutual_maths import WarmClients
     from raysim.training import clone_state, optimizer_state
 
     def build(_cid):

@@ -348,7 +348,7 @@ def test_reproduce_table2_without_data_is_one_line_naming_data_root(tmp_path, ca
 def test_table2_manifest_resolves_with_data(tree, tmp_path):
     """With data.root set, every run of table2_pacs plans (configs, data and the models checked) and carries the
     seed's number; the heterogeneous experiment gives each baseline the four networks."""
-    from raysim.app import reproduce as rp
+    from raysim.app import seed_experiments as rp
 
     exps, numbers = rp.load_experiments(), rp.load_numbers()
     plan = rp.plan(exps["table2_pacs"], [1], tmp_path, [f"data.root={tree}", "data.dataset_params.size=32"])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from algorithms.fedtgp import PrototypeGenerator, ServerTraining, train_generator
-from algorithms.proto_ops import UNLABELLED, pairwise_distances, tgp_margin
+from algorithms.prototype_maths import UNLABELLED, pairwise_distances, tgp_margin
 from raysim import rng as rngmod
 from raysim.algorithm import Context, ServerContext
 from raysim.config import make_config

@@ -13,7 +13,7 @@ from tests.conftest import tiny_config
 from raysim.io import results
 from raysim.app.cli import main
 from raysim.errors import ConfigError
-from raysim.app.report import ReportOptions, build_report
+from raysim.app.summary import ReportOptions, build_report
 from raysim.io.results import ResultTable, write_parquet
 from raysim.app.sweep import parse_seeds
 
@@ -110,7 +110,7 @@ def test_report_keeps_runs_with_the_same_id_apart(tmp_path):
     for sub in ("x", "y"):  # the same three runs written twice
         (tmp_path / sub).mkdir()
         write_fixture(tmp_path / sub)
-    from raysim.app.report import load_runs
+    from raysim.app.summary import load_runs
 
     df, index = load_runs([tmp_path / "x", tmp_path / "y"])
     assert index["run_id"].is_unique and len(index) == 6 and df["run_id"].nunique() == 6
@@ -152,7 +152,7 @@ def test_run_seeds_one_table_per_run(tmp_path, capsys):
 def test_simulated_time_axis_comes_from_the_environment_rows(tmp_path):
     from raysim.io import results
     from raysim.config import make_config
-    from raysim.app.report import find_time_metric
+    from raysim.app.summary import find_time_metric
     from raysim.engine.loop import run_experiment
 
     r = run_experiment(make_config(tiny_config(rounds=3, env={"preset": "mobile-heterogeneous"})), write=False)

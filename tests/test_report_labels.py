@@ -98,7 +98,7 @@ def test_label_option_and_config_label_name_settings(tmp_path, capsys):
                                     ["fedproto (lam=1.0, train.lr=0.05, train.momentum=0.9, data.val_fraction=0.1)",
                                      "fedavg (train.lr=0.1, train.momentum=0.5, data.val_fraction=0.2) (n=3)"]])
 def test_legend_never_overlaps_the_axes_or_their_labels(labels):
-    from raysim.app.report import _legend, _pyplot
+    from raysim.app.summary import _legend, _pyplot
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
@@ -138,7 +138,7 @@ def test_log_axis_tick_labels_do_not_run_into_each_other():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from raysim.app.report import log_ticks
+    from raysim.app.summary import log_ticks
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=120)
     ax.plot([4.7e4, 1.2e5, 3.6e5, 5.2e5, 7.0e5], [0.3, 0.4, 0.5, 0.6, 0.7])
     ax.set_xscale("log")
@@ -157,8 +157,8 @@ def test_log_axis_tick_labels_do_not_run_into_each_other():
 def test_reproduce_names_report_settings_by_method_so_identical_configs_stay_apart(tmp_path):
     """Two methods of a manifest with one config (seed001's 'PN-ICFL' and 'PN-ICFL seed init') were one setting of
     10 runs with every seed twice; the report of a reproduction names its settings by the table's methods."""
-    from raysim.app.report import ReportOptions, build_report
-    from raysim.app.reproduce_table import method_labels
+    from raysim.app.summary import ReportOptions, build_report
+    from raysim.app.reproduction_table import method_labels
     runs = [write_run(tmp_path / m, "x", s, full(name="x")) for m in ("m1", "m2") for s in (1, 2)]
     per_run = pd.DataFrame({"label": ["A", "A", "B", "B"], "path": [str(r) for r in runs]})
     assert method_labels(per_run) == {"A": str(tmp_path / "m1" / "x"), "B": str(tmp_path / "m2" / "x")}

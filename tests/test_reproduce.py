@@ -8,8 +8,8 @@ import pandas as pd
 import pytest
 import yaml
 
-from raysim.app import reproduce as rp
-from raysim.app.reproduce_table import run_value
+from raysim.app import seed_experiments as rp
+from raysim.app.reproduction_table import run_value
 from raysim.app.cli import main
 from raysim.errors import ConfigError
 from tests.conftest import tiny_config
@@ -276,7 +276,7 @@ def test_a_run_of_another_code_version_is_reused_only_knowingly(tmp_path, capsys
     reused silently: one line names the runs and the versions; reuse_any (--reuse-any) reuses them and the table
     names every code version it holds."""
     from raysim.engine.provenance import code_version, label
-    from raysim.app.reproduce_table import write_table
+    from raysim.app.reproduction_table import write_table
 
     root = _write_root(tmp_path)
     out = tmp_path / "out"

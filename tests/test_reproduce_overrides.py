@@ -3,8 +3,8 @@ and its header; the seed's number is compared value for value (diff) only at the
 otherwise it is shown for the direction only."""
 import pytest
 
-from raysim.app import reproduce as rp
-from raysim.app.reproduce_table import render_records, scale_text, seed_compared, summarise, table_markdown
+from raysim.app import seed_experiments as rp
+from raysim.app.reproduction_table import render_records, scale_text, seed_compared, summarise, table_markdown
 from raysim.errors import ConfigError
 from tests.test_verdicts import PER_RUN, _experiment, _per_run
 

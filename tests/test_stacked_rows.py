@@ -9,7 +9,7 @@ import pickle
 
 import torch
 
-from raysim import ops
+from raysim import shared_maths
 from raysim.io.files import load_tree, save_tree
 from raysim.messages import Message, Rows, payload_sizes, rows_of, stacked_rows, tensor_bytes
 
@@ -36,11 +36,11 @@ def test_weighted_average_of_rows_equals_the_per_state_average_bit_for_bit(monke
         before = {k: v.clone() for k, v in st.items()}
         w = torch.tensor([5, 1, 9, 2, 2, 7, 3])
         for pick, wts in ((list(range(7)), w), ([4, 1, 6], [3, 1, 2])):
-            a = ops.weighted_average_states([rows[i] for i in pick], wts)
-            b = ops.weighted_average_states([plain[i] for i in pick], wts)
+            a = shared_maths.weighted_average_states([rows[i] for i in pick], wts)
+            b = shared_maths.weighted_average_states([plain[i] for i in pick], wts)
             assert list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-        monkeypatch.setattr(ops, "_STACK_LIMIT", 4)  # the large-model path: one tensor at a time
-        a, b = ops.weighted_average_states(rows, w), ops.weighted_average_states(plain, w)
+        monkeypatch.setattr(shared_maths, "_STACK_LIMIT", 4)  # the large-model path: one tensor at a time
+        a, b = shared_maths.weighted_average_states(rows, w), shared_maths.weighted_average_states(plain, w)
         assert all(_same(a[k], b[k]) for k in a)
         monkeypatch.undo()
         assert all(torch.equal(st[k], before[k]) for k in st)  # the stacks are read, never written
@@ -71,5 +71,5 @@ def test_rows_of_several_groups_reduce_bit_for_bit():
     rows = rows_of(a) + rows_of(b)
     plain = [{k: v.clone() for k, v in r.items()} for r in rows]
     w = [3, 1, 4, 1, 5, 9, 2]
-    x, y = ops.weighted_average_states(rows, w), ops.weighted_average_states(plain, w)
+    x, y = shared_maths.weighted_average_states(rows, w), shared_maths.weighted_average_states(plain, w)
     assert all(_same(x[k], y[k]) for k in x)

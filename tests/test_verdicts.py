@@ -8,10 +8,10 @@ import pandas as pd
 import pytest
 import yaml
 
-from raysim.app import reproduce as rp
+from raysim.app import seed_experiments as rp
 from raysim.app import verdicts as vd
 from raysim.errors import ConfigError
-from raysim.app.reproduce_table import render_records, summarise, table_markdown
+from raysim.app.reproduction_table import render_records, summarise, table_markdown
 
 
 # ------------------------------------------------------------------------------------------------ the t quantile

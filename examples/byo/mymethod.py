@@ -3,7 +3,7 @@
 ``algorithm.name: mymethod:UniformAvg``. It reuses FedAvg's client step and overrides the aggregation only.
 """
 from algorithms.fedavg import FedAvg
-from raysim.ops import weighted_average_states
+from raysim.shared_maths import weighted_average_states
 
 
 class UniformAvg(FedAvg):

@@ -111,8 +111,8 @@ def _add_reproduce(sub) -> None:
 
 
 def _cmd_reproduce(args) -> int:
-    from raysim.app import reproduce as rp
-    from raysim.app.reproduce_table import write_table
+    from raysim.app import seed_experiments as rp
+    from raysim.app.reproduction_table import write_table
     from raysim.app.sweep import parse_seeds
 
     root = args.configs or rp.CONFIGS_ROOT
@@ -121,7 +121,7 @@ def _cmd_reproduce(args) -> int:
     if args.list or not args.experiments:
         if not args.list:
             raise ConfigError("experiment", "name one or more experiments (raysim reproduce --list shows them)")
-        from raysim.app.reproduce_cost import list_lines
+        from raysim.app.reproduction_cost import list_lines
 
         results_root = Path(root).resolve().parent / "benchmarks" / "results"
         print("\n".join(list_lines(exps, args.out, results_root, args.sort)))
@@ -132,7 +132,7 @@ def _cmd_reproduce(args) -> int:
     overrides = list(args.overrides) + ([f"backend.name={args.backend}"] if args.backend else [])
     seeds = parse_seeds(args.seeds) if args.seeds else None
     if args.smoke:  # its own directory: a smoke run never stands in for (or clashes with) a real one
-        from raysim.app.reproduce_cost import SMOKE_ROUNDS
+        from raysim.app.reproduction_cost import SMOKE_ROUNDS
 
         overrides.append(f"rounds={SMOKE_ROUNDS}")
         seeds = (seeds or [exps[args.experiments[0]].seeds[0]])[:1]
@@ -152,7 +152,7 @@ def _cmd_reproduce(args) -> int:
         e = rp.replace(e, cli_overrides=tuple(overrides))  # recorded in the table's header, scale line and JSON
         path = write_table(e, plans[name], args.out, numbers, report=not args.no_report)
         if args.smoke:
-            from raysim.app.reproduce_cost import label_smoke
+            from raysim.app.reproduction_cost import label_smoke
 
             label_smoke(path)
         print(path.read_text())
@@ -202,7 +202,7 @@ def show_args(storage, res) -> str:
 
 
 def _cmd_report(args) -> int:
-    from raysim.app.report import ReportOptions, build_report
+    from raysim.app.summary import ReportOptions, build_report
     from raysim.io.rundir import check_writable
 
     from raysim.app.compare import parse_labels

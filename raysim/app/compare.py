@@ -87,7 +87,7 @@ def _under(path: str, root: Path) -> bool:
 def load(paths, options: CompareOptions):
     """(rows of every run, the run index with a ``setting`` per run, setting -> one of its run configs)."""
     from raysim.app.measures import run_configs
-    from raysim.app.report import load_runs, setting_labels
+    from raysim.app.summary import load_runs, setting_labels
 
     labels = parse_labels(options.labels)
     every = list(paths) + [str(d) for _, d in labels]

@@ -7,7 +7,7 @@ import ray
 from raysim import numerics
 from raysim.backends import ray_serialization
 from raysim.data.federated import ClientSet, LazyClients
-from raysim.runner.reports import StepReports
+from raysim.runner.step_reports import StepReports
 from raysim.runner.runners import ClientRunner, ServerRunner
 from raysim.messages import payload_to, tensor_bytes
 

@@ -44,8 +44,8 @@ from raysim import rng as rngmod
 from raysim.algorithm import Asynchronous
 from raysim.asyncrules import mixing_weight, staleness_weight
 from raysim.runner import safety
-from raysim.engine.record import RoundLog, Run
-from raysim.runner.reports import ClientReport, step_token
+from raysim.engine.run_record import RoundLog, Run
+from raysim.runner.step_reports import ClientReport, step_token
 from raysim.errors import DamagedFileError, SimulationError
 from raysim.steps import ClientStep, ServerStep, flatten
 from raysim.io.resume_points import damaged_hint

@@ -28,7 +28,7 @@ from raysim.runner import safety
 from raysim.config import to_dict
 from raysim.io.tables import RESULTS_FILE, ResultTable, write_parquet
 from raysim.io.checkpoints import find_checkpoint, prune_checkpoints, write_checkpoint
-from raysim.engine.record import SETUP_ROUND, Run, RunResult
+from raysim.engine.run_record import SETUP_ROUND, Run, RunResult
 
 
 class Callback:

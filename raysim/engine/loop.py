@@ -1,5 +1,5 @@
 """The driver's round loop: ``run_experiment`` validates a run once (:mod:`raysim.engine.prepare`), then walks the
-algorithm's step schedules round by round against a backend, recording rows (:mod:`raysim.engine.record`) and calling
+algorithm's step schedules round by round against a backend, recording rows (:mod:`raysim.engine.run_record`) and calling
 the callbacks (:mod:`raysim.engine.callbacks`).
 
 ``run_experiment`` is a small loop; everything around it (the run directory, checkpoints, the progress bar, tuning
@@ -26,14 +26,14 @@ from raysim.engine.backend import BackendReport, Follow, NextServerStep, make_ba
 from raysim.config import ExperimentConfig, check_path_component, to_dict
 from raysim.errors import ConfigError, SimulationError
 from raysim.runner.fallbacks import Fallback
-from raysim.runner.reports import step_token
+from raysim.runner.step_reports import step_token
 from raysim.io.checkpoints import find_checkpoint, read_checkpoint_meta
 from raysim.io.resume_points import damaged_hint
 from raysim.io.tables import Row
 from raysim.steps import ALL, ClientStep, ServerStep, flatten
 from raysim.engine.callbacks import Callback, Checkpointer, ClusterAgreement, RunDirectory, progress_callback
 from raysim.engine.prepare import Prepared, prepare, resume_hash, versions
-from raysim.engine.record import SETUP_ROUND, Run, RunResult, RoundLog, failure_summary
+from raysim.engine.run_record import SETUP_ROUND, Run, RunResult, RoundLog, failure_summary
 
 
 EQUALITY_POLICY = {

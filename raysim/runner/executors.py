@@ -27,7 +27,7 @@ import torch
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, LocalTraining, TrainedGroup
 from raysim.runner import fallbacks
-from raysim.runner.reports import ClientReport, step_purpose, step_token
+from raysim.runner.step_reports import ClientReport, step_purpose, step_token
 from raysim.runner.vectorized import (ClientInputs, Member, check_model, running_stat_names, stack_rows,
                                       train_group)
 from raysim.errors import DamagedFileError

@@ -1,6 +1,6 @@
 """Grouped execution: K models of one architecture built from standard layers, computed as one network — the
 vectorised executor's fast path (:mod:`raysim.runner.vectorized`) and the tool of a method's group forms of client
-steps (:class:`raysim.algorithm.Algorithm`; MAFML's in ``algorithms/mafml_group.py``), with
+steps (:class:`raysim.algorithm.Algorithm`; MAFML's in ``algorithms/mafml.py``), with
 :class:`StackedOptimizer` (SGD / Adam over the stacked parameters, torch.optim's formulas).
 
 ``vmap`` turns each client's convolution into one grouped convolution over a channels-first tensor, and pools and

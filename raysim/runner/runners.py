@@ -8,7 +8,8 @@ step) and a :class:`~raysim.runner.store.StateStore` of their states (created la
 another, each inside a failure guard; new states stay *pending* until the driver calls ``commit`` (the step's reports
 have reached it); with ``backend.vectorize`` a step may run batched instead (:mod:`raysim.runner.executors`: a
 method's group form, or the vectorised executor). A :class:`ServerRunner` holds the server state and the server-held data the
-method declared, and runs server steps. What a client step reports, and the step's names: :mod:`raysim.runner.reports`.
+method declared, and runs server steps. What a client step reports, and the step's names:
+:mod:`raysim.runner.step_reports`.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from raysim.runner.settings import RunnerSettings
 from raysim.data.federated import ClientData, ClientSet, LazyClients
 from raysim.runner import fallbacks, faults, safety
 from raysim.runner.executors import StepRun, executor_chain
-from raysim.runner.reports import ClientReport, host_values, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
+from raysim.runner.step_reports import ClientReport, host_values, step_purpose as _purpose  # noqa: F401 (ClientReport re-exported)
 from raysim.messages import from_plain, payload_sizes, to_plain
 from raysim.config.registry import load_target
 from raysim.steps import ClientStep, ServerStep
@@ -313,7 +314,7 @@ def _merged(merger, uploads: dict) -> Optional[dict]:
 def _read_metrics(reports: list, extra: Optional[list] = None) -> bool:
     """Replace every 0-dim tensor among the reports' metric values (also inside ``(value, weight)`` pairs) by its
     Python float, reading them and the ``extra`` 0-dim tensors in one host read per device
-    (:func:`raysim.runner.reports.host_values`); True when every ``extra`` value is finite."""
+    (:func:`raysim.runner.step_reports.host_values`); True when every ``extra`` value is finite."""
     slots, tensors = [], []
     for rep in reports:
         for k, v in rep.metrics.items():

@@ -6,7 +6,7 @@ the seeds' published numbers live in one file, ``configs/seed_numbers.yaml``. Ru
 ``<out>/<experiment>/<run slug>/seed<N>/``; a finished run whose stored configuration hash equals the resolved one is
 reused (an interrupted reproduction resumes without redoing finished runs), one whose hash differs is an error, so a
 table never mixes configurations; a finished run made by another code version (:mod:`raysim.engine.provenance`) is reused
-only with ``reuse_any`` (``--reuse-any``), else one error names the runs and the versions. The table is written by :func:`write_table`; ``raysim report`` (:func:`raysim.app.report
+only with ``reuse_any`` (``--reuse-any``), else one error names the runs and the versions. The table is written by :func:`write_table`; ``raysim report`` (:func:`raysim.app.summary
 .build_report`) writes the usual summary and plots beside it.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-from raysim.app.reproduce_cost import TimeLeft
+from raysim.app.reproduction_cost import TimeLeft
 from raysim.config import load_config, load_yaml_mapping
 from raysim.errors import ConfigError
 
@@ -467,7 +467,7 @@ def _job_context():
 
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["raysim.app.reproduce", "raysim.engine.loop"])  # no effect once it runs
+        ctx.set_forkserver_preload(["raysim.app.seed_experiments", "raysim.engine.loop"])  # no effect once it runs
         return ctx
     return multiprocessing.get_context("spawn")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from raysim.app.cli import main
-from raysim.app.reproduce_cost import SMOKE_ROUNDS
+from raysim.app.reproduction_cost import SMOKE_ROUNDS
 from tests.test_reproduce import _write_root
 
 

@@ -1,8 +1,8 @@
 """Hand-computed examples for the shared maths (prototype means, aggregation, FedProto's loss, FedAvg)."""
 import torch
 
-from raysim.ops import (aggregate_prototypes, class_prototypes, nearest_prototype, prototype_regulariser,
-                        weighted_average_states)
+from raysim.shared_maths import (aggregate_prototypes, class_prototypes, nearest_prototype,
+                                 prototype_regulariser, weighted_average_states)
 
 
 def test_class_prototypes_are_per_class_means():

@@ -1,5 +1,5 @@
 """Pure functions holding the maths of the prototype family and its baselines (FedTGP, FedProto-UH, FedPU, FedProx,
-FedPer / LG-FedAvg, FeSEM, FedDistill). Each is tested against hand-computed numbers in tests/test_proto_ops.py.
+FedPer / LG-FedAvg, FeSEM, FedDistill). Each is tested against hand-computed numbers in tests/test_prototype_maths.py.
 Formulas and their sources: shared reference ``algorithms.md`` §1.10, §1.11, §2.3, §6."""
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def prototype_distance_regulariser(z: torch.Tensor, y: torch.Tensor, protos: tor
     distance, on a minibatch: P_i^c is the mean embedding of the batch's samples of class c, the expectation the
     plain mean over the classes present in the batch that have a global prototype (``mask``; None: every class has
     one). Classes absent from the batch, or without a global prototype, add nothing; none left: 0. The official
-    code's form (``raysim.ops.prototype_regulariser``) is instead nn.MSELoss(z, P_y) per sample, averaged over
+    code's form (``raysim.shared_maths.prototype_regulariser``) is instead nn.MSELoss(z, P_y) per sample, averaged over
     |B| x d. Written without data-dependent branches (one-hot sums, a masked mean), so it runs under vmap."""
     num_classes = protos.shape[0]
     onehot = (y.unsqueeze(1) == torch.arange(num_classes, device=y.device)).to(z.dtype)  # B x C

@@ -19,8 +19,8 @@ import pandas as pd
 from raysim import verdicts
 from raysim.errors import ConfigError
 
-from raysim.app.reproduce import (Experiment, Planned, diverged_reason, paper_value, protocol_overrides,
-                                  source_entry)
+from raysim.app.seed_experiments import (Experiment, Planned, diverged_reason, paper_value,
+                                         protocol_overrides, source_entry)
 
 
 FINAL = "@final"  # a per-run record's column: the metric at the last evaluated round, shown beside the verdict's value
@@ -403,7 +403,7 @@ def write_table(exp: Experiment, planned: list[Planned], out: str | Path, number
                                                      "claims": claims, "runs": _records(per_run)},
                                                     indent=1, default=_json_default))
     if report and len(per_run):
-        from raysim.app.report import ReportOptions, build_report
+        from raysim.app.summary import ReportOptions, build_report
 
         client_metrics = [m for m in (exp.metric, *exp.extra_metrics) if not m.startswith("server:")]
         try:

@@ -20,6 +20,15 @@ import torch.nn.functional as F
 from raysim.messages import Message
 
 
+def frozen(module: torch.nn.Module, weights: dict) -> torch.nn.Module:
+    """``module`` with ``weights`` loaded, in eval mode and without gradients: a teacher (FedGen's uploaded heads and
+    its clients' generator, SlaugFL's representative models)."""
+    module.load_state_dict(weights)
+    module.eval()
+    module.requires_grad_(False)
+    return module
+
+
 def label_counts_message(data, num_classes: int) -> Message:
     """A client's training-label counts (int64, one per class), as FedGen's clients upload them."""
     return Message("class_counts", {"counts": torch.bincount(data.y_train.cpu(), minlength=num_classes).to(torch.int64)})
