@@ -141,10 +141,11 @@ class FedGen(ServerGenerator, FedAvg):
             gen.requires_grad_(False)
             factor = self.params.decay ** max(ctx.round_idx, 0)
             aux = {"gen": gen, "labels": torch.unique(data.y_train), "alpha": self.params.alpha * factor,
-                   "beta": self.params.beta * factor, "rng": ctx.generator("fedgen", ctx.device)}
-            # each step's noise and sampled labels, from the client's own stream (a vectorised group draws them
-            # before each step and hands them to row_objective)
-            draws = StepDraws(self._draws(aux["labels"]), aux["rng"], self._generated(gen))
+                   "beta": self.params.beta * factor, "rng": ctx.stream("fedgen")}
+            # each step's noise and sampled labels, counter-based draws of the client's own stream (a vectorised
+            # group draws them for all its clients at once before each step and hands them to row_objective)
+            draws = StepDraws(self._draws(aux["labels"]), aux["rng"], self._generated(gen), self._stacked_draws,
+                              aux["labels"])
         # the global weights are the start (loaded by whoever runs the step: LocalStart.weights)
         return LocalStart(aux=aux, weights=payload["model"].tensors, draws=draws)
 
@@ -157,13 +158,33 @@ class FedGen(ServerGenerator, FedAvg):
         sample), the teacher term's labels (drawn among the client's own) and noise."""
         p = self.params
 
-        def draw(b: int, g: torch.Generator) -> dict:
-            eps = torch.rand(b, p.noise_dim, generator=g, device=labels.device)
-            y_hat = labels[torch.randint(len(labels), (p.gen_batch,), generator=g, device=labels.device)]
-            eps2 = torch.rand(p.gen_batch, p.noise_dim, generator=g, device=labels.device)
+        def draw(b: int, g) -> dict:
+            dev = labels.device
+            eps = g.uniform((b, p.noise_dim), dev)
+            y_hat = labels[g.integers(len(labels), (p.gen_batch,), dev)]
+            eps2 = g.uniform((p.gen_batch, p.noise_dim), dev)
             return {"eps": eps, "y_hat": y_hat, "eps2": eps2}
 
         return draw
+
+    def _stacked_draws(self, b: int, draws: list, cache: dict) -> dict:
+        """:meth:`_draws` for a whole vectorised group at once (its clients' streams at one counter): the same bits,
+        each stream advanced by the three draws; the streams' keys and the clients' labels stacked once."""
+        p, k = self.params, len(draws)
+        if not cache:
+            labels = [d.inputs for d in draws]
+            dev = labels[0].device
+            cache.update(bases=rngmod.stacked_bases([d.generator for d in draws], dev), dev=dev,
+                         sizes=torch.tensor([[len(x)] for x in labels], dtype=torch.int64, device=dev),
+                         padded=torch.nn.utils.rnn.pad_sequence(labels, batch_first=True))
+        bases, dev, sizes, padded = cache["bases"], cache["dev"], cache["sizes"], cache["padded"]
+        c = draws[0].generator.drawn
+        eps = rngmod.uniforms(bases, c, b * p.noise_dim, dev).view(k, b, p.noise_dim)
+        y_hat = padded.gather(1, rngmod.integers(bases, c + 1, p.gen_batch, sizes, dev))
+        eps2 = rngmod.uniforms(bases, c + 2, p.gen_batch * p.noise_dim, dev).view(k, p.gen_batch, p.noise_dim)
+        for d in draws:
+            d.generator.drawn += 3
+        return {"eps": eps, "y_hat": y_hat, "eps2": eps2}
 
     @staticmethod
     def _generated(gen):

@@ -202,11 +202,17 @@ class StepDraws:
     calls it for every client before each of its steps and hands ``row_objective`` the client's draws in its rows
     (the shape probe calls it on a throw-away generator). ``group``: optionally, ``group(draws, yb) -> {name:
     tensor}``, more inputs computed from the group's stacked draws and labels ([K, ...]) at once, without autograd
-    and outside ``vmap`` (FedGen: its frozen generator's outputs), added to the rows too."""
+    and outside ``vmap`` (FedGen: its frozen generator's outputs), added to the rows too. ``stacked``: optionally,
+    for counter-based streams (:class:`raysim.rng.Counter`), ``stacked(batch_size, draws, cache) -> {name: [K,
+    ...]}``, the whole group's draws at once (``draws``: the group's StepDraws, each with its stream and ``inputs``;
+    ``cache``: a dict kept for these clients over their training, for what is computed once), the same bits as ``fn``
+    per client, advancing each stream as ``fn`` does; ``inputs``: what ``stacked`` needs of this client."""
 
     fn: Any
     generator: Any
     group: Any = None
+    stacked: Any = None
+    inputs: Any = None
 
 
 @dataclass

@@ -205,9 +205,20 @@ def keep_masks(bases, draw, shape: tuple, p: float, dtype, device) -> torch.Tens
     return (bits < keep).to(dtype).view(k, *shape)
 
 
+def uniforms(bases, counter, n: int, device) -> torch.Tensor:
+    """Uniform float32 values in [0, 1) (24-bit, exact) of shape [K, n]: draw number ``counter`` of K streams."""
+    return (_draw_bits(bases, counter, n, device) >> 8).to(torch.float32) * (1.0 / 2 ** 24)
+
+
+def integers(bases, counter, n: int, high, device) -> torch.Tensor:
+    """Integers in [0, high) of shape [K, n] (``high``: an int, or an int64 tensor [K, 1] of each stream's bound,
+    below 2^31): draw number ``counter`` of K streams, by the multiply-shift of the 32-bit values (exact in int64)."""
+    return (_draw_bits(bases, counter, n, device) * high) >> 32
+
+
 class Counter:
-    """A client's counter-based stream for one local training (:func:`permutations`, :func:`keep_masks`): its key,
-    and the number of dropout masks drawn so far (the counter of the next mask). Used in place of a torch generator
+    """A client's counter-based stream for one local training (:func:`permutations`, :func:`keep_masks`,
+    :func:`uniforms`, :func:`integers`): its key, and the number of draws made so far (the counter of the next). Used in place of a torch generator
     by :func:`raysim.training.local_sgd` (batch orders) and :class:`raysim.layers.Dropout` (masks)."""
 
     def __init__(self, key: int):
@@ -223,6 +234,24 @@ class Counter:
         m = keep_masks(self.base, self.drawn, shape, p, dtype, device)[0]
         self.drawn += 1
         return m
+
+    def uniform(self, shape: tuple, device) -> torch.Tensor:
+        """The next draw as uniform float32 values in [0, 1) of ``shape`` (:func:`uniforms`)."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        u = uniforms(self.base, self.drawn, n, device)[0].view(shape)
+        self.drawn += 1
+        return u
+
+    def integers(self, high: int, shape: tuple, device) -> torch.Tensor:
+        """The next draw as integers in [0, high) of ``shape`` (:func:`integers`)."""
+        n = 1
+        for d in shape:
+            n *= int(d)
+        v = integers(self.base, self.drawn, n, int(high), device)[0].view(shape)
+        self.drawn += 1
+        return v
 
 
 def counter(seed: int, round_idx: int, client_id: int, purpose: str) -> Counter:

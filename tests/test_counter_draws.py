@@ -53,3 +53,19 @@ def test_masks_keep_the_stated_fraction_independently():
     a, b = masks[:-1].flatten(), masks[1:].flatten()
     assert abs(torch.corrcoef(torch.stack([a, b]))[0, 1].item()) < 0.01
     assert rng.keep_masks(s.base, 0, (3,), 0.0, torch.float32, "cpu").sum() == 3
+
+
+def test_uniforms_and_integers_of_a_group_are_each_streams_own():
+    """FedGen's step draws: a group's noise and sampled labels at once, each client's the ones it draws alone."""
+    alone = []
+    for c in (4, 9):
+        s = rng.counter(2, 1, c, "fedgen")
+        alone.append((s.uniform((3, 5), "cpu"), s.integers(7 if c == 4 else 3, (6,), "cpu")))
+    bases = rng.stacked_bases([rng.counter(2, 1, c, "fedgen") for c in (4, 9)], "cpu")
+    u = rng.uniforms(bases, 0, 15, "cpu").view(2, 3, 5)
+    v = rng.integers(bases, 1, 6, torch.tensor([[7], [3]]), "cpu")
+    for i in range(2):
+        assert torch.equal(u[i], alone[i][0]) and torch.equal(v[i], alone[i][1])
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0 and int(v[0].max()) < 7 and int(v[1].max()) < 3
+    many = rng.counter(0, 0, 0, "x").integers(5, (50000,), "cpu")
+    assert torch.bincount(many, minlength=5).min() > 9500  # uniform over 0..4 (10,000 each expected)

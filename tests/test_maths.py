@@ -18,6 +18,7 @@ import torch.nn as nn
 from raysim.algorithm import ModelCache
 from raysim.config import TrainConfig
 from raysim.messages import Message
+from raysim import rng as rngmod
 
 
 # -- small closed-form helpers (plain Python floats) -----------------------------------------------------------------
@@ -659,7 +660,8 @@ def test_fedgen_client_regulariser_by_hand():
                "generator": Message("generator", gen_sd)}
     data = SimpleNamespace(y_train=torch.tensor([1, 1, 1]))
     ctx = SimpleNamespace(round_idx=2, device="cpu", client_id=0, models=ModelCache(algo.task, "cpu"),
-                          generator=lambda purpose, device=None: torch.Generator().manual_seed(1))
+                          generator=lambda purpose, device=None: torch.Generator().manual_seed(1),
+                          stream=lambda purpose: rngmod.Counter(1))
     start = algo.begin(model, payload, {}, data, ctx)  # client_init, its declared start weights loaded
     loss_fn = algo.objective(start)
     xb, yb = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 2])

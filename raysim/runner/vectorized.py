@@ -61,7 +61,7 @@ from the loop's in the last bits (the equality policy's "stated tolerance": metr
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 import torch
@@ -285,6 +285,7 @@ class _GroupTraining:
             self.idx = [self.perms[e][:, lo:hi].to(self.xs.device) for e, lo, hi in self.plans[0]]
         self.step_values: list = []  # uniform groups: per step, (loss vector, {part: vector}) of every client
         self.probes: dict[tuple, list] = {}  # (batch size, epoch) -> the dropout masks one forward draws
+        self.draw_cache: dict[tuple, dict] = {}  # (clients, probe) -> what stacked step draws compute once (StepDraws)
         self.calls: dict[tuple, Optional[list]] = {}  # (batch size, epoch) -> the objective's model calls (None: vmap)
         self.use_grouped = grouped and bool(self.names) and _grouped.supported(model)
         self.grad_fn = torch.func.vmap(torch.func.grad(self._one, has_aux=True), in_dims=(0, 0, 0, 0, 0, None))
@@ -378,8 +379,14 @@ class _GroupTraining:
         if not draws or draws[0] is None:
             return rows
         b = int(yb.shape[1])
-        got = [d.fn(b, torch.Generator(device=d.generator.device) if probe else d.generator) for d in draws]
-        out = {**rows, **{key: torch.stack([g[key] for g in got]) for key in got[0]}}
+        if probe:  # on throw-away streams: the clients' own are untouched
+            draws = [replace(d, generator=rngmod.Counter(d.generator.key) if isinstance(d.generator, rngmod.Counter)
+                             else torch.Generator(device=d.generator.device)) for d in draws]
+        if draws[0].stacked is not None and len({d.generator.drawn for d in draws}) == 1:  # the group's at once
+            out = {**rows, **draws[0].stacked(b, draws, self.draw_cache.setdefault((tuple(group), probe), {}))}
+        else:
+            got = [d.fn(b, d.generator) for d in draws]
+            out = {**rows, **{key: torch.stack([g[key] for g in got]) for key in got[0]}}
         if draws[0].group is not None:
             with torch.no_grad():
                 out.update(draws[0].group(out, yb))
