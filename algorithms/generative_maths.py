@@ -67,26 +67,27 @@ def dual_calibration_loss(logits: torch.Tensor, z: torch.Tensor, y: torch.Tensor
     L = L_cla + lam_sep * L_sep (L_sep = 0 while there are no global prototypes)."""
     num_classes, global_protos, proto_mask = cal.num_classes, cal.global_protos, cal.proto_mask
     lam_syn, lam_sep, beta = cal.lam_syn, cal.lam_sep, cal.beta
-    real = y < num_classes
-    zero = logits.sum() * 0.0
-    ce_real = F.cross_entropy(logits[real], y[real]) if bool(real.any()) else zero
-    ce_syn = F.cross_entropy(logits[~real], y[~real]) if bool((~real).any()) else zero
+    # written without data-dependent control flow or selection (no host read per step; traceable by vmap): a part or
+    # a class that is absent weighs 0, and a mean over nothing is 0
+    real = (y < num_classes).to(logits.dtype)
+    ce = F.cross_entropy(logits, y, reduction="none")
+    ce_real = (ce * real).sum() / real.sum().clamp_min(1.0)
+    ce_syn = (ce * (1.0 - real)).sum() / (1.0 - real).sum().clamp_min(1.0)
     l_cla = ce_real + lam_syn * ce_syn
-    l_sep = zero
-    if global_protos is not None and proto_mask is not None and bool(proto_mask.any()) and lam_sep > 0:
-        base = torch.where(real, y, y - num_classes)
-        counts = torch.bincount(base, minlength=num_classes)
-        sums = torch.zeros(num_classes, z.shape[1], dtype=z.dtype, device=z.device).index_add_(0, base, z)
+    l_sep = logits.sum() * 0.0
+    if global_protos is not None and proto_mask is not None and lam_sep > 0:
+        base = torch.where(y < num_classes, y, y - num_classes)
+        onehot = (base.unsqueeze(1) == torch.arange(num_classes, device=y.device)).to(z.dtype)  # [B, C]
+        counts = onehot.sum(0)
+        f = (onehot.t() @ z) / counts.clamp_min(1.0).unsqueeze(1)  # f_c: the batch's mean embedding of class c
         mask = proto_mask.to(z.device)
-        present = (counts > 0) & mask
-        if bool(present.any()):
-            cls = torch.nonzero(present, as_tuple=False).flatten()
-            f = sums[cls] / counts[cls].unsqueeze(1).to(z.dtype)
-            cols = torch.nonzero(mask, as_tuple=False).flatten()
-            protos = global_protos.to(z.device)[cols]
-            sim = F.cosine_similarity(f.unsqueeze(1), protos.unsqueeze(0), dim=2) / beta
-            target = torch.searchsorted(cols, cls)  # column of class c among the classes with a prototype
-            l_sep = F.cross_entropy(sim, target)
+        # the classes with a prototype as the columns (the others at -1e9: exp underflows to exactly 0, so the
+        # softmax is over the prototype classes only), class c's target its own column
+        sim = F.cosine_similarity(f.unsqueeze(1), global_protos.to(z.device).unsqueeze(0), dim=2) / beta
+        sim = sim.masked_fill(~mask.unsqueeze(0), -1e9)
+        per_class = F.cross_entropy(sim, torch.arange(num_classes, device=z.device), reduction="none")
+        present = ((counts > 0) & mask).to(z.dtype)
+        l_sep = torch.where(present > 0, per_class, 0.0).sum() / present.sum().clamp_min(1.0)
     loss = l_cla + lam_sep * l_sep
     return loss, {"cla": l_cla.detach(), "sep": l_sep.detach()}
 

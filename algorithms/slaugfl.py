@@ -371,7 +371,6 @@ class SlaugFL(LocalTraining):
 
     # -- client: collaborative phase ----------------------------------------------------------------------------------
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
-        model.load_state_dict(payload["model"].tensors)
         c = self.task.num_classes
         x, y = data.x_train, data.y_train
         syn_x, syn_y = (state or {}).get("syn_x"), (state or {}).get("syn_y")
@@ -380,7 +379,12 @@ class SlaugFL(LocalTraining):
             y = torch.cat([y, syn_y.to(y.device) + c])
         pm = payload.get("protos")
         return LocalStart(x=x, y=y, aux={"protos": None if pm is None else pm["protos"].to(ctx.device),
-                                         "mask": None if pm is None else pm["mask"].to(ctx.device)})
+                                         "mask": None if pm is None else pm["mask"].to(ctx.device)},
+                          weights=payload["model"].tensors)
+
+    def vectorizable(self, start: LocalStart) -> bool:
+        """Always: the dual calibration depends only on the broadcast (the global p-f prototypes) and the batch."""
+        return True
 
     def objective(self, start: LocalStart):
         p, c = self.params, self.task.num_classes

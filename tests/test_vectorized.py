@@ -61,6 +61,29 @@ def test_vectorised_equals_loop_within_tolerance(algo):
     assert loop[loop.metric == "train_loss"].shape[0] > 0
 
 
+def test_slaugfl_vectorised_equals_loop_with_its_synthetic_data_and_prototypes(monkeypatch):
+    """SlaugFL: each client's own data plus its synthetic augmentation (``LocalStart.x/y``, unequal sizes) and the
+    dual calibration against the broadcast p-f prototypes (written without data-dependent control flow), trained as
+    one group from the second round on; the table within the stated tolerance of the loop's."""
+    from raysim.runner import executors
+
+    sizes, original = [], executors.Vectorized._train
+
+    def spy(run, g, model, cids):
+        sizes.append(len(cids))
+        return original(run, g, model, cids)
+
+    monkeypatch.setattr(executors.Vectorized, "_train", staticmethod(spy))
+    over = dict(params={"gen_steps": 4, "gen_channels": 8, "prep_epochs": 1}, rounds=3)
+    data = {"dataset": "mnist5k", "num_clients": 4, "partition": "dirichlet", "server_val": 100,
+            "partition_params": {"alpha": 0.5, "samples_per_client": 18, "min_samples": 5, "test_ratio": 0.3}}
+    vec = table(cfg("slaugfl", data=data, **over))
+    assert sizes and max(sizes) >= 2
+    loop = table(cfg("slaugfl", vectorize=False, data=data, **over))
+    close(loop, vec)
+    assert {"train_sep", "train_cla"} <= set(vec.metric) and vec[vec.metric == "train_sep"].value.max() > 0  # L_sep acts
+
+
 @pytest.mark.parametrize("algo", ["fedavg", "local", "fedproto", "fedtgp", "fedper", "lgfedavg"])
 def test_batch_native_final_equals_loop_within_tolerance(algo, monkeypatch):
     """Clients of one data size: the group's final step runs in its batch form (``client_final_group``: uploads and
