@@ -88,7 +88,7 @@ def _weighted_rows(states: Sequence[Sequence[torch.Tensor]], w: list) -> torch.T
             if buf is None:
                 buf = first.new_empty((min(chunk, len(states)), numel), dtype=torch.float64)
             rows = buf[:n]
-            torch.cat([t.reshape(-1) for s in part for t in s], out=rows.view(-1))
+            torch.cat([t if t.dim() == 1 else t.reshape(-1) for s in part for t in s], out=rows.view(-1))
         rows.mul_(ws if n == len(states) else ws[start:start + n])
         for row in rows.unbind():
             acc.add_(row)
