@@ -11,7 +11,7 @@ The rest of portable mode (ATen's AVX2 kernels, MKL's cross-vendor GEMM branch) 
 whole native / portable ratio comes from fresh processes, alternated (``--processes``). CPU time of this process
 (``time.process_time``) and wall time, median over the blocks.
 
-    PYTHONPATH=$PWD python benchmarks/mafml_numerics_ab.py [--blocks 6 --iterations 10] [--processes 2]
+    PYTHONPATH=$PWD python benchmarks/mafml_numerics_ab.py [--blocks 6 --iterations 10] [--processes 2 [--decompose]]
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -92,12 +93,18 @@ print(json.dumps({"cpu_ms": 1e3 * (time.process_time() - c0) / int(sys.argv[2]),
 """
 
 
-def process(mode: str, iterations: int) -> dict:
+# native processes with one of portable's process-wide settings of their own (the user's environment, which native
+# mode leaves as it is): what each costs alone
+SETTINGS = {"native": {}, "native + MKL_CBWR=COMPATIBLE": {"MKL_CBWR": "COMPATIBLE"},
+            "native + ATEN_CPU_CAPABILITY=avx2": {"ATEN_CPU_CAPABILITY": "avx2"}, "portable": {}}
+
+
+def process(mode: str, iterations: int, extra: Optional[dict] = None) -> dict:
     from raysim import numerics
 
     numerics.unpin()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAYSIM_NUMERICS")}
-    env.update(PYTHONPATH=str(ROOT), RAYSIM_NUMERICS=mode)
+    env.update(PYTHONPATH=str(ROOT), RAYSIM_NUMERICS=mode, **(extra or {}))
     p = subprocess.run([sys.executable, "-c", CHILD, mode, str(iterations)], cwd=ROOT, env=env, capture_output=True,
                        text=True, timeout=1800)
     if p.returncode:
@@ -110,16 +117,23 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--processes", type=int, default=0, help="native / portable pairs of fresh processes (0: none)")
+    ap.add_argument("--decompose", action="store_true", help="with --processes: also native processes with MKL_CBWR "
+                                                              "or ATEN_CPU_CAPABILITY set as portable sets them")
     args = ap.parse_args()
     if args.processes:
-        times = {"native": [], "portable": []}
+        names = list(SETTINGS) if args.decompose else ["native", "portable"]
+        times = {n: [] for n in names}
         for _ in range(args.processes):
-            for mode in ("native", "portable"):
-                times[mode].append(process(mode, args.iterations)["cpu_ms"])
+            for name in names:
+                mode = "portable" if name == "portable" else "native"
+                times[name].append(process(mode, args.iterations, SETTINGS[name])["cpu_ms"])
         med = {m: statistics.median(v) for m, v in times.items()}
         print(json.dumps({"processes": times}))
-        print(f"plain MAFML loop, fresh processes: native {med['native']:.1f} ms, portable {med['portable']:.1f} ms CPU "
-              f"per iteration: portable / native {med['portable'] / med['native']:.3f}", flush=True)
+        for name in names:
+            print(f"plain MAFML loop, fresh processes: {name:36s} {med[name]:6.1f} ms CPU per iteration "
+                  f"({med[name] / med['native']:.3f}x native)", flush=True)
+    if not args.blocks:
+        return
     import torch
 
     from raysim import numerics
