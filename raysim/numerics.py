@@ -209,13 +209,13 @@ def ieee_sqrt(x):
     import torch
 
     if x.dtype == torch.float64:
-        y = torch.rsqrt(x).mul_(x)  # x * rsqrt(x) (a product: the same bits in either order)
+        y = x * torch.rsqrt(x)
         return torch.where((x == 0) | (x == float("inf")), x, y)  # 0 * inf, inf * 0: sqrt(+-0) = +-0, sqrt(inf)
         # = inf; sqrt(-inf) and every other negative: NaN, as x * rsqrt(x) gives
     if not x.is_floating_point():
         return ieee_sqrt(x.to(torch.get_default_dtype()))
     d = x.double()
-    y = torch.rsqrt(d).mul_(d).to(x.dtype)  # the correctly rounded sqrt for every positive finite x (docstring)
+    y = (d * torch.rsqrt(d)).to(x.dtype)  # the correctly rounded sqrt for every positive finite x (docstring)
     # every other x gives NaN here (0 * inf, inf * 0, a negative's rsqrt, NaN): IEEE sqrt's value instead, as the
     # special cases give it: nan (a positive quiet NaN) for negatives and -inf, x itself for +-0, inf and NaN
     return torch.where(torch.isnan(y), torch.where(x < 0, float("nan"), x), y)
