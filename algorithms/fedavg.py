@@ -38,8 +38,8 @@ from algorithms.mutual_ops import domain_metrics, random_batch
 from raysim import rng as rngmod
 from raysim.algorithm import ClientUpdate, Context, LocalStart, LocalTraining, ServerUpdate, inert_switches
 from raysim.errors import ConfigError
-from raysim.modelstate import live_state, load_live
 from raysim.messages import Message, payload_sizes, rows_of, stacked_segments, state_message
+from raysim.models import live_state, load_live
 from raysim.ops import rebase_trees, weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import (accuracy, clone_state, forward_all, group_accuracies, make_optimizer,
