@@ -12,6 +12,7 @@ whole native / portable ratio comes from fresh processes, alternated (``--proces
 (``time.process_time``) and wall time, median over the blocks.
 
     PYTHONPATH=$PWD python benchmarks/mafml_numerics_ab.py [--blocks 6 --iterations 10] [--processes 2 [--decompose]]
+        [--raysim-pairs 3]
 """
 from __future__ import annotations
 
@@ -112,11 +113,42 @@ def process(mode: str, iterations: int, extra: Optional[dict] = None) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def raysim_pairs(pairs: int) -> None:
+    """raysim's MAFML run (multi_exchange.py's config, 2 rounds) under the corrected and the ieee sqrt, interleaved in
+    one portable process: CPU seconds of whole runs and their ratio per pair."""
+    import torch
+
+    from raysim import numerics
+    from raysim.config import make_config
+    from raysim.engine.loop import run_experiment
+    from multi_exchange import config
+
+    torch.set_num_threads(1)
+    numerics.enter("portable")
+    cfg = make_config(config(2, "sequential", 1))
+    run_experiment(cfg, write=False, progress=False)  # warm-up
+    cpu = {"corrected": [], "ieee": []}
+    for _ in range(pairs):
+        for kind in cpu:
+            set_sqrt(kind)
+            c0 = time.process_time()
+            run_experiment(cfg, write=False, progress=False)
+            cpu[kind].append(time.process_time() - c0)
+    set_sqrt("ieee")
+    ratios = [a / b for a, b in zip(cpu["ieee"], cpu["corrected"])]
+    print(json.dumps({"raysim_mafml_cpu_s": cpu}))
+    print(f"raysim MAFML run, ieee / corrected sqrt (CPU): median {statistics.median(ratios):.3f} "
+          f"(pairs {', '.join(f'{r:.3f}' for r in ratios)})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--blocks", type=int, default=6)
     ap.add_argument("--iterations", type=int, default=10)
     ap.add_argument("--processes", type=int, default=0, help="native / portable pairs of fresh processes (0: none)")
+    ap.add_argument("--raysim-pairs", type=int, default=0, help="also raysim's MAFML run (sequential, 2 rounds of 50 "
+                                                                 "iterations) with the corrected and the ieee sqrt, "
+                                                                 "this many interleaved pairs (CPU time)")
     ap.add_argument("--decompose", action="store_true", help="with --processes: also native processes with MKL_CBWR "
                                                               "or ATEN_CPU_CAPABILITY set as portable sets them")
     args = ap.parse_args()
@@ -132,6 +164,8 @@ def main() -> None:
         for name in names:
             print(f"plain MAFML loop, fresh processes: {name:36s} {med[name]:6.1f} ms CPU per iteration "
                   f"({med[name] / med['native']:.3f}x native)", flush=True)
+    if args.raysim_pairs:
+        raysim_pairs(args.raysim_pairs)
     if not args.blocks:
         return
     import torch
