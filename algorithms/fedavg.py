@@ -40,6 +40,7 @@ from raysim.algorithm import (Asynchronous, ClientUpdate, Context, LocalStart, L
                               inert_switches)
 from raysim.errors import ConfigError
 from raysim.messages import Message, payload_sizes, rows_of, stacked_segments, state_message
+from raysim.models import live_state, load_live
 from raysim.shared_maths import rebase_trees, weighted_average_states
 from raysim.steps import ALL, ClientStep, Repeat, ServerStep
 from raysim.training import (accuracy, clone_state, forward_all, group_accuracies, make_optimizer,
@@ -264,7 +265,7 @@ class FedAvg(Asynchronous, LocalTraining):
         return start.aux["view"] is None  # FedPU's view is per client (its own prior and positive classes)
 
     def client_final(self, model, start, payload, state, data, ctx: Context):
-        upload = {"model": state_message("weights", model.state_dict(keep_vars=True)),
+        upload = {"model": state_message("weights", live_state(model)),  # model.state_dict(keep_vars=True)
                   "num_samples": Message("num_samples", {"n": torch.tensor([data.num_train], dtype=torch.int64)})}
         return state, upload
 
@@ -292,7 +293,7 @@ class FedAvg(Asynchronous, LocalTraining):
         if self.iteration_mode:
             model.load_state_dict(state["global" if self.params.eval_model == "global" else "model"])
         else:
-            model.load_state_dict(payload["model"].tensors)
+            load_live(model, payload["model"].tensors)  # model.load_state_dict, lighter (raysim.modelstate)
         # test_acc on the client's test split; with data.local_split also the seed-003 metrics bwt / fwt / acc_all
         return domain_metrics(model, data)
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar, Optional
 import numpy as np
 import torch
 
+from raysim.modelstate import load_live
 from raysim import rng as rngmod
 from raysim.config import TrainConfig
 from raysim.data.arrays import ArrayDataset
@@ -547,7 +548,7 @@ class LocalTraining(Algorithm):
         what the per-client loop runs before the local steps."""
         start = self.client_init(model, payload, state, data, ctx)
         if start.weights is not None:
-            model.load_state_dict(start.weights)
+            load_live(model, start.weights)  # model.load_state_dict(start.weights), lighter (raysim.modelstate)
         return start
 
     def vectorizable(self, start: LocalStart) -> bool:

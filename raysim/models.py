@@ -19,6 +19,10 @@ from raysim.errors import ConfigError
 from raysim.layers import (Dropout, SplitModel, dropout_masks_of, num_parameters, replay_masks,
                            set_dropout_generator)
 from raysim.config.registry import MODELS
+from raysim import modelstate as _modelstate
+
+# a live model's weights in and out without nn.Module's generic state-dict code (raysim.modelstate; methods use them)
+live_state, load_live = _modelstate.live_state, _modelstate.load_live
 
 
 def cnn_mnist_body(in_channels: int, out_channels: int, embed_dim: int, input_hw: int,

@@ -53,26 +53,42 @@ def _weighted_in_place(tensors: Sequence[torch.Tensor], w: list) -> torch.Tensor
     """sum_i w[i] * tensors[i] in float64, summed in order from 0, one tensor at a time in place (the same float64
     products and sums as the stacked scan; three passes over each tensor instead of copies of the whole stack)."""
     acc = torch.zeros_like(tensors[0], dtype=torch.float64)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        for wi, t in zip(w, tensors):
+            acc.add_(t.to(torch.float64, copy=True).mul_(wi))  # a copy even of a float64 state
+        return acc
+    tmp = torch.empty_like(acc)  # one float64 scratch tensor for every state's product (the same values)
     for wi, t in zip(w, tensors):
-        acc.add_(t.to(torch.float64, copy=True).mul_(wi))  # a copy even of a float64 state
+        acc.add_(tmp.copy_(t).mul_(wi))
     return acc
 
 
 def _weighted_rows(states: Sequence[Sequence[torch.Tensor]], w: list) -> torch.Tensor:
     """sum_i w[i] * row_i in float64, summed in order from 0, where row_i is state i's tensors flattened side by side
-    (docstring of weighted_average_states): a chunk of rows is stacked and scaled at once, then added to the running
-    sum one row after another (vectorised in-place adds: the loop's order, none of a scan's strided passes)."""
+    (docstring of weighted_average_states): a chunk of rows is laid out and scaled at once, then added to the running
+    sum one row after another (vectorised in-place adds: the loop's order, none of a scan's strided passes). The rows
+    of a chunk are written in float64 by one ``cat`` into one buffer, reused by every chunk (the float32 -> float64
+    conversion is exact: the same values as stacking, concatenating and converting, with one pass over the states
+    instead of three and one allocation a call instead of three a chunk)."""
     first = states[0][0]
     numel = sum(t.numel() for t in states[0])
     chunk = max(1, (32 << 20) // max(1, 8 * numel))
     acc = first.new_zeros(numel, dtype=torch.float64)  # where the states are
     ws = first.new_tensor(w, dtype=torch.float64).unsqueeze(1)
+    differentiable = torch.is_grad_enabled() and any(t.requires_grad for s in states for t in s)
+    buf = None
     for start in range(0, len(states), chunk):
         part = states[start:start + chunk]
         n = len(part)
-        cols = [torch.stack([s[j] for s in part]).reshape(n, -1) if n > 1 else part[0][j].reshape(1, -1)
-                for j in range(len(part[0]))]
-        rows = (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).to(torch.float64)
+        if differentiable:  # cat(out=) refuses tensors that need grad: the stacked copies, as autograd sees them
+            cols = [torch.stack([s[j] for s in part]).reshape(n, -1) if n > 1 else part[0][j].reshape(1, -1)
+                    for j in range(len(part[0]))]
+            rows = (torch.cat(cols, dim=1) if len(cols) > 1 else cols[0]).to(torch.float64)
+        else:
+            if buf is None:
+                buf = first.new_empty((min(chunk, len(states)), numel), dtype=torch.float64)
+            rows = buf[:n]
+            torch.cat([t if t.dim() == 1 else t.reshape(-1) for s in part for t in s], out=rows.view(-1))
         rows.mul_(ws if n == len(states) else ws[start:start + n])
         for row in rows.unbind():
             acc.add_(row)
