@@ -232,7 +232,9 @@ def main(argv=None):
     register_dataset("cifar_twin", "benchmarks.gpu:cifar_twin")
     gpu = torch.cuda.is_available()
     print(f"device: {torch.cuda.get_device_name(0) if gpu else 'no GPU (CPU rows only)'}", flush=True)
-    common = {"torch_threads": args.threads, "device": "cuda" if gpu else "cpu", "numerics": args.numerics}
+    # the loop executor's rows say so (vectorize: auto, the default, batches on a GPU: the vectorised rows ask for it)
+    common = {"torch_threads": args.threads, "device": "cuda" if gpu else "cpu", "numerics": args.numerics,
+              "vectorize": False}
     on_ray = dict(common, device="auto")  # the client actors see their GPU share; the server actor (no share) the CPU
     rows = []
     device = torch.device("cuda" if gpu else "cpu")
