@@ -41,7 +41,7 @@ class Agg(Local):
         require_public_shares(self, self.name)
 
     def vectorizable(self, start) -> bool:
-        return False  # trains on more than its own x_train
+        return True  # plain cross-entropy on LocalStart.x/y (own data, public data, the others' public shares)
 
     def client_init(self, model, payload, state, data, ctx: Context) -> LocalStart:
         """Local's start, training on the node's own private + public data and every other node's public share."""

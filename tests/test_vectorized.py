@@ -5,6 +5,9 @@ momentum with persisted optimiser state, unequal data sizes and batch counts, th
 sequential."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pandas as pd
 import pytest
 import torch
@@ -82,6 +85,30 @@ def test_slaugfl_vectorised_equals_loop_with_its_synthetic_data_and_prototypes(m
     loop = table(cfg("slaugfl", vectorize=False, data=data, **over))
     close(loop, vec)
     assert {"train_sep", "train_cla"} <= set(vec.metric) and vec[vec.metric == "train_sep"].value.max() > 0  # L_sep acts
+
+
+def test_agg_vectorised_trains_on_its_declared_data_as_the_loop_does(monkeypatch):
+    """AGG (seed 003's baseline): each node trains on its own private and public data plus the other nodes' public
+    shares (``LocalStart.x/y``, larger than its ``x_train``), as one group; the table within tolerance of the loop's."""
+    from raysim.runner import executors
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "golden"))
+    import make_golden
+
+    calls, original = [], executors.Vectorized._train
+
+    def spy(run, g, model, cids):
+        calls.append(len(cids))
+        return original(run, g, model, cids)
+
+    monkeypatch.setattr(executors.Vectorized, "_train", staticmethod(spy))
+    d = make_golden.golden_config("agg")
+    d["train"].pop("local_steps")
+    d["rounds"] = 2
+    loop = table(make_config({**d, "backend": {"name": "sequential", "vectorize": False}}))
+    vec = table(make_config({**d, "backend": {"name": "sequential", "vectorize": True}}))
+    assert calls and max(calls) >= 2
+    close(loop, vec)
 
 
 @pytest.mark.parametrize("algo", ["fedavg", "local", "fedproto", "fedtgp", "fedper", "lgfedavg"])
