@@ -140,13 +140,21 @@ class VHL(LocalTraining):
         vx, vy = (state or {}).get("vx"), (state or {}).get("vy")
         aux = {"vx": None if vx is None else vx.to(ctx.device), "vy": None if vy is None else vy.to(ctx.device)}
         draws = None
-        if vx is not None:  # each step's virtual batch: indices drawn from the client's own stream (on the host)
+        if vx is not None:  # each step's virtual batch: counter-based indices of the client's own stream
             n, dev = len(vy), ctx.device
 
-            def draw(b: int, g: torch.Generator) -> dict:
-                return {"vidx": torch.randint(n, (b,), generator=g).to(dev)}
+            def draw(b: int, g) -> dict:
+                return {"vidx": g.integers(n, (b,), dev)}
 
-            draws = StepDraws(draw, ctx.generator("virtual_batches"))
+            def stacked(b: int, group: list, cache: dict) -> dict:  # the group's at once: the same bits
+                if not cache:
+                    cache["bases"] = rngmod.stacked_bases([d.generator for d in group], dev)
+                c = group[0].generator.drawn
+                for d in group:
+                    d.generator.drawn += 1
+                return {"vidx": rngmod.integers(cache["bases"], c, b, n, dev)}
+
+            draws = StepDraws(draw, ctx.stream("virtual_batches"), stacked=stacked)
         return LocalStart(aux=aux, weights=payload["model"].tensors, draws=draws)
 
     def vectorizable(self, start: LocalStart) -> bool:
