@@ -74,6 +74,10 @@ def main(argv):
             "PYTHONPATH=. nice -n 19 python -m raysim tune configs/seed000_fedproto/<method>_mnist5k.yaml \\",
             "  --space configs/tune_<method>_seed000.yaml --trials 4 --set seed=100 --set data.val_fraction=0.2 \\",
             "  --set rounds=150 --set eval.every=10 --out runs/i51eq/tune_<method>", "```", "",
+            "Executor: Local and FedProto-UH as their configs (the grouped executor, as FedAvg's and FedProto's trials);",
+            "FedAvg-UH, FedPer, FedProto-mh, FedProx and FeSEM with `--set backend.vectorize=false` (the per-client loop:",
+            "the same numbers within 1e-4 per step, about 2.5x faster in portable numerics; FeSEM's config has it already).",
+            "Commits: 2fa7440 (Local, FedProto-UH) and later commits of branch i51eq (the others); raysim source 053a37c0b278dd17", "throughout (no algorithm code changed between them).", "",
             "| method | chosen lr | rounds | val_acc |", "|---|---|---|---|"]
     for m, b in chosen.items():
         head.append(f"| {NAMES[m]} | {b['lr']:g} | {b['rounds']} | {b['val']:.4f} |" if b else f"| {NAMES[m]} | – | – | every trial failed |")
