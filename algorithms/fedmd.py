@@ -4,7 +4,14 @@
 
 Setup (round -1, ``transfer``): transfer learning — each model trains on the public dataset, then on its private
 data (``transfer_public_epochs`` / ``transfer_private_epochs`` epochs, the run's optimiser and batch size; FedMD's
-25 epochs with early stopping are scaled down by these parameters and early stopping is not used).
+25 epochs with early stopping are scaled down by these parameters and early stopping is not used). The seed that runs
+FedMD (003, MAFML) gives no FedMD settings, so this stays the default; ``transfer_schedule: paper`` (issue 51) runs
+FedMD's own schedule instead [FMD:FedMD.py]: up to ``transfer_max_epochs`` (25) epochs on the public data, then up to
+25 on the private data, each phase stopped early on the node's own validation split (``data.x_val``) as Keras's
+``EarlyStopping(monitor="val_accuracy", min_delta=0.001, patience=10)`` does it: stop once ``transfer_patience``
+epochs in a row fail to beat the best validation accuracy by more than ``transfer_min_delta``; the weights of the last
+epoch are kept (Keras's default, ``restore_best_weights=False``). The epochs each phase ran are the setup metrics
+``transfer_public_epochs_run`` / ``transfer_private_epochs_run``.
 Round t: (1) the server draws an alignment set of ``n_alignment`` public samples (stream (seed, t, server, "align");
 all of them when the public dataset is smaller) and sends its indices; (2) ``logits``: each node uploads its logits on
 it; the server averages them over the nodes (the consensus) and sends them back; (3) ``digest``: each node regresses
@@ -25,7 +32,7 @@ from algorithms.mutual_maths import public_shares
 from algorithms.mutual_maths import domain_metrics, step_batches
 from raysim import rng as rngmod
 from raysim.algorithm import Algorithm, ClientUpdate, Context, ServerUpdate
-from raysim.config import positive
+from raysim.config import choice, positive
 from raysim.messages import Message
 from raysim.steps import ALL, ClientStep, ServerStep
 from raysim.training import clone_state, make_optimizer, minibatches, optimizer_state
@@ -49,12 +56,20 @@ class FedMD(Algorithm):
         digest_batch: int = 256
         transfer_public_epochs: int = 5
         transfer_private_epochs: int = 5
+        transfer_schedule: str = "fixed"  # fixed: the epochs above; paper: FedMD's 25 with early stopping (issue 51)
+        transfer_max_epochs: int = 25
+        transfer_patience: int = 10
+        transfer_min_delta: float = 0.001
 
         def check(self, path):
             for k in ("n_alignment", "digest_epochs", "digest_batch"):
                 positive(f"{path}.{k}", getattr(self, k))
             for k in ("transfer_public_epochs", "transfer_private_epochs"):
                 positive(f"{path}.{k}", getattr(self, k), allow_zero=True)
+            choice(f"{path}.transfer_schedule", self.transfer_schedule, ("fixed", "paper"))
+            for k in ("transfer_max_epochs", "transfer_patience"):
+                positive(f"{path}.{k}", getattr(self, k))
+            positive(f"{path}.transfer_min_delta", self.transfer_min_delta, allow_zero=True)
 
     def validate(self):
         require_public_shares(self, self.name)
@@ -109,9 +124,31 @@ class FedMD(Algorithm):
         px, py, _ = public_shares(self.task, ctx)
         model.train()
         gen = ctx.generator("batches")
-        self._ce_epochs(model, opt, px, py, p.transfer_public_epochs, gen)
-        self._ce_epochs(model, opt, data.x_train, data.y_train, p.transfer_private_epochs, gen)
-        return ClientUpdate({**state, "model": clone_state(model)}, {})
+        if p.transfer_schedule == "fixed":
+            self._ce_epochs(model, opt, px, py, p.transfer_public_epochs, gen)
+            self._ce_epochs(model, opt, data.x_train, data.y_train, p.transfer_private_epochs, gen)
+            return ClientUpdate({**state, "model": clone_state(model)}, {})
+        if data.y_val is None or int(data.y_val.shape[0]) == 0:
+            raise ValueError("fedmd transfer_schedule: paper stops early on the node's validation split; the node has "
+                             "none (data.local_split.val or data.val_fraction)")
+        runs = {}
+        for phase, (x, y) in (("public", (px, py)), ("private", (data.x_train, data.y_train))):
+            best, wait, ran = float("-inf"), 0, 0
+            for _ in range(p.transfer_max_epochs):
+                self._ce_epochs(model, opt, x, y, 1, gen)
+                ran += 1
+                model.eval()
+                with torch.no_grad():
+                    acc = float((model(data.x_val).argmax(1) == data.y_val).double().mean())
+                model.train()
+                if acc - p.transfer_min_delta > best:
+                    best, wait = acc, 0
+                else:
+                    wait += 1
+                    if wait >= p.transfer_patience:
+                        break
+            runs[f"transfer_{phase}_epochs_run"] = float(ran)
+        return ClientUpdate({**state, "model": clone_state(model)}, {}, runs)
 
     def logits(self, payload, state, data, ctx: Context) -> ClientUpdate:
         model = ctx.model()

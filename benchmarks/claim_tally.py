@@ -135,9 +135,9 @@ def judge_setting(tables: Tables, claim: dict, setting: dict) -> dict:
     there (:func:`raysim.app.verdicts.combine` over the parts by the claim's rule)."""
     from raysim.app import verdicts as vd
 
-    kind = claim.get("kind", "table")
+    kind = setting.get("kind", claim.get("kind", "table"))  # an ablation may be of another kind than the claim's
     if kind == "fig3":
-        parts = [_judge_fig3(tables.record(setting["table"]), claim["measure"])]
+        parts = [_judge_fig3(tables.record(setting["table"]), setting.get("measure", claim.get("measure")))]
     elif kind == "rounds_to":
         pairs = setting.get("pairs") or [[setting["better"], setting["worse"]]]  # several: one verdict by the rule
         parts = [_rounds_to(tables.record(setting["table"]), setting["target"], b, w) for b, w in pairs]

@@ -632,6 +632,25 @@ def test_fedmd_protocol_and_accounting(tiny):
     assert rows(df, "train_digest_mae")["value"].gt(0).all()
 
 
+def test_fedmd_paper_transfer_schedule_stops_early_on_validation(tiny):
+    """Issue 51: ``transfer_schedule: paper`` runs FedMD's own transfer learning (up to 25 epochs per phase, Keras's
+    early stopping on the node's validation accuracy); the default (fixed epochs) is unchanged."""
+    fixed = run_experiment(mutual_cfg(tiny, "fedmd", dict(FEDMD)), write=False).table
+    assert not rows(fixed, "transfer_public_epochs_run").size
+    params = {**FEDMD, "transfer_schedule": "paper", "transfer_max_epochs": 6, "transfer_patience": 1,
+              "transfer_min_delta": 1.0}  # min_delta 1: no epoch beats the first, so each phase stops after 2
+    df = run_experiment(mutual_cfg(tiny, "fedmd", params), write=False).table
+    for phase in ("public", "private"):
+        r = rows(df, f"transfer_{phase}_epochs_run")
+        assert len(r) == 4 and r["value"].eq(2).all(), r
+    params["transfer_min_delta"] = 0.0
+    params["transfer_patience"] = 6  # never stops early: the full 6 epochs
+    df = run_experiment(mutual_cfg(tiny, "fedmd", params), write=False).table
+    assert rows(df, "transfer_private_epochs_run")["value"].eq(6).all()
+    with pytest.raises(ConfigError, match="transfer_schedule"):
+        run_experiment(mutual_cfg(tiny, "fedmd", {**FEDMD, "transfer_schedule": "keras"}), write=False)
+
+
 def test_fedmd_consensus_is_the_mean_of_the_nodes_logits(tiny):
     from raysim.runner.runners import ClientRunner, ServerRunner
 
