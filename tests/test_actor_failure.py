@@ -50,7 +50,7 @@ def test_a_stopped_actor_is_taken_for_dead_after_the_step_timeout(ray_session, t
     stopped = tmp_path / "stopped"
     stopped.mkdir()
     res = run_experiment(dying(tiny, stopped, how="stop", backend={
-        "name": "ray", "num_actors": 2, "num_cpus": 1, "balance": "static", "step_timeout_s": 5}), write=False)
+        "name": "ray", "num_actors": 2, "num_cpus": 1, "balance": "static", "step_timeout_s": 3}), write=False)
     assert (stopped / "died").exists()  # the actor really stopped itself
     pd.testing.assert_frame_equal(without_timing(ref.table.drop(columns="run_id")),
                                   without_timing(res.table.drop(columns="run_id")), check_exact=True)

@@ -48,7 +48,7 @@ def two_node(tmp_path_factory):
         shutil.copy(ROOT / "examples" / "byo" / f"{m}.py", tmp_path / f"{m}.py")
     out = tmp_path / "two_node.json"
     tune = [] if postgresql_missing() else ["--tune", "2"]
-    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "two_node.py"), "--rounds", "4",
+    proc = subprocess.Popen([sys.executable, str(ROOT / "benchmarks" / "two_node.py"), "--rounds", "3",
                              "--stop-after", "1", "--byo", "--config", str(ROOT / "configs" / "fedproto_mnist5k.yaml"),
                              "--json", str(out), *tune], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(ROOT)),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -362,8 +362,8 @@ def test_vectorize_is_part_of_the_identity():
 
 @pytest.mark.ray
 def test_ray_two_actors_equals_sequential(ray_session):
-    seq = table(cfg("fedproto", dropout=0.5))
-    ray = table(cfg("fedproto", dropout=0.5, backend={"name": "ray", "num_actors": 2}))
+    seq = table(cfg("fedproto", dropout=0.5, rounds=1))
+    ray = table(cfg("fedproto", dropout=0.5, rounds=1, backend={"name": "ray", "num_actors": 2}))
     close(seq, ray)
 
 
