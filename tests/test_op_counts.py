@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-COHORT = 6
+COHORT = 4
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -96,7 +96,7 @@ def test_an_executor_is_added_without_touching_the_runner(monkeypatch):
 
 @pytest.mark.parametrize("method,arch", [("fedavg", "cnn_mnist"), ("fedproto", "cnn4"), ("moon", "cnn_mnist")])
 def test_vectorised_ops_per_round_do_not_grow_with_the_cohort(method, arch):
-    """Issue "a cohort per kernel": the vectorised executor's aten ops per round at cohort 8 are within 1.08x of
+    """Issue "a cohort per kernel": the vectorised executor's aten ops per round at cohort 6 are within 1.08x of
     those at cohort 2, and its host reads per round do not grow: a group's starting weights are stacked in one op
     per parameter, its batch orders and dropout masks are counter-based draws computed for the whole group at once
     (cnn_mnist: Dropout2d and dropout), its uploads stay rows of the trained stacks until the partial aggregate
@@ -105,15 +105,15 @@ def test_vectorised_ops_per_round_do_not_grow_with_the_cohort(method, arch):
     objective's stacked rows (``LocalStart.rows``), MOON's frozen models one grouped forward each per step (SCAFFOLD,
     FedGen, VHL: benchmarks/PERFORMANCE.md, not repeated here for the suite's time). Before:
     2.25x (FedAvg), 2.44x (FedProto), 3.97x (MOON) and 3.96x (SCAFFOLD) at cohorts 10 and 40; 1.14x at cohorts 2 and
-    8 with cnn_mnist's per-client masks before the counter-based draws."""
+    8 (1.09x at 2 and 6) with cnn_mnist's per-client masks before the counter-based draws."""
     import op_count
 
     per_round = {}
-    for k in (2, 8):
+    for k in (2, 6):
         rs = op_count.raysim_client_counts(method, cohort=k, clients=k, vectorize=True, rounds=(1, 2),
                                            model={"arch": arch})
         per_round[k] = (sum(rs["client steps"].values()) * k, rs["client steps"].get(op_count.READ, 0) * k,
                         rs["batched reads"] * k)
-    (ops2, reads2, batched2), (ops8, reads8, batched8) = per_round[2], per_round[8]
-    assert ops8 <= 1.08 * ops2, (method, ops2, ops8)  # issue: <= 1.2x at 10 vs 40; 1.14x with dropout before
-    assert reads8 == reads2 == 0 and batched8 == pytest.approx(batched2), (method, per_round)
+    (ops2, reads2, batched2), (ops6, reads6, batched6) = per_round[2], per_round[6]
+    assert ops6 <= 1.08 * ops2, (method, ops2, ops6)  # issue: <= 1.2x at 10 vs 40; 1.09x with dropout before
+    assert reads6 == reads2 == 0 and batched6 == pytest.approx(batched2), (method, per_round)
