@@ -372,7 +372,18 @@ def stacked_grads(total: torch.Tensor, leaves: dict) -> dict:
     return {n: torch.zeros_like(leaves[n]) if g is None else g for n, g in zip(leaves, gs)}
 
 
-class ReplayModel:
+class ParameterView:
+    """The parameter accessors of a stand-in for a module under given parameters (``self._params``: name -> tensor):
+    what an objective reads as ``model.named_parameters()`` / ``model.parameters()`` (FedProx's proximal term)."""
+
+    def named_parameters(self):
+        return iter(self._params.items())
+
+    def parameters(self):
+        return iter(self._params.values())
+
+
+class ReplayModel(ParameterView):
     """What the objective sees as ``model`` on the grouped path, inside ``vmap`` over the clients: its calls on the
     step's batch return the precomputed grouped outputs (one client's slice), in order; ``named_parameters()`` gives
     the client's parameters; other attributes come from the live module. A call on anything else, or a call the
@@ -391,12 +402,6 @@ class ReplayModel:
         if not torch.is_grad_enabled():  # a call under no_grad: the loop's output would carry no gradient
             out = tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()
         return out
-
-    def named_parameters(self):
-        return iter(self._params.items())
-
-    def parameters(self):
-        return iter(self._params.values())
 
     def __getattr__(self, name):
         value = getattr(self._module, name)

@@ -108,7 +108,7 @@ def running_stat_names(model: nn.Module) -> list[str]:
     return names
 
 
-class _FunctionalModel:
+class _FunctionalModel(_grouped.ParameterView):
     """What an objective sees as ``model`` inside the batched computation: calling it runs the live module's forward
     under the (batched) parameters; ``named_parameters()`` / ``parameters()`` give those parameters (FedProx's
     proximal term); a child module (``model.head``: FedGen) is called under its part of them; other attributes
@@ -119,12 +119,6 @@ class _FunctionalModel:
 
     def __call__(self, *args, **kwargs):
         return torch.func.functional_call(self._module, (self._params, self._buffers), args, kwargs)
-
-    def named_parameters(self):
-        return iter(self._params.items())
-
-    def parameters(self):
-        return iter(self._params.values())
 
     def __getattr__(self, name):
         value = getattr(self._module, name)
