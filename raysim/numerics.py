@@ -138,6 +138,11 @@ def pin_at_import() -> None:
         pin(PORTABLE_ENV)
 
 
+def active_mode() -> Optional[str]:
+    """The mode this process computes in (``portable`` / ``native``), or None before a runner entered one."""
+    return _mode
+
+
 def check_mode(mode: str, key: str = "backend.numerics") -> None:
     if mode not in MODES:
         raise ConfigError(key, f"must be one of: {', '.join(MODES)}; got {mode!r}")

@@ -578,17 +578,24 @@ def test_a_model_with_nothing_to_train_runs():
     assert all(torch.equal(trained[0][n], start[n]) for n in start) and metrics[0]["train_loss"] > 0
 
 
-def test_portable_vectorised_cpu_run_says_what_the_default_costs(capsys, monkeypatch):
-    """Issue 48 item 4: the fast path in the reproducible default on a CPU costs ~2.5x native; the run says so once,
-    with the switch; a native or per-client run says nothing."""
+def test_portable_vectorised_cpu_run_needs_the_fixed_order_gemm(capsys, monkeypatch, tmp_path):
+    """Issue 48 item 4: a portable vectorised run on a CPU computes its grouped convolutions with raysim's
+    fixed-order GEMM (no note about a tax any more); where the kernel cannot be built, one line naming
+    backend.vectorize before anything runs; a per-client run never needs it."""
+    from raysim import fixed_gemm
     from raysim.engine import prepare as prep
+    from raysim.errors import ConfigError
 
     monkeypatch.setattr(prep, "_NOTICED", set())
-    prepare(cfg("fedavg", vectorize=False, backend={"device": "cpu"}))
-    assert "portable numerics" not in capsys.readouterr().err
     prepare(cfg("fedavg", backend={"device": "cpu"}))
-    err = capsys.readouterr().err
-    assert err.count("backend.vectorize on a CPU in portable numerics") == 1 and "backend.numerics=native" in err
+    assert "portable numerics" not in capsys.readouterr().err
+    monkeypatch.setattr(fixed_gemm, "_lib", None)
+    monkeypatch.setenv("RAYSIM_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    prepare(cfg("fedavg", vectorize=False, backend={"device": "cpu"}))
+    with pytest.raises(ConfigError, match=r"backend\.vectorize.*no C compiler found.*backend\.numerics: native"):
+        prepare(cfg("fedavg", backend={"device": "cpu"}))
 
 
 def test_a_group_trained_in_chunks_gives_the_same_table(monkeypatch):

@@ -69,7 +69,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
 
         check_async(cfg, algorithm, env)
     if cfg.backend.vectorize is True and cfg.backend.numerics == "portable" and _runs_on_cpu(cfg):  # asked for
-        _notice_once(PORTABLE_VECTORIZE_NOTE)
+        _check_fixed_gemm()
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
         from raysim.runner.footprint import check_gpu_budgets
 
@@ -319,12 +319,17 @@ def _check_model_size(spec, task: Task, path: str) -> None:
 _NOTICED: set = set()
 
 
-# issue 48 item 4, measured (benchmarks/numerics_cost.py; ARCHITECTURE.md "Determinism"): a user who turns on the
-# fast path learns what the reproducible default costs it, and the switch that trades it away
-PORTABLE_VECTORIZE_NOTE = (
-    "note: backend.vectorize on a CPU in portable numerics: its grouped convolutions run MKL's cross-vendor (SSE2) "
-    "kernels without oneDNN, about 2.3-2.7x the native time measured (the per-client loop is not slower); "
-    "--set backend.numerics=native runs the fastest kernels of this CPU, and the table then depends on the CPU")
+def _check_fixed_gemm() -> None:
+    """A portable vectorised run on a CPU computes its grouped convolutions with raysim's fixed-order GEMM
+    (raysim/fixed_gemm.py: the same bits on every CPU, compiled at first use): where it cannot be built, one line
+    before anything runs, rather than other kernels and another table."""
+    from raysim import fixed_gemm
+
+    try:
+        fixed_gemm.library()
+    except fixed_gemm.KernelUnavailable as e:
+        raise ConfigError("backend.vectorize", f"{e}; or run backend.numerics: native (the table then depends on the "
+                                               f"CPU) or backend.vectorize: false") from None
 
 
 def _runs_on_cpu(cfg: ExperimentConfig) -> bool:

@@ -83,9 +83,22 @@ def _conv(m: nn.Conv2d, a: _Act, p: dict, name: str) -> _Act:
     w = p[f"{name}.weight"]
     k = w.shape[0]
     b = p.get(f"{name}.bias") if m.bias is not None else None
+    if _fixed_order(a.t, m):
+        from raysim import fixed_gemm
+
+        return a.like(fixed_gemm.grouped_conv2d(a.t, w, b, m.stride, m.padding, m.dilation), m.out_channels)
     t = F.conv2d(a.t, w.reshape(k * w.shape[1], *w.shape[2:]), None if b is None else b.reshape(-1),
                  m.stride, m.padding, m.dilation, k * m.groups)
     return a.like(t, m.out_channels)
+
+
+def _fixed_order(t: torch.Tensor, m: nn.Conv2d) -> bool:
+    """A float32 CPU convolution in a portable process runs raysim's fixed-order GEMM (:mod:`raysim.fixed_gemm`):
+    torch's portable alternative computes the K clients' convolutions one group at a time on MKL's SSE2 branch."""
+    from raysim import numerics
+
+    return (numerics.active_mode() == "portable" and t.device.type == "cpu" and t.dtype == torch.float32
+            and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str))
 
 
 def _linear(a: _Act, p: dict, name: str, has_bias: bool) -> _Act:

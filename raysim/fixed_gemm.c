@@ -1,0 +1,168 @@
+/* raysim's fixed-order GEMM (raysim/fixed_gemm.py): the one float32 matrix product whose every output element is
+ * computed by the same arithmetic on every x86-64 CPU, whatever its vector width, cache sizes or vendor:
+ *
+ *     acc = 0;  for r in 0 .. R-1:  for k in 0 .. K-1:  acc = fma(A[g, r][m, k], B[g, r][k, n], acc)
+ *     C[g][m, n] = accumulate ? C[g][m, n] + acc : acc
+ *
+ * one IEEE fused multiply-add after another, in that order (the reduction is never split, reordered or blocked), so
+ * the vector kernel below (AVX2 + FMA: 8 output columns per register, 6 x 16 outputs per block) gives the bits of
+ * the scalar loop `gemm_reference` (tests/test_fixed_gemm.py checks it on odd shapes) and of any other correct
+ * implementation of the same order. Blocking only decides which outputs are computed together, never how one is.
+ *
+ * Groups: g = (g1, g2), g1 < G1, g2 < G2; each operand's element offset is g1 * s1 + g2 * s2 + r * sr + its row and
+ * column offsets (strides for B and C; two tables for A, am[m] + ak[k], so that A can be an image read in place as
+ * the im2col matrix of a convolution: rows the output positions, columns the kernel taps), so a grouped convolution's im2col columns, a weight shared across a batch (s2 = 0) and a transposed
+ * operand are all read in place (packed into contiguous panels first: copies only). Compiled with -mavx2 -mfma
+ * -ffp-contract=off (no contraction the source does not write) by raysim at first use. */
+#include <immintrin.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MR 6
+#define NR 16
+/* one reduction step for the 6 x 16 block: 12 register accumulators, each one fma after another */
+#define ROW(a, x0, x1) { __m256 av = _mm256_broadcast_ss((a) + off); x0 = _mm256_fmadd_ps(av, b0, x0); \
+                         x1 = _mm256_fmadd_ps(av, b1v, x1); }
+#define STEP(o) { i64 off = (o); ROW(a0, c00, c01) ROW(a1p, c10, c11) ROW(a2p, c20, c21) ROW(a3, c30, c31) \
+                  ROW(a4, c40, c41) ROW(a5, c50, c51) }
+
+typedef long long i64;
+
+int fixed_gemm_version(void) { return 1; }
+
+/* The definition: plain loops, one fmaf after another. */
+void gemm_reference(i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
+                    const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
+                    const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
+                    float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate) {
+    for (i64 g1 = 0; g1 < G1; g1++)
+        for (i64 g2 = 0; g2 < G2; g2++)
+            for (i64 m = 0; m < M; m++)
+                for (i64 n = 0; n < N; n++) {
+                    float acc = 0.0f;
+                    for (i64 r = 0; r < R; r++)
+                        for (i64 k = 0; k < K; k++)
+                            acc = fmaf(A[g1 * a1 + g2 * a2 + r * ar + am[m] + ak[k]],
+                                       B[g1 * b1 + g2 * b2 + r * br + k * bk + n * bn], acc);
+                    float *c = C + g1 * c1 + g2 * c2 + m * cm + n * cn;
+                    *c = accumulate ? *c + acc : acc;
+                }
+}
+
+/* The same products as gemm_reference, for groups g1 in [g1_begin, g1_end) (callers split G1 across threads).
+ * A is read in place through its tables (6 rows broadcast per step; rows past M repeat row M-1 and are never stored); B in place when
+ * its columns are contiguous (bn == 1; the last panel's missing columns masked to zero), else packed into a
+ * [r][k][16] panel first. Returns 0, or -1 when scratch memory could not be allocated. */
+int gemm(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
+         const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
+         const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
+         float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate) {
+    i64 nb = (N + NR - 1) / NR;
+    float *bp = NULL;
+    if (bn != 1) {
+        bp = (float *)malloc(sizeof(float) * (size_t)(R * K * NR + 1));
+        if (!bp) return -1;
+    }
+    for (i64 g1 = g1_begin; g1 < g1_end; g1++)
+        for (i64 g2 = 0; g2 < G2; g2++) {
+            const float *Ag = A + g1 * a1 + g2 * a2, *Bg = B + g1 * b1 + g2 * b2;
+            float *Cg = C + g1 * c1 + g2 * c2;
+            for (i64 j = 0; j < nb; j++) {
+                i64 nmax = N - j * NR < NR ? N - j * NR : NR;
+                __m256i m0, m1;
+                {
+                    int lanes[NR];
+                    for (int jj = 0; jj < NR; jj++) lanes[jj] = jj < nmax ? -1 : 0;
+                    m0 = _mm256_loadu_si256((const __m256i *)lanes);
+                    m1 = _mm256_loadu_si256((const __m256i *)(lanes + 8));
+                }
+                const float *bpanel;
+                i64 sr, sk;  /* the panel's r and k strides */
+                if (bn == 1) {
+                    bpanel = Bg + j * NR; sr = br; sk = bk;
+                } else {
+                    for (i64 r = 0; r < R; r++)
+                        for (i64 k = 0; k < K; k++) {
+                            float *dst = bp + (r * K + k) * NR;
+                            const float *src = Bg + r * br + k * bk + j * NR * bn;
+                            for (int jj = 0; jj < NR; jj++) dst[jj] = jj < nmax ? src[jj * bn] : 0.0f;
+                        }
+                    bpanel = bp; sr = K * NR; sk = NR;
+                }
+                for (i64 i = 0; i < M; i += MR) {
+                    const float *arow[MR];
+                    for (int ii = 0; ii < MR; ii++) arow[ii] = Ag + am[i + ii < M ? i + ii : M - 1];
+                    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+                           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+                    const float *a0 = arow[0], *a1p = arow[1], *a2p = arow[2], *a3 = arow[3], *a4 = arow[4],
+                                *a5 = arow[5];
+                    for (i64 r = 0; r < R; r++) {
+                        const float *b = bpanel + r * sr;
+                        i64 ra = r * ar;
+                        if (nmax == NR) {
+                            for (i64 k = 0; k < K; k++) {
+                                __m256 b0 = _mm256_loadu_ps(b + k * sk), b1v = _mm256_loadu_ps(b + k * sk + 8);
+                                STEP(ra + ak[k])
+                            }
+                        } else {
+                            for (i64 k = 0; k < K; k++) {
+                                __m256 b0 = _mm256_maskload_ps(b + k * sk, m0);
+                                __m256 b1v = nmax > 8 ? _mm256_maskload_ps(b + k * sk + 8, m1) : _mm256_setzero_ps();
+                                STEP(ra + ak[k])
+                            }
+                        }
+                    }
+                    __m256 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+                    i64 mmax = M - i < MR ? M - i : MR;
+                    for (i64 ii = 0; ii < mmax; ii++) {
+                        float *c = Cg + (i + ii) * cm + j * NR * cn;
+                        if (cn == 1 && nmax == NR) {
+                            __m256 v0 = acc[ii][0], v1 = acc[ii][1];
+                            if (accumulate) {
+                                v0 = _mm256_add_ps(_mm256_loadu_ps(c), v0);
+                                v1 = _mm256_add_ps(_mm256_loadu_ps(c + 8), v1);
+                            }
+                            _mm256_storeu_ps(c, v0);
+                            _mm256_storeu_ps(c + 8, v1);
+                        } else {
+                            float out[NR];
+                            _mm256_storeu_ps(out, acc[ii][0]);
+                            _mm256_storeu_ps(out + 8, acc[ii][1]);
+                            for (i64 jj = 0; jj < nmax; jj++)
+                                c[jj * cn] = accumulate ? c[jj * cn] + out[jj] : out[jj];
+                        }
+                    }
+                }
+            }
+        }
+    free(bp);
+    return 0;
+}
+
+/* col2im for a grouped convolution of stride > 1 (raysim/fixed_gemm.py, _input_grad), groups g in [g1_begin, g1_end):
+ * du [B, G, Ho*Wo, kh*kw*C] (a tap's gradient per output position, taps (i, j, c)) -> dx [B, H, W, G*C]
+ * (channels-last memory), dx[b, y, x, g*C + c] = the sum of the du entries that read it, added in the order h, w
+ * (outer), i, j (inner), from zero. Adds only, in an order fixed here. */
+void col2im_cl(i64 g1_begin, i64 g1_end, i64 B, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh, i64 sw,
+               i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo, const float *du, float *dx) {
+    i64 L = Ho * Wo, ckk = kh * kw * C;
+    for (i64 b = 0; b < B; b++)
+        for (i64 g = g1_begin; g < g1_end; g++) {
+            for (i64 p = 0; p < H * W; p++)
+                memset(dx + (b * H * W + p) * G * C + g * C, 0, sizeof(float) * (size_t)C);
+            for (i64 h = 0; h < Ho; h++)
+                for (i64 w = 0; w < Wo; w++) {
+                    const float *src = du + ((b * G + g) * L + h * Wo + w) * ckk;
+                    for (i64 i = 0; i < kh; i++) {
+                        i64 yy = h * sh - ph + i * dh;
+                        for (i64 j = 0; j < kw; j++, src += C) {
+                            i64 xx = w * sw - pw + j * dw;
+                            if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+                            float *d = dx + ((b * H + yy) * W + xx) * G * C + g * C;
+                            for (i64 c = 0; c < C; c++) d[c] = d[c] + src[c];
+                        }
+                    }
+                }
+        }
+}

@@ -1,0 +1,368 @@
+"""A fixed-order float32 GEMM for portable numerics on a CPU, and the grouped convolution built on it.
+
+Portable numerics (``raysim/numerics.py``) must give the same bits on every x86-64 CPU. torch's CPU GEMMs cannot do
+that fast: MKL's one cross-vendor reproducible branch (``MKL_CBWR=COMPATIBLE``) is SSE2, and oneDNN picks its
+blockings by cache size. Without oneDNN a grouped convolution (the vectorised executor's: K clients' convolutions as
+one with ``groups = K``) ran as K separate unfold + SSE2 GEMMs, 2.3-2.7x the native time.
+
+``raysim/fixed_gemm.c`` defines the product by its arithmetic instead: each output element is ``acc = fma(a, b, acc)``
+over the reduction index in order, from zero — no split, no reordering, no blocking of the reduction — so its bits do
+not depend on the CPU, the vector width, the thread count or how many groups one call computes; an AVX2 + FMA kernel
+computes it (6 x 16 outputs a block, 8 lanes a register; a scalar reference of the same order is in the file, and the
+tests hold the two equal bit for bit). It is compiled with the machine's C compiler at first use into a cache
+directory (``RAYSIM_CACHE``, default ``~/.cache/raysim``), keyed by the source's hash; a process that cannot compile or
+load it gets one error naming what is missing (:class:`KernelUnavailable`).
+
+:func:`grouped_conv2d` is ``F.conv2d(x, w.reshape(K*O, C, kh, kw), groups=K)`` as implicit GEMMs: operand A's rows and
+columns are offset tables, so the (zero-padded) image is read in place as its im2col matrix (output positions x kernel
+taps) without building it. Forward: y = im2col(x) w'; weight gradient: im2col(x)^T dy (images outer, positions inner);
+input gradient: for stride 1 the transposed convolution, one more implicit GEMM over the zero-padded dy; other strides
+du = dy w'^T, then a col2im of fixed order. Groups are split across ``torch.get_num_threads()`` Python threads (ctypes
+releases the GIL; each output element is computed by one thread, so the bits do not depend on the split).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+_SRC = Path(__file__).with_name("fixed_gemm.c")
+FLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
+
+_lib = None
+_lock = threading.Lock()
+_pool = None
+_pool_size = 0
+
+
+class KernelUnavailable(RuntimeError):
+    """The fixed-order GEMM could not be built or loaded here (no C compiler, no AVX2/FMA, an unwritable cache)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RAYSIM_CACHE") or Path.home() / ".cache" / "raysim")
+
+
+def _compiler() -> str:
+    import shutil
+
+    for cc in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cc and shutil.which(cc):
+            return cc
+    raise KernelUnavailable("no C compiler found (CC, cc, gcc or clang): raysim's fixed-order GEMM for portable "
+                            "numerics on a CPU is compiled at first use; install one (Debian: apt-get install gcc)")
+
+
+def _build() -> Path:
+    src = _SRC.read_bytes()
+    key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
+    out = cache_dir() / f"fixed_gemm_{key}.so"
+    if out.exists():
+        return out
+    cc = _compiler()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # compile aside, then rename: concurrent builders
+        os.close(fd)                                                # (Ray actors) never load a half-written file
+    except OSError as e:
+        raise KernelUnavailable(f"cannot write the kernel cache {out.parent} ({e}); set RAYSIM_CACHE to a writable "
+                                f"directory") from None
+    try:
+        p = subprocess.run([cc, *FLAGS, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True, timeout=120)
+        if p.returncode != 0:
+            raise KernelUnavailable(f"compiling raysim's fixed-order GEMM with {cc} failed: "
+                                    f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _cpu_ok() -> None:
+    from raysim import numerics
+
+    flags = numerics.cpu_flags()
+    if flags and not {"avx2", "fma"} <= flags:
+        raise KernelUnavailable(f"this CPU lacks {sorted({'avx2', 'fma'} - flags)}: raysim's fixed-order GEMM needs "
+                                f"AVX2 and FMA")
+
+
+def library():
+    """The loaded kernel library (built at first use)."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            _cpu_ok()
+            path = _build()
+            try:
+                lib = ctypes.CDLL(str(path))
+            except OSError as e:
+                raise KernelUnavailable(f"cannot load {path}: {e}") from None
+            i64, f32p = ctypes.c_longlong, ctypes.POINTER(ctypes.c_float)
+            vp = ctypes.c_void_p
+            args = [i64] * 7 + [f32p] + [i64] * 3 + [vp, vp] + [f32p] + [i64] * 5 + [f32p] + [i64] * 4 + [ctypes.c_int]
+            lib.gemm.argtypes, lib.gemm.restype = args, ctypes.c_int
+            lib.gemm_reference.argtypes = [i64] * 6 + args[7:]
+            lib.gemm_reference.restype = None
+            conv = [i64] * 17 + [f32p, f32p]
+            lib.col2im_cl.argtypes, lib.col2im_cl.restype = conv, None
+            _lib = lib
+    return _lib
+
+
+def available() -> bool:
+    try:
+        library()
+        return True
+    except KernelUnavailable:
+        return False
+
+
+def _ptr(t):
+    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
+
+
+def _threads(n: int) -> int:
+    import torch
+
+    return max(1, min(n, torch.get_num_threads()))
+
+
+def _parallel(fn, n: int, *args) -> None:
+    """fn(begin, end, *args) over [0, n) split across torch's intra-op thread count (ctypes releases the GIL)."""
+    global _pool, _pool_size
+    t = _threads(n)
+    if t == 1:
+        rc = fn(0, n, *args)
+        if rc:
+            raise MemoryError("raysim fixed-order GEMM: scratch allocation failed")
+        return
+    if _pool is None or _pool_size != t:
+        _pool, _pool_size = ThreadPoolExecutor(t, thread_name_prefix="raysim-gemm"), t
+    bounds = [n * i // t for i in range(t + 1)]
+    if any(f.result() for f in [_pool.submit(fn, bounds[i], bounds[i + 1], *args) for i in range(t)]):
+        raise MemoryError("raysim fixed-order GEMM: scratch allocation failed")
+
+
+def _check(*ts) -> None:
+    for t in ts:
+        if t.dtype != _f32() or t.device.type != "cpu":
+            raise TypeError(f"raysim fixed-order GEMM: float32 CPU tensors only, got {t.dtype} on {t.device}")
+
+
+def _f32():
+    import torch
+
+    return torch.float32
+
+
+def _table(v, n: int):
+    """An int64 offset table of n entries: ``v`` itself (a tensor) or ``arange(n) * v`` (a stride)."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        if v.dtype != torch.int64 or v.numel() != n or not v.is_contiguous():
+            raise ValueError(f"raysim fixed-order GEMM: an offset table must be {n} contiguous int64 values")
+        return v
+    return torch.arange(n, dtype=torch.int64) * int(v)
+
+
+class Operand(NamedTuple):
+    """A GEMM operand: a float32 CPU tensor and its element offsets from the data pointer — for A (s1, s2, sr, rows,
+    cols), rows and cols a stride or an int64 table of M / K entries; for B (s1, s2, sr, sk, sn); for C (s1, s2, sm,
+    sn): g1 * s1 + g2 * s2 + r * sr + the row and column offsets."""
+    t: object
+    offsets: tuple
+
+
+class Dims(NamedTuple):
+    """G1 x G2 products of M x K by K x N, each summed over R pairs (r outer, k inner)."""
+    G1: int
+    G2: int
+    R: int
+    M: int
+    N: int
+    K: int
+
+
+def gemm(a: Operand, b: Operand, c: Operand, d: Dims, accumulate: bool = False, reference: bool = False) -> None:
+    """C[g1, g2] (=|+=) sum_r A[g1, g2, r] @ B[g1, g2, r] in the fixed order (each output one fma after another from
+    zero, r outer, k inner). The caller keeps the tensors alive and every index inside them. ``reference``: the
+    plain C loops of the definition (tests)."""
+    lib = library()
+    _check(a.t, b.t, c.t)
+    am, ak = _table(a.offsets[3], d.M), _table(a.offsets[4], d.K)
+    aa = (_ptr(a.t), *a.offsets[:3], am.data_ptr(), ak.data_ptr())
+    rest = (_ptr(b.t), *b.offsets, _ptr(c.t), *c.offsets, int(accumulate))
+    if reference:
+        lib.gemm_reference(*d, *aa, *rest)
+        return
+    _parallel(lib.gemm, d.G1, *d[1:], *aa, *rest)
+
+
+def _offsets(grid: tuple, step: tuple, row: int, pix: int):
+    """int64 offsets of a (rows x cols) ``grid`` of pixels, ``step`` pixels apart, in an image ``row`` pixels wide
+    whose pixels are ``pix`` elements apart (channels-last)."""
+    import torch
+
+    h = torch.arange(grid[0], dtype=torch.int64) * (step[0] * row * pix)
+    w = torch.arange(grid[1], dtype=torch.int64) * (step[1] * pix)
+    return (h[:, None] + w[None, :]).reshape(-1)
+
+
+def _taps(kernel: tuple, ch: int, dilation: tuple, row: int, pix: int, flip: bool = False):
+    """int64 offsets of the kernel taps (i, j, c), c fastest; ``flip``: tap (i, j) at (kh-1-i, kw-1-j)."""
+    import torch
+
+    kh, kw = kernel
+    i = torch.arange(kh, dtype=torch.int64)
+    j = torch.arange(kw, dtype=torch.int64)
+    if flip:
+        i, j = kh - 1 - i, kw - 1 - j
+    c = torch.arange(ch, dtype=torch.int64)
+    return (i[:, None, None] * (dilation[0] * row * pix) + j[None, :, None] * (dilation[1] * pix)
+            + c[None, None, :]).reshape(-1)
+
+
+class _Geometry(NamedTuple):
+    bsz: int
+    h: int
+    w: int
+    ho: int
+    wo: int
+    stride: tuple
+    padding: tuple
+    dilation: tuple
+    first: bool  # the caller's layout is channels-first
+
+
+def _forward(ctx, x, w, stride, padding, dilation):
+    """y[b, (h, w), k, :] = sum over taps (i, j, c) of xp[b, h*s + i*d, w*s + j*d, k, c] w'[k, (i, j, c), :], the
+    zero-padded image read in place through the offset tables (an implicit im2col)."""
+    import torch
+    import torch.nn.functional as F
+
+    cl = torch.channels_last
+    k, o, c, kh, kw = w.shape
+    bsz, _, h, wd = x.shape
+    ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    xp = x.detach()
+    if padding[0] or padding[1]:
+        xp = F.pad(xp, (padding[1], padding[1], padding[0], padding[0]))
+    xp = xp.contiguous(memory_format=cl)
+    _check(xp, w)
+    hp, wp = xp.shape[2:]
+    kc, ckk, L = k * c, kh * kw * c, ho * wo
+    pos, taps = _offsets((ho, wo), stride, wp, kc), _taps((kh, kw), c, dilation, wp, kc)
+    wt = w.detach().permute(0, 3, 4, 2, 1).reshape(k, ckk, o).contiguous()  # [K, (i, j, c), O]
+    y = torch.empty(bsz, k * o, ho, wo, memory_format=cl)
+    gemm(Operand(xp, (c, hp * wp * kc, 0, pos, taps)), Operand(wt, (ckk * o, 0, 0, o, 1)),
+         Operand(y, (o, L * k * o, k * o, 1)), Dims(k, bsz, 1, L, o, ckk))
+    # the caller's layout: channels-first in, channels-first out (a model with batch norm runs channels-first, whose
+    # kernels then reduce each channel as one client's own forward does); ambiguous -> channels-first
+    first = not (x.is_contiguous(memory_format=cl) and not x.is_contiguous())
+    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+        ctx.save_for_backward(xp, w.detach())
+        ctx.geo = _Geometry(bsz, h, wd, ho, wo, stride, padding, dilation, first)
+        ctx.tables = (pos, taps)
+    return y.contiguous() if first else y
+
+
+def _weight_grad(xp, w, gy, geo: _Geometry, tables: tuple):
+    """dw'[k] (taps x O) = sum over images b (outer), positions (inner) of xp's tap entries times dy."""
+    import torch
+
+    k, o, c, kh, kw = w.shape
+    hp, wp = xp.shape[2:]
+    ckk, L = kh * kw * c, geo.ho * geo.wo
+    pos, taps = tables
+    gwt = torch.empty(k, ckk, o)
+    gemm(Operand(xp, (c, 0, hp * wp * k * c, taps, pos)), Operand(gy, (o, 0, L * k * o, k * o, 1)),
+         Operand(gwt, (ckk * o, 0, o, 1)), Dims(k, 1, geo.bsz, ckk, o, L))
+    return gwt.view(k, kh, kw, c, o).permute(0, 4, 3, 1, 2)
+
+
+def _input_grad(w, gy, geo: _Geometry):
+    """dx: stride 1, the transposed convolution as one implicit GEMM — dx[b, (y, x), k, c] = sum over (i, j, o) of
+    dyp[b, y + ph + (kh-1-i)*dh, x + pw + (kw-1-j)*dw, k, o] w[k, o, c, i, j], dyp = dy with (kh-1)*dh rows and
+    (kw-1)*dw columns of zeros each side; other strides: du = dy w'^T, then col2im."""
+    import torch
+
+    cl = torch.channels_last
+    k, o, c, kh, kw = w.shape
+    bsz, h, wd, ho, wo = geo.bsz, geo.h, geo.w, geo.ho, geo.wo
+    (ph, pw), (dh, dw) = geo.padding, geo.dilation
+    kc, ko, ckk, L = k * c, k * o, kh * kw * c, ho * wo
+    gx = torch.empty(bsz, kc, h, wd, memory_format=cl)
+    if geo.stride == (1, 1):
+        eh, ew = (kh - 1) * dh, (kw - 1) * dw
+        hq, wq = ho + 2 * eh, wo + 2 * ew
+        dyp = torch.empty(bsz, ko, hq, wq, memory_format=cl).zero_()
+        dyp[:, :, eh:eh + ho, ew:ew + wo] = gy
+        rows = _offsets((h, wd), (1, 1), wq, ko) + (ph * wq + pw) * ko
+        taps = _taps((kh, kw), o, (dh, dw), wq, ko, flip=True)
+        wb = w.permute(0, 3, 4, 1, 2).reshape(k, kh * kw * o, c).contiguous()  # [K, (i, j, o), C]
+        gemm(Operand(dyp, (o, hq * wq * ko, 0, rows, taps)), Operand(wb, (kh * kw * o * c, 0, 0, c, 1)),
+             Operand(gx, (c, h * wd * kc, kc, 1)), Dims(k, bsz, 1, h * wd, c, kh * kw * o))
+        return gx
+    wo_ = w.permute(0, 1, 3, 4, 2).reshape(k, o, ckk).contiguous()  # [K, O, (i, j, c)]
+    gu = torch.empty(bsz, k, L, ckk)
+    gemm(Operand(gy, (o, L * ko, 0, ko, 1)), Operand(wo_, (o * ckk, 0, 0, ckk, 1)),
+         Operand(gu, (L * ckk, k * L * ckk, ckk, 1)), Dims(k, bsz, 1, L, ckk, o))
+    _parallel(library().col2im_cl, k, bsz, h, wd, k, c, kh, kw, *geo.stride, ph, pw, dh, dw, ho, wo, _ptr(gu),
+              _ptr(gx))
+    return gx
+
+
+def _backward(ctx, gy):
+    import torch
+
+    xp, w = ctx.saved_tensors
+    geo = ctx.geo
+    gy = gy.contiguous(memory_format=torch.channels_last)  # [B, Ho, Wo, K*O] in memory
+    gw = _weight_grad(xp, w, gy, geo, ctx.tables) if ctx.needs_input_grad[1] else None
+    gx = None
+    if ctx.needs_input_grad[0]:
+        gx = _input_grad(w, gy, geo)
+        gx = gx.contiguous() if geo.first else gx
+    return gx, gw, None, None, None
+
+
+_Fn = None
+
+
+def _function():
+    """The autograd function (built on first use: this module imports torch lazily)."""
+    global _Fn
+    if _Fn is None:
+        import torch
+
+        _Fn = type("FixedOrderGroupedConv", (torch.autograd.Function,),
+                   {"forward": staticmethod(_forward),
+                    "backward": staticmethod(torch.autograd.function.once_differentiable(_backward))})
+    return _Fn
+
+
+def grouped_conv2d(x, w, bias, stride, padding, dilation):
+    """``F.conv2d(x, w.reshape(K*O, C, kh, kw), bias.reshape(-1), stride, padding, dilation, groups=K)`` for
+    x [B, K*C, H, W], w [K, O, C, kh, kw], bias [K, O] or None, in the fixed order (module docstring); the result
+    (and x's gradient) in x's memory layout (channels-last, or channels-first where x is not clearly channels-last)."""
+    pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
+    y = _function().apply(x, w, pair(stride), pair(padding), pair(dilation))
+    if bias is not None:
+        y = y + bias.reshape(1, -1, 1, 1)
+    return y
+
+
+if __name__ == "__main__":  # python -m raysim.fixed_gemm: build the kernel now and say where it is
+    library()
+    print(f"raysim fixed-order GEMM: {_build()}", file=sys.stderr)

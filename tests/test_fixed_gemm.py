@@ -1,0 +1,120 @@
+"""raysim's fixed-order GEMM (raysim/fixed_gemm.py, .c): the portable vectorised executor's convolutions on a CPU.
+
+Its contract is the arithmetic: each output element one fma after another over the reduction, in order, from zero —
+so the AVX2 kernel equals the scalar definition bit for bit on any shape, and the bits depend on nothing of the
+machine (a pinned digest), the thread count or how many clients one call computes."""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raysim import fixed_gemm as fg
+
+pytestmark = pytest.mark.skipif(not fg.available(), reason="no C compiler or no AVX2/FMA here")
+
+
+def _floats(n: int, salt: int) -> torch.Tensor:
+    """n float32 values in [-2, 2) from an integer hash: the same bits on every machine (no RNG kernels)."""
+    i = np.arange(n, dtype=np.uint64) + np.uint64(salt * 1_000_003)
+    h = (i * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(40)
+    return torch.from_numpy(((h.astype(np.float64) / 2.0 ** 24) * 4.0 - 2.0).astype(np.float32))
+
+
+@pytest.mark.parametrize("dims,accumulate", [((2, 3, 1, 7, 19, 5), False), ((1, 1, 3, 13, 33, 11), True),
+                                             ((3, 2, 2, 6, 16, 1), False), ((1, 1, 1, 1, 1, 300), True)])
+def test_kernel_equals_the_definition_bit_for_bit(dims, accumulate):
+    """Odd M, N (row and column tails), R > 1, two group levels, accumulate, a table for A's rows."""
+    g1, g2, r, m, n, k = dims
+    a = _floats(g1 * g2 * r * m * k, 1)
+    b = _floats(g1 * g2 * r * k * n, 2)
+    rows = torch.arange(m, dtype=torch.int64).flip(0) * k  # rows read in reverse through a table
+    ops_a = fg.Operand(a, (g2 * r * m * k, r * m * k, m * k, rows, 1))
+    ops_b = fg.Operand(b, (g2 * r * k * n, r * k * n, k * n, n, 1))
+    out = []
+    for ref in (False, True):
+        c = _floats(g1 * g2 * m * n, 3)
+        fg.gemm(ops_a, ops_b, fg.Operand(c, (g2 * m * n, m * n, n, 1)), fg.Dims(*dims), accumulate, reference=ref)
+        out.append(c)
+    assert torch.equal(out[0], out[1])
+    want = torch.einsum("xyrmk,xyrkn->xymn", a.double().view(g1, g2, r, m, k).flip(3), b.double().view(g1, g2, r, k, n))
+    if accumulate:
+        want = want + _floats(g1 * g2 * m * n, 3).double().view(g1, g2, m, n)
+    assert torch.allclose(out[0].view(g1, g2, m, n).double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_same_bits_on_every_machine():
+    """A digest of a product of hash-drawn floats, pinned: a CPU, vector width or compiler that summed otherwise
+    would change it (computed on an AMD EPYC with AVX-512; the kernel uses AVX2 + FMA only)."""
+    a, b, c = _floats(37 * 301, 4), _floats(301 * 45, 5), torch.empty(37 * 45)
+    fg.gemm(fg.Operand(a, (0, 0, 0, 301, 1)), fg.Operand(b, (0, 0, 0, 45, 1)), fg.Operand(c, (0, 0, 45, 1)),
+            fg.Dims(1, 1, 1, 37, 45, 301))
+    assert hashlib.sha256(c.numpy().tobytes()).hexdigest()[:16] == DIGEST
+
+
+DIGEST = "a96b9ecb414b301f"
+
+GEOMETRIES = [  # B, K, C, O, H, kernel, stride, padding, dilation
+    (3, 4, 1, 10, 12, 5, 1, 0, 1), (2, 3, 3, 7, 9, 3, 2, 1, 1), (2, 2, 4, 17, 11, 3, 1, 2, 2), (2, 3, 5, 6, 8, 1, 2, 0, 1)]
+
+
+@pytest.mark.parametrize("geo", GEOMETRIES)
+@pytest.mark.parametrize("channels_last", [True, False])
+def test_grouped_conv_is_conv2d(geo, channels_last):
+    """Values and both gradients as torch's grouped convolution in float64 (float32 rounding apart), in the
+    caller's layout."""
+    bsz, k, c, o, h, ks, s, p, d = geo
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = _floats(bsz * k * c * h * h, 6).view(bsz, k * c, h, h).contiguous(memory_format=fmt).requires_grad_()
+    w = (_floats(k * o * c * ks * ks, 7).view(k, o, c, ks, ks) / ks).requires_grad_()
+    bias = _floats(k * o, 8).view(k, o).requires_grad_()
+    y = fg.grouped_conv2d(x, w, bias, s, p, d)
+    assert y.is_contiguous(memory_format=fmt)
+    g = _floats(y.numel(), 9).view(y.shape)
+    grads = torch.autograd.grad(y, (x, w, bias), g)
+    assert grads[0].is_contiguous(memory_format=fmt)
+    x2, w2, b2 = (t.detach().double().requires_grad_() for t in (x, w, bias))
+    y2 = F.conv2d(x2, w2.reshape(k * o, c, ks, ks), b2.reshape(-1), s, p, d, k)
+    want = torch.autograd.grad(y2, (x2, w2, b2), g.double())
+    for got, ref in zip((y, *grads), (y2, *want)):
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_bits_do_not_depend_on_the_group_or_the_threads():
+    """Client k's output and weight gradient are the same bits computed among 5 clients, alone, or with 2 threads:
+    a group's size (max_group chunks) or the machine's threads never change a table."""
+    bsz, k, c, o, h = 4, 5, 3, 8, 10
+    x = _floats(bsz * k * c * h * h, 10).view(bsz, k * c, h, h).contiguous(memory_format=torch.channels_last)
+    w = _floats(k * o * c * 9, 11).view(k, o, c, 3, 3).requires_grad_()
+
+    def run(xs, ws):
+        y = fg.grouped_conv2d(xs, ws, None, 1, 1, 1)
+        return y.detach(), torch.autograd.grad(y, ws, torch.ones_like(y))[0]
+
+    y_all, gw_all = run(x, w)
+    for kk in (0, 3):
+        xs = x[:, kk * c:(kk + 1) * c].contiguous(memory_format=torch.channels_last)
+        ws = w.detach()[kk:kk + 1].clone().requires_grad_()
+        y1, gw1 = run(xs, ws)
+        assert torch.equal(y1, y_all[:, kk * o:(kk + 1) * o]) and torch.equal(gw1[0], gw_all[kk])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        y2, gw2 = run(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(y2, y_all) and torch.equal(gw2, gw_all)
+
+
+def test_no_compiler_is_one_clear_error(tmp_path, monkeypatch):
+    """Where the kernel cannot be built, one error names what is missing (the portable vectorised path refuses
+    rather than computing other bits)."""
+    monkeypatch.setattr(fg, "_lib", None)
+    monkeypatch.setenv("RAYSIM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(fg.KernelUnavailable, match="no C compiler found"):
+        fg.library()
