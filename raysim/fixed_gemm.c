@@ -18,6 +18,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define MR 6
 #define NR 16
@@ -54,10 +57,10 @@ void gemm_reference(i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
  * A is read in place through its tables (6 rows broadcast per step; rows past M repeat row M-1 and are never stored); B in place when
  * its columns are contiguous (bn == 1; the last panel's missing columns masked to zero), else packed into a
  * [r][k][16] panel first. Returns 0, or -1 when scratch memory could not be allocated. */
-int gemm(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
-         const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
-         const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
-         float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate) {
+static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
+                      const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
+                      const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
+                      float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate) {
     i64 nb = (N + NR - 1) / NR;
     float *bp = NULL;
     if (bn != 1) {
@@ -140,12 +143,44 @@ int gemm(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
     return 0;
 }
 
+/* The groups g1 split across nt OpenMP threads (torch's own runtime where torch is loaded: the library links the
+ * libgomp.so.1 already in the process, so ATen's pool serves both). Each output element is computed by one thread:
+ * the bits do not depend on nt. Returns 0, or -1 when scratch memory could not be allocated. */
+int gemm(int nt, i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
+         const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
+         const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
+         float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate) {
+#ifdef _OPENMP
+    if (nt > 1 && G1 > 1) {
+        int bad = 0;
+#pragma omp parallel num_threads(nt) reduction(|: bad)
+        {
+            i64 t = omp_get_thread_num(), n = omp_get_num_threads();
+            bad |= gemm_range(G1 * t / n, G1 * (t + 1) / n, G2, R, M, N, K, A, a1, a2, ar, am, ak,
+                              B, b1, b2, br, bk, bn, C, c1, c2, cm, cn, accumulate);
+        }
+        return bad ? -1 : 0;
+    }
+#endif
+    (void)nt;
+    return gemm_range(0, G1, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn, C, c1, c2, cm, cn,
+                      accumulate);
+}
+
+int threaded(void) {
+#ifdef _OPENMP
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* col2im for a grouped convolution of stride > 1 (raysim/fixed_gemm.py, _input_grad), groups g in [g1_begin, g1_end):
  * du [B, G, Ho*Wo, kh*kw*C] (a tap's gradient per output position, taps (i, j, c)) -> dx [B, H, W, G*C]
  * (channels-last memory), dx[b, y, x, g*C + c] = the sum of the du entries that read it, added in the order h, w
  * (outer), i, j (inner), from zero. Adds only, in an order fixed here. */
-void col2im_cl(i64 g1_begin, i64 g1_end, i64 B, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh, i64 sw,
-               i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo, const float *du, float *dx) {
+static void col2im_range(i64 g1_begin, i64 g1_end, i64 B, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh, i64 sw,
+                        i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo, const float *du, float *dx) {
     i64 L = Ho * Wo, ckk = kh * kw * C;
     for (i64 b = 0; b < B; b++)
         for (i64 g = g1_begin; g < g1_end; g++) {
@@ -165,4 +200,20 @@ void col2im_cl(i64 g1_begin, i64 g1_end, i64 B, i64 H, i64 W, i64 G, i64 C, i64 
                     }
                 }
         }
+}
+
+void col2im_cl(int nt, i64 B, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh, i64 sw, i64 ph, i64 pw, i64 dh,
+               i64 dw, i64 Ho, i64 Wo, const float *du, float *dx) {
+#ifdef _OPENMP
+    if (nt > 1 && G > 1) {
+#pragma omp parallel num_threads(nt)
+        {
+            i64 t = omp_get_thread_num(), n = omp_get_num_threads();
+            col2im_range(G * t / n, G * (t + 1) / n, B, H, W, G, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, du, dx);
+        }
+        return;
+    }
+#endif
+    (void)nt;
+    col2im_range(0, G, B, H, W, G, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, du, dx);
 }

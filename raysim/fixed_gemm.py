@@ -17,8 +17,10 @@ load it gets one error naming what is missing (:class:`KernelUnavailable`).
 columns are offset tables, so the (zero-padded) image is read in place as its im2col matrix (output positions x kernel
 taps) without building it. Forward: y = im2col(x) w'; weight gradient: im2col(x)^T dy (images outer, positions inner);
 input gradient: for stride 1 the transposed convolution, one more implicit GEMM over the zero-padded dy; other strides
-du = dy w'^T, then a col2im of fixed order. Groups are split across ``torch.get_num_threads()`` Python threads (ctypes
-releases the GIL; each output element is computed by one thread, so the bits do not depend on the split).
+du = dy w'^T, then a col2im of fixed order. Groups are split across ``torch.get_num_threads()`` OpenMP threads of
+torch's own runtime (the library links libgomp.so.1, which resolves to the copy torch loaded, so ATen's thread pool
+serves both and nothing oversubscribes the cores); each output element is computed by one thread, so the bits do not
+depend on the split.
 """
 from __future__ import annotations
 
@@ -29,17 +31,15 @@ import subprocess
 import sys
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
 _SRC = Path(__file__).with_name("fixed_gemm.c")
 FLAGS = ["-O2", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
+THREADS = ["-fopenmp"]  # links libgomp.so.1: in a process with torch, the one torch loaded (its threads serve both)
 
 _lib = None
 _lock = threading.Lock()
-_pool = None
-_pool_size = 0
 
 
 class KernelUnavailable(RuntimeError):
@@ -61,29 +61,34 @@ def _compiler() -> str:
 
 
 def _build() -> Path:
+    """The compiled library in the cache: with OpenMP where the compiler has it, else single-threaded (same bits)."""
     src = _SRC.read_bytes()
     key = hashlib.sha256(src + " ".join(FLAGS).encode()).hexdigest()[:16]
-    out = cache_dir() / f"fixed_gemm_{key}.so"
-    if out.exists():
-        return out
+    variants = [(cache_dir() / f"fixed_gemm_{key}_omp.so", THREADS), (cache_dir() / f"fixed_gemm_{key}.so", [])]
+    for out, _ in variants:
+        if out.exists():
+            return out
     cc = _compiler()
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
+        cache_dir().mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot write the kernel cache {cache_dir()} ({e}); set RAYSIM_CACHE to a writable "
+                                f"directory") from None
+    err = ""
+    for out, extra in variants:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)  # compile aside, then rename: concurrent builders
         os.close(fd)                                                # (Ray actors) never load a half-written file
-    except OSError as e:
-        raise KernelUnavailable(f"cannot write the kernel cache {out.parent} ({e}); set RAYSIM_CACHE to a writable "
-                                f"directory") from None
-    try:
-        p = subprocess.run([cc, *FLAGS, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True, timeout=120)
-        if p.returncode != 0:
-            raise KernelUnavailable(f"compiling raysim's fixed-order GEMM with {cc} failed: "
-                                    f"{(p.stderr or p.stdout).strip().splitlines()[-1:]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+        try:
+            p = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(_SRC), "-lm"], capture_output=True, text=True,
+                               timeout=120)
+            if p.returncode == 0:
+                os.replace(tmp, out)
+                return out
+            err = (p.stderr or p.stdout).strip().splitlines()[-1:]
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    raise KernelUnavailable(f"compiling raysim's fixed-order GEMM with {cc} failed: {err}")
 
 
 def _cpu_ok() -> None:
@@ -100,6 +105,10 @@ def library():
     global _lib
     with _lock:
         if _lib is None:
+            import torch  # first: the library's libgomp.so.1 then resolves to the copy torch loaded
+
+            assert torch.__version__
+
             _cpu_ok()
             path = _build()
             try:
@@ -108,12 +117,11 @@ def library():
                 raise KernelUnavailable(f"cannot load {path}: {e}") from None
             i64, f32p = ctypes.c_longlong, ctypes.POINTER(ctypes.c_float)
             vp = ctypes.c_void_p
-            args = [i64] * 7 + [f32p] + [i64] * 3 + [vp, vp] + [f32p] + [i64] * 5 + [f32p] + [i64] * 4 + [ctypes.c_int]
-            lib.gemm.argtypes, lib.gemm.restype = args, ctypes.c_int
-            lib.gemm_reference.argtypes = [i64] * 6 + args[7:]
-            lib.gemm_reference.restype = None
-            conv = [i64] * 17 + [f32p, f32p]
-            lib.col2im_cl.argtypes, lib.col2im_cl.restype = conv, None
+            args = [i64] * 6 + [f32p] + [i64] * 3 + [vp, vp] + [f32p] + [i64] * 5 + [f32p] + [i64] * 4 + [ctypes.c_int]
+            lib.gemm.argtypes, lib.gemm.restype = [ctypes.c_int] + args, ctypes.c_int
+            lib.gemm_reference.argtypes, lib.gemm_reference.restype = args, None
+            lib.col2im_cl.argtypes, lib.col2im_cl.restype = [ctypes.c_int] + [i64] * 15 + [f32p, f32p], None
+            lib.threaded.restype = ctypes.c_int
             _lib = lib
     return _lib
 
@@ -130,26 +138,10 @@ def _ptr(t):
     return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
 
 
-def _threads(n: int) -> int:
+def _threads() -> int:
     import torch
 
-    return max(1, min(n, torch.get_num_threads()))
-
-
-def _parallel(fn, n: int, *args) -> None:
-    """fn(begin, end, *args) over [0, n) split across torch's intra-op thread count (ctypes releases the GIL)."""
-    global _pool, _pool_size
-    t = _threads(n)
-    if t == 1:
-        rc = fn(0, n, *args)
-        if rc:
-            raise MemoryError("raysim fixed-order GEMM: scratch allocation failed")
-        return
-    if _pool is None or _pool_size != t:
-        _pool, _pool_size = ThreadPoolExecutor(t, thread_name_prefix="raysim-gemm"), t
-    bounds = [n * i // t for i in range(t + 1)]
-    if any(f.result() for f in [_pool.submit(fn, bounds[i], bounds[i + 1], *args) for i in range(t)]):
-        raise MemoryError("raysim fixed-order GEMM: scratch allocation failed")
+    return max(1, torch.get_num_threads())
 
 
 def _check(*ts) -> None:
@@ -204,8 +196,8 @@ def gemm(a: Operand, b: Operand, c: Operand, d: Dims, accumulate: bool = False, 
     rest = (_ptr(b.t), *b.offsets, _ptr(c.t), *c.offsets, int(accumulate))
     if reference:
         lib.gemm_reference(*d, *aa, *rest)
-        return
-    _parallel(lib.gemm, d.G1, *d[1:], *aa, *rest)
+    elif lib.gemm(_threads(), *d, *aa, *rest) != 0:
+        raise MemoryError("raysim fixed-order GEMM: scratch allocation failed")
 
 
 def _offsets(grid: tuple, step: tuple, row: int, pix: int):
@@ -318,8 +310,7 @@ def _input_grad(w, gy, geo: _Geometry):
     gu = torch.empty(bsz, k, L, ckk)
     gemm(Operand(gy, (o, L * ko, 0, ko, 1)), Operand(wo_, (o * ckk, 0, 0, ckk, 1)),
          Operand(gu, (L * ckk, k * L * ckk, ckk, 1)), Dims(k, bsz, 1, L, ckk, o))
-    _parallel(library().col2im_cl, k, bsz, h, wd, k, c, kh, kw, *geo.stride, ph, pw, dh, dw, ho, wo, _ptr(gu),
-              _ptr(gx))
+    library().col2im_cl(_threads(), bsz, h, wd, k, c, kh, kw, *geo.stride, ph, pw, dh, dw, ho, wo, _ptr(gu), _ptr(gx))
     return gx
 
 
