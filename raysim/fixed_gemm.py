@@ -256,7 +256,7 @@ def _forward(ctx, x, w, stride, padding, dilation):
     kc, ckk, L = k * c, kh * kw * c, ho * wo
     pos, taps = _offsets((ho, wo), stride, wp, kc), _taps((kh, kw), c, dilation, wp, kc)
     wt = w.detach().permute(0, 3, 4, 2, 1).reshape(k, ckk, o).contiguous()  # [K, (i, j, c), O]
-    y = torch.empty(bsz, k * o, ho, wo, memory_format=cl)
+    y = torch.empty(bsz, k * o, ho, wo, memory_format=cl, device=xp.device)
     gemm(Operand(xp, (c, hp * wp * kc, 0, pos, taps)), Operand(wt, (ckk * o, 0, 0, o, 1)),
          Operand(y, (o, L * k * o, k * o, 1)), Dims(k, bsz, 1, L, o, ckk))
     # the caller's layout: channels-first in, channels-first out (a model with batch norm runs channels-first, whose
@@ -277,7 +277,7 @@ def _weight_grad(xp, w, gy, geo: _Geometry, tables: tuple):
     hp, wp = xp.shape[2:]
     ckk, L = kh * kw * c, geo.ho * geo.wo
     pos, taps = tables
-    gwt = torch.empty(k, ckk, o)
+    gwt = torch.empty(k, ckk, o, device=w.device)
     gemm(Operand(xp, (c, 0, hp * wp * k * c, taps, pos)), Operand(gy, (o, 0, L * k * o, k * o, 1)),
          Operand(gwt, (ckk * o, 0, o, 1)), Dims(k, 1, geo.bsz, ckk, o, L))
     return gwt.view(k, kh, kw, c, o).permute(0, 4, 3, 1, 2)
@@ -294,11 +294,11 @@ def _input_grad(w, gy, geo: _Geometry):
     bsz, h, wd, ho, wo = geo.bsz, geo.h, geo.w, geo.ho, geo.wo
     (ph, pw), (dh, dw) = geo.padding, geo.dilation
     kc, ko, ckk, L = k * c, k * o, kh * kw * c, ho * wo
-    gx = torch.empty(bsz, kc, h, wd, memory_format=cl)
+    gx = torch.empty(bsz, kc, h, wd, memory_format=cl, device=w.device)
     if geo.stride == (1, 1):
         eh, ew = (kh - 1) * dh, (kw - 1) * dw
         hq, wq = ho + 2 * eh, wo + 2 * ew
-        dyp = torch.empty(bsz, ko, hq, wq, memory_format=cl).zero_()
+        dyp = torch.empty(bsz, ko, hq, wq, memory_format=cl, device=gy.device).zero_()
         dyp[:, :, eh:eh + ho, ew:ew + wo] = gy
         rows = _offsets((h, wd), (1, 1), wq, ko) + (ph * wq + pw) * ko
         taps = _taps((kh, kw), o, (dh, dw), wq, ko, flip=True)
@@ -307,7 +307,7 @@ def _input_grad(w, gy, geo: _Geometry):
              Operand(gx, (c, h * wd * kc, kc, 1)), Dims(k, bsz, 1, h * wd, c, kh * kw * o))
         return gx
     wo_ = w.permute(0, 1, 3, 4, 2).reshape(k, o, ckk).contiguous()  # [K, O, (i, j, c)]
-    gu = torch.empty(bsz, k, L, ckk)
+    gu = torch.empty(bsz, k, L, ckk, device=w.device)
     gemm(Operand(gy, (o, L * ko, 0, ko, 1)), Operand(wo_, (o * ckk, 0, 0, ckk, 1)),
          Operand(gu, (L * ckk, k * L * ckk, ckk, 1)), Dims(k, bsz, 1, L, ckk, o))
     library().col2im_cl(_threads(), bsz, h, wd, k, c, kh, kw, *geo.stride, ph, pw, dh, dw, ho, wo, _ptr(gu), _ptr(gx))
