@@ -2,6 +2,7 @@
  * computed by the same arithmetic on every x86-64 CPU, whatever its vector width, cache sizes or vendor:
  *
  *     acc = 0;  for r in 0 .. R-1:  for k in 0 .. K-1:  acc = fma(A[g, r][m, k], B[g, r][k, n], acc)
+ *     acc = acc + bias[g1][n]   (with a bias: as an add after the product)
  *     C[g][m, n] = accumulate ? C[g][m, n] + acc : acc
  *
  * one IEEE fused multiply-add after another, in that order (the reduction is never split, reordered or blocked), so
@@ -38,7 +39,7 @@ int fixed_gemm_version(void) { return 1; }
 void gemm_reference(i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
                     const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
                     const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
-                    float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate) {
+                    float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate, const float *bias, i64 bias1) {
     for (i64 g1 = 0; g1 < G1; g1++)
         for (i64 g2 = 0; g2 < G2; g2++)
             for (i64 m = 0; m < M; m++)
@@ -48,6 +49,7 @@ void gemm_reference(i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
                         for (i64 k = 0; k < K; k++)
                             acc = fmaf(A[g1 * a1 + g2 * a2 + r * ar + am[m] + ak[k]],
                                        B[g1 * b1 + g2 * b2 + r * br + k * bk + n * bn], acc);
+                    if (bias) acc = acc + bias[g1 * bias1 + n];
                     float *c = C + g1 * c1 + g2 * c2 + m * cm + n * cn;
                     *c = accumulate ? *c + acc : acc;
                 }
@@ -60,7 +62,8 @@ void gemm_reference(i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
 static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
                       const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
                       const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
-                      float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate) {
+                      float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate,
+                      const float *bias, i64 bias1) {
     i64 nb = (N + NR - 1) / NR;
     float *bp = NULL;
     if (bn != 1) {
@@ -120,18 +123,30 @@ static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64
                     i64 mmax = M - i < MR ? M - i : MR;
                     for (i64 ii = 0; ii < mmax; ii++) {
                         float *c = Cg + (i + ii) * cm + j * NR * cn;
+                        __m256 v0 = acc[ii][0], v1 = acc[ii][1];
+                        if (bias) {  /* acc + bias[n], as an add after the product would */
+                            const float *bb = bias + g1 * bias1 + j * NR;
+                            v0 = _mm256_add_ps(v0, _mm256_maskload_ps(bb, m0));
+                            if (nmax > 8) v1 = _mm256_add_ps(v1, _mm256_maskload_ps(bb + 8, m1));
+                        }
                         if (cn == 1 && nmax == NR) {
-                            __m256 v0 = acc[ii][0], v1 = acc[ii][1];
                             if (accumulate) {
                                 v0 = _mm256_add_ps(_mm256_loadu_ps(c), v0);
                                 v1 = _mm256_add_ps(_mm256_loadu_ps(c + 8), v1);
                             }
                             _mm256_storeu_ps(c, v0);
                             _mm256_storeu_ps(c + 8, v1);
+                        } else if (cn == 1) {
+                            if (accumulate) {
+                                v0 = _mm256_add_ps(_mm256_maskload_ps(c, m0), v0);
+                                if (nmax > 8) v1 = _mm256_add_ps(_mm256_maskload_ps(c + 8, m1), v1);
+                            }
+                            _mm256_maskstore_ps(c, m0, v0);
+                            if (nmax > 8) _mm256_maskstore_ps(c + 8, m1, v1);
                         } else {
                             float out[NR];
-                            _mm256_storeu_ps(out, acc[ii][0]);
-                            _mm256_storeu_ps(out + 8, acc[ii][1]);
+                            _mm256_storeu_ps(out, v0);
+                            _mm256_storeu_ps(out + 8, v1);
                             for (i64 jj = 0; jj < nmax; jj++)
                                 c[jj * cn] = accumulate ? c[jj * cn] + out[jj] : out[jj];
                         }
@@ -149,7 +164,7 @@ static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64
 int gemm(int nt, i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
          const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
          const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
-         float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate) {
+         float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate, const float *bias, i64 bias1) {
 #ifdef _OPENMP
     if (nt > 1 && G1 > 1) {
         int bad = 0;
@@ -157,14 +172,14 @@ int gemm(int nt, i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
         {
             i64 t = omp_get_thread_num(), n = omp_get_num_threads();
             bad |= gemm_range(G1 * t / n, G1 * (t + 1) / n, G2, R, M, N, K, A, a1, a2, ar, am, ak,
-                              B, b1, b2, br, bk, bn, C, c1, c2, cm, cn, accumulate);
+                              B, b1, b2, br, bk, bn, C, c1, c2, cm, cn, accumulate, bias, bias1);
         }
         return bad ? -1 : 0;
     }
 #endif
     (void)nt;
     return gemm_range(0, G1, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn, C, c1, c2, cm, cn,
-                      accumulate);
+                      accumulate, bias, bias1);
 }
 
 int threaded(void) {

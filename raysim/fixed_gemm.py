@@ -117,7 +117,8 @@ def library():
                 raise KernelUnavailable(f"cannot load {path}: {e}") from None
             i64, f32p = ctypes.c_longlong, ctypes.POINTER(ctypes.c_float)
             vp = ctypes.c_void_p
-            args = [i64] * 6 + [f32p] + [i64] * 3 + [vp, vp] + [f32p] + [i64] * 5 + [f32p] + [i64] * 4 + [ctypes.c_int]
+            args = ([i64] * 6 + [f32p] + [i64] * 3 + [vp, vp] + [f32p] + [i64] * 5 + [f32p] + [i64] * 4
+                    + [ctypes.c_int, vp, i64])
             lib.gemm.argtypes, lib.gemm.restype = [ctypes.c_int] + args, ctypes.c_int
             lib.gemm_reference.argtypes, lib.gemm_reference.restype = args, None
             lib.col2im_cl.argtypes, lib.col2im_cl.restype = [ctypes.c_int] + [i64] * 15 + [f32p, f32p], None
@@ -185,15 +186,19 @@ class Dims(NamedTuple):
     K: int
 
 
-def gemm(a: Operand, b: Operand, c: Operand, d: Dims, accumulate: bool = False, reference: bool = False) -> None:
-    """C[g1, g2] (=|+=) sum_r A[g1, g2, r] @ B[g1, g2, r] in the fixed order (each output one fma after another from
-    zero, r outer, k inner). The caller keeps the tensors alive and every index inside them. ``reference``: the
-    plain C loops of the definition (tests)."""
+def gemm(a: Operand, b: Operand, c: Operand, d: Dims, accumulate: bool = False, reference: bool = False,
+         bias=None) -> None:
+    """C[g1, g2] (=|+=) sum_r A[g1, g2, r] @ B[g1, g2, r] (+ bias[g1, n]) in the fixed order (each output one fma
+    after another from zero, r outer, k inner; the bias added after, as an add would). The caller keeps the tensors
+    alive and every index inside them. ``reference``: the plain C loops of the definition (tests)."""
     lib = library()
-    _check(a.t, b.t, c.t)
+    _check(a.t, b.t, c.t, *([] if bias is None else [bias]))
+    if bias is not None and (not bias.is_contiguous() or bias.numel() != d.G1 * d.N):
+        raise ValueError(f"raysim fixed-order GEMM: the bias must be {d.G1} x {d.N} contiguous values")
     am, ak = _table(a.offsets[3], d.M), _table(a.offsets[4], d.K)
     aa = (_ptr(a.t), *a.offsets[:3], am.data_ptr(), ak.data_ptr())
-    rest = (_ptr(b.t), *b.offsets, _ptr(c.t), *c.offsets, int(accumulate))
+    rest = (_ptr(b.t), *b.offsets, _ptr(c.t), *c.offsets, int(accumulate),
+            None if bias is None else bias.data_ptr(), d.N)
     if reference:
         lib.gemm_reference(*d, *aa, *rest)
     elif lib.gemm(_threads(), *d, *aa, *rest) != 0:
@@ -236,7 +241,7 @@ class _Geometry(NamedTuple):
     first: bool  # the caller's layout is channels-first
 
 
-def _forward(ctx, x, w, stride, padding, dilation):
+def _forward(ctx, x, w, bias, stride, padding, dilation):
     """y[b, (h, w), k, :] = sum over taps (i, j, c) of xp[b, h*s + i*d, w*s + j*d, k, c] w'[k, (i, j, c), :], the
     zero-padded image read in place through the offset tables (an implicit im2col)."""
     import torch
@@ -258,11 +263,12 @@ def _forward(ctx, x, w, stride, padding, dilation):
     wt = w.detach().permute(0, 3, 4, 2, 1).reshape(k, ckk, o).contiguous()  # [K, (i, j, c), O]
     y = torch.empty(bsz, k * o, ho, wo, memory_format=cl, device=xp.device)
     gemm(Operand(xp, (c, hp * wp * kc, 0, pos, taps)), Operand(wt, (ckk * o, 0, 0, o, 1)),
-         Operand(y, (o, L * k * o, k * o, 1)), Dims(k, bsz, 1, L, o, ckk))
+         Operand(y, (o, L * k * o, k * o, 1)), Dims(k, bsz, 1, L, o, ckk),
+         bias=None if bias is None else bias.detach().contiguous())
     # the caller's layout: channels-first in, channels-first out (a model with batch norm runs channels-first, whose
     # kernels then reduce each channel as one client's own forward does); ambiguous -> channels-first
     first = not (x.is_contiguous(memory_format=cl) and not x.is_contiguous())
-    if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
+    if any(ctx.needs_input_grad[:3]):
         ctx.save_for_backward(xp, w.detach())
         ctx.geo = _Geometry(bsz, h, wd, ho, wo, stride, padding, dilation, first)
         ctx.tables = (pos, taps)
@@ -319,13 +325,15 @@ def _backward(ctx, gy):
 
     xp, w = ctx.saved_tensors
     geo = ctx.geo
+    # the bias's gradient: dy summed over images and positions, in the layout it came in (as an add's backward)
+    gb = gy.sum(dim=(0, 2, 3)).view(w.shape[0], w.shape[1]) if ctx.needs_input_grad[2] else None
     gy = gy.contiguous(memory_format=torch.channels_last)  # [B, Ho, Wo, K*O] in memory
     gw = _weight_grad(xp, w, gy, geo, ctx.tables) if ctx.needs_input_grad[1] else None
     gx = None
     if ctx.needs_input_grad[0]:
         gx = _input_grad(w, gy, geo)
         gx = gx.contiguous() if geo.first else gx
-    return gx, gw, None, None, None
+    return gx, gw, gb, None, None, None
 
 
 _Fn = None
@@ -348,10 +356,7 @@ def grouped_conv2d(x, w, bias, stride, padding, dilation):
     x [B, K*C, H, W], w [K, O, C, kh, kw], bias [K, O] or None, in the fixed order (module docstring); the result
     (and x's gradient) in x's memory layout (channels-last, or channels-first where x is not clearly channels-last)."""
     pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
-    y = _function().apply(x, w, pair(stride), pair(padding), pair(dilation))
-    if bias is not None:
-        y = y + bias.reshape(1, -1, 1, 1)
-    return y
+    return _function().apply(x, w, bias, pair(stride), pair(padding), pair(dilation))
 
 
 if __name__ == "__main__":  # python -m raysim.fixed_gemm: build the kernel now and say where it is

@@ -27,22 +27,26 @@ def _floats(n: int, salt: int) -> torch.Tensor:
 @pytest.mark.parametrize("dims,accumulate", [((2, 3, 1, 7, 19, 5), False), ((1, 1, 3, 13, 33, 11), True),
                                              ((3, 2, 2, 6, 16, 1), False), ((1, 1, 1, 1, 1, 300), True)])
 def test_kernel_equals_the_definition_bit_for_bit(dims, accumulate):
-    """Odd M, N (row and column tails), R > 1, two group levels, accumulate, a table for A's rows."""
+    """Odd M, N (row and column tails), R > 1, two group levels, accumulate or a bias, a table for A's rows."""
     g1, g2, r, m, n, k = dims
     a = _floats(g1 * g2 * r * m * k, 1)
     b = _floats(g1 * g2 * r * k * n, 2)
     rows = torch.arange(m, dtype=torch.int64).flip(0) * k  # rows read in reverse through a table
     ops_a = fg.Operand(a, (g2 * r * m * k, r * m * k, m * k, rows, 1))
     ops_b = fg.Operand(b, (g2 * r * k * n, r * k * n, k * n, n, 1))
+    bias = None if accumulate else _floats(g1 * n, 12)
     out = []
     for ref in (False, True):
         c = _floats(g1 * g2 * m * n, 3)
-        fg.gemm(ops_a, ops_b, fg.Operand(c, (g2 * m * n, m * n, n, 1)), fg.Dims(*dims), accumulate, reference=ref)
+        fg.gemm(ops_a, ops_b, fg.Operand(c, (g2 * m * n, m * n, n, 1)), fg.Dims(*dims), accumulate, reference=ref,
+                bias=bias)
         out.append(c)
     assert torch.equal(out[0], out[1])
     want = torch.einsum("xyrmk,xyrkn->xymn", a.double().view(g1, g2, r, m, k).flip(3), b.double().view(g1, g2, r, k, n))
     if accumulate:
         want = want + _floats(g1 * g2 * m * n, 3).double().view(g1, g2, m, n)
+    else:
+        want = want + bias.double().view(g1, 1, 1, n)
     assert torch.allclose(out[0].view(g1, g2, m, n).double(), want, rtol=1e-5, atol=1e-4)
 
 
