@@ -242,8 +242,9 @@ class _Geometry(NamedTuple):
 
 
 def _forward(ctx, x, w, bias, stride, padding, dilation):
-    """y[b, (h, w), k, :] = sum over taps (i, j, c) of xp[b, h*s + i*d, w*s + j*d, k, c] w'[k, (i, j, c), :], the
-    zero-padded image read in place through the offset tables (an implicit im2col)."""
+    """y[b, (h, w), k, :] = sum over taps (i, j, c) of xk[b, k, h*s + i*d, w*s + j*d, c] w'[k, (i, j, c), :], the
+    zero-padded image read in place through the offset tables (an implicit im2col), client-major (xk [B, K, Hp, Wp,
+    C]: one client's image contiguous, where channels-last memory spreads it over K*C-float strides)."""
     import torch
     import torch.nn.functional as F
 
@@ -255,41 +256,42 @@ def _forward(ctx, x, w, bias, stride, padding, dilation):
     xp = x.detach()
     if padding[0] or padding[1]:
         xp = F.pad(xp, (padding[1], padding[1], padding[0], padding[0]))
-    xp = xp.contiguous(memory_format=cl)
-    _check(xp, w)
     hp, wp = xp.shape[2:]
-    kc, ckk, L = k * c, kh * kw * c, ho * wo
-    pos, taps = _offsets((ho, wo), stride, wp, kc), _taps((kh, kw), c, dilation, wp, kc)
+    xk = xp.reshape(bsz, k, c, hp, wp).permute(0, 1, 3, 4, 2).contiguous()  # [B, K, Hp, Wp, C]
+    _check(xk, w)
+    ckk, L, img = kh * kw * c, ho * wo, hp * wp * c
+    pos, taps = _offsets((ho, wo), stride, wp, c), _taps((kh, kw), c, dilation, wp, c)
     wt = w.detach().permute(0, 3, 4, 2, 1).reshape(k, ckk, o).contiguous()  # [K, (i, j, c), O]
-    y = torch.empty(bsz, k * o, ho, wo, memory_format=cl, device=xp.device)
-    gemm(Operand(xp, (c, hp * wp * kc, 0, pos, taps)), Operand(wt, (ckk * o, 0, 0, o, 1)),
+    y = torch.empty(bsz, k * o, ho, wo, memory_format=cl, device=xk.device)
+    gemm(Operand(xk, (img, k * img, 0, pos, taps)), Operand(wt, (ckk * o, 0, 0, o, 1)),
          Operand(y, (o, L * k * o, k * o, 1)), Dims(k, bsz, 1, L, o, ckk),
          bias=None if bias is None else bias.detach().contiguous())
     # the caller's layout: channels-first in, channels-first out (a model with batch norm runs channels-first, whose
     # kernels then reduce each channel as one client's own forward does); ambiguous -> channels-first
     first = not (x.is_contiguous(memory_format=cl) and not x.is_contiguous())
     if any(ctx.needs_input_grad[:3]):
-        ctx.save_for_backward(xp, w.detach())
+        ctx.save_for_backward(xk, w.detach())
         ctx.geo = _Geometry(bsz, h, wd, ho, wo, stride, padding, dilation, first)
         ctx.tables = (pos, taps)
     return y.contiguous() if first else y
 
 
-def _weight_grad(xp, w, gy, geo: _Geometry, tables: tuple):
-    """dw'[k] (taps x O) = sum over images b (outer), positions (inner) of xp's tap entries times dy."""
+def _weight_grad(xk, w, dyk, geo: _Geometry, tables: tuple):
+    """dw'[k] (taps x O) = sum over images b (outer), positions (inner) of xk's tap entries times dy (both
+    client-major)."""
     import torch
 
     k, o, c, kh, kw = w.shape
-    hp, wp = xp.shape[2:]
+    img = xk.shape[2] * xk.shape[3] * c
     ckk, L = kh * kw * c, geo.ho * geo.wo
     pos, taps = tables
     gwt = torch.empty(k, ckk, o, device=w.device)
-    gemm(Operand(xp, (c, 0, hp * wp * k * c, taps, pos)), Operand(gy, (o, 0, L * k * o, k * o, 1)),
+    gemm(Operand(xk, (img, 0, k * img, taps, pos)), Operand(dyk, (L * o, 0, k * L * o, o, 1)),
          Operand(gwt, (ckk * o, 0, o, 1)), Dims(k, 1, geo.bsz, ckk, o, L))
     return gwt.view(k, kh, kw, c, o).permute(0, 4, 3, 1, 2)
 
 
-def _input_grad(w, gy, geo: _Geometry):
+def _input_grad(w, dyk, geo: _Geometry):
     """dx: stride 1, the transposed convolution as one implicit GEMM — dx[b, (y, x), k, c] = sum over (i, j, o) of
     dyp[b, y + ph + (kh-1-i)*dh, x + pw + (kw-1-j)*dw, k, o] w[k, o, c, i, j], dyp = dy with (kh-1)*dh rows and
     (kw-1)*dw columns of zeros each side; other strides: du = dy w'^T, then col2im."""
@@ -299,39 +301,38 @@ def _input_grad(w, gy, geo: _Geometry):
     k, o, c, kh, kw = w.shape
     bsz, h, wd, ho, wo = geo.bsz, geo.h, geo.w, geo.ho, geo.wo
     (ph, pw), (dh, dw) = geo.padding, geo.dilation
-    kc, ko, ckk, L = k * c, k * o, kh * kw * c, ho * wo
+    kc, ckk, L = k * c, kh * kw * c, ho * wo
     gx = torch.empty(bsz, kc, h, wd, memory_format=cl, device=w.device)
     if geo.stride == (1, 1):
         eh, ew = (kh - 1) * dh, (kw - 1) * dw
         hq, wq = ho + 2 * eh, wo + 2 * ew
-        dyp = torch.empty(bsz, ko, hq, wq, memory_format=cl, device=gy.device).zero_()
-        dyp[:, :, eh:eh + ho, ew:ew + wo] = gy
-        rows = _offsets((h, wd), (1, 1), wq, ko) + (ph * wq + pw) * ko
-        taps = _taps((kh, kw), o, (dh, dw), wq, ko, flip=True)
+        dyp = torch.zeros(bsz, k, hq, wq, o, device=dyk.device)  # client-major, zero-padded
+        dyp[:, :, eh:eh + ho, ew:ew + wo] = dyk
+        rows = _offsets((h, wd), (1, 1), wq, o) + (ph * wq + pw) * o
+        taps = _taps((kh, kw), o, (dh, dw), wq, o, flip=True)
         wb = w.permute(0, 3, 4, 1, 2).reshape(k, kh * kw * o, c).contiguous()  # [K, (i, j, o), C]
-        gemm(Operand(dyp, (o, hq * wq * ko, 0, rows, taps)), Operand(wb, (kh * kw * o * c, 0, 0, c, 1)),
+        gemm(Operand(dyp, (hq * wq * o, k * hq * wq * o, 0, rows, taps)), Operand(wb, (kh * kw * o * c, 0, 0, c, 1)),
              Operand(gx, (c, h * wd * kc, kc, 1)), Dims(k, bsz, 1, h * wd, c, kh * kw * o))
         return gx
     wo_ = w.permute(0, 1, 3, 4, 2).reshape(k, o, ckk).contiguous()  # [K, O, (i, j, c)]
     gu = torch.empty(bsz, k, L, ckk, device=w.device)
-    gemm(Operand(gy, (o, L * ko, 0, ko, 1)), Operand(wo_, (o * ckk, 0, 0, ckk, 1)),
+    gemm(Operand(dyk, (L * o, k * L * o, 0, o, 1)), Operand(wo_, (o * ckk, 0, 0, ckk, 1)),
          Operand(gu, (L * ckk, k * L * ckk, ckk, 1)), Dims(k, bsz, 1, L, ckk, o))
     library().col2im_cl(_threads(), bsz, h, wd, k, c, kh, kw, *geo.stride, ph, pw, dh, dw, ho, wo, _ptr(gu), _ptr(gx))
     return gx
 
 
 def _backward(ctx, gy):
-    import torch
-
-    xp, w = ctx.saved_tensors
+    xk, w = ctx.saved_tensors
     geo = ctx.geo
     # the bias's gradient: dy summed over images and positions, in the layout it came in (as an add's backward)
     gb = gy.sum(dim=(0, 2, 3)).view(w.shape[0], w.shape[1]) if ctx.needs_input_grad[2] else None
-    gy = gy.contiguous(memory_format=torch.channels_last)  # [B, Ho, Wo, K*O] in memory
-    gw = _weight_grad(xp, w, gy, geo, ctx.tables) if ctx.needs_input_grad[1] else None
+    k, o = w.shape[:2]
+    dyk = gy.reshape(geo.bsz, k, o, geo.ho, geo.wo).permute(0, 1, 3, 4, 2).contiguous()  # [B, K, Ho, Wo, O]
+    gw = _weight_grad(xk, w, dyk, geo, ctx.tables) if ctx.needs_input_grad[1] else None
     gx = None
     if ctx.needs_input_grad[0]:
-        gx = _input_grad(w, gy, geo)
+        gx = _input_grad(w, dyk, geo)
         gx = gx.contiguous() if geo.first else gx
     return gx, gw, gb, None, None, None
 
