@@ -190,45 +190,66 @@ int threaded(void) {
 #endif
 }
 
-/* col2im for a grouped convolution of stride > 1 (raysim/fixed_gemm.py, _input_grad), groups g in [g1_begin, g1_end):
- * du [B, G, Ho*Wo, kh*kw*C] (a tap's gradient per output position, taps (i, j, c)) -> dx [B, H, W, G*C]
- * (channels-last memory), dx[b, y, x, g*C + c] = the sum of the du entries that read it, added in the order h, w
- * (outer), i, j (inner), from zero. Adds only, in an order fixed here. */
-static void col2im_range(i64 g1_begin, i64 g1_end, i64 B, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh, i64 sw,
-                        i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo, const float *du, float *dx) {
-    i64 L = Ho * Wo, ckk = kh * kw * C;
-    for (i64 b = 0; b < B; b++)
-        for (i64 g = g1_begin; g < g1_end; g++) {
-            for (i64 p = 0; p < H * W; p++)
-                memset(dx + (b * H * W + p) * G * C + g * C, 0, sizeof(float) * (size_t)C);
-            for (i64 h = 0; h < Ho; h++)
-                for (i64 w = 0; w < Wo; w++) {
-                    const float *src = du + ((b * G + g) * L + h * Wo + w) * ckk;
-                    for (i64 i = 0; i < kh; i++) {
-                        i64 yy = h * sh - ph + i * dh;
-                        for (i64 j = 0; j < kw; j++, src += C) {
-                            i64 xx = w * sw - pw + j * dw;
-                            if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
-                            float *d = dx + ((b * H + yy) * W + xx) * G * C + g * C;
-                            for (i64 c = 0; c < C; c++) d[c] = d[c] + src[c];
-                        }
-                    }
+/* One client's image of a grouped convolution's input gradient: du [L, kh*kw*C] (each output position's tap
+ * gradients, taps (i, j, c)) -> dx, that image's C channels in channels-last memory (pixel stride G*C):
+ * dx[y, x, c] = the sum of the du entries that read it, added in the order h, w (outer), i, j (inner), from zero. */
+static void col2im_one(const float *du, float *dx, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh, i64 sw,
+                       i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo) {
+    for (i64 p = 0; p < H * W; p++) memset(dx + p * G * C, 0, sizeof(float) * (size_t)C);
+    const float *src = du;
+    for (i64 h = 0; h < Ho; h++)
+        for (i64 w = 0; w < Wo; w++)
+            for (i64 i = 0; i < kh; i++) {
+                i64 yy = h * sh - ph + i * dh;
+                for (i64 j = 0; j < kw; j++, src += C) {
+                    i64 xx = w * sw - pw + j * dw;
+                    if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
+                    float *d = dx + (yy * W + xx) * G * C;
+                    for (i64 c = 0; c < C; c++) d[c] = d[c] + src[c];
                 }
-        }
+            }
 }
 
-void col2im_cl(int nt, i64 B, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh, i64 sw, i64 ph, i64 pw, i64 dh,
-               i64 dw, i64 Ho, i64 Wo, const float *du, float *dx) {
+static int input_grad_range(i64 g_begin, i64 g_end, i64 B, i64 G, i64 H, i64 W, i64 C, i64 O, i64 kh, i64 kw,
+                            i64 sh, i64 sw, i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo,
+                            const float *dy, const float *wo, float *dx) {
+    i64 L = Ho * Wo, ckk = kh * kw * C;
+    float *du = (float *)malloc(sizeof(float) * (size_t)(L * ckk + 1));
+    i64 *am = (i64 *)malloc(sizeof(i64) * (size_t)(L + O + 1));
+    if (!du || !am) { free(du); free(am); return -1; }
+    i64 *ak = am + L;
+    for (i64 l = 0; l < L; l++) am[l] = l * G * O;
+    for (i64 o = 0; o < O; o++) ak[o] = o;
+    int bad = 0;
+    for (i64 g = g_begin; g < g_end && !bad; g++)
+        for (i64 b = 0; b < B && !bad; b++) {
+            /* du (L x ckk) = dy[b, :, g] (L x O) @ w[g] (O x ckk), the fixed-order product of one group */
+            bad = gemm_range(g, g + 1, 1, 1, L, ckk, O, dy + b * L * G * O, O, 0, 0, am, ak,
+                             wo, O * ckk, 0, 0, ckk, 1, du, 0, 0, ckk, 1, 0, NULL, 0);
+            col2im_one(du, dx + b * H * W * G * C + g * C, H, W, G, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo);
+        }
+    free(du);
+    free(am);
+    return bad;
+}
+
+/* The input gradient of a grouped convolution (raysim/fixed_gemm.py, _input_grad): per client g and image b, the
+ * tap gradients du = dy[b, g] w[g] in a scratch block, then col2im into dx. dy [B, Ho*Wo, G*O] (channels-last),
+ * wo [G, O, kh*kw*C], dx [B, H, W, G*C] (channels-last memory, overwritten). Clients split across nt threads. */
+int conv_input_grad(int nt, i64 B, i64 G, i64 H, i64 W, i64 C, i64 O, i64 kh, i64 kw, i64 sh, i64 sw, i64 ph,
+                    i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo, const float *dy, const float *wo, float *dx) {
 #ifdef _OPENMP
     if (nt > 1 && G > 1) {
-#pragma omp parallel num_threads(nt)
+        int bad = 0;
+#pragma omp parallel num_threads(nt) reduction(|: bad)
         {
             i64 t = omp_get_thread_num(), n = omp_get_num_threads();
-            col2im_range(G * t / n, G * (t + 1) / n, B, H, W, G, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, du, dx);
+            bad |= input_grad_range(G * t / n, G * (t + 1) / n, B, G, H, W, C, O, kh, kw, sh, sw, ph, pw, dh, dw, Ho,
+                                    Wo, dy, wo, dx);
         }
-        return;
+        return bad ? -1 : 0;
     }
 #endif
     (void)nt;
-    col2im_range(0, G, B, H, W, G, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, du, dx);
+    return input_grad_range(0, G, B, G, H, W, C, O, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo, dy, wo, dx);
 }

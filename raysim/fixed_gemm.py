@@ -16,8 +16,7 @@ load it gets one error naming what is missing (:class:`KernelUnavailable`).
 :func:`grouped_conv2d` is ``F.conv2d(x, w.reshape(K*O, C, kh, kw), groups=K)`` as implicit GEMMs: operand A's rows and
 columns are offset tables, so the (zero-padded) image is read in place as its im2col matrix (output positions x kernel
 taps) without building it. Forward: y = im2col(x) w'; weight gradient: im2col(x)^T dy (images outer, positions inner);
-input gradient: for stride 1 the transposed convolution, one more implicit GEMM over the zero-padded dy; other strides
-du = dy w'^T, then a col2im of fixed order. Groups are split across ``torch.get_num_threads()`` OpenMP threads of
+input gradient: per client and image du = dy w'^T into a scratch block, then a col2im of fixed order (one C call). Groups are split across ``torch.get_num_threads()`` OpenMP threads of
 torch's own runtime (the library links libgomp.so.1, which resolves to the copy torch loaded, so ATen's thread pool
 serves both and nothing oversubscribes the cores); each output element is computed by one thread, so the bits do not
 depend on the split.
@@ -121,7 +120,8 @@ def library():
                     + [ctypes.c_int, vp, i64])
             lib.gemm.argtypes, lib.gemm.restype = [ctypes.c_int] + args, ctypes.c_int
             lib.gemm_reference.argtypes, lib.gemm_reference.restype = args, None
-            lib.col2im_cl.argtypes, lib.col2im_cl.restype = [ctypes.c_int] + [i64] * 15 + [f32p, f32p], None
+            lib.conv_input_grad.argtypes = [ctypes.c_int] + [i64] * 16 + [f32p, f32p, f32p]
+            lib.conv_input_grad.restype = ctypes.c_int
             lib.threaded.restype = ctypes.c_int
             _lib = lib
     return _lib
@@ -215,15 +215,13 @@ def _offsets(grid: tuple, step: tuple, row: int, pix: int):
     return (h[:, None] + w[None, :]).reshape(-1)
 
 
-def _taps(kernel: tuple, ch: int, dilation: tuple, row: int, pix: int, flip: bool = False):
-    """int64 offsets of the kernel taps (i, j, c), c fastest; ``flip``: tap (i, j) at (kh-1-i, kw-1-j)."""
+def _taps(kernel: tuple, ch: int, dilation: tuple, row: int, pix: int):
+    """int64 offsets of the kernel taps (i, j, c), c fastest."""
     import torch
 
     kh, kw = kernel
     i = torch.arange(kh, dtype=torch.int64)
     j = torch.arange(kw, dtype=torch.int64)
-    if flip:
-        i, j = kh - 1 - i, kw - 1 - j
     c = torch.arange(ch, dtype=torch.int64)
     return (i[:, None, None] * (dilation[0] * row * pix) + j[None, :, None] * (dilation[1] * pix)
             + c[None, None, :]).reshape(-1)
@@ -276,9 +274,9 @@ def _forward(ctx, x, w, bias, stride, padding, dilation):
     return y.contiguous() if first else y
 
 
-def _weight_grad(xk, w, dyk, geo: _Geometry, tables: tuple):
-    """dw'[k] (taps x O) = sum over images b (outer), positions (inner) of xk's tap entries times dy (both
-    client-major)."""
+def _weight_grad(xk, w, gy, geo: _Geometry, tables: tuple):
+    """dw'[k] (taps x O) = sum over images b (outer), positions (inner) of xk's tap entries (client-major) times dy
+    (channels-last: a client's O outputs of a position contiguous, which the kernel's vector loads need)."""
     import torch
 
     k, o, c, kh, kw = w.shape
@@ -286,53 +284,38 @@ def _weight_grad(xk, w, dyk, geo: _Geometry, tables: tuple):
     ckk, L = kh * kw * c, geo.ho * geo.wo
     pos, taps = tables
     gwt = torch.empty(k, ckk, o, device=w.device)
-    gemm(Operand(xk, (img, 0, k * img, taps, pos)), Operand(dyk, (L * o, 0, k * L * o, o, 1)),
+    gemm(Operand(xk, (img, 0, k * img, taps, pos)), Operand(gy, (o, 0, L * k * o, k * o, 1)),
          Operand(gwt, (ckk * o, 0, o, 1)), Dims(k, 1, geo.bsz, ckk, o, L))
     return gwt.view(k, kh, kw, c, o).permute(0, 4, 3, 1, 2)
 
 
-def _input_grad(w, dyk, geo: _Geometry):
-    """dx: stride 1, the transposed convolution as one implicit GEMM — dx[b, (y, x), k, c] = sum over (i, j, o) of
-    dyp[b, y + ph + (kh-1-i)*dh, x + pw + (kw-1-j)*dw, k, o] w[k, o, c, i, j], dyp = dy with (kh-1)*dh rows and
-    (kw-1)*dw columns of zeros each side; other strides: du = dy w'^T, then col2im."""
+def _input_grad(w, gy, geo: _Geometry):
+    """dx: per client and image, the tap gradients du = dy w'^T (the fixed-order GEMM into a scratch block), then a
+    col2im of fixed order into dx (channels-last), in one C call (``conv_input_grad``)."""
     import torch
 
-    cl = torch.channels_last
     k, o, c, kh, kw = w.shape
-    bsz, h, wd, ho, wo = geo.bsz, geo.h, geo.w, geo.ho, geo.wo
-    (ph, pw), (dh, dw) = geo.padding, geo.dilation
-    kc, ckk, L = k * c, kh * kw * c, ho * wo
-    gx = torch.empty(bsz, kc, h, wd, memory_format=cl, device=w.device)
-    if geo.stride == (1, 1):
-        eh, ew = (kh - 1) * dh, (kw - 1) * dw
-        hq, wq = ho + 2 * eh, wo + 2 * ew
-        dyp = torch.zeros(bsz, k, hq, wq, o, device=dyk.device)  # client-major, zero-padded
-        dyp[:, :, eh:eh + ho, ew:ew + wo] = dyk
-        rows = _offsets((h, wd), (1, 1), wq, o) + (ph * wq + pw) * o
-        taps = _taps((kh, kw), o, (dh, dw), wq, o, flip=True)
-        wb = w.permute(0, 3, 4, 1, 2).reshape(k, kh * kw * o, c).contiguous()  # [K, (i, j, o), C]
-        gemm(Operand(dyp, (hq * wq * o, k * hq * wq * o, 0, rows, taps)), Operand(wb, (kh * kw * o * c, 0, 0, c, 1)),
-             Operand(gx, (c, h * wd * kc, kc, 1)), Dims(k, bsz, 1, h * wd, c, kh * kw * o))
-        return gx
-    wo_ = w.permute(0, 1, 3, 4, 2).reshape(k, o, ckk).contiguous()  # [K, O, (i, j, c)]
-    gu = torch.empty(bsz, k, L, ckk, device=w.device)
-    gemm(Operand(dyk, (L * o, k * L * o, 0, o, 1)), Operand(wo_, (o * ckk, 0, 0, ckk, 1)),
-         Operand(gu, (L * ckk, k * L * ckk, ckk, 1)), Dims(k, bsz, 1, L, ckk, o))
-    library().col2im_cl(_threads(), bsz, h, wd, k, c, kh, kw, *geo.stride, ph, pw, dh, dw, ho, wo, _ptr(gu), _ptr(gx))
+    wo_ = w.permute(0, 1, 3, 4, 2).reshape(k, o, kh * kw * c).contiguous()  # [K, O, (i, j, c)]
+    gx = torch.empty(geo.bsz, k * c, geo.h, geo.w, memory_format=torch.channels_last, device=w.device)
+    _check(gy, wo_, gx)
+    if library().conv_input_grad(_threads(), geo.bsz, k, geo.h, geo.w, c, o, kh, kw, *geo.stride, *geo.padding,
+                                 *geo.dilation, geo.ho, geo.wo, _ptr(gy), _ptr(wo_), _ptr(gx)) != 0:
+        raise MemoryError("raysim fixed-order GEMM: scratch allocation failed")
     return gx
 
 
 def _backward(ctx, gy):
+    import torch
+
     xk, w = ctx.saved_tensors
     geo = ctx.geo
     # the bias's gradient: dy summed over images and positions, in the layout it came in (as an add's backward)
     gb = gy.sum(dim=(0, 2, 3)).view(w.shape[0], w.shape[1]) if ctx.needs_input_grad[2] else None
-    k, o = w.shape[:2]
-    dyk = gy.reshape(geo.bsz, k, o, geo.ho, geo.wo).permute(0, 1, 3, 4, 2).contiguous()  # [B, K, Ho, Wo, O]
-    gw = _weight_grad(xk, w, dyk, geo, ctx.tables) if ctx.needs_input_grad[1] else None
+    gy = gy.contiguous(memory_format=torch.channels_last)  # [B, Ho, Wo, K*O] in memory
+    gw = _weight_grad(xk, w, gy, geo, ctx.tables) if ctx.needs_input_grad[1] else None
     gx = None
     if ctx.needs_input_grad[0]:
-        gx = _input_grad(w, dyk, geo)
+        gx = _input_grad(w, gy, geo)
         gx = gx.contiguous() if geo.first else gx
     return gx, gw, gb, None, None, None
 
