@@ -343,6 +343,60 @@ def grouped_conv2d(x, w, bias, stride, padding, dilation):
     return _function().apply(x, w, bias, pair(stride), pair(padding), pair(dilation))
 
 
+def _linear_forward(ctx, x, w, bias):
+    """y[k] = x[k] w[k]^T (+ bias[k]): x [K, B, in], w [K, out, in] -> [K, B, out], the fixed-order GEMM."""
+    import torch
+
+    k, bsz, fin = x.shape
+    out = w.shape[1]
+    xc, wc = x.detach().contiguous(), w.detach().contiguous()
+    y = torch.empty(k, bsz, out, device=xc.device)
+    gemm(Operand(xc, (bsz * fin, 0, 0, fin, 1)), Operand(wc, (out * fin, 0, 0, 1, fin)), Operand(y, (bsz * out, 0, out, 1)),
+         Dims(k, 1, 1, bsz, out, fin), bias=None if bias is None else bias.detach().contiguous())
+    if any(ctx.needs_input_grad[:3]):
+        ctx.save_for_backward(xc, wc)
+    return y
+
+
+def _linear_backward(ctx, gy):
+    """dx[k] = dy[k] w[k]; dw[k] = dy[k]^T x[k] (the batch summed in order); dbias[k] = dy[k] summed over the batch
+    (as baddbmm's backward sums)."""
+    import torch
+
+    xc, wc = ctx.saved_tensors
+    k, bsz, fin = xc.shape
+    out = wc.shape[1]
+    gy = gy.contiguous()
+    gx = gw = gb = None
+    if ctx.needs_input_grad[0]:
+        gx = torch.empty(k, bsz, fin, device=gy.device)
+        gemm(Operand(gy, (bsz * out, 0, 0, out, 1)), Operand(wc, (out * fin, 0, 0, fin, 1)),
+             Operand(gx, (bsz * fin, 0, fin, 1)), Dims(k, 1, 1, bsz, fin, out))
+    if ctx.needs_input_grad[1]:
+        gw = torch.empty(k, out, fin, device=gy.device)
+        gemm(Operand(gy, (bsz * out, 0, 0, 1, out)), Operand(xc, (bsz * fin, 0, 0, fin, 1)),
+             Operand(gw, (out * fin, 0, fin, 1)), Dims(k, 1, 1, out, fin, bsz))
+    if ctx.needs_input_grad[2]:
+        gb = gy.sum(1)
+    return gx, gw, gb
+
+
+_Linear = None
+
+
+def grouped_linear(x, w, bias):
+    """``torch.baddbmm(bias.unsqueeze(1), x, w.transpose(1, 2))`` (``bmm`` without a bias) for x [K, B, in],
+    w [K, out, in], bias [K, out] or None, in the fixed order."""
+    global _Linear
+    if _Linear is None:
+        import torch
+
+        _Linear = type("FixedOrderGroupedLinear", (torch.autograd.Function,),
+                       {"forward": staticmethod(_linear_forward),
+                        "backward": staticmethod(torch.autograd.function.once_differentiable(_linear_backward))})
+    return _Linear.apply(x, w, bias)
+
+
 if __name__ == "__main__":  # python -m raysim.fixed_gemm: build the kernel now and say where it is
     library()
     print(f"raysim fixed-order GEMM: {_build()}", file=sys.stderr)

@@ -122,3 +122,21 @@ def test_no_compiler_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.delenv("CC", raising=False)
     with pytest.raises(fg.KernelUnavailable, match="no C compiler found"):
         fg.library()
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_linear_is_baddbmm(bias):
+    """The grouped linear layer: values and gradients as torch's baddbmm in float64 (float32 rounding apart)."""
+    k, bsz, fin, out = 3, 5, 37, 19
+    x = _floats(k * bsz * fin, 13).view(k, bsz, fin).requires_grad_()
+    w = (_floats(k * out * fin, 14).view(k, out, fin) / 6).requires_grad_()
+    b = _floats(k * out, 15).view(k, out).requires_grad_() if bias else None
+    ins = (x, w) + ((b,) if bias else ())
+    y = fg.grouped_linear(x, w, b)
+    g = _floats(y.numel(), 16).view(y.shape)
+    grads = torch.autograd.grad(y, ins, g)
+    d = [t.detach().double().requires_grad_() for t in ins]
+    y2 = torch.bmm(d[0], d[1].transpose(1, 2)) + (d[2].unsqueeze(1) if bias else 0)
+    want = torch.autograd.grad(y2, d, g.double())
+    for got, ref in zip((y, *grads), (y2, *want)):
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

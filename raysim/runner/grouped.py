@@ -92,19 +92,24 @@ def _conv(m: nn.Conv2d, a: _Act, p: dict, name: str) -> _Act:
     return a.like(t, m.out_channels)
 
 
-def _fixed_order(t: torch.Tensor, m: nn.Conv2d) -> bool:
-    """A float32 CPU convolution in a portable process runs raysim's fixed-order GEMM (:mod:`raysim.fixed_gemm`):
-    torch's portable alternative computes the K clients' convolutions one group at a time on MKL's SSE2 branch."""
+def _fixed_order(t: torch.Tensor, m: Optional[nn.Conv2d] = None) -> bool:
+    """A float32 CPU convolution or linear layer in a portable process runs raysim's fixed-order GEMM
+    (:mod:`raysim.fixed_gemm`): torch's portable alternative computes the K clients' convolutions one group at a
+    time, and every GEMM, on MKL's SSE2 branch."""
     from raysim import numerics
 
     return (numerics.active_mode() == "portable" and t.device.type == "cpu" and t.dtype == torch.float32
-            and m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str))
+            and (m is None or (m.groups == 1 and m.padding_mode == "zeros" and not isinstance(m.padding, str))))
 
 
 def _linear(a: _Act, p: dict, name: str, has_bias: bool) -> _Act:
     if a.img or a.t.dim() != 3:
         raise Ineligible(f"{name}: a linear layer on a non-[B, F] activation")
     w = p[f"{name}.weight"]  # [K, out, in]
+    if _fixed_order(a.t):
+        from raysim import fixed_gemm
+
+        return a.like(fixed_gemm.grouped_linear(a.t, w, p[f"{name}.bias"] if has_bias else None))
     if has_bias:
         return a.like(torch.baddbmm(p[f"{name}.bias"].unsqueeze(1), a.t, w.transpose(1, 2)))
     return a.like(torch.bmm(a.t, w.transpose(1, 2)))
