@@ -6,7 +6,8 @@
  *     C[g][m, n] = accumulate ? C[g][m, n] + acc : acc
  *
  * one IEEE fused multiply-add after another, in that order (the reduction is never split, reordered or blocked), so
- * the vector kernel below (AVX2 + FMA: 8 output columns per register, 6 x 16 outputs per block) gives the bits of
+ * the vector kernels below (AVX2 + FMA: 8 output columns per register, 6 x 16 outputs per block; AVX-512 where the
+ * CPU has it: 16 columns per register, 6 x 32 outputs per block) give the bits of
  * the scalar loop `gemm_reference` (tests/test_fixed_gemm.py checks it on odd shapes) and of any other correct
  * implementation of the same order. Blocking only decides which outputs are computed together, never how one is.
  *
@@ -59,7 +60,7 @@ void gemm_reference(i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
  * A is read in place through its tables (6 rows broadcast per step; rows past M repeat row M-1 and are never stored); B in place when
  * its columns are contiguous (bn == 1; the last panel's missing columns masked to zero), else packed into a
  * [r][k][16] panel first. Returns 0, or -1 when scratch memory could not be allocated. */
-static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
+static int gemm_range_avx2(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
                       const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
                       const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
                       float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate,
@@ -158,6 +159,132 @@ static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64
     return 0;
 }
 
+/* The same products with AVX-512 (16 lanes a register, 6 x 32 outputs a block): every lane is still one output, one
+ * fma after another in k order, so the bits are the AVX2 kernel's (and the scalar definition's); only how many
+ * outputs one instruction computes changes. Used where the CPU has AVX-512F (tests compare the two bit for bit). */
+#define ROW5(a, x0, x1) { __m512 av = _mm512_set1_ps(*((a) + off)); x0 = _mm512_fmadd_ps(av, b0, x0); \
+                          x1 = _mm512_fmadd_ps(av, b1v, x1); }
+#define STEP5(o) { i64 off = (o); ROW5(a0, c00, c01) ROW5(a1p, c10, c11) ROW5(a2p, c20, c21) ROW5(a3, c30, c31) \
+                   ROW5(a4, c40, c41) ROW5(a5, c50, c51) }
+__attribute__((target("avx512f")))
+static int gemm_range_avx512(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
+                             const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
+                             const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
+                             float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate,
+                             const float *bias, i64 bias1) {
+    const i64 W2 = 32;
+    i64 nb = (N + W2 - 1) / W2;
+    float *bp = NULL;
+    if (bn != 1) {
+        bp = (float *)malloc(sizeof(float) * (size_t)(R * K * W2 + 1));
+        if (!bp) return -1;
+    }
+    for (i64 g1 = g1_begin; g1 < g1_end; g1++)
+        for (i64 g2 = 0; g2 < G2; g2++) {
+            const float *Ag = A + g1 * a1 + g2 * a2, *Bg = B + g1 * b1 + g2 * b2;
+            float *Cg = C + g1 * c1 + g2 * c2;
+            for (i64 j = 0; j < nb; j++) {
+                i64 nmax = N - j * W2 < W2 ? N - j * W2 : W2;
+                __mmask16 m0 = nmax >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nmax) - 1);
+                __mmask16 m1 = nmax >= 32 ? (__mmask16)0xFFFF : nmax > 16 ? (__mmask16)((1u << (nmax - 16)) - 1)
+                                                                         : (__mmask16)0;
+                const float *bpanel;
+                i64 sr, sk;
+                if (bn == 1) {
+                    bpanel = Bg + j * W2; sr = br; sk = bk;
+                } else {
+                    for (i64 r = 0; r < R; r++)
+                        for (i64 k = 0; k < K; k++) {
+                            float *dst = bp + (r * K + k) * W2;
+                            const float *src = Bg + r * br + k * bk + j * W2 * bn;
+                            for (int jj = 0; jj < W2; jj++) dst[jj] = jj < nmax ? src[jj * bn] : 0.0f;
+                        }
+                    bpanel = bp; sr = K * W2; sk = W2;
+                }
+                for (i64 i = 0; i < M; i += MR) {
+                    const float *arow[MR];
+                    for (int ii = 0; ii < MR; ii++) arow[ii] = Ag + am[i + ii < M ? i + ii : M - 1];
+                    __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
+                           c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+                    const float *a0 = arow[0], *a1p = arow[1], *a2p = arow[2], *a3 = arow[3], *a4 = arow[4],
+                                *a5 = arow[5];
+                    for (i64 r = 0; r < R; r++) {
+                        const float *b = bpanel + r * sr;
+                        i64 ra = r * ar;
+                        for (i64 k = 0; k < K; k++) {
+                            __m512 b0 = _mm512_maskz_loadu_ps(m0, b + k * sk);
+                            __m512 b1v = _mm512_maskz_loadu_ps(m1, b + k * sk + 16);
+                            STEP5(ra + ak[k])
+                        }
+                    }
+                    __m512 acc[MR][2] = {{c00, c01}, {c10, c11}, {c20, c21}, {c30, c31}, {c40, c41}, {c50, c51}};
+                    i64 mmax = M - i < MR ? M - i : MR;
+                    for (i64 ii = 0; ii < mmax; ii++) {
+                        float *c = Cg + (i + ii) * cm + j * W2 * cn;
+                        __m512 v0 = acc[ii][0], v1 = acc[ii][1];
+                        if (bias) {
+                            const float *bb = bias + g1 * bias1 + j * W2;
+                            v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(m0, bb));
+                            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(m1, bb + 16));
+                        }
+                        if (cn == 1) {
+                            if (accumulate) {
+                                v0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), v0);
+                                v1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, c + 16), v1);
+                            }
+                            _mm512_mask_storeu_ps(c, m0, v0);
+                            _mm512_mask_storeu_ps(c + 16, m1, v1);
+                        } else {
+                            float out[32];
+                            _mm512_storeu_ps(out, v0);
+                            _mm512_storeu_ps(out + 16, v1);
+                            for (i64 jj = 0; jj < nmax; jj++)
+                                c[jj * cn] = accumulate ? c[jj * cn] + out[jj] : out[jj];
+                        }
+                    }
+                }
+            }
+        }
+    free(bp);
+    return 0;
+}
+
+static int isa = -1;  /* 0: AVX2, 1: AVX-512F; chosen once from the CPU (RAYSIM_FIXED_GEMM_ISA=avx2 forces AVX2) */
+
+static int pick_isa(void) {
+    const char *e = getenv("RAYSIM_FIXED_GEMM_ISA");
+    if (e && strcmp(e, "avx2") == 0) return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") ? 1 : 0;
+}
+
+/* which kernel runs: -1 asks (choosing once), 0 forces AVX2, 1 AVX-512 where the CPU has it; returns the one in
+ * force (tests compare the two) */
+int kernel_isa(int want) {
+    if (want == 0) {
+        isa = 0;
+    } else if (want == 1) {
+        __builtin_cpu_init();
+        isa = __builtin_cpu_supports("avx512f") ? 1 : 0;
+    } else if (isa < 0) {
+        isa = pick_isa();
+    }
+    return isa;
+}
+
+static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
+                      const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
+                      const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
+                      float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate,
+                      const float *bias, i64 bias1) {
+    if (isa < 0) isa = pick_isa();
+    if (isa == 1)
+        return gemm_range_avx512(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
+                                 C, c1, c2, cm, cn, accumulate, bias, bias1);
+    return gemm_range_avx2(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
+                           C, c1, c2, cm, cn, accumulate, bias, bias1);
+}
+
 /* The groups g1 split across nt OpenMP threads (torch's own runtime where torch is loaded: the library links the
  * libgomp.so.1 already in the process, so ATen's pool serves both). Each output element is computed by one thread:
  * the bits do not depend on nt. Returns 0, or -1 when scratch memory could not be allocated. */
@@ -165,6 +292,7 @@ int gemm(int nt, i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
          const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
          const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
          float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate, const float *bias, i64 bias1) {
+    kernel_isa(-1);  /* chosen before any thread runs */
 #ifdef _OPENMP
     if (nt > 1 && G1 > 1) {
         int bad = 0;
@@ -238,6 +366,7 @@ static int input_grad_range(i64 g_begin, i64 g_end, i64 B, i64 G, i64 H, i64 W, 
  * wo [G, O, kh*kw*C], dx [B, H, W, G*C] (channels-last memory, overwritten). Clients split across nt threads. */
 int conv_input_grad(int nt, i64 B, i64 G, i64 H, i64 W, i64 C, i64 O, i64 kh, i64 kw, i64 sh, i64 sw, i64 ph,
                     i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo, const float *dy, const float *wo, float *dx) {
+    kernel_isa(-1);
 #ifdef _OPENMP
     if (nt > 1 && G > 1) {
         int bad = 0;

@@ -8,8 +8,9 @@ one with ``groups = K``) ran as K separate unfold + SSE2 GEMMs, 2.3-2.7x the nat
 ``raysim/fixed_gemm.c`` defines the product by its arithmetic instead: each output element is ``acc = fma(a, b, acc)``
 over the reduction index in order, from zero — no split, no reordering, no blocking of the reduction — so its bits do
 not depend on the CPU, the vector width, the thread count or how many groups one call computes; an AVX2 + FMA kernel
-computes it (6 x 16 outputs a block, 8 lanes a register; a scalar reference of the same order is in the file, and the
-tests hold the two equal bit for bit). It is compiled with the machine's C compiler at first use into a cache
+computes it (6 x 16 outputs a block, 8 lanes a register), an AVX-512 one where the CPU has it (6 x 32, 16 lanes: each
+lane is still one output summed in the same order, so the same bits; ``RAYSIM_FIXED_GEMM_ISA=avx2`` forces AVX2); a
+scalar reference of the same order is in the file, and the tests hold all three equal bit for bit. It is compiled with the machine's C compiler at first use into a cache
 directory (``RAYSIM_CACHE``, default ``~/.cache/raysim``), keyed by the source's hash; a process that cannot compile or
 load it gets one error naming what is missing (:class:`KernelUnavailable`).
 
@@ -123,6 +124,7 @@ def library():
             lib.conv_input_grad.argtypes = [ctypes.c_int] + [i64] * 16 + [f32p, f32p, f32p]
             lib.conv_input_grad.restype = ctypes.c_int
             lib.threaded.restype = ctypes.c_int
+            lib.kernel_isa.argtypes, lib.kernel_isa.restype = [ctypes.c_int], ctypes.c_int
             _lib = lib
     return _lib
 

@@ -25,9 +25,12 @@ def _floats(n: int, salt: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dims,accumulate", [((2, 3, 1, 7, 19, 5), False), ((1, 1, 3, 13, 33, 11), True),
-                                             ((3, 2, 2, 6, 16, 1), False), ((1, 1, 1, 1, 1, 300), True)])
+                                             ((3, 2, 2, 6, 16, 1), False), ((1, 1, 1, 1, 1, 300), True),
+                                             ((2, 1, 2, 9, 47, 21), False)])
 def test_kernel_equals_the_definition_bit_for_bit(dims, accumulate):
-    """Odd M, N (row and column tails), R > 1, two group levels, accumulate or a bias, a table for A's rows."""
+    """Odd M, N (row and column tails of both kernels' blocks), R > 1, two group levels, accumulate or a bias, a
+    table for A's rows: the AVX2 kernel, the AVX-512 one (where this CPU has it) and the scalar definition give the
+    same bits."""
     g1, g2, r, m, n, k = dims
     a = _floats(g1 * g2 * r * m * k, 1)
     b = _floats(g1 * g2 * r * k * n, 2)
@@ -36,12 +39,19 @@ def test_kernel_equals_the_definition_bit_for_bit(dims, accumulate):
     ops_b = fg.Operand(b, (g2 * r * k * n, r * k * n, k * n, n, 1))
     bias = None if accumulate else _floats(g1 * n, 12)
     out = []
-    for ref in (False, True):
-        c = _floats(g1 * g2 * m * n, 3)
-        fg.gemm(ops_a, ops_b, fg.Operand(c, (g2 * m * n, m * n, n, 1)), fg.Dims(*dims), accumulate, reference=ref,
-                bias=bias)
-        out.append(c)
-    assert torch.equal(out[0], out[1])
+    lib = fg.library()
+    before = lib.kernel_isa(-1)
+    isas = [0, 1] if lib.kernel_isa(1) == 1 else [0]  # AVX2, and AVX-512 where this CPU has it
+    try:
+        for isa, ref in [(i, False) for i in isas] + [(0, True)]:
+            lib.kernel_isa(isa)
+            c = _floats(g1 * g2 * m * n, 3)
+            fg.gemm(ops_a, ops_b, fg.Operand(c, (g2 * m * n, m * n, n, 1)), fg.Dims(*dims), accumulate,
+                    reference=ref, bias=bias)
+            out.append(c)
+    finally:
+        lib.kernel_isa(before)
+    assert all(torch.equal(o, out[-1]) for o in out)
     want = torch.einsum("xyrmk,xyrkn->xymn", a.double().view(g1, g2, r, m, k).flip(3), b.double().view(g1, g2, r, k, n))
     if accumulate:
         want = want + _floats(g1 * g2 * m * n, 3).double().view(g1, g2, m, n)
@@ -140,3 +150,25 @@ def test_grouped_linear_is_baddbmm(bias):
     want = torch.autograd.grad(y2, d, g.double())
     for got, ref in zip((y, *grads), (y2, *want)):
         assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_a_vectorised_table_does_not_depend_on_the_vector_width():
+    """A portable vectorised run (FedAvg on cnn_mnist: convolutions and linear layers on the fixed-order GEMM)
+    gives the same table bit for bit with the AVX2 kernel and with the AVX-512 one (where this CPU has it; elsewhere
+    the AVX2 run is compared with itself)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import test_vectorized as tv
+
+    lib = fg.library()
+    before = lib.kernel_isa(-1)
+    tables = []
+    try:
+        for isa in (0, 1):
+            lib.kernel_isa(isa)
+            tables.append(tv.table(tv.cfg("fedavg")))
+    finally:
+        lib.kernel_isa(before)
+    assert tables[0].equals(tables[1])
