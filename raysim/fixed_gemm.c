@@ -159,6 +159,74 @@ static int gemm_range_avx2(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N
     return 0;
 }
 
+/* Narrow products (N <= 8: a convolution with few output channels): 12 x 8 outputs a block, one register a row,
+ * so a 6-column output uses 6 of 8 lanes instead of 6 of 16 (or 32). The same order per output: the same bits. */
+#define R8(a, x) { x = _mm256_fmadd_ps(_mm256_broadcast_ss((a) + off), b0, x); }
+static int gemm_range_n8(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
+                         const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
+                         const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
+                         float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate,
+                         const float *bias, i64 bias1) {
+    enum { M12 = 12 };
+    float *bp = NULL;
+    if (bn != 1) {
+        bp = (float *)malloc(sizeof(float) * (size_t)(R * K * 8 + 1));
+        if (!bp) return -1;
+    }
+    int lanes[8];
+    for (int jj = 0; jj < 8; jj++) lanes[jj] = jj < N ? -1 : 0;
+    __m256i m0 = _mm256_loadu_si256((const __m256i *)lanes);
+    for (i64 g1 = g1_begin; g1 < g1_end; g1++)
+        for (i64 g2 = 0; g2 < G2; g2++) {
+            const float *Ag = A + g1 * a1 + g2 * a2, *Bg = B + g1 * b1 + g2 * b2;
+            float *Cg = C + g1 * c1 + g2 * c2;
+            const float *bpanel = Bg;
+            i64 sr = br, sk = bk;
+            if (bn != 1) {
+                for (i64 r = 0; r < R; r++)
+                    for (i64 k = 0; k < K; k++) {
+                        float *dst = bp + (r * K + k) * 8;
+                        const float *src = Bg + r * br + k * bk;
+                        for (int jj = 0; jj < 8; jj++) dst[jj] = jj < N ? src[jj * bn] : 0.0f;
+                    }
+                bpanel = bp; sr = K * 8; sk = 8;
+            }
+            for (i64 i = 0; i < M; i += M12) {
+                const float *q[M12];
+                for (int ii = 0; ii < M12; ii++) q[ii] = Ag + am[i + ii < M ? i + ii : M - 1];
+                __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0, x6 = x0, x7 = x0,
+                       x8 = x0, x9 = x0, x10 = x0, x11 = x0;
+                for (i64 r = 0; r < R; r++) {
+                    const float *b = bpanel + r * sr;
+                    i64 ra = r * ar;
+                    for (i64 k = 0; k < K; k++) {
+                        __m256 b0 = _mm256_maskload_ps(b + k * sk, m0);
+                        i64 off = ra + ak[k];
+                        R8(q[0], x0) R8(q[1], x1) R8(q[2], x2) R8(q[3], x3) R8(q[4], x4) R8(q[5], x5)
+                        R8(q[6], x6) R8(q[7], x7) R8(q[8], x8) R8(q[9], x9) R8(q[10], x10) R8(q[11], x11)
+                    }
+                }
+                __m256 acc[M12] = {x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11};
+                i64 mmax = M - i < M12 ? M - i : M12;
+                for (i64 ii = 0; ii < mmax; ii++) {
+                    float *c = Cg + (i + ii) * cm;
+                    __m256 v = acc[ii];
+                    if (bias) v = _mm256_add_ps(v, _mm256_maskload_ps(bias + g1 * bias1, m0));
+                    if (cn == 1) {
+                        if (accumulate) v = _mm256_add_ps(_mm256_maskload_ps(c, m0), v);
+                        _mm256_maskstore_ps(c, m0, v);
+                    } else {
+                        float out[8];
+                        _mm256_storeu_ps(out, v);
+                        for (i64 jj = 0; jj < N; jj++) c[jj * cn] = accumulate ? c[jj * cn] + out[jj] : out[jj];
+                    }
+                }
+            }
+        }
+    free(bp);
+    return 0;
+}
+
 /* The same products with AVX-512 (16 lanes a register, 6 x 32 outputs a block): every lane is still one output, one
  * fma after another in k order, so the bits are the AVX2 kernel's (and the scalar definition's); only how many
  * outputs one instruction computes changes. Used where the CPU has AVX-512F (tests compare the two bit for bit). */
@@ -278,7 +346,10 @@ static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64
                       float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate,
                       const float *bias, i64 bias1) {
     if (isa < 0) isa = pick_isa();
-    if (isa == 1)
+    if (N <= 8)
+        return gemm_range_n8(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
+                             C, c1, c2, cm, cn, accumulate, bias, bias1);
+    if (isa == 1 && N > 16)
         return gemm_range_avx512(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
                                  C, c1, c2, cm, cn, accumulate, bias, bias1);
     return gemm_range_avx2(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
