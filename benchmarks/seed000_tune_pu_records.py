@@ -77,6 +77,10 @@ def main(argv):
             "  --set algorithm.params.pu_weight=<0|1> --out runs/i51s000/tune_<method>_pu_r01_w<0|1>", "```", "",
             "raysim warns that the validation split is small (a median of 19 samples per client, min 10): val_acc moves in",
             "steps of about 1/19 per client (mean over 20 clients: about 0.003).", "",
+            "Afterwards, on the fresh seeds (experiment fig4_pu_rate01_tuned), FedAvg w 0 at its chosen lr 0.03 diverged",
+            "(train_loss NaN at rounds 59-60) on seeds 2 and 3; by the rule written into the experiment before its table",
+            "was read (training loss only), its next-best trial here, lr 0.01 at round 80 (val_acc 0.8210), ran on every",
+            "seed instead.", "",
             "| method | chosen lr | rounds | val_acc |", "|---|---|---|---|"]
     for m, b in chosen.items():
         head.append(f"| {STUDIES[m]} | {b['lr']:g} | {b['rounds']} | {b['val']:.4f} |" if b else
