@@ -91,22 +91,30 @@ class Tables:
 
 def _judge_fig3(rec: dict, measure: str) -> dict:
     """Seed 000's Fig. 3 records: ``drop`` -- drop(FedAvg) - drop(FedProto) from k = 25 to 5 shots, per seed (the
-    claim: FedProto falls more slowly); ``uh`` -- FedAvg - FedAvg-UH at k = 25 (the claim: UH lowers FedAvg)."""
+    claim: FedProto falls more slowly); ``uh`` -- FedAvg - FedAvg-UH at k = 25 (the claim: UH lowers FedAvg).
+    Records written with ``--window N`` (issue 51) hold each run's mean of its last N evaluated rounds as ``test_acc``
+    and its final round as ``test_acc_final``: the verdict rests on the window, the final round's beside it."""
     from raysim.app import verdicts as vd
 
-    acc = {}
-    for r in rec["records"]:
-        acc[(r["method"].split(" (")[0], int(r["shots"]), int(r["seed"]))] = 100.0 * float(r["test_acc"])
-    seeds = sorted({s for (_, _, s) in acc})
-    if measure == "drop":
-        drop = {m: {s: acc[(m, 25, s)] - acc[(m, 5, s)] for s in seeds if (m, 5, s) in acc and (m, 25, s) in acc}
-                for m in ("FedProto", "FedAvg")}
-        res = vd.judge(drop["FedAvg"], drop["FedProto"])
-        text = "drop(FedAvg) - drop(FedProto), k 25 -> 5, pp"
-    else:
-        res = vd.judge({s: acc[("FedAvg", 25, s)] for s in seeds}, {s: acc[("FedAvg-UH", 25, s)] for s in seeds})
-        text = "FedAvg - FedAvg-UH at k = 25, pp"
-    return _as_claim(res, text, "final round (the records hold one value per run)")
+    def judge(key: str) -> tuple[dict, str]:
+        acc = {}
+        for r in rec["records"]:
+            acc[(r["method"].split(" (")[0], int(r["shots"]), int(r["seed"]))] = 100.0 * float(r[key])
+        seeds = sorted({s for (_, _, s) in acc})
+        if measure == "drop":
+            drop = {m: {s: acc[(m, 25, s)] - acc[(m, 5, s)] for s in seeds if (m, 5, s) in acc and (m, 25, s) in acc}
+                    for m in ("FedProto", "FedAvg")}
+            return vd.judge(drop["FedAvg"], drop["FedProto"]), "drop(FedAvg) - drop(FedProto), k 25 -> 5, pp"
+        return (vd.judge({s: acc[("FedAvg", 25, s)] for s in seeds}, {s: acc[("FedAvg-UH", 25, s)] for s in seeds}),
+                "FedAvg - FedAvg-UH at k = 25, pp")
+
+    res, text = judge("test_acc")
+    win = rec.get("window") or 0
+    if not win or not all("test_acc_final" in r for r in rec["records"]):
+        return _as_claim(res, text, "final round (the records hold one value per run)")
+    out = _as_claim(res, text, f"mean of the last {win} evaluated rounds")
+    out["final"] = {"verdict": judge("test_acc_final")[0]["verdict"]}
+    return out
 
 
 def _as_claim(res: dict, text: str, rule: str) -> dict:

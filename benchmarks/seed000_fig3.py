@@ -11,6 +11,14 @@ contains 0, "reversed" when below.
 
     python benchmarks/seed000_fig3.py --seeds 1 2 3 --shots 25 5 --out /work/runs/fig3 \
         --json benchmarks/results/seed000_002/fig3_shots.json
+
+Issue 51 (equal tuning): ``--fedproto-tuned`` runs FedProto at its own validation-chosen lr 0.03 / 30 rounds (the
+same 4 trials FedAvg got, at k = 25: configs/tune_fedproto_seed000.yaml, tune_fedproto_seed000.md) instead of the
+seed's lr 0.01 / 100 rounds; ``--window 5`` evaluates every round and takes each run's value as the mean of its last
+5 evaluated rounds (the final round kept beside it as ``test_acc_final``), the window the other seed-000 claims use:
+
+    python benchmarks/seed000_fig3.py --seeds 1 2 3 --shots 25 5 --fedproto-tuned --window 5 --out runs/fig3_tuned \
+        --json benchmarks/results/seed000_002/fig3_shots_fedproto_tuned.json
 """
 from __future__ import annotations
 
@@ -27,6 +35,7 @@ sys.path.insert(0, ROOT)
 from raysim.app.verdicts import format_interval, interval  # noqa: E402
 from raysim.config import load_config  # noqa: E402
 from raysim.engine.loop import run_experiment  # noqa: E402
+from raysim.io import results  # noqa: E402
 
 CONFIGS = os.path.join(ROOT, "configs", "seed000_fedproto")
 UH = "FedAvg-UH (lr 0.03, 130 rounds)"
@@ -43,15 +52,24 @@ def main() -> int:
     ap.add_argument("--uh", action="store_true",
                     help="also FedAvg-UH (the fixed orthogonal head) at the largest k: claim 9, 'UH lowers FedAvg's "
                          "accuracy', paired FedAvg minus FedAvg-UH")
+    ap.add_argument("--fedproto-tuned", action="store_true",
+                    help="FedProto at its validation-chosen lr 0.03 / 30 rounds (issue 51) instead of the seed's")
+    ap.add_argument("--window", type=int, default=0,
+                    help="evaluate every round; a run's value is the mean of its last N evaluated rounds (0: final)")
     ap.add_argument("--set", dest="extra", action="append", default=[], help="more overrides (a smoke test: rounds=1)")
     args = ap.parse_args()
     records = []
     hi = max(args.shots)
-    plan = [(seed, k, label, f, e) for seed in args.seeds for k in args.shots for label, (f, e) in METHODS.items()]
+    methods = dict(METHODS)
+    if args.fedproto_tuned:
+        methods = {"FedProto (lr 0.03, 30 rounds)": ("fedproto_mnist5k.yaml", ["train.lr=0.03", "rounds=30"]),
+                   **{k: v for k, v in METHODS.items() if k != "FedProto"}}
+    win = ["eval.every=1"] if args.window else []
+    plan = [(seed, k, label, f, e) for seed in args.seeds for k in args.shots for label, (f, e) in methods.items()]
     if args.uh:
         plan += [(seed, hi, UH, "fedavg_uh_mnist5k.yaml", ["train.lr=0.03", "rounds=130"]) for seed in args.seeds]
     for seed, k, label, file, extra in plan:
-        ov = [f"seed={seed}", f"data.partition_params.shots={k}", "output.progress=false"] + extra + args.extra
+        ov = [f"seed={seed}", f"data.partition_params.shots={k}", "output.progress=false"] + extra + win + args.extra
         cfg = load_config(os.path.join(CONFIGS, file), ov)
         out = os.path.join(args.out, f"{cfg.algorithm.name}-k{k}-s{seed}")
         t0 = time.perf_counter()
@@ -59,22 +77,25 @@ def main() -> int:
             os.path.join(out, "results.parquet")) else None
         wall = time.perf_counter() - t0
         if res is None:
-            from raysim.io import results
-
             df, meta = results.load(out), results.load_metadata(out)
-            acc = float(results.final(df, "test_acc")["mean"].iloc[-1])
         else:
-            df, meta, acc = res.table, res.metadata, float(res.final()[0])
+            df, meta = res.table, res.metadata
+        final = float(results.final(df, "test_acc")["mean"].iloc[-1])
+        pr = results.per_round(df, "test_acc").sort_values("round")
+        acc = float(pr["mean"].iloc[-args.window:].mean()) if args.window else final
         rec = {"method": label, "shots": k, "seed": seed, "test_acc": acc,
                "wall_s": None if res is None else round(wall, 1), "reused": res is None,  # a finished run in --out
                "config_hash": cfg.run_id(), "out": out, "code": meta.get("versions", {}).get("code"),
                "numerics": meta.get("numerics", {}).get("mode"), "cpu": platform.processor() or
                meta.get("versions", {}).get("cpu")}
+        if args.window:
+            rec.update({"test_acc_final": final, "window": args.window,
+                        "curve": {int(r): float(v) for r, v in zip(pr["round"], pr["mean"])}})
         records.append(rec)
         print(f"{label:30s} k={k:3d} seed {seed}: test_acc {acc:.4f} ({wall:.0f} s)", flush=True)
     lo = min(args.shots)
     acc = {(r["method"], r["shots"], r["seed"]): r["test_acc"] for r in records}
-    names = list(METHODS)
+    names = list(methods)
     drops = {m: [acc[(m, hi, s)] - acc[(m, lo, s)] for s in args.seeds] for m in names}
     diff = [a - p for a, p in zip(drops[names[1]], drops[names[0]])]  # FedAvg's drop minus FedProto's
     iv = interval([100 * d for d in diff])
@@ -89,7 +110,7 @@ def main() -> int:
             cells.append(f"{v['mean']:.2f} ± {v['sd']:.2f}")
         d = interval([100 * x for x in drops[m]])
         lines.append(f"| {m} | " + " | ".join(cells) + f" | {format_interval(d)} |")
-    summary = {"records": records, "drop_diff_pp": iv, "verdict": verdict, "n": len(diff),
+    summary = {"records": records, "drop_diff_pp": iv, "verdict": verdict, "n": len(diff), "window": args.window,
                "claim": "FedProto's accuracy falls more slowly than FedAvg's as the clients' samples shrink",
                "table": "\n".join(lines)}
     if args.uh:
