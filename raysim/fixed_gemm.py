@@ -25,6 +25,7 @@ depend on the split.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import subprocess
@@ -167,7 +168,15 @@ def _table(v, n: int):
         if v.dtype != torch.int64 or v.numel() != n or not v.is_contiguous():
             raise ValueError(f"raysim fixed-order GEMM: an offset table must be {n} contiguous int64 values")
         return v
-    return torch.arange(n, dtype=torch.int64) * int(v)
+    return _strided(n, int(v))
+
+
+@functools.lru_cache(maxsize=512)
+def _strided(n: int, stride: int):
+    """arange(n) * stride (cached: tables are read, never written)."""
+    import torch
+
+    return torch.arange(n, dtype=torch.int64) * stride
 
 
 class Operand(NamedTuple):
@@ -207,6 +216,7 @@ def gemm(a: Operand, b: Operand, c: Operand, d: Dims, accumulate: bool = False, 
         raise MemoryError("raysim fixed-order GEMM: scratch allocation failed")
 
 
+@functools.lru_cache(maxsize=256)
 def _offsets(grid: tuple, step: tuple, row: int, pix: int):
     """int64 offsets of a (rows x cols) ``grid`` of pixels, ``step`` pixels apart, in an image ``row`` pixels wide
     whose pixels are ``pix`` elements apart (channels-last)."""
@@ -217,6 +227,7 @@ def _offsets(grid: tuple, step: tuple, row: int, pix: int):
     return (h[:, None] + w[None, :]).reshape(-1)
 
 
+@functools.lru_cache(maxsize=256)
 def _taps(kernel: tuple, ch: int, dilation: tuple, row: int, pix: int):
     """int64 offsets of the kernel taps (i, j, c), c fastest."""
     import torch
