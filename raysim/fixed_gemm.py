@@ -182,9 +182,11 @@ def _strided(n: int, stride: int):
 class Operand(NamedTuple):
     """A GEMM operand: a float32 CPU tensor and its element offsets from the data pointer — for A (s1, s2, sr, rows,
     cols), rows and cols a stride or an int64 table of M / K entries; for B (s1, s2, sr, sk, sn); for C (s1, s2, sm,
-    sn): g1 * s1 + g2 * s2 + r * sr + the row and column offsets."""
+    sn): g1 * s1 + g2 * s2 + r * sr + the row and column offsets. C may carry a bias [G1, N] (contiguous), added to
+    each output after its sum, as an add would."""
     t: object
     offsets: tuple
+    bias: object = None
 
 
 class Dims(NamedTuple):
@@ -197,12 +199,12 @@ class Dims(NamedTuple):
     K: int
 
 
-def gemm(a: Operand, b: Operand, c: Operand, d: Dims, accumulate: bool = False, reference: bool = False,
-         bias=None) -> None:
-    """C[g1, g2] (=|+=) sum_r A[g1, g2, r] @ B[g1, g2, r] (+ bias[g1, n]) in the fixed order (each output one fma
+def gemm(a: Operand, b: Operand, c: Operand, d: Dims, accumulate: bool = False, reference: bool = False) -> None:
+    """C[g1, g2] (=|+=) sum_r A[g1, g2, r] @ B[g1, g2, r] (+ c.bias[g1, n]) in the fixed order (each output one fma
     after another from zero, r outer, k inner; the bias added after, as an add would). The caller keeps the tensors
     alive and every index inside them. ``reference``: the plain C loops of the definition (tests)."""
     lib = library()
+    bias = c.bias
     _check(a.t, b.t, c.t, *([] if bias is None else [bias]))
     if bias is not None and (not bias.is_contiguous() or bias.numel() != d.G1 * d.N):
         raise ValueError(f"raysim fixed-order GEMM: the bias must be {d.G1} x {d.N} contiguous values")
@@ -252,7 +254,7 @@ class _Geometry(NamedTuple):
     first: bool  # the caller's layout is channels-first
 
 
-def _forward(ctx, x, w, bias, stride, padding, dilation):
+def _forward(ctx, x, w, bias, geometry):
     """y[b, (h, w), k, :] = sum over taps (i, j, c) of xk[b, k, h*s + i*d, w*s + j*d, c] w'[k, (i, j, c), :], the
     zero-padded image read in place through the offset tables (an implicit im2col), client-major (xk [B, K, Hp, Wp,
     C]: one client's image contiguous, where channels-last memory spreads it over K*C-float strides)."""
@@ -260,6 +262,7 @@ def _forward(ctx, x, w, bias, stride, padding, dilation):
     import torch.nn.functional as F
 
     cl = torch.channels_last
+    stride, padding, dilation = geometry
     k, o, c, kh, kw = w.shape
     bsz, _, h, wd = x.shape
     ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
@@ -275,8 +278,8 @@ def _forward(ctx, x, w, bias, stride, padding, dilation):
     wt = w.detach().permute(0, 3, 4, 2, 1).reshape(k, ckk, o).contiguous()  # [K, (i, j, c), O]
     y = torch.empty(bsz, k * o, ho, wo, memory_format=cl, device=xk.device)
     gemm(Operand(xk, (img, k * img, 0, pos, taps)), Operand(wt, (ckk * o, 0, 0, o, 1)),
-         Operand(y, (o, L * k * o, k * o, 1)), Dims(k, bsz, 1, L, o, ckk),
-         bias=None if bias is None else bias.detach().contiguous())
+         Operand(y, (o, L * k * o, k * o, 1), None if bias is None else bias.detach().contiguous()),
+         Dims(k, bsz, 1, L, o, ckk))
     # the caller's layout: channels-first in, channels-first out (a model with batch norm runs channels-first, whose
     # kernels then reduce each channel as one client's own forward does); ambiguous -> channels-first
     first = not (x.is_contiguous(memory_format=cl) and not x.is_contiguous())
@@ -330,7 +333,7 @@ def _backward(ctx, gy):
     if ctx.needs_input_grad[0]:
         gx = _input_grad(w, gy, geo)
         gx = gx.contiguous() if geo.first else gx
-    return gx, gw, gb, None, None, None
+    return gx, gw, gb, None
 
 
 _Fn = None
@@ -353,7 +356,7 @@ def grouped_conv2d(x, w, bias, stride, padding, dilation):
     x [B, K*C, H, W], w [K, O, C, kh, kw], bias [K, O] or None, in the fixed order (module docstring); the result
     (and x's gradient) in x's memory layout (channels-last, or channels-first where x is not clearly channels-last)."""
     pair = lambda v: (v, v) if isinstance(v, int) else tuple(v)  # noqa: E731
-    return _function().apply(x, w, bias, pair(stride), pair(padding), pair(dilation))
+    return _function().apply(x, w, bias, (pair(stride), pair(padding), pair(dilation)))
 
 
 def _linear_forward(ctx, x, w, bias):
@@ -364,8 +367,9 @@ def _linear_forward(ctx, x, w, bias):
     out = w.shape[1]
     xc, wc = x.detach().contiguous(), w.detach().contiguous()
     y = torch.empty(k, bsz, out, device=xc.device)
-    gemm(Operand(xc, (bsz * fin, 0, 0, fin, 1)), Operand(wc, (out * fin, 0, 0, 1, fin)), Operand(y, (bsz * out, 0, out, 1)),
-         Dims(k, 1, 1, bsz, out, fin), bias=None if bias is None else bias.detach().contiguous())
+    gemm(Operand(xc, (bsz * fin, 0, 0, fin, 1)), Operand(wc, (out * fin, 0, 0, 1, fin)),
+         Operand(y, (bsz * out, 0, out, 1), None if bias is None else bias.detach().contiguous()),
+         Dims(k, 1, 1, bsz, out, fin))
     if any(ctx.needs_input_grad[:3]):
         ctx.save_for_backward(xc, wc)
     return y

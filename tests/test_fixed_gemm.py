@@ -47,8 +47,8 @@ def test_kernel_equals_the_definition_bit_for_bit(dims, accumulate):
         for isa, ref in [(i, False) for i in isas] + [(0, True)]:
             lib.kernel_isa(isa)
             c = _floats(g1 * g2 * m * n, 3)
-            fg.gemm(ops_a, ops_b, fg.Operand(c, (g2 * m * n, m * n, n, 1)), fg.Dims(*dims), accumulate,
-                    reference=ref, bias=bias)
+            fg.gemm(ops_a, ops_b, fg.Operand(c, (g2 * m * n, m * n, n, 1), bias), fg.Dims(*dims), accumulate,
+                    reference=ref)
             out.append(c)
     finally:
         lib.kernel_isa(before)
