@@ -56,6 +56,29 @@ void gemm_reference(i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
                 }
 }
 
+/* Panel j of B (columns j*w .. j*w+w-1, zeros past nmax) for every r and k: read in place when B's columns are
+ * contiguous (bn == 1), else packed into bp as [r][k][w]. Sets the panel's r and k strides. Copies only. */
+static const float *b_panel(const float *Bg, i64 R, i64 K, i64 br, i64 bk, i64 bn, i64 j, i64 w, i64 nmax,
+                            float *bp, i64 *sr, i64 *sk) {
+    if (bn == 1) {
+        *sr = br; *sk = bk;
+        return Bg + j * w;
+    }
+    for (i64 r = 0; r < R; r++)
+        for (i64 k = 0; k < K; k++) {
+            float *dst = bp + (r * K + k) * w;
+            const float *src = Bg + r * br + k * bk + j * w * bn;
+            for (i64 jj = 0; jj < w; jj++) dst[jj] = jj < nmax ? src[jj * bn] : 0.0f;
+        }
+    *sr = K * w; *sk = w;
+    return bp;
+}
+
+/* The n rows of A starting at row i through its row table; rows past M repeat row M-1 (computed, never stored). */
+static void a_rows(const float *Ag, const i64 *am, i64 M, i64 i, int n, const float **rows) {
+    for (int ii = 0; ii < n; ii++) rows[ii] = Ag + am[i + ii < M ? i + ii : M - 1];
+}
+
 /* The same products as gemm_reference, for groups g1 in [g1_begin, g1_end) (callers split G1 across threads).
  * A is read in place through its tables (6 rows broadcast per step; rows past M repeat row M-1 and are never stored); B in place when
  * its columns are contiguous (bn == 1; the last panel's missing columns masked to zero), else packed into a
@@ -84,22 +107,11 @@ static int gemm_range_avx2(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N
                     m0 = _mm256_loadu_si256((const __m256i *)lanes);
                     m1 = _mm256_loadu_si256((const __m256i *)(lanes + 8));
                 }
-                const float *bpanel;
                 i64 sr, sk;  /* the panel's r and k strides */
-                if (bn == 1) {
-                    bpanel = Bg + j * NR; sr = br; sk = bk;
-                } else {
-                    for (i64 r = 0; r < R; r++)
-                        for (i64 k = 0; k < K; k++) {
-                            float *dst = bp + (r * K + k) * NR;
-                            const float *src = Bg + r * br + k * bk + j * NR * bn;
-                            for (int jj = 0; jj < NR; jj++) dst[jj] = jj < nmax ? src[jj * bn] : 0.0f;
-                        }
-                    bpanel = bp; sr = K * NR; sk = NR;
-                }
+                const float *bpanel = b_panel(Bg, R, K, br, bk, bn, j, NR, nmax, bp, &sr, &sk);
                 for (i64 i = 0; i < M; i += MR) {
                     const float *arow[MR];
-                    for (int ii = 0; ii < MR; ii++) arow[ii] = Ag + am[i + ii < M ? i + ii : M - 1];
+                    a_rows(Ag, am, M, i, MR, arow);
                     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
                            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
                     const float *a0 = arow[0], *a1p = arow[1], *a2p = arow[2], *a3 = arow[3], *a4 = arow[4],
@@ -180,20 +192,11 @@ static int gemm_range_n8(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, 
         for (i64 g2 = 0; g2 < G2; g2++) {
             const float *Ag = A + g1 * a1 + g2 * a2, *Bg = B + g1 * b1 + g2 * b2;
             float *Cg = C + g1 * c1 + g2 * c2;
-            const float *bpanel = Bg;
-            i64 sr = br, sk = bk;
-            if (bn != 1) {
-                for (i64 r = 0; r < R; r++)
-                    for (i64 k = 0; k < K; k++) {
-                        float *dst = bp + (r * K + k) * 8;
-                        const float *src = Bg + r * br + k * bk;
-                        for (int jj = 0; jj < 8; jj++) dst[jj] = jj < N ? src[jj * bn] : 0.0f;
-                    }
-                bpanel = bp; sr = K * 8; sk = 8;
-            }
+            i64 sr, sk;
+            const float *bpanel = b_panel(Bg, R, K, br, bk, bn, 0, 8, N, bp, &sr, &sk);
             for (i64 i = 0; i < M; i += M12) {
                 const float *q[M12];
-                for (int ii = 0; ii < M12; ii++) q[ii] = Ag + am[i + ii < M ? i + ii : M - 1];
+                a_rows(Ag, am, M, i, M12, q);
                 __m256 x0 = _mm256_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0, x6 = x0, x7 = x0,
                        x8 = x0, x9 = x0, x10 = x0, x11 = x0;
                 for (i64 r = 0; r < R; r++) {
@@ -256,22 +259,11 @@ static int gemm_range_avx512(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64
                 __mmask16 m0 = nmax >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nmax) - 1);
                 __mmask16 m1 = nmax >= 32 ? (__mmask16)0xFFFF : nmax > 16 ? (__mmask16)((1u << (nmax - 16)) - 1)
                                                                          : (__mmask16)0;
-                const float *bpanel;
                 i64 sr, sk;
-                if (bn == 1) {
-                    bpanel = Bg + j * W2; sr = br; sk = bk;
-                } else {
-                    for (i64 r = 0; r < R; r++)
-                        for (i64 k = 0; k < K; k++) {
-                            float *dst = bp + (r * K + k) * W2;
-                            const float *src = Bg + r * br + k * bk + j * W2 * bn;
-                            for (int jj = 0; jj < W2; jj++) dst[jj] = jj < nmax ? src[jj * bn] : 0.0f;
-                        }
-                    bpanel = bp; sr = K * W2; sk = W2;
-                }
+                const float *bpanel = b_panel(Bg, R, K, br, bk, bn, j, W2, nmax, bp, &sr, &sk);
                 for (i64 i = 0; i < M; i += MR) {
                     const float *arow[MR];
-                    for (int ii = 0; ii < MR; ii++) arow[ii] = Ag + am[i + ii < M ? i + ii : M - 1];
+                    a_rows(Ag, am, M, i, MR, arow);
                     __m512 c00 = _mm512_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00,
                            c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
                     const float *a0 = arow[0], *a1p = arow[1], *a2p = arow[2], *a3 = arow[3], *a4 = arow[4],
