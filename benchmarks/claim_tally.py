@@ -102,13 +102,14 @@ class Tables:
         """A claim across two stored tables (issue 51: a baseline rerun at equal work in a table of its own, compared
         with the other side's stored runs): ``better`` / ``worse`` each ``[table, label]``, the runs paired by seed and
         judged by the same code as a table's own claims (:func:`raysim.app.reproduction_table.render_records`: the
-        value rule, the seed's difference from the runs' ``paper`` keys, the final round). The two tables must share
+        value rule, the seed's difference from the runs' ``paper`` keys, the final round where both sides' records
+        hold it). The two tables must share
         the experiment's value rule (metric, selection, window, minimum seeds, seed source) and overrides, and the
         two labels must differ."""
         from dataclasses import replace
 
         from raysim.app import seed_experiments as rp
-        from raysim.app.reproduction_table import render_records
+        from raysim.app.reproduction_table import FINAL, render_records
 
         (tb, lb), (tw, lw) = spec["better"], spec["worse"]
         text = spec["text"]
@@ -136,6 +137,9 @@ class Tables:
                              f"overrides ({ob} vs {ow})")
         runs = [r for r in recs[tb].get("runs") or [] if r.get("label") == lb] + [
             r for r in recs[tw].get("runs") or [] if r.get("label") == lw]
+        # a final-round value only where both sides' records hold it (older records hold the seed's selection only)
+        shared = set.intersection(*(set(r) for r in runs)) if runs else set()
+        runs = [{k: v for k, v in r.items() if not k.endswith(FINAL) or k in shared} for r in runs]
         exp = replace(ew, name=f"{eb.name} x {ew.name}", runs=(eb.run(lb), ew.run(lw)),
                       claims=(rp.Claim(text, lb, lw, spec.get("metric"), bool(spec.get("lower_is_better"))),))
         _, new = render_records(exp, {"runs": runs, "overrides": ow}, self.numbers)

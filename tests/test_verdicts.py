@@ -401,11 +401,11 @@ def _claim_tally_module():
     return mod
 
 
-def _cross_tables(mod, select_b: str = "last"):
+def _cross_tables(mod, select_b: str = "val_acc"):
     """Two hand-made stored tables: 'seedX/ta' (MAFML on seeds 1-4, AGG) and 'seedX/tb' (FedMD rerun on seeds 1-3)."""
     from pathlib import Path
 
-    def exp(name, labels, select="last"):
+    def exp(name, labels, select="val_acc"):  # the seed's selection: the records hold the selected values
         return rp.Experiment(name=name, folder=Path("."), title=name, source="seedX.t", seeds=(1, 2, 3),
                              metric="test_acc", runs=tuple(rp.RunSpec(lab, Path("c.yaml")) for lab in labels),
                              select=select, scaled="hand-made")
@@ -434,6 +434,15 @@ def test_the_claim_tally_pairs_runs_across_two_stored_tables():
     assert c["n"] == 3 and c["diffs"] == {"1": 5.0, "2": 4.0, "3": 6.0}
     assert c["ours"] == pytest.approx(5.0) and c["half"] == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
     assert c["verdict"] == vd.HELD and "paired across seedX/ta and seedX/tb" in c["rule"]
+    assert c["final"]["verdict"] == ""  # no final-round values on either side
+    # final-round values on one side only (newer records): no final-round verdict rather than "n too small"
+    for r in tables.raws["seedX/tb"]["runs"]:
+        r["test_acc@final"] = r["test_acc"]
+    assert tables.cross(spec)["final"]["verdict"] == ""
+    for r in tables.raws["seedX/ta"]["runs"]:
+        r["test_acc@final"] = r["test_acc"] - 1.0
+    fin = tables.cross(spec)["final"]
+    assert fin["verdict"] == vd.HELD and fin["mean"] == pytest.approx(4.0)
     # reversed order: the same differences negated
     back = tables.cross({"text": "FedMD beats MAFML", "better": spec["worse"], "worse": spec["better"]})
     assert back["verdict"] == vd.REVERSED and back["ours"] == pytest.approx(-5.0)
@@ -452,7 +461,7 @@ def test_the_claim_tally_pairs_runs_across_two_stored_tables():
 
 def test_the_claim_tally_refuses_to_pair_tables_with_different_value_rules():
     mod = _claim_tally_module()
-    tables = _cross_tables(mod, select_b="val_acc")
+    tables = _cross_tables(mod, select_b="last")
     spec = {"text": "MAFML beats FedMD (paper)", "better": ["seedX/ta", "MAFML"], "worse": ["seedX/tb", "FedMD paper"]}
     with pytest.raises(SystemExit, match="differ in select"):
         tables.cross(spec)
