@@ -8,7 +8,9 @@ by this code: raysim.app.reproduction_table.render_records, the window of the la
 hold per-round values, else the final round, and said so); writes benchmarks/results/CLAIMS.md (every claim with its
 one verdict, its parts, its ablations, the final round's verdict and a Holm-corrected column across each seed's
 claims) and the summary between the issue-51 markers at the top of benchmarks/REPRODUCTION.md. Ablations are never
-counted. ``--check`` writes nothing and fails when a file would change.
+counted. A setting's ``cross`` parts pair two stored tables' runs by seed (a baseline rerun at equal work in a table
+of its own against the other table's runs; :meth:`Tables.cross`). ``--check`` writes nothing and fails when a file
+would change.
 """
 from __future__ import annotations
 
@@ -31,13 +33,28 @@ COUNTED = ("held", "tie", "underpowered", "reversed", NO_VERDICT)
 SEED_PREFIX = {"seed000": "seed000_002", "seed002": "seed000_002"}
 
 
+def _stored_verdicts():
+    """benchmarks/stored_verdicts.py as a module (its record readers), loaded once."""
+    import importlib.util
+
+    if "_sv" not in _CACHE:
+        spec = importlib.util.spec_from_file_location("stored_verdicts", ROOT / "benchmarks" / "stored_verdicts.py")
+        sv = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sv)
+        _CACHE["_sv"] = sv
+    return _CACHE["_sv"]
+
+
+_CACHE: dict = {}
+
+
 class Tables:
     """The stored tables' claims as this code judges them, read once each."""
 
     def __init__(self):
         from raysim.app import seed_experiments as rp
 
-        self.exps, self.numbers, self.cache = rp.load_experiments(), rp.load_numbers(), {}
+        self.exps, self.numbers, self.cache, self.raws = rp.load_experiments(), rp.load_numbers(), {}, {}
 
     def record(self, table: str) -> dict | None:
         if table not in self.cache:
@@ -59,16 +76,12 @@ class Tables:
         return sum(1 for r in runs if not ok(r)) if runs else 0
 
     def _load(self, table: str) -> dict | None:
-        import importlib.util
-
         from raysim.app.reproduction_table import render_records
 
         js = RESULTS / f"{table}.json"
         if not js.exists():
             return None
-        spec = importlib.util.spec_from_file_location("stored_verdicts", ROOT / "benchmarks" / "stored_verdicts.py")
-        sv = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(sv)
+        sv = _stored_verdicts()
         record = sv.attach_curves(js, json.loads(js.read_text()))
         name = sv._experiment_of(js.stem, self.exps)
         if name is None:
@@ -77,6 +90,62 @@ class Tables:
         runs = record.get("runs") or []
         new["no_code"] = sum(1 for r in runs if not (isinstance(r, dict) and r.get("code")))
         return new
+
+    def raw(self, table: str) -> dict | None:
+        """A stored table's record as stored (its per-run records under ``runs``), curves attached."""
+        if table not in self.raws:
+            js = RESULTS / f"{table}.json"
+            self.raws[table] = _stored_verdicts().attach_curves(js, json.loads(js.read_text())) if js.exists() else None
+        return self.raws[table]
+
+    def cross(self, spec: dict) -> dict:
+        """A claim across two stored tables (issue 51: a baseline rerun at equal work in a table of its own, compared
+        with the other side's stored runs): ``better`` / ``worse`` each ``[table, label]``, the runs paired by seed and
+        judged by the same code as a table's own claims (:func:`raysim.app.reproduction_table.render_records`: the
+        value rule, the seed's difference from the runs' ``paper`` keys, the final round where both sides' records
+        hold it). The two tables must share
+        the experiment's value rule (metric, selection, window, minimum seeds, seed source) and overrides, and the
+        two labels must differ."""
+        from dataclasses import replace
+
+        from raysim.app import seed_experiments as rp
+        from raysim.app.reproduction_table import FINAL, render_records
+
+        (tb, lb), (tw, lw) = spec["better"], spec["worse"]
+        text = spec["text"]
+        if lb == lw:
+            raise SystemExit(f"{REGISTRY.name}: cross claim {text!r}: both sides are labelled {lb!r}")
+        recs = {}
+        for t in (tb, tw):
+            recs[t] = self.raw(t)
+            if recs[t] is None:
+                return {"text": text, "verdict": NO_VERDICT, "missing": f"{t} not stored"}
+        exps = {}
+        for t in (tb, tw):
+            name = _stored_verdicts()._experiment_of(Path(t).name, self.exps)
+            if name is None:
+                raise SystemExit(f"{REGISTRY.name}: cross claim {text!r}: {t} is not a reproduce table")
+            exps[t] = self.exps[name]
+        eb, ew = exps[tb], exps[tw]
+        for k in ("source", "metric", "select", "select_per", "window", "min_seeds", "percent"):
+            if getattr(eb, k) != getattr(ew, k):
+                raise SystemExit(f"{REGISTRY.name}: cross claim {text!r}: {tb} and {tw} differ in {k} "
+                                 f"({getattr(eb, k)!r} vs {getattr(ew, k)!r}); their runs cannot be paired")
+        ob, ow = (list(recs[t].get("overrides") or []) for t in (tb, tw))
+        if ob != ow:
+            raise SystemExit(f"{REGISTRY.name}: cross claim {text!r}: {tb} and {tw} were made with different "
+                             f"overrides ({ob} vs {ow})")
+        runs = [r for r in recs[tb].get("runs") or [] if r.get("label") == lb] + [
+            r for r in recs[tw].get("runs") or [] if r.get("label") == lw]
+        # a final-round value only where both sides' records hold it (older records hold the seed's selection only)
+        shared = set.intersection(*(set(r) for r in runs)) if runs else set()
+        runs = [{k: v for k, v in r.items() if not k.endswith(FINAL) or k in shared} for r in runs]
+        exp = replace(ew, name=f"{eb.name} x {ew.name}", runs=(eb.run(lb), ew.run(lw)),
+                      claims=(rp.Claim(text, lb, lw, spec.get("metric"), bool(spec.get("lower_is_better"))),))
+        _, new = render_records(exp, {"runs": runs, "overrides": ow}, self.numbers)
+        out = dict(new["claims"][0])
+        out["rule"] = f"{out.get('rule', '')}; paired across {tb} and {tw}"
+        return out
 
     def part(self, table: str, start: str) -> dict:
         rec = self.record(table)
@@ -150,12 +219,14 @@ def judge_setting(tables: Tables, claim: dict, setting: dict) -> dict:
         pairs = setting.get("pairs") or [[setting["better"], setting["worse"]]]  # several: one verdict by the rule
         parts = [_rounds_to(tables.record(setting["table"]), setting["target"], b, w) for b, w in pairs]
     else:
-        names = setting.get("parts") or claim["at"]["parts"]
+        names = setting.get("parts") or ([] if setting.get("cross") else claim["at"].get("parts") or [])
         parts = [tables.part(setting["table"], p) for p in names]
         for extra in setting.get("also") or []:
             parts += [tables.part(extra["table"], p) for p in extra["parts"]]
+        parts += [tables.cross(x) for x in setting.get("cross") or []]
     if any(p.get("missing") for p in parts):
-        return {"verdict": NO_VERDICT, "p": math.nan, "sign": 1, "parts": parts, "missing": parts[0]["missing"]}
+        return {"verdict": NO_VERDICT, "p": math.nan, "sign": 1, "parts": parts,
+                "missing": next(p["missing"] for p in parts if p.get("missing"))}
     out = vd.combine(parts, claim.get("rule", "all")) if len(parts) > 1 else {
         "verdict": parts[0]["verdict"], "p": parts[0].get("p", math.nan),
         "sign": -1 if parts[0]["verdict"] == vd.REVERSED else 1}
@@ -181,7 +252,8 @@ def tally(tables: Tables, registry: dict) -> dict:
             elif c.get("no_setting"):
                 row.update(verdict=NO_VERDICT, p=math.nan, sign=1)
             else:
-                counted = [c["at"]["table"], *[x["table"] for x in c["at"].get("also") or []]]
+                counted = [c["at"]["table"], *[x["table"] for x in c["at"].get("also") or []],
+                           *[side[0] for x in c["at"].get("cross") or [] for side in (x["better"], x["worse"])]]
                 bad = [t for t in counted if tables.unprovenanced(t) > 0]
                 if bad:  # issue 51 item 6: a table whose records lack provenance is never counted
                     raise SystemExit(f"{REGISTRY.name}: {seed} {c['id']}: counted table(s) {bad} hold records without "

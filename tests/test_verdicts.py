@@ -388,3 +388,98 @@ def test_the_claim_tally_counts_no_table_without_provenance():
     tables.cache = {"ok": {"runs": [good, good]}, "bare": {"runs": [good, {"label": "x"}]},
                     "nocommit": {"records": [{"config_hash": "abc", "code": {"source": "s"}}]}, "gone": None}
     assert [tables.unprovenanced(t) for t in ("ok", "bare", "nocommit", "gone")] == [0, 1, 1, -1]
+
+
+def _claim_tally_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "claim_tally.py"
+    spec = importlib.util.spec_from_file_location("claim_tally", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cross_tables(mod, select_b: str = "val_acc"):
+    """Two hand-made stored tables: 'seedX/ta' (MAFML on seeds 1-4, AGG) and 'seedX/tb' (FedMD rerun on seeds 1-3)."""
+    from pathlib import Path
+
+    def exp(name, labels, select="val_acc"):  # the seed's selection: the records hold the selected values
+        return rp.Experiment(name=name, folder=Path("."), title=name, source="seedX.t", seeds=(1, 2, 3),
+                             metric="test_acc", runs=tuple(rp.RunSpec(lab, Path("c.yaml")) for lab in labels),
+                             select=select, scaled="hand-made")
+
+    def runs(label, vals):
+        return [{"label": label, "seed": s, "test_acc": v, "config_hash": "h", "code": {"source": "s", "commit": "c"}}
+                for s, v in vals.items()]
+
+    tables = object.__new__(mod.Tables)
+    tables.exps = {"ta": exp("ta", ["MAFML", "AGG"]), "tb": exp("tb", ["FedMD paper"], select_b)}
+    tables.numbers, tables.cache = {"seedX": {"t": {"values": {}}}}, {}
+    tables.raws = {"seedX/ta": {"runs": runs("MAFML", {1: 90.0, 2: 91.0, 3: 92.0, 4: 99.0})
+                                + runs("AGG", {1: 80.0, 2: 80.0, 3: 80.0}), "overrides": []},
+                   "seedX/tb": {"runs": runs("FedMD paper", {1: 85.0, 2: 87.0, 3: 86.0}), "overrides": []}}
+    return tables
+
+
+def test_the_claim_tally_pairs_runs_across_two_stored_tables():
+    """Issue 51: a baseline rerun at equal work in its own table is compared with the other table's runs, paired by
+    seed (seed 4, only on one side, left out), and judged by the tables' own code: (90-85, 91-87, 92-86) = (5, 4, 6),
+    mean 5, sd 1, half-width t(0.975, 2) / sqrt(3) = 2.484, held."""
+    mod = _claim_tally_module()
+    tables = _cross_tables(mod)
+    spec = {"text": "MAFML beats FedMD (paper)", "better": ["seedX/ta", "MAFML"], "worse": ["seedX/tb", "FedMD paper"]}
+    c = tables.cross(spec)
+    assert c["n"] == 3 and c["diffs"] == {"1": 5.0, "2": 4.0, "3": 6.0}
+    assert c["ours"] == pytest.approx(5.0) and c["half"] == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5)
+    assert c["verdict"] == vd.HELD and "paired across seedX/ta and seedX/tb" in c["rule"]
+    assert c["final"]["verdict"] == ""  # no final-round values on either side
+    # final-round values on one side only (newer records): no final-round verdict rather than "n too small"
+    for r in tables.raws["seedX/tb"]["runs"]:
+        r["test_acc@final"] = r["test_acc"]
+    assert tables.cross(spec)["final"]["verdict"] == ""
+    for r in tables.raws["seedX/ta"]["runs"]:
+        r["test_acc@final"] = r["test_acc"] - 1.0
+    fin = tables.cross(spec)["final"]
+    assert fin["verdict"] == vd.HELD and fin["mean"] == pytest.approx(4.0)
+    # reversed order: the same differences negated
+    back = tables.cross({"text": "FedMD beats MAFML", "better": spec["worse"], "worse": spec["better"]})
+    assert back["verdict"] == vd.REVERSED and back["ours"] == pytest.approx(-5.0)
+    # a setting mixing a table's own parts with cross parts: one verdict by the claim's rule
+    tables.cache["seedX/ta"] = {"claims": [{"text": "MAFML beats AGG", "verdict": vd.HELD, "p": 0.001,
+                                            "final": {"verdict": vd.HELD}}]}
+    claim = {"rule": "all", "at": {"table": "seedX/ta", "parts": ["MAFML beats AGG"], "cross": [spec]}}
+    out = mod.judge_setting(tables, claim, claim["at"])
+    assert [p["text"] for p in out["parts"]] == ["MAFML beats AGG", "MAFML beats FedMD (paper)"]
+    assert out["verdict"] == vd.HELD
+    # a missing table: no verdict, said so
+    tables.raws["seedX/none"] = None
+    gone = tables.cross({"text": "x", "better": ["seedX/ta", "MAFML"], "worse": ["seedX/none", "FedMD paper"]})
+    assert gone["verdict"] == mod.NO_VERDICT and "not stored" in gone["missing"]
+
+
+def test_the_claim_tally_refuses_to_pair_tables_with_different_value_rules():
+    mod = _claim_tally_module()
+    tables = _cross_tables(mod, select_b="last")
+    spec = {"text": "MAFML beats FedMD (paper)", "better": ["seedX/ta", "MAFML"], "worse": ["seedX/tb", "FedMD paper"]}
+    with pytest.raises(SystemExit, match="differ in select"):
+        tables.cross(spec)
+    tables = _cross_tables(mod)
+    with pytest.raises(SystemExit, match="both sides are labelled"):
+        tables.cross({"text": "t", "better": ["seedX/ta", "MAFML"], "worse": ["seedX/tb", "MAFML"]})
+    tables.raws["seedX/tb"]["overrides"] = ["rounds=4"]
+    with pytest.raises(SystemExit, match="different overrides"):
+        tables.cross(spec)
+
+
+def test_a_cross_claim_within_one_stored_table_is_that_table_s_own_claim():
+    """The cross pairing on two labels of ONE stored table gives that table's own claim, number for number (the
+    seed's difference, the interval, the verdict): the pairing adds nothing of its own."""
+    mod = _claim_tally_module()
+    tables = mod.Tables()
+    t = "seed003/table1_rotated_mnist"
+    own = tables.part(t, "MAFML beats FedMD (a=10%)")
+    got = tables.cross({"text": own["text"], "better": [t, "MAFML a=10%"], "worse": [t, "FedMD a=10%"]})
+    for k in ("n", "ours", "half", "lo", "hi", "p", "paper", "verdict", "diffs"):
+        assert got[k] == (pytest.approx(own[k]) if isinstance(own[k], float) else own[k]), k
