@@ -12,42 +12,16 @@ beside it.
 """
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
-import pandas as pd
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from seed000_tune_records import OUT, ROOT, curve  # noqa: E402
+from seed000_tune_records import OUT, study  # noqa: E402  (the same per-study record, under this figure's titles)
 
 STUDIES = {"fedavg_pu_r01_w0": "FedAvg, rate 0.1, pu_weight 0 (labelled rows only)",
            "fedavg_pu_r01_w1": "FedAvg, rate 0.1, pu_weight 1 (FedPU's loss)",
            "fedproto_pu_r01_w0": "FedProto, rate 0.1, pu_weight 0 (labelled rows only)",
            "fedproto_pu_r01_w1": "FedProto, rate 0.1, pu_weight 1 (FedPU's loss)"}
-
-
-def study(runs: Path, m: str) -> tuple[list[str], dict | None]:
-    d = runs / f"tune_{m}"
-    t = pd.read_parquet(d / "trials.parquet").sort_values("number")
-    lines = [f"### {STUDIES[m]}", "",
-             "| trial | lr | state | best val_acc (round) | val_acc at rounds 10..150 | wall s |", "|---|---|---|---|---|---|"]
-    best = None
-    for _, r in t.iterrows():
-        c = curve(ROOT / r.run_dir) if isinstance(r.run_dir, str) else None
-        if r.state == "COMPLETE" and c is not None:
-            rnd = int(c.idxmax()) + 1
-            vals = ", ".join(f"{x:.3f}" for x in c.values)
-            cell = f"{c.max():.4f} ({rnd})"
-            if best is None or c.max() > best["val"]:
-                best = {"lr": r["params_train.lr"], "rounds": rnd, "val": float(c.max())}
-        else:
-            cell, vals = "–", str(r.reason)
-        lines.append(f"| {r.number} | {r['params_train.lr']:g} | {r.state} | {cell} | {vals} | {r.seconds:.0f} |")
-    if best:
-        lines += ["", f"Chosen: **lr {best['lr']:g}, {best['rounds']} rounds** (mean client val_acc {best['val']:.4f})."]
-    shutil.copyfile(d / "trials.parquet", OUT / f"tune_{m}_seed000_trials.parquet")
-    return lines, best
 
 
 def main(argv):
@@ -56,7 +30,7 @@ def main(argv):
     for m in STUDIES:
         if not (runs / f"tune_{m}" / "trials.parquet").exists():
             continue
-        lines, best = study(runs, m)
+        lines, best = study(runs, m, STUDIES[m])
         body += lines + [""]
         chosen[m] = best
     head = ["# Seed 000, Fig. 4 at positive rate 0.1: each method's learning rate and rounds, on validation only (issue 51)",

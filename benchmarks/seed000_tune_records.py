@@ -32,10 +32,11 @@ def curve(run_dir: Path) -> pd.Series | None:
     return v.groupby("round")["value"].mean()
 
 
-def study(runs: Path, m: str) -> tuple[list[str], dict | None]:
+def study(runs: Path, m: str, title: str | None = None) -> tuple[list[str], dict | None]:
+    """One study's markdown (heading ``title``, default the method's name and space file) and its chosen trial."""
     d = runs / f"tune_{m}"
     t = pd.read_parquet(d / "trials.parquet").sort_values("number")
-    lines = [f"### {NAMES[m]} (`configs/tune_{m}_seed000.yaml`)", "",
+    lines = [f"### {title or f'{NAMES[m]} (`configs/tune_{m}_seed000.yaml`)'}", "",
              "| trial | lr | state | best val_acc (round) | val_acc at rounds 10..150 | wall s |", "|---|---|---|---|---|---|"]
     best = None
     for _, r in t.iterrows():

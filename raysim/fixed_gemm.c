@@ -373,14 +373,6 @@ int gemm(int nt, i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
                       accumulate, bias, bias1);
 }
 
-int threaded(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* One client's image of a grouped convolution's input gradient: du [L, kh*kw*C] (each output position's tap
  * gradients, taps (i, j, c)) -> dx, that image's C channels in channels-last memory (pixel stride G*C):
  * dx[y, x, c] = the sum of the du entries that read it, added in the order h, w (outer), i, j (inner), from zero. */

@@ -124,7 +124,6 @@ def library():
             lib.gemm_reference.argtypes, lib.gemm_reference.restype = args, None
             lib.conv_input_grad.argtypes = [ctypes.c_int] + [i64] * 16 + [f32p, f32p, f32p]
             lib.conv_input_grad.restype = ctypes.c_int
-            lib.threaded.restype = ctypes.c_int
             lib.kernel_isa.argtypes, lib.kernel_isa.restype = [ctypes.c_int], ctypes.c_int
             _lib = lib
     return _lib
@@ -149,15 +148,11 @@ def _threads() -> int:
 
 
 def _check(*ts) -> None:
-    for t in ts:
-        if t.dtype != _f32() or t.device.type != "cpu":
-            raise TypeError(f"raysim fixed-order GEMM: float32 CPU tensors only, got {t.dtype} on {t.device}")
-
-
-def _f32():
     import torch
 
-    return torch.float32
+    for t in ts:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise TypeError(f"raysim fixed-order GEMM: float32 CPU tensors only, got {t.dtype} on {t.device}")
 
 
 def _table(v, n: int):
