@@ -35,7 +35,9 @@ down 963 floats per iteration.
 
 Two forms of each client step, side by side and built from the same pieces (the batch draws, the soft-label upload,
 the KL + CE terms, the projection, the metrics): the per-node steps (:meth:`MAFML.local`, :meth:`MAFML.step_global`)
-and their group forms (``backend.vectorize: true``: :meth:`MAFML.local_group`, :meth:`MAFML.step_global_group`), one
+and their group forms (``backend.vectorize``: true, or auto, its default on a CPU as on a GPU — the per-node steps
+are many small ones, 1.8x a plain loop on a CPU, the group forms 0.85x: :meth:`MAFML.local_group`,
+:meth:`MAFML.step_global_group`), one
 MAFML iteration's client step for every node a runner hosts at once, the nodes' models as one grouped network
 (:mod:`raysim.runner.grouped`: grouped channels-last convolutions, batched linear layers, Adam over the stacked
 parameters). The group forms draw the same batches per node and give the same states, uploads and metrics; their
@@ -190,6 +192,7 @@ GLOBAL = ClientStep("global", fn="step_global", clients=ALL)
 
 class MAFML(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
+    batched_on_cpu = True  # vectorize: auto runs the group forms on a CPU too (module docstring)
     name = "mafml"
 
     @classmethod

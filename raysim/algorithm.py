@@ -316,6 +316,12 @@ class Algorithm:
     uploads: ClassVar[Optional[frozenset]] = None
     # the client metrics the progress bar shows (the latest evaluated mean of each the run has reported)
     headline: ClassVar[tuple] = ("test_acc",)
+    # ``backend.vectorize: auto`` runs the method's group forms on a CPU too, not only on a GPU: its client steps are
+    # many small ones (per round, per client) whose per-step host work and torch's portable kernels dominate the
+    # per-client form there, while its group form computes every hosted client's step as one (MAFML: 0.85x its plain
+    # loop against 1.8x; benchmarks/PERFORMANCE.md). Where its group forms decline (other architectures, ...), the
+    # per-client steps run: the same numbers as ``vectorize: false``.
+    batched_on_cpu: ClassVar[bool] = False
     @classmethod
     def measures(cls, params: Optional[dict] = None) -> dict:
         """metric -> the kind of model it evaluates (a key of :data:`MEASURES`), for ``params`` (the config's

@@ -309,6 +309,65 @@ static int gemm_range_avx512(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64
     return 0;
 }
 
+/* Products 8 < N <= 16 with AVX-512 (a convolution with 16 output channels, its weight gradient): 12 x 16 outputs a
+ * block, one 16-lane register a row, where the 6 x 32 block would leave half its lanes idle. The same order per
+ * output: the same bits. */
+#define R16(a, x) { x = _mm512_fmadd_ps(_mm512_set1_ps(*((a) + off)), b0, x); }
+__attribute__((target("avx512f")))
+static int gemm_range_avx512_n16(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64 K,
+                                 const float *A, i64 a1, i64 a2, i64 ar, const i64 *am, const i64 *ak,
+                                 const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
+                                 float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate,
+                                 const float *bias, i64 bias1) {
+    enum { M12 = 12 };
+    float *bp = NULL;
+    if (bn != 1) {
+        bp = (float *)malloc(sizeof(float) * (size_t)(R * K * 16 + 1));
+        if (!bp) return -1;
+    }
+    __mmask16 m0 = N >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << N) - 1);
+    for (i64 g1 = g1_begin; g1 < g1_end; g1++)
+        for (i64 g2 = 0; g2 < G2; g2++) {
+            const float *Ag = A + g1 * a1 + g2 * a2, *Bg = B + g1 * b1 + g2 * b2;
+            float *Cg = C + g1 * c1 + g2 * c2;
+            i64 sr, sk;
+            const float *bpanel = b_panel(Bg, R, K, br, bk, bn, 0, 16, N, bp, &sr, &sk);
+            for (i64 i = 0; i < M; i += M12) {
+                const float *q[M12];
+                a_rows(Ag, am, M, i, M12, q);
+                __m512 x0 = _mm512_setzero_ps(), x1 = x0, x2 = x0, x3 = x0, x4 = x0, x5 = x0, x6 = x0, x7 = x0,
+                       x8 = x0, x9 = x0, x10 = x0, x11 = x0;
+                for (i64 r = 0; r < R; r++) {
+                    const float *b = bpanel + r * sr;
+                    i64 ra = r * ar;
+                    for (i64 k = 0; k < K; k++) {
+                        __m512 b0 = _mm512_maskz_loadu_ps(m0, b + k * sk);
+                        i64 off = ra + ak[k];
+                        R16(q[0], x0) R16(q[1], x1) R16(q[2], x2) R16(q[3], x3) R16(q[4], x4) R16(q[5], x5)
+                        R16(q[6], x6) R16(q[7], x7) R16(q[8], x8) R16(q[9], x9) R16(q[10], x10) R16(q[11], x11)
+                    }
+                }
+                __m512 acc[M12] = {x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11};
+                i64 mmax = M - i < M12 ? M - i : M12;
+                for (i64 ii = 0; ii < mmax; ii++) {
+                    float *c = Cg + (i + ii) * cm;
+                    __m512 v = acc[ii];
+                    if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m0, bias + g1 * bias1));
+                    if (cn == 1) {
+                        if (accumulate) v = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, c), v);
+                        _mm512_mask_storeu_ps(c, m0, v);
+                    } else {
+                        float out[16];
+                        _mm512_storeu_ps(out, v);
+                        for (i64 jj = 0; jj < N; jj++) c[jj * cn] = accumulate ? c[jj * cn] + out[jj] : out[jj];
+                    }
+                }
+            }
+        }
+    free(bp);
+    return 0;
+}
+
 static int isa = -1;  /* 0: AVX2, 1: AVX-512F; chosen once from the CPU (RAYSIM_FIXED_GEMM_ISA=avx2 forces AVX2) */
 
 static int pick_isa(void) {
@@ -341,7 +400,10 @@ static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64
     if (N <= 8)
         return gemm_range_n8(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
                              C, c1, c2, cm, cn, accumulate, bias, bias1);
-    if (isa == 1 && N > 16)
+    if (isa == 1 && N <= 16)
+        return gemm_range_avx512_n16(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
+                                     C, c1, c2, cm, cn, accumulate, bias, bias1);
+    if (isa == 1)
         return gemm_range_avx512(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
                                  C, c1, c2, cm, cn, accumulate, bias, bias1);
     return gemm_range_avx2(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
@@ -373,31 +435,47 @@ int gemm(int nt, i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
                       accumulate, bias, bias1);
 }
 
+/* d[t] = d[t] + s[t] for t < n, eight at a time: each element one add, as the scalar loop gives it. */
+static void add_into(float *d, const float *s, i64 n) {
+    i64 t = 0;
+    for (; t + 8 <= n; t += 8) _mm256_storeu_ps(d + t, _mm256_add_ps(_mm256_loadu_ps(d + t), _mm256_loadu_ps(s + t)));
+    for (; t < n; t++) d[t] = d[t] + s[t];
+}
+
 /* One client's image of a grouped convolution's input gradient: du [L, kh*kw*C] (each output position's tap
  * gradients, taps (i, j, c)) -> dx, that image's C channels in channels-last memory (pixel stride G*C):
- * dx[y, x, c] = the sum of the du entries that read it, added in the order h, w (outer), i, j (inner), from zero. */
-static void col2im_one(const float *du, float *dx, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh, i64 sw,
-                       i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo) {
-    for (i64 p = 0; p < H * W; p++) memset(dx + p * G * C, 0, sizeof(float) * (size_t)C);
+ * dx[y, x, c] = the sum of the du entries that read it, added in the order h, w (outer), i, j (inner), from zero.
+ * Summed in the client's own contiguous image ``img`` [H, W, C] (scratch), where the kw taps of one kernel row land on
+ * kw neighbouring pixels (without dilation), so a row's kw * C values are added as one run — each element still
+ * receives its terms one add at a time in the order above — then copied into dx. */
+static void col2im_one(const float *du, float *dx, float *img, i64 H, i64 W, i64 G, i64 C, i64 kh, i64 kw, i64 sh,
+                       i64 sw, i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo) {
+    memset(img, 0, sizeof(float) * (size_t)(H * W * C));
     const float *src = du;
     for (i64 h = 0; h < Ho; h++)
         for (i64 w = 0; w < Wo; w++)
-            for (i64 i = 0; i < kh; i++) {
+            for (i64 i = 0; i < kh; i++, src += kw * C) {
                 i64 yy = h * sh - ph + i * dh;
-                for (i64 j = 0; j < kw; j++, src += C) {
-                    i64 xx = w * sw - pw + j * dw;
-                    if (yy < 0 || yy >= H || xx < 0 || xx >= W) continue;
-                    float *d = dx + (yy * W + xx) * G * C;
-                    for (i64 c = 0; c < C; c++) d[c] = d[c] + src[c];
+                if (yy < 0 || yy >= H) continue;
+                i64 x0 = w * sw - pw;
+                if (dw == 1) {  /* taps j0 .. j1-1 land on pixels x0+j0 .. x0+j1-1 of row yy */
+                    i64 j0 = x0 < 0 ? -x0 : 0, j1 = x0 + kw > W ? W - x0 : kw;
+                    if (j1 > j0) add_into(img + (yy * W + x0 + j0) * C, src + j0 * C, (j1 - j0) * C);
+                    continue;
+                }
+                for (i64 j = 0; j < kw; j++) {
+                    i64 xx = x0 + j * dw;
+                    if (xx >= 0 && xx < W) add_into(img + (yy * W + xx) * C, src + j * C, C);
                 }
             }
+    for (i64 q = 0; q < H * W; q++) memcpy(dx + q * G * C, img + q * C, sizeof(float) * (size_t)C);
 }
 
 static int input_grad_range(i64 g_begin, i64 g_end, i64 B, i64 G, i64 H, i64 W, i64 C, i64 O, i64 kh, i64 kw,
                             i64 sh, i64 sw, i64 ph, i64 pw, i64 dh, i64 dw, i64 Ho, i64 Wo,
                             const float *dy, const float *wo, float *dx) {
     i64 L = Ho * Wo, ckk = kh * kw * C;
-    float *du = (float *)malloc(sizeof(float) * (size_t)(L * ckk + 1));
+    float *du = (float *)malloc(sizeof(float) * (size_t)(L * ckk + H * W * C + 1)), *img = du + L * ckk;
     i64 *am = (i64 *)malloc(sizeof(i64) * (size_t)(L + O + 1));
     if (!du || !am) { free(du); free(am); return -1; }
     i64 *ak = am + L;
@@ -409,7 +487,8 @@ static int input_grad_range(i64 g_begin, i64 g_end, i64 B, i64 G, i64 H, i64 W, 
             /* du (L x ckk) = dy[b, :, g] (L x O) @ w[g] (O x ckk), the fixed-order product of one group */
             bad = gemm_range(g, g + 1, 1, 1, L, ckk, O, dy + b * L * G * O, O, 0, 0, am, ak,
                              wo, O * ckk, 0, 0, ckk, 1, du, 0, 0, ckk, 1, 0, NULL, 0);
-            col2im_one(du, dx + b * H * W * G * C + g * C, H, W, G, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho, Wo);
+            col2im_one(du, dx + b * H * W * G * C + g * C, img, H, W, G, C, kh, kw, sh, sw, ph, pw, dh, dw, Ho,
+                       Wo);
         }
     free(du);
     free(am);

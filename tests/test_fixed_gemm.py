@@ -27,7 +27,8 @@ def _floats(n: int, salt: int) -> torch.Tensor:
 @pytest.mark.parametrize("dims,accumulate", [((2, 3, 1, 7, 19, 5), False), ((1, 1, 3, 13, 33, 11), True),
                                              ((3, 2, 2, 6, 16, 1), False), ((1, 1, 1, 1, 1, 300), True),
                                              ((2, 1, 2, 9, 47, 21), False), ((1, 2, 2, 25, 6, 13), False),
-                                             ((2, 1, 1, 14, 8, 7), True)])
+                                             ((2, 1, 1, 14, 8, 7), True), ((2, 1, 2, 25, 12, 9), True),
+                                             ((1, 2, 1, 13, 9, 4), False)])
 def test_kernel_equals_the_definition_bit_for_bit(dims, accumulate):
     """Odd M, N (row and column tails of both kernels' blocks), R > 1, two group levels, accumulate or a bias, a
     table for A's rows: the AVX2 kernel, the AVX-512 one (where this CPU has it) and the scalar definition give the

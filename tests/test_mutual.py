@@ -293,6 +293,7 @@ def test_mafml_heterogeneous_archs(tiny):
 # -- MAFML's group forms (backend.vectorize: the nodes' models as one grouped network) ----------------------------
 
 VEC = {"name": "sequential", "vectorize": True}
+LOOP = {"name": "sequential", "vectorize": False}  # the per-node steps (auto: the group forms, on a CPU too)
 
 
 def _table(cfg):
@@ -319,7 +320,7 @@ def _group_calls(monkeypatch):
 @pytest.mark.parametrize("model", [None, {"arch": "cnn_small", "params": {"channels": 4}}])
 def test_mafml_group_forms_equal_the_per_node_steps(tiny, monkeypatch, model):
     over = {} if model is None else {"model": model}
-    loop = _table(mutual_cfg(tiny, "mafml", **over))
+    loop = _table(mutual_cfg(tiny, "mafml", backend=LOOP, **over))
     taken = _group_calls(monkeypatch)
     vec = _table(mutual_cfg(tiny, "mafml", backend=VEC, **over))
     assert {k for k, ok in taken if ok} == {"local", "step_global"}  # both steps ran as groups
@@ -335,7 +336,7 @@ def test_mafml_group_forms_fall_back_to_the_per_node_steps(tiny, monkeypatch, ca
     # mixed architectures, or a group form that fails: the runner runs the per-node steps, the very table of the loop
     over = {"model": {"per_client": [{"arch": "mlp", "params": {"hidden": 32}},
                                      {"arch": "cnn_small", "params": {"channels": 4}}]}} if case == "hetero" else {}
-    loop = _table(mutual_cfg(tiny, "mafml", **over))
+    loop = _table(mutual_cfg(tiny, "mafml", backend=LOOP, **over))
     if case == "raises":
         from algorithms.mafml import MAFML
 
@@ -370,7 +371,7 @@ def test_a_group_form_with_a_result_per_client_missing_is_an_error(tiny, monkeyp
 def test_mafml_per_teacher_runs_its_global_step_per_node(tiny, monkeypatch):
     # Algorithm 1's per-teacher updates have no group form: the global step runs per node, the local step grouped
     params = {"iterations": 3, "per_teacher": True}
-    loop = _table(mutual_cfg(tiny, "mafml", params))
+    loop = _table(mutual_cfg(tiny, "mafml", params, backend=LOOP))
     taken = _group_calls(monkeypatch)
     vec = _table(mutual_cfg(tiny, "mafml", params, backend=VEC))
     assert {k for k, ok in taken if ok} == {"local"} and ("step_global", False) in taken
@@ -387,13 +388,14 @@ def test_mafml_group_forms_on_ray_two_actors(ray_session, tiny, monkeypatch):
     assert (m["_merge"] == "both").all()
     assert ((m["value_s"] - m["value_r"]).abs() <= 1e-4 * m["value_s"].abs().clip(lower=1.0)).all()
     # the actors really ran the group forms: their sums differ from the per-node steps' in the last bits
-    assert not ray["value"].equals(_table(mutual_cfg(tiny, "mafml"))["value"])
+    assert not ray["value"].equals(_table(mutual_cfg(tiny, "mafml", backend=LOOP))["value"])
 
 
 @pytest.mark.ray
 def test_mafml_sequential_equals_ray_one_actor_per_node(ray_session, tiny):
-    seq = run_experiment(mutual_cfg(tiny, "mafml"), write=False).table
-    ray = run_experiment(mutual_cfg(tiny, "mafml", backend={"name": "ray", "num_actors": 4, "num_cpus": 0.5}), write=False).table
+    seq = run_experiment(mutual_cfg(tiny, "mafml", backend=LOOP), write=False).table
+    ray = run_experiment(mutual_cfg(tiny, "mafml", backend={"name": "ray", "num_actors": 4, "num_cpus": 0.5,
+                                                            "vectorize": False}), write=False).table
     pd.testing.assert_frame_equal(without_timing(seq), without_timing(ray), check_exact=True)
 
 

@@ -58,3 +58,43 @@ def test_auto_on_a_gpu_says_once_that_a_method_it_cannot_batch_runs_the_loop():
     said = []
     _notice_dropped(cpu, said.append)
     assert not [s for s in said if "vectorize" in s]  # on a CPU auto is the loop: nothing to say
+
+
+def _mafml(**backend):
+    from tests.test_mutual import mutual_data
+
+    return make_config(tiny_config(backend={"name": "sequential", **backend}, data=mutual_data(),
+                                   train={"optimizer": "adam", "lr": 0.01, "batch_size": 8, "persist_optimizer": True},
+                                   algorithm={"name": "mafml", "params": {"iterations": 3}}))
+
+
+def test_auto_runs_mafmls_group_forms_on_a_cpu_too(monkeypatch, tmp_path):
+    """Issue 48 item 4: a method whose group forms are its CPU default (Algorithm.batched_on_cpu: MAFML, whose
+    per-node steps cost 1.8x a plain loop on a CPU under portable numerics, the group forms 0.85x) is batched by auto
+    on a CPU as on a GPU, named as a run that asked for it, and said once; false keeps the per-node steps; where the
+    fixed-order kernel cannot be built, one line naming backend.vectorize (auto never falls back by itself: the run's
+    identity must not depend on the machine's compiler)."""
+    from raysim import fixed_gemm
+    from raysim.engine import prepare as prep
+
+    assert _mafml(device="cpu").vectorizes() and runner_settings(_mafml(device="cpu")).vectorize
+    assert not _mafml(device="cpu", vectorize=False).vectorizes()
+    assert _mafml(device="cpu").run_id() == _mafml(device="cpu", vectorize=True).run_id()
+    assert _mafml(device="cpu").run_id() != _mafml(device="cpu", vectorize=False).run_id()
+    assert not _cfg(device="cpu").vectorizes()  # other methods: the per-client loop on a CPU, as before
+    said = []
+    _notice_dropped(_mafml(device="cpu"), said.append)
+    assert [s for s in said if "vectorize" in s] == [
+        "note: backend.vectorize: auto trains mafml's clients together on this CPU (its group forms, the faster path "
+        "here); backend.vectorize: false runs them one after another"]
+    said = []
+    _notice_dropped(_mafml(device="cpu", vectorize=True), said.append)
+    assert not [s for s in said if "vectorize" in s]  # asked for: nothing to say
+    monkeypatch.setattr(fixed_gemm, "_lib", None)
+    monkeypatch.setenv("RAYSIM_CACHE", str(tmp_path))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    prep.prepare(_mafml(device="cpu", vectorize=False))
+    with pytest.raises(ConfigError, match=r"backend\.vectorize.: auto trains mafml's clients together on a CPU, "
+                                          r"which needs the fixed-order GEMM: no C compiler found.*vectorize: false"):
+        prep.prepare(_mafml(device="cpu"))

@@ -68,8 +68,8 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         from raysim.asyncrules import check_async
 
         check_async(cfg, algorithm, env)
-    if cfg.backend.vectorize is True and cfg.backend.numerics == "portable" and _runs_on_cpu(cfg):  # asked for
-        _check_fixed_gemm()
+    if cfg.backend.numerics == "portable" and cfg.vectorizes() and _runs_on_cpu(cfg):  # asked for, or MAFML's auto
+        _check_fixed_gemm(cfg)
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
         from raysim.runner.footprint import check_gpu_budgets
 
@@ -319,17 +319,20 @@ def _check_model_size(spec, task: Task, path: str) -> None:
 _NOTICED: set = set()
 
 
-def _check_fixed_gemm() -> None:
+def _check_fixed_gemm(cfg: ExperimentConfig) -> None:
     """A portable vectorised run on a CPU computes its grouped convolutions with raysim's fixed-order GEMM
     (raysim/fixed_gemm.py: the same bits on every CPU, compiled at first use): where it cannot be built, one line
-    before anything runs, rather than other kernels and another table."""
+    before anything runs, rather than other kernels and another table (``auto`` never falls back by itself: what
+    runs, and the run's identity, must not depend on whether the machine has a compiler)."""
     from raysim import fixed_gemm
 
     try:
         fixed_gemm.library()
     except fixed_gemm.KernelUnavailable as e:
-        raise ConfigError("backend.vectorize", f"{e}; or run backend.numerics: native (the table then depends on the "
-                                               f"CPU) or backend.vectorize: false") from None
+        why = (f"auto trains {cfg.algorithm.name}'s clients together on a CPU, which needs the fixed-order GEMM: "
+               if cfg.backend.vectorize == "auto" else "")
+        raise ConfigError("backend.vectorize", f"{why}{e}; or run backend.numerics: native (the table then depends "
+                                               f"on the CPU) or backend.vectorize: false") from None
 
 
 def _runs_on_cpu(cfg: ExperimentConfig) -> bool:
@@ -378,6 +381,10 @@ def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _noti
             continue
         notify(f"note: backend.{key}: true does nothing for {cfg.algorithm.name} ({_INERT_WHY[key](cfg)}); it is "
                f"left out of the run's identity (run id {cfg.run_id()})")
+    if cfg.backend.vectorize == "auto" and cfg._batched_on_cpu() and cfg.vectorizes() \
+            and not cfg.backend.clients_on_gpu():
+        notify(f"note: backend.vectorize: auto trains {cfg.algorithm.name}'s clients together on this CPU (its group "
+               f"forms, the faster path here); backend.vectorize: false runs them one after another")
     if cfg.backend.name == "ray" and cfg.backend.num_actors > n:
         notify(f"note: backend.num_actors={cfg.backend.num_actors} exceeds data.num_clients={n}: {n} client actors "
                f"are started (one client each)")

@@ -517,19 +517,16 @@ class StackedOptimizer:
         if not self.adam and cfg.momentum:
             has = self.has_buf if whole else self.has_buf[rows]
             first = None if all(self._has_host[i] for i in host_rows) else ~has
-        for name, g in grads.items():
+        if self.adam:
+            self._adam(params, grads, rows, whole, steps)
+        for name, g in ({} if self.adam else grads).items():
             full, bufs = params[name], self.bufs.get(name)
             p = full if whole else full[rows]
-            if self.adam:
-                st = bufs if whole else (bufs[0][rows], bufs[1][rows])
-            else:
-                st = bufs if whole or bufs is None else bufs[rows]
+            st = bufs if whole or bufs is None else bufs[rows]
             st = self._update(p, g, st, steps, first)
             if not whole:
                 full[rows] = p
-                if self.adam:
-                    bufs[0][rows], bufs[1][rows] = st
-                elif bufs is not None:
+                if bufs is not None:
                     bufs[rows] = st
         if not self.adam and cfg.momentum:
             if whole:
@@ -539,23 +536,48 @@ class StackedOptimizer:
             for i in host_rows:
                 self._has_host[i] = True
 
+    def _adam(self, params: dict, grads: dict, rows: torch.Tensor, whole: bool, steps: torch.Tensor) -> None:
+        """torch.optim.Adam's update of the clients ``rows`` of every stacked parameter, in place: the moments per
+        tensor, then one square root over all second moments (one call instead of one per tensor: in a portable
+        process aten::sqrt is raysim's IEEE kernel, several kernels a call), then the steps. Each element's arithmetic
+        is torch's, in torch's order: the bits of the per-tensor form."""
+        cfg, lr = self.cfg, self.lr
+        b1, b2 = 0.9, 0.999
+        bc1_64, bc2_sqrt_64 = 1 - b1 ** steps, (1 - b2 ** steps).sqrt()  # [n] float64, the same for every tensor
+        work = []
+        for name, g in grads.items():
+            full, bufs = params[name], self.bufs[name]
+            p = full if whole else full[rows]
+            m, v = bufs if whole else (bufs[0][rows], bufs[1][rows])
+            if cfg.weight_decay:
+                g = g.add(p, alpha=cfg.weight_decay)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            work.append((name, full, bufs, p, m, v))
+        if not work:
+            return
+        n = work[0][5].shape[0]
+        flat = [v.reshape(n, -1) for *_, v in work]
+        roots = torch.cat(flat, dim=1).sqrt() if len(flat) > 1 else flat[0].sqrt()
+        off = 0
+        for (name, full, bufs, p, m, v), f in zip(work, flat):
+            root = roots[:, off:off + f.shape[1]].reshape(v.shape)
+            off += f.shape[1]
+            shape = (-1,) + (1,) * (p.dim() - 1)
+            bc1 = bc1_64.to(p.dtype).view(shape)
+            denom = (root / bc2_sqrt_64.to(p.dtype).view(shape)).add_(1e-8)
+            p.addcdiv_(m, denom * (bc1 / lr), value=-1.0)
+            if not whole:
+                full[rows] = p
+                bufs[0][rows], bufs[1][rows] = m, v
+
     def _update(self, p: torch.Tensor, g: torch.Tensor, st, steps, first):
-        """torch.optim's SGD / Adam update of client-stacked ``p`` in place, with its state ``st`` (Adam: (m, v);
-        SGD with momentum: the buffer; else None), updated in place and returned."""
+        """torch.optim's SGD update of client-stacked ``p`` in place, with its state ``st`` (SGD with momentum: the
+        buffer; else None), updated in place and returned (Adam: :meth:`_adam`)."""
         cfg, lr = self.cfg, self.lr
         if cfg.weight_decay:
             g = g.add(p, alpha=cfg.weight_decay)
         shape = (-1,) + (1,) * (p.dim() - 1)
-        if self.adam:
-            b1, b2 = 0.9, 0.999
-            m, v = st
-            m.lerp_(g, 1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
-            bc1 = (1 - b1 ** steps).to(p.dtype).view(shape)
-            bc2_sqrt = (1 - b2 ** steps).sqrt().to(p.dtype).view(shape)
-            denom = (v.sqrt() / bc2_sqrt).add_(1e-8)
-            p.addcdiv_(m, denom * (bc1 / lr), value=-1.0)
-            return m, v
         if cfg.momentum:
             if first is None:
                 st.mul_(cfg.momentum).add_(g)
