@@ -192,7 +192,7 @@ GLOBAL = ClientStep("global", fn="step_global", clients=ALL)
 
 class MAFML(Algorithm):
     needs_embedding = False  # logits and whole state dicts only: any user model will do
-    batched_on_cpu = True  # vectorize: auto runs the group forms on a CPU too (module docstring)
+    vectorize_on_cpu = True  # vectorize: auto runs the group forms on a CPU too (module docstring)
     name = "mafml"
 
     @classmethod

@@ -321,7 +321,7 @@ class Algorithm:
     # per-client form there, while its group form computes every hosted client's step as one (MAFML: 0.85x its plain
     # loop against 1.8x; benchmarks/PERFORMANCE.md). Where its group forms decline (other architectures, ...), the
     # per-client steps run: the same numbers as ``vectorize: false``.
-    batched_on_cpu: ClassVar[bool] = False
+    vectorize_on_cpu: ClassVar[bool] = False
     @classmethod
     def measures(cls, params: Optional[dict] = None) -> dict:
         """metric -> the kind of model it evaluates (a key of :data:`MEASURES`), for ``params`` (the config's

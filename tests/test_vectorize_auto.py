@@ -69,7 +69,7 @@ def _mafml(**backend):
 
 
 def test_auto_runs_mafmls_group_forms_on_a_cpu_too(monkeypatch, tmp_path):
-    """Issue 48 item 4: a method whose group forms are its CPU default (Algorithm.batched_on_cpu: MAFML, whose
+    """Issue 48 item 4: a method whose group forms are its CPU default (Algorithm.vectorize_on_cpu: MAFML, whose
     per-node steps cost 1.8x a plain loop on a CPU under portable numerics, the group forms 0.85x) is batched by auto
     on a CPU as on a GPU, named as a run that asked for it, and said once; false keeps the per-node steps; where the
     fixed-order kernel cannot be built, one line naming backend.vectorize (auto never falls back by itself: the run's

@@ -37,7 +37,7 @@ class BackendConfig:
     #                             native: torch's fastest kernels for each CPU (raysim/numerics.py); part of the identity
     vectorize: Any = "auto"  # train the clients of one architecture in a step together (the batched executor):
     #   true | false | auto (the default: on where the clients train on a GPU, the per-client loop on a CPU except
-    #   for a method whose group forms are its CPU default too, Algorithm.batched_on_cpu: MAFML); on, it changes the
+    #   for a method whose group forms are its CPU default too, Algorithm.vectorize_on_cpu: MAFML); on, it changes the
     #   numbers within a stated tolerance, so it is part of the run's identity (ExperimentConfig.vectorizes())
     max_group: int = 0  # vectorised executor: at most this many clients trained as one batched group (0: as many as
     #                     the step has, on a GPU as many as the runner's free memory holds by the footprint estimate)

@@ -109,15 +109,15 @@ class ExperimentConfig:
     def vectorizes(self) -> bool:
         """``backend.vectorize`` resolved for this run (:meth:`BackendConfig.vectorizes`); auto stays off with
         ``train.local_steps`` (the batched executor runs whole epochs: the loop runs them), and is on on a CPU too for
-        a method whose group forms are its CPU default (``Algorithm.batched_on_cpu``: MAFML)."""
-        if self.backend.vectorize == "auto" and self._batched_on_cpu() and not self.backend.clients_on_gpu():
+        a method whose group forms are its CPU default (``Algorithm.vectorize_on_cpu``: MAFML)."""
+        if self.backend.vectorize == "auto" and self._vectorize_on_cpu() and not self.backend.clients_on_gpu():
             return True
         auto_off = self.backend.vectorize == "auto" and self.train.local_steps is not None
         return self.backend.vectorizes() and not auto_off
 
-    def _batched_on_cpu(self) -> bool:
+    def _vectorize_on_cpu(self) -> bool:
         try:
-            return bool(algorithm_class(self.algorithm.name).batched_on_cpu)
+            return bool(algorithm_class(self.algorithm.name).vectorize_on_cpu)
         except Exception:  # an unknown method: its error comes from prepare
             return False
 

@@ -381,7 +381,7 @@ def _notice_dropped(cfg: ExperimentConfig, notify: Callable[[str], None] = _noti
             continue
         notify(f"note: backend.{key}: true does nothing for {cfg.algorithm.name} ({_INERT_WHY[key](cfg)}); it is "
                f"left out of the run's identity (run id {cfg.run_id()})")
-    if cfg.backend.vectorize == "auto" and cfg._batched_on_cpu() and cfg.vectorizes() \
+    if cfg.backend.vectorize == "auto" and cfg._vectorize_on_cpu() and cfg.vectorizes() \
             and not cfg.backend.clients_on_gpu():
         notify(f"note: backend.vectorize: auto trains {cfg.algorithm.name}'s clients together on this CPU (its group "
                f"forms, the faster path here); backend.vectorize: false runs them one after another")
