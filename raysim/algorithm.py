@@ -318,8 +318,8 @@ class Algorithm:
     headline: ClassVar[tuple] = ("test_acc",)
     # ``backend.vectorize: auto`` runs the method's group forms on a CPU too, not only on a GPU: its client steps are
     # many small ones (per round, per client) whose per-step host work and torch's portable kernels dominate the
-    # per-client form there, while its group form computes every hosted client's step as one (MAFML: 0.85x its plain
-    # loop against 1.8x; benchmarks/PERFORMANCE.md). Where its group forms decline (other architectures, ...), the
+    # per-client form there, while its group form computes every hosted client's step as one (MAFML: 0.8-0.9x its
+    # plain loop against 1.8-2.0x; benchmarks/PERFORMANCE.md). Where its group forms decline (other architectures, ...), the
     # per-client steps run: the same numbers as ``vectorize: false``.
     vectorize_on_cpu: ClassVar[bool] = False
     @classmethod
