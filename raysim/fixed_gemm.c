@@ -11,8 +11,9 @@
  * one IEEE fused multiply-add after another within a block, the block sums added in order (a two-level sum: its
  * rounding error grows with 64 + the number of blocks, not with the reduction's length — one chain over 4,608 terms
  * was 8x less precise than oneDNN's blocked sums); nothing else is split or reordered, so
- * the vector kernels below (AVX2 + FMA: 8 output columns per register, 6 x 16 outputs per block; AVX-512 where the
- * CPU has it: 16 columns per register, 6 x 32 outputs per block) give the bits of
+ * the vector kernels below (AVX2 + FMA: 8 output columns per register, 6 x 16 outputs per block, 12 x 8 for narrow
+ * outputs; AVX-512 where the CPU has it: 16 columns per register, 6 x 32 outputs per block, 12 x 16 for outputs 9-16
+ * wide) give the bits of
  * the scalar loop `gemm_reference` (tests/test_fixed_gemm.py checks it on odd shapes) and of any other correct
  * implementation of the same order. Blocking only decides which outputs are computed together, never how one is.
  *
@@ -40,7 +41,7 @@
 
 typedef long long i64;
 
-int fixed_gemm_version(void) { return 1; }
+int fixed_gemm_version(void) { return 2; }  /* 2: the reduction in blocks of 64 */
 
 /* The definition: plain loops, one fmaf after another. */
 void gemm_reference(i64 G1, i64 G2, i64 R, i64 M, i64 N, i64 K,
@@ -431,7 +432,7 @@ static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64
                       const float *B, i64 b1, i64 b2, i64 br, i64 bk, i64 bn,
                       float *C, i64 c1, i64 c2, i64 cm, i64 cn, int accumulate,
                       const float *bias, i64 bias1) {
-    if (R <= 1 && K <= KC)
+    if (R == 0 || K == 0 || (R == 1 && K <= KC))  /* one chain (no term at all: 0, as the definition) */
         return chain_range(g1_begin, g1_end, G2, R, M, N, K, A, a1, a2, ar, am, ak, B, b1, b2, br, bk, bn,
                            C, c1, c2, cm, cn, accumulate, bias, bias1);
     float *T = (float *)malloc(sizeof(float) * (size_t)(M * N + 1));
@@ -453,7 +454,7 @@ static int gemm_range(i64 g1_begin, i64 g1_end, i64 G2, i64 R, i64 M, i64 N, i64
                 }
             float *Cg = C + g1 * c1 + g2 * c2;
             const float *bb = bias ? bias + g1 * bias1 : NULL;
-            for (i64 m = 0; m < M; m++) {  /* (R, K >= 1 here: a block ran) */
+            for (i64 m = 0; m < M; m++) {  /* (R, K >= 1 here: at least one block wrote T) */
                 const float *t = T + m * N;
                 float *c = Cg + m * cm;
                 i64 n = 0;

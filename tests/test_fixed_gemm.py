@@ -1,7 +1,8 @@
 """raysim's fixed-order GEMM (raysim/fixed_gemm.py, .c): the portable vectorised executor's convolutions on a CPU.
 
-Its contract is the arithmetic: each output element one fma after another over the reduction, in order, from zero —
-so the AVX2 kernel equals the scalar definition bit for bit on any shape, and the bits depend on nothing of the
+Its contract is the arithmetic: each output element sums its reduction in fixed blocks of 64 terms, each block one fma
+after another from zero, the block sums added in order — so every kernel equals the scalar definition bit for bit on
+any shape, and the bits depend on nothing of the
 machine (a pinned digest), the thread count or how many clients one call computes."""
 from __future__ import annotations
 
@@ -62,6 +63,39 @@ def test_kernel_equals_the_definition_bit_for_bit(dims, accumulate):
         want = want + bias.double().view(g1, 1, 1, n)
     assert torch.allclose(out[0].view(g1, g2, m, n).double(), want, rtol=1e-5, atol=1e-4)
 
+
+
+@pytest.mark.parametrize("dims", [(1, 2, 1, 9, 12, 65), (2, 1, 3, 7, 21, 64), (1, 1, 2, 13, 5, 130), (1, 1, 2, 5, 7, 0),
+                                  (1, 1, 0, 5, 20, 300), (1, 1, 1, 4, 9, 0)])
+def test_blocks_with_a_transposed_b_and_c_accumulate_and_bias_equal_the_definition(dims):
+    """The blocked path (K > 64 or R > 1) with B read through a column stride (bn != 1: packed panels), C written
+    through one (cn != 1), accumulate and a bias together, the 64 / 65 boundary, and no term at all (K = 0 or R = 0:
+    C + bias, not scratch memory): every kernel equals the scalar definition bit for bit."""
+    g1, g2, r, m, n, k = dims
+    a = _floats(g1 * g2 * r * m * k + 1, 31)
+    b = _floats(g1 * g2 * r * k * n + 1, 32)  # stored [g1, g2, r, n, k]: read transposed (bn = k, bk = 1)
+    ops_a = fg.Operand(a, (g2 * r * m * k, r * m * k, m * k, k, 1))
+    ops_b = fg.Operand(b, (g2 * r * k * n, r * k * n, k * n, 1, k))
+    bias = _floats(g1 * n, 33)
+    out = []
+    lib = fg.library()
+    before = lib.kernel_isa(-1)
+    isas = [0, 1] if lib.kernel_isa(1) == 1 else [0]
+    try:
+        for isa, ref in [(i, False) for i in isas] + [(0, True)]:
+            lib.kernel_isa(isa)
+            c = _floats(g1 * g2 * m * n, 34)  # stored [g1, g2, n, m]: written transposed (cm = 1, cn = m)
+            fg.gemm(ops_a, ops_b, fg.Operand(c, (g2 * m * n, m * n, 1, m), bias), fg.Dims(*dims), True, reference=ref)
+            out.append(c)
+    finally:
+        lib.kernel_isa(before)
+    assert all(torch.equal(o, out[-1]) for o in out)
+    want = (_floats(g1 * g2 * m * n, 34).double().view(g1, g2, n, m).transpose(2, 3) + bias.double().view(g1, 1, 1, n))
+    if r and k:
+        av = a[:g1 * g2 * r * m * k].double().view(g1, g2, r, m, k)
+        bv = b[:g1 * g2 * r * k * n].double().view(g1, g2, r, n, k).transpose(3, 4)
+        want = want + torch.einsum("xyrmk,xyrkn->xymn", av, bv)
+    assert torch.allclose(out[0].view(g1, g2, n, m).transpose(2, 3).double(), want, rtol=1e-5, atol=1e-4)
 
 def test_same_bits_on_every_machine():
     """A digest of a product of hash-drawn floats, pinned: a CPU, vector width or compiler that summed otherwise

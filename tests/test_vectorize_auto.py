@@ -98,3 +98,28 @@ def test_auto_runs_mafmls_group_forms_on_a_cpu_too(monkeypatch, tmp_path):
     with pytest.raises(ConfigError, match=r"backend\.vectorize.: auto trains mafml's clients together on a CPU, "
                                           r"which needs the fixed-order GEMM: no C compiler found.*vectorize: false"):
         prep.prepare(_mafml(device="cpu"))
+
+
+
+def test_mafmls_cpu_default_leaves_whole_epoch_rules_and_old_checkpoints_clear():
+    """train.local_steps keeps auto off for a LocalTraining method only (its batched executor runs whole epochs), on
+    every device; MAFML's group forms do not read it: on on a CPU and a GPU alike, one identity. A checkpoint made by
+    the per-node steps (before auto picked the group forms, or with vectorize: false) is refused with how to resume
+    it."""
+    from raysim.config import to_dict
+    from raysim.engine.loop import _loop_made_hint
+    from raysim.engine.prepare import resume_hash
+
+    d = to_dict(_mafml(device="cpu"))
+    d["train"]["local_steps"] = 3
+    assert make_config(d).vectorizes()
+    gpu = dict(d, backend={**d["backend"], "device": "cuda"})
+    assert make_config(gpu).vectorizes() and make_config(d).run_id() == make_config(gpu).run_id()
+    for device in ("cpu", "cuda"):  # a LocalTraining method: the loop on both
+        steps = make_config(tiny_config(backend={"name": "sequential", "device": device},
+                                        train={"local_steps": 3, "batch_size": 8, "lr": 0.05}))
+        assert not steps.vectorizes()
+    auto, loop = _mafml(device="cpu"), _mafml(device="cpu", vectorize=False)
+    assert resume_hash(auto) != resume_hash(loop)
+    assert _loop_made_hint(auto, resume_hash(loop)).endswith("resume it with --set backend.vectorize=false")
+    assert _loop_made_hint(auto, "0123456789") == "" and _loop_made_hint(loop, resume_hash(auto)) == ""

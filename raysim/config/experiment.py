@@ -108,18 +108,29 @@ class ExperimentConfig:
 
     def vectorizes(self) -> bool:
         """``backend.vectorize`` resolved for this run (:meth:`BackendConfig.vectorizes`); auto stays off with
-        ``train.local_steps`` (the batched executor runs whole epochs: the loop runs them), and is on on a CPU too for
-        a method whose group forms are its CPU default (``Algorithm.vectorize_on_cpu``: MAFML)."""
-        if self.backend.vectorize == "auto" and self._vectorize_on_cpu() and not self.backend.clients_on_gpu():
-            return True
-        auto_off = self.backend.vectorize == "auto" and self.train.local_steps is not None
-        return self.backend.vectorizes() and not auto_off
+        ``train.local_steps`` for a LocalTraining method (the batched executor runs whole epochs: the loop runs them;
+        other methods' group forms do not read it), and is on on a CPU too for a method whose group forms are its CPU
+        default (``Algorithm.vectorize_on_cpu``: MAFML)."""
+        if self.backend.vectorize == "auto":
+            from raysim.algorithm import LocalTraining
+
+            cls = self._method()
+            if self.train.local_steps is not None and (cls is None or issubclass(cls, LocalTraining)):
+                return False  # whole epochs only, on every device (the same identity on a CPU and a GPU)
+            if getattr(cls, "vectorize_on_cpu", False) and not self.backend.clients_on_gpu():
+                return True
+        return self.backend.vectorizes()
+
+    def _method(self):
+        """The method's class, or None for an unknown name (its error comes from prepare; a method that fails to
+        import fails here)."""
+        try:
+            return algorithm_class(self.algorithm.name)
+        except ConfigError:
+            return None
 
     def _vectorize_on_cpu(self) -> bool:
-        try:
-            return bool(algorithm_class(self.algorithm.name).vectorize_on_cpu)
-        except Exception:  # an unknown method: its error comes from prepare
-            return False
+        return bool(getattr(self._method(), "vectorize_on_cpu", False))
 
     def inert_backend(self) -> tuple[str, ...]:
         """The ``backend`` switches set on (``vectorize``, ``partial_aggregate: true``) that cannot change this run's
@@ -140,7 +151,8 @@ class ExperimentConfig:
         are compared with the method's own defaults. Adding a key with a behaviour-preserving default therefore
         never changes an old config's identity, while every key that changes the numbers does."""
         # the baseline is the per-client loop wherever it runs (vectorize: auto resolves by the device: a GPU run that
-        # batches is named as one that asked for it, a CPU run as before auto existed)
+        # batches is named as one that asked for it, a CPU run as before auto existed -- except a method whose group
+        # forms are its CPU default, Algorithm.vectorize_on_cpu: MAFML's CPU runs are named as ones that asked too)
         default = ExperimentConfig(backend=BackendConfig(vectorize=False)).science_dict()
         mine = self.science_dict()
         out = _diff_leaves(mine, default, "")

@@ -263,6 +263,20 @@ def _nobody_trained(run: Run) -> None:
 META_NAME = "meta.pt"
 
 
+def _loop_made_hint(cfg: ExperimentConfig, stored) -> str:
+    """Where ``backend.vectorize: auto`` now trains a method's clients together (MAFML on a CPU) and a checkpoint was
+    made by its per-client steps (before that, or with ``vectorize: false``): say how to resume it."""
+    if cfg.backend.vectorize != "auto" or not cfg.vectorizes():
+        return ""
+    from raysim.config import make_config
+
+    d = to_dict(cfg)
+    d["backend"]["vectorize"] = False
+    return (f"; it was made by the per-client steps, which backend.vectorize: auto no longer picks for "
+            f"{cfg.algorithm.name} here: resume it with --set backend.vectorize=false"
+            if stored == resume_hash(make_config(d)) else "")
+
+
 def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path, dict]:
     """The run directory to continue, its latest complete checkpoint and that checkpoint's meta."""
     path = Path(resume)
@@ -277,8 +291,10 @@ def _resume_point(cfg: ExperimentConfig, resume: str | Path) -> tuple[Path, Path
 
         raise DamagedFileError(ck / "meta.pt", "it does not hold a raysim checkpoint's meta",
                                damaged_hint(ck))
-    if (meta.get("extra") or {}).get("resume_hash") != resume_hash(cfg):
-        raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)")
+    stored = (meta.get("extra") or {}).get("resume_hash")
+    if stored != resume_hash(cfg):
+        raise ConfigError("resume", f"{ck} was written by a different configuration (only rounds may change)"
+                                    f"{_loop_made_hint(cfg, stored)}")
     done = int(meta.get("round_idx", -1)) + 1
     if cfg.rounds < done:  # the run's config and id would say fewer rounds than its table holds
         raise ConfigError("rounds", f"{cfg.rounds} is fewer than the {done} rounds the checkpoint {ck} already holds; "

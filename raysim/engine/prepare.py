@@ -68,7 +68,7 @@ def prepare(cfg: ExperimentConfig) -> Prepared:
         from raysim.asyncrules import check_async
 
         check_async(cfg, algorithm, env)
-    if cfg.backend.numerics == "portable" and cfg.vectorizes() and _runs_on_cpu(cfg):  # asked for, or MAFML's auto
+    if cfg.backend.numerics == "portable" and cfg.vectorizes() and not cfg.backend.clients_on_gpu():  # (or auto)
         _check_fixed_gemm(cfg)
     if cfg.backend.name == "ray" and cfg.backend.model_resources:
         from raysim.runner.footprint import check_gpu_budgets
@@ -138,7 +138,13 @@ def _build_models_once(cfg: ExperimentConfig, algo_cls, task: Task) -> dict:
         if cfg.vectorizes():
             from raysim.runner.vectorized import check_model
 
-            check_model(built, spec.arch)
+            try:
+                check_model(built, spec.arch)
+            except ConfigError as e:
+                if cfg.backend.vectorize != "auto":
+                    raise
+                raise ConfigError(e.field, f"{str(e).split(': ', 1)[1]} (backend.vectorize: auto trains "
+                                           f"{cfg.algorithm.name}'s clients together on this device)") from None
     return models
 
 
@@ -333,14 +339,6 @@ def _check_fixed_gemm(cfg: ExperimentConfig) -> None:
                if cfg.backend.vectorize == "auto" else "")
         raise ConfigError("backend.vectorize", f"{why}{e}; or run backend.numerics: native (the table then depends "
                                                f"on the CPU) or backend.vectorize: false") from None
-
-
-def _runs_on_cpu(cfg: ExperimentConfig) -> bool:
-    if cfg.backend.device == "cpu":
-        return True
-    import torch
-
-    return cfg.backend.device == "auto" and not torch.cuda.is_available()
 
 
 def _notice_once(message: str) -> None:

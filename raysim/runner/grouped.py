@@ -557,11 +557,12 @@ class StackedOptimizer:
         if not work:
             return
         n = work[0][5].shape[0]
-        flat = [v.reshape(n, -1) for *_, v in work]
-        roots = torch.cat(flat, dim=1).sqrt() if len(flat) > 1 else flat[0].sqrt()
+        flat = [v.reshape(n, v[0].numel()) for *_, v in work]
+        one = len(flat) > 1 and len({f.dtype for f in flat}) == 1  # (mixed dtypes: a concatenation would promote)
+        roots = torch.cat(flat, dim=1).sqrt() if one else None
         off = 0
         for (name, full, bufs, p, m, v), f in zip(work, flat):
-            root = roots[:, off:off + f.shape[1]].reshape(v.shape)
+            root = f.sqrt().reshape(v.shape) if roots is None else roots[:, off:off + f.shape[1]].reshape(v.shape)
             off += f.shape[1]
             shape = (-1,) + (1,) * (p.dim() - 1)
             bc1 = bc1_64.to(p.dtype).view(shape)
