@@ -112,10 +112,8 @@ class ExperimentConfig:
         other methods' group forms do not read it), and is on on a CPU too for a method whose group forms are its CPU
         default (``Algorithm.vectorize_on_cpu``: MAFML)."""
         if self.backend.vectorize == "auto":
-            from raysim.algorithm import LocalTraining
-
             cls = self._method()
-            if self.train.local_steps is not None and (cls is None or issubclass(cls, LocalTraining)):
+            if self.train.local_steps is not None and (cls is None or _is_local_training(cls)):
                 return False  # whole epochs only, on every device (the same identity on a CPU and a GPU)
             if getattr(cls, "vectorize_on_cpu", False) and not self.backend.clients_on_gpu():
                 return True
@@ -168,6 +166,12 @@ class ExperimentConfig:
 
     def run_id(self) -> str:
         return f"{self.name}-s{self.seed}-{self.config_hash()}"
+
+
+def _is_local_training(cls) -> bool:
+    """``cls`` is a raysim.algorithm.LocalTraining method (checked by name along its MRO: the config sits below the
+    contract and does not import it)."""
+    return any(f"{k.__module__}.{k.__qualname__}" == "raysim.algorithm.LocalTraining" for k in cls.__mro__)
 
 
 def _diff_leaves(mine, default, prefix: str) -> dict:
