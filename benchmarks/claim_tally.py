@@ -75,6 +75,20 @@ class Tables:
 
         return sum(1 for r in runs if not ok(r)) if runs else 0
 
+    def short_windows(self, table: str) -> int:
+        """How many of the table's runs average fewer evaluated rounds than its experiment's window (``select:
+        last``; issue 51 item 2: a counted value is the mean of the last k >= 5 evaluated rounds, never a whole run's
+        few evaluations, nor a final round alone); 0 for a table judged by another rule, -1 when not stored."""
+        rec = self.raw(table)
+        if rec is None:
+            return -1
+        name = _stored_verdicts()._experiment_of(Path(table).name, self.exps)
+        exp = self.exps.get(name) if name else None
+        if exp is None or exp.select != "last":
+            return 0
+        runs = rec.get("runs") or []
+        return sum(1 for r in runs if not (isinstance(r, dict) and (r.get("window") or 0) >= exp.window))
+
     def _load(self, table: str) -> dict | None:
         from raysim.app.reproduction_table import render_records
 
@@ -218,6 +232,8 @@ def judge_setting(tables: Tables, claim: dict, setting: dict) -> dict:
     elif kind == "rounds_to":
         pairs = setting.get("pairs") or [[setting["better"], setting["worse"]]]  # several: one verdict by the rule
         parts = [_rounds_to(tables.record(setting["table"]), setting["target"], b, w) for b, w in pairs]
+        if setting.get("seed_note"):  # the seed's own difference where it is on another scale than the runs'
+            parts = [dict(p, rule=f"{p['rule']}; {setting['seed_note']}") for p in parts]
     else:
         names = setting.get("parts") or ([] if setting.get("cross") else claim["at"].get("parts") or [])
         parts = [tables.part(setting["table"], p) for p in names]
@@ -258,6 +274,11 @@ def tally(tables: Tables, registry: dict) -> dict:
                 if bad:  # issue 51 item 6: a table whose records lack provenance is never counted
                     raise SystemExit(f"{REGISTRY.name}: {seed} {c['id']}: counted table(s) {bad} hold records without "
                                      f"config hash, code version or commit; rerun them or make the setting an ablation")
+                short = [t for t in counted if tables.short_windows(t) > 0]
+                if short:  # issue 51 item 2: a counted value averages the last k >= 5 evaluated rounds of every run
+                    raise SystemExit(f"{REGISTRY.name}: {seed} {c['id']}: counted table(s) {short} hold runs with fewer "
+                                     f"evaluated rounds than the experiment's window (or the final round only); "
+                                     f"rerun them with every round evaluated or make the setting an ablation")
                 row.update(judge_setting(tables, c, c["at"]))
             row["ablations"] = [dict(a, result=judge_setting(tables, c, a), no_provenance=tables.unprovenanced(a["table"]))
                                 for a in c.get("ablations") or []]

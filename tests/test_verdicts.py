@@ -390,6 +390,29 @@ def test_the_claim_tally_counts_no_table_without_provenance():
     assert [tables.unprovenanced(t) for t in ("ok", "bare", "nocommit", "gone")] == [0, 1, 1, -1]
 
 
+def test_the_claim_tally_counts_no_table_whose_runs_average_fewer_rounds_than_its_window():
+    """Issue 51 item 2: under ``select: last`` a counted run averages its last ``window`` (>= 5) evaluated rounds; a
+    table evaluated every 5th round of 20 (4 evaluations: the whole run) or holding the final round only is refused."""
+    from pathlib import Path
+
+    mod = _claim_tally_module()
+
+    def exp(name, select="last"):
+        return rp.Experiment(name=name, folder=Path("."), title=name, source="seedX.t", seeds=(1, 2, 3),
+                             metric="test_acc", runs=(rp.RunSpec("A", Path("c.yaml")),), select=select,
+                             scaled="hand-made")
+
+    tables = object.__new__(mod.Tables)
+    tables.exps = {"full": exp("full"), "few": exp("few"), "final": exp("final"), "best": exp("best", "val_acc")}
+    tables.cache = {}
+    tables.raws = {"seedX/full": {"runs": [{"window": 5}, {"window": 5}]},
+                   "seedX/few": {"runs": [{"window": 5}, {"window": 4}]},
+                   "seedX/final": {"runs": [{"test_acc": 0.5}]},
+                   "seedX/best": {"runs": [{"test_acc": 0.5}]}, "seedX/gone": None}
+    got = [tables.short_windows(f"seedX/{t}") for t in ("full", "few", "final", "best", "gone")]
+    assert got == [0, 1, 1, 0, -1]
+
+
 def _claim_tally_module():
     import importlib.util
     from pathlib import Path
