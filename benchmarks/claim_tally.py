@@ -316,6 +316,17 @@ def _part_line(p: dict) -> str:
             f"**{p['verdict']}**" + (f" (final round: {fin})" if fin else "") + f"; value: {p.get('rule', '')}")
 
 
+def _no_final(parts: list[dict]) -> str:
+    """Why a claim shows no final-round verdict beside its value."""
+    rules = " ".join(str(p.get("rule", "")) for p in parts)
+    if "rounds to target" in rules:
+        return " (rounds to a target accuracy: a whole-curve reading, no final-round one)"
+    if "the seed's rule" in rules:
+        return (" (the value is the seed's own rule, each node's best-validation checkpoint; the records store that "
+                "value only)")
+    return ""
+
+
 def claim_block(i: int, r: dict) -> list[str]:
     c = r["claim"]
     head = f"**{i}. {c['claim']}** — seed: “{c['seed_words']}”"
@@ -326,7 +337,8 @@ def claim_block(i: int, r: dict) -> list[str]:
     else:
         rule = f" (rule `{c.get('rule', 'all')}` over {len(r['parts'])} parts)" if len(r["parts"]) > 1 else ""
         lines = [head, f"- setting: {c['at']['setting']} (`{c['at']['table']}`)",
-                 f"- verdict: **{r['verdict']}**{rule}; final round: {r.get('final') or '–'}; Holm-adjusted p "
+                 f"- verdict: **{r['verdict']}**{rule}; final round: {r.get('final') or '–' + _no_final(r['parts'])}; "
+                 f"Holm-adjusted p "
                  f"{_num(r.get('holm_p'), '{:.3g}')}: {r.get('holm', '–')}"]
         lines += [f"  - {_part_line(p)}" for p in r["parts"]]
     for a in r["ablations"]:
@@ -369,9 +381,9 @@ def claims_md(result: dict, registry: dict) -> str:
              "records under `benchmarks/results/`; nothing here is typed by hand. Each claim of the five seeds "
              "appears once, in the seed's words, with ONE verdict at the setting closest to the seed; its other "
              "settings are ablations under it and are never counted. A run's value: the mean of its last 5 evaluated "
-             "rounds where the records hold per-round values (seed 004's 10-epoch tables), the seed's own rule "
-             "where it states one (seed 003: the checkpoint with the best validation ACC per node), else the final "
-             "round (said beside each part). Verdicts: the paired 95 % Student-t interval over seeds (held / tie / "
+             "rounds (every counted table holds them: claim_tally refuses a counted table whose runs average fewer), "
+             "the seed's own rule where it states one (seed 003: the checkpoint with the best validation ACC per "
+             "node); ablations whose records hold the final round only are judged on it (said beside each part). Verdicts: the paired 95 % Student-t interval over seeds (held / tie / "
              "reversed); a tie whose seed difference lies inside the half-width is **underpowered**; a claim over "
              "several comparisons takes one verdict by its rule (`all`: held only if every part is held, reversed if "
              "any is; `most`: held if more than half are held and none reversed). Holm: across each seed's claims "
