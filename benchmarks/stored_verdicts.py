@@ -44,6 +44,22 @@ def _note(exp, seeds_in_table: int) -> str:
             f"verdict. `raysim reproduce {exp.name}` writes the table again with verdicts.**\n\n")
 
 
+def _work_section(exp) -> str:
+    """Issue 51 item 4: every stored table lists the work per method (tuning trials, optimiser steps per round, local
+    epochs, restarts, extra data) -- its seed's table in configs/seed_claims.yaml (the headline settings; a row whose
+    work differs says so in its label, e.g. "2 steps/it"). Empty for a seed the registry does not list."""
+    import yaml
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from claim_tally import REGISTRY, work_table
+
+    seed = exp.source.split(".")[0]
+    body = (yaml.safe_load(REGISTRY.read_text()) or {}).get(seed)
+    if not isinstance(body, dict) or not body.get("work"):
+        return ""
+    return "\n" + "\n".join(work_table(body)) + f"\n\n(From `configs/seed_claims.yaml`, {seed}'s `work`.)\n"
+
+
 def _seeds_in_table(md: str) -> int:
     m = re.search(r"mean ± sample std over seeds ([0-9, ]+?) (?:\(n = |of the mean)", md)
     return len([s for s in m.group(1).split(",") if s.strip()]) if m else 0
@@ -117,6 +133,7 @@ def main(argv=None) -> int:
             if rounds and "overrides" not in record:  # <experiment>_r<N>: the experiment run for N rounds (issue 52)
                 record["overrides"] = [f"rounds={rounds.group(1)}"]
             md, new = render_records(exp, record, numbers)
+            md = md.rstrip("\n") + "\n" + _work_section(exp)
             new_js = json.dumps(new, indent=1) + "\n"
             if js.read_text() != new_js:
                 changed.append(js)
