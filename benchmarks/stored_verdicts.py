@@ -48,13 +48,11 @@ def _work_section(exp) -> str:
     """Issue 51 item 4: every stored table lists the work per method (tuning trials, optimiser steps per round, local
     epochs, restarts, extra data) -- its seed's table in configs/seed_claims.yaml (the headline settings; a row whose
     work differs says so in its label, e.g. "2 steps/it"). Empty for a seed the registry does not list."""
-    import yaml
-
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from claim_tally import REGISTRY, work_table
+    from claim_tally import load_registry, work_table
 
     seed = exp.source.split(".")[0]
-    body = (yaml.safe_load(REGISTRY.read_text()) or {}).get(seed)
+    body = load_registry().get(seed)
     if not isinstance(body, dict) or not body.get("work"):
         return ""
     return "\n" + "\n".join(work_table(body)) + f"\n\n(From `configs/seed_claims.yaml`, {seed}'s `work`.)\n"
