@@ -249,6 +249,10 @@ def judge_setting(tables: Tables, claim: dict, setting: dict) -> dict:
         for extra in setting.get("also") or []:
             parts += [tables.part(extra["table"], p) for p in extra["parts"]]
         parts += [tables.cross(x) for x in setting.get("cross") or []]
+        if setting.get("seed_difference") is not None:  # the seed's number where the table's source has none (its
+            seed_diff = float(setting["seed_difference"])  # difference on the seed's own dataset: the one power rule)
+            parts = [dict(p, paper=seed_diff, verdict=vd.power(p["verdict"], p.get("half", math.nan), seed_diff))
+                     if not p.get("missing") and not math.isfinite(p.get("paper", math.nan)) else p for p in parts]
     if any(p.get("missing") for p in parts):
         return {"verdict": NO_VERDICT, "p": math.nan, "sign": 1, "parts": parts,
                 "missing": next(p["missing"] for p in parts if p.get("missing"))}

@@ -44,18 +44,47 @@ def _note(exp, seeds_in_table: int) -> str:
             f"verdict. `raysim reproduce {exp.name}` writes the table again with verdicts.**\n\n")
 
 
-def _work_section(exp) -> str:
-    """Issue 51 item 4: every stored table lists the work per method (tuning trials, optimiser steps per round, local
-    epochs, restarts, extra data) -- its seed's table in configs/seed_claims.yaml (the headline settings; a row whose
-    work differs says so in its label, e.g. "2 steps/it"). Empty for a seed the registry does not list."""
+def _run_settings(exp, record: dict) -> list[str]:
+    """Per run of the table, the work its own config sets (issue 51 item 4), read from the configs the runs were made
+    from (the experiment's, the run's and the record's overrides; no data is loaded): rounds, clients per round, local
+    epochs or local steps per round, batch size, learning rate, and the method parameters that differ from its
+    defaults (restarts, steps, schedules, ...)."""
+    from raysim.config import load_config
+    from raysim.config.experiment import _algorithm_param_diff
+
+    extra = [o for o in record.get("overrides") or [] if isinstance(o, str)]
+    lines = ["| run | method | rounds | clients per round | local epochs | local steps per round | batch | lr | "
+             "method parameters set (not the defaults) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in exp.runs:
+        try:
+            cfg = load_config(r.config, list(exp.overrides) + list(r.overrides) + extra)
+        except Exception as e:  # a config that no longer loads: say so, never guess
+            lines.append(f"| {r.label} | (config does not load: {type(e).__name__}) | | | | | | | |")
+            continue
+        t = cfg.train
+        params = ", ".join(f"{k}: {v}" for k, v in sorted(_algorithm_param_diff(cfg.algorithm).items())) or "–"
+        lines.append(f"| {r.label} | {cfg.algorithm.name} | {cfg.rounds} | {cfg.clients_per_round} | "
+                     f"{'–' if t.local_steps is not None else t.local_epochs} | "
+                     f"{t.local_steps if t.local_steps is not None else '–'} | {t.batch_size} | {t.lr:g} | {params} |")
+    return lines
+
+
+def _work_section(exp, record: dict) -> str:
+    """Issue 51 item 4: every stored table lists the work per method -- each run's settings from its own config
+    (:func:`_run_settings`), then its seed's table in configs/seed_claims.yaml for what a config does not say (tuning
+    trials, extra data, steps per round in the seed's headline settings; this table's settings are the ones above)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from claim_tally import load_registry, work_table
 
+    out = ["", "Work per run (from each run's config as the repository holds it; the record's config hash names what ran):", "",
+           *_run_settings(exp, record)]
     seed = exp.source.split(".")[0]
     body = load_registry().get(seed)
-    if not isinstance(body, dict) or not body.get("work"):
-        return ""
-    return "\n" + "\n".join(work_table(body)) + f"\n\n(From `configs/seed_claims.yaml`, {seed}'s `work`.)\n"
+    if isinstance(body, dict) and body.get("work"):
+        out += ["", f"Tuning trials and extra data per method ({seed}'s `work` in `configs/seed_claims.yaml`; its steps "
+                    f"and epochs are the seed's headline settings, this table's are the ones above):", "",
+                *work_table(body)[2:]]
+    return "\n".join(out) + "\n"
 
 
 def _seeds_in_table(md: str) -> int:
@@ -131,7 +160,7 @@ def main(argv=None) -> int:
             if rounds and "overrides" not in record:  # <experiment>_r<N>: the experiment run for N rounds (issue 52)
                 record["overrides"] = [f"rounds={rounds.group(1)}"]
             md, new = render_records(exp, record, numbers)
-            md = md.rstrip("\n") + "\n" + _work_section(exp)
+            md = md.rstrip("\n") + "\n" + _work_section(exp, record)
             new_js = json.dumps(new, indent=1) + "\n"
             if js.read_text() != new_js:
                 changed.append(js)

@@ -413,6 +413,25 @@ def test_the_claim_tally_counts_no_table_whose_runs_average_fewer_rounds_than_it
     assert got == [0, 1, 1, 0, -1]
 
 
+def test_a_setting_s_seed_difference_applies_the_power_rule_where_its_table_has_no_seed_number():
+    """Issue 51 item 3: ``seed_difference`` (the seed's difference on its own dataset, where the stand-in table's source
+    has no number) is shown beside the part and a tie whose half-width covers it becomes underpowered; a part with a
+    seed number of its own keeps it."""
+    mod = _claim_tally_module()
+    tables = object.__new__(mod.Tables)
+    tie = {"text": "A beats B", "verdict": "tie", "half": 2.0, "paper": math.nan, "p": 0.5, "ours": 0.3}
+    own = {"text": "C beats D", "verdict": "tie", "half": 2.0, "paper": 5.0, "p": 0.4, "ours": 0.1}
+    tables.cache = {"seedX/t": {"claims": [tie, own]}}
+    claim = {"at": {"table": "seedX/t", "parts": ["A beats B"]}}
+    got = mod.judge_setting(tables, claim, {"table": "seedX/t", "parts": ["A beats B"], "seed_difference": 1.5})
+    assert got["verdict"] == "underpowered" and got["parts"][0]["paper"] == 1.5
+    assert mod.judge_setting(tables, claim, {"table": "seedX/t", "parts": ["A beats B"],
+                                             "seed_difference": 3.0})["verdict"] == "tie"
+    kept = mod.judge_setting(tables, claim, {"table": "seedX/t", "parts": ["C beats D"], "seed_difference": 1.0})
+    assert kept["parts"][0]["paper"] == 5.0 and kept["verdict"] == "tie"
+    assert mod.judge_setting(tables, claim, {"table": "seedX/t", "parts": ["A beats B"]})["verdict"] == "tie"
+
+
 def _claim_tally_module():
     import importlib.util
     from pathlib import Path
