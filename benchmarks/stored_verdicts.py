@@ -50,7 +50,6 @@ def _run_settings(exp, record: dict) -> list[str]:
     epochs or local steps per round, batch size, learning rate, and the method parameters that differ from its
     defaults (restarts, steps, schedules, ...)."""
     from raysim.config import load_config
-    from raysim.config.experiment import _algorithm_param_diff
 
     extra = [o for o in record.get("overrides") or [] if isinstance(o, str)]
     lines = ["| run | method | rounds | clients per round | local epochs | local steps per round | batch | lr | "
@@ -62,7 +61,9 @@ def _run_settings(exp, record: dict) -> list[str]:
             lines.append(f"| {r.label} | (config does not load: {type(e).__name__}) | | | | | | | |")
             continue
         t = cfg.train
-        params = ", ".join(f"{k}: {v}" for k, v in sorted(_algorithm_param_diff(cfg.algorithm).items())) or "–"
+        ident = cfg.identity_dict()  # the science keys that differ from their defaults (the method's, for its params)
+        params = ", ".join(f"{k[len('algorithm.params.'):]}: {v}" for k, v in ident.items()
+                           if k.startswith("algorithm.params.")) or "–"
         lines.append(f"| {r.label} | {cfg.algorithm.name} | {cfg.rounds} | {cfg.clients_per_round} | "
                      f"{'–' if t.local_steps is not None else t.local_epochs} | "
                      f"{t.local_steps if t.local_steps is not None else '–'} | {t.batch_size} | {t.lr:g} | {params} |")
