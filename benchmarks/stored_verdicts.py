@@ -74,7 +74,8 @@ def _work_section(exp, record: dict) -> str:
     """Issue 51 item 4: every stored table lists the work per method -- each run's settings from its own config
     (:func:`_run_settings`), then its seed's table in configs/seed_claims.yaml for what a config does not say (tuning
     trials, extra data, steps per round in the seed's headline settings; this table's settings are the ones above)."""
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    if str(ROOT / "benchmarks") not in sys.path:  # claim_tally beside this script (called once per stored table)
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     from claim_tally import load_registry, work_table
 
     out = ["", "Work per run (from each run's config as the repository holds it; the record's config hash names what ran):", "",
